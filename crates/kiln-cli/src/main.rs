@@ -1,1 +1,194 @@
-fn main() {}
+//! `kiln`: train, plan and (in later issues) tune, bench, profile and serve.
+
+mod progress;
+mod train_cmd;
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::{Args, Parser, Subcommand};
+use kiln::KilnConfig;
+use kiln::config::Level;
+use kiln::plan::{Hardware, Plan};
+
+const EXAMPLES: &str = "\
+Examples:
+  kiln train --model cnn --epochs 3          train W2 on the bundled MNIST subset
+  kiln train --level basic --json            plain training, JSON-lines events on stdout
+  kiln train --config kiln.toml --set train.lr=0.01
+  kiln train --checkpoint-dir runs/cnn --max-steps 100
+  kiln train --checkpoint-dir runs/cnn --resume latest
+  kiln train --data ~/mnist --model mlp      full MNIST / Fashion-MNIST IDX files
+  kiln plan --level ultra                    show every setting and where it came from";
+
+/// Kiln: a performance optimization system for deep-learning training and inference.
+#[derive(Parser, Debug)]
+#[command(name = "kiln", version, about, after_help = EXAMPLES)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Train a zoo model (default: W2 CNN on the bundled MNIST subset, CPU).
+    #[command(after_help = EXAMPLES)]
+    Train(TrainArgs),
+    /// Print the resolved plan: every setting, its value and where it came from.
+    #[command(after_help = EXAMPLES)]
+    Plan(PlanArgs),
+}
+
+/// Flags that shape the configuration; each maps onto a config key.
+#[derive(Args, Debug, Clone)]
+struct ConfigArgs {
+    /// TOML config file.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Optimization level: basic, advanced, ultra or custom.
+    #[arg(long)]
+    level: Option<String>,
+    /// Zoo model: mlp (W1), cnn (W2), transformer (W4), resnet (W5).
+    #[arg(long)]
+    model: Option<String>,
+    /// Epochs.
+    #[arg(long)]
+    epochs: Option<String>,
+    /// Micro-batch size.
+    #[arg(long)]
+    batch_size: Option<String>,
+    /// Micro-batches per optimizer step.
+    #[arg(long)]
+    accum: Option<String>,
+    /// Peak learning rate.
+    #[arg(long)]
+    lr: Option<String>,
+    /// Optimizer: adam, adamw, sgd.
+    #[arg(long)]
+    optimizer: Option<String>,
+    /// Global-norm gradient clipping threshold (0 = off).
+    #[arg(long)]
+    clip: Option<String>,
+    /// Seed.
+    #[arg(long)]
+    seed: Option<String>,
+    /// Stop after this many optimizer steps.
+    #[arg(long)]
+    max_steps: Option<String>,
+    /// Directory of MNIST-format IDX files (default: the bundled subset).
+    #[arg(long, value_name = "DIR")]
+    data: Option<String>,
+    /// Directory for checkpoints.
+    #[arg(long, value_name = "DIR")]
+    checkpoint_dir: Option<String>,
+    /// Precision policy (f32; bf16/f16 come with mixed precision).
+    #[arg(long)]
+    precision: Option<String>,
+    /// Backend: auto, flex, cuda.
+    #[arg(long)]
+    device: Option<String>,
+    /// CPU threads (0 = one per core).
+    #[arg(long)]
+    threads: Option<String>,
+    /// Any config key, e.g. --set train.warmup_steps=100 (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
+}
+
+#[derive(Args, Debug)]
+struct TrainArgs {
+    #[command(flatten)]
+    config: ConfigArgs,
+    /// Continue from a checkpoint file, or `latest` in --checkpoint-dir.
+    #[arg(long, value_name = "PATH|latest")]
+    resume: Option<String>,
+    /// JSON-lines events on stdout instead of a progress bar.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args, Debug)]
+struct PlanArgs {
+    #[command(flatten)]
+    config: ConfigArgs,
+    /// Print the plan as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+impl ConfigArgs {
+    /// Builds the config: file, then level flag, then key flags, then `--set` pairs.
+    fn to_config(&self) -> Result<KilnConfig> {
+        let mut config = match &self.config {
+            Some(path) => KilnConfig::load(path)?,
+            None => KilnConfig::default(),
+        };
+        if let Some(level) = &self.level {
+            config.set_level(level.parse::<Level>()?);
+        }
+        let flags = [
+            ("train.model", &self.model),
+            ("train.epochs", &self.epochs),
+            ("train.batch_size", &self.batch_size),
+            ("train.grad_accum_steps", &self.accum),
+            ("train.lr", &self.lr),
+            ("train.optimizer", &self.optimizer),
+            ("train.grad_clip_norm", &self.clip),
+            ("train.seed", &self.seed),
+            ("train.max_steps", &self.max_steps),
+            ("data.dir", &self.data),
+            ("train.checkpoint_dir", &self.checkpoint_dir),
+            ("precision.policy", &self.precision),
+            ("device.backend", &self.device),
+            ("device.threads", &self.threads),
+        ];
+        for (key, value) in flags {
+            if let Some(v) = value {
+                let v = if key == "train.model" {
+                    // Accept workload ids (W2) as well as names.
+                    kiln::zoo::ModelKind::from_name(v)?.name().to_string()
+                } else {
+                    v.clone()
+                };
+                config.set(key, &v)?;
+            }
+        }
+        for pair in &self.set {
+            config.set_pair(pair)?;
+        }
+        Ok(config)
+    }
+
+    fn resolve(&self) -> Result<Plan> {
+        Ok(kiln::plan::resolve(&self.to_config()?, &Hardware::probe())?)
+    }
+}
+
+fn main() {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("KILN_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let result = match cli.command {
+        Command::Train(args) => train_cmd::run(args),
+        Command::Plan(args) => plan(args),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(2);
+    }
+}
+
+fn plan(args: PlanArgs) -> Result<()> {
+    let plan = args.config.resolve()?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&plan.to_json())?);
+    } else {
+        print!("{plan}");
+    }
+    Ok(())
+}

@@ -1,0 +1,88 @@
+//! The people-facing event sink: a progress bar on a terminal, plain lines otherwise.
+
+use std::io::IsTerminal;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use kiln::observe::{Event, EventSink, memory};
+
+/// Renders run events as a progress bar (TTY) or one line per epoch (pipes, CI logs).
+pub struct ProgressSink {
+    bar: Option<ProgressBar>,
+    tty: bool,
+    data_ms: f64,
+    step_ms: f64,
+}
+
+impl ProgressSink {
+    pub fn new() -> Self {
+        ProgressSink {
+            bar: None,
+            tty: std::io::stderr().is_terminal(),
+            data_ms: 0.0,
+            step_ms: 0.0,
+        }
+    }
+
+    fn line(&self, text: String) {
+        match &self.bar {
+            Some(bar) => bar.println(text),
+            None => eprintln!("{text}"),
+        }
+    }
+}
+
+impl EventSink for ProgressSink {
+    fn emit(&mut self, event: &Event) {
+        match event {
+            Event::RunStarted {
+                total_steps,
+                start_step,
+                ..
+            } if self.tty => {
+                let bar = ProgressBar::new(*total_steps);
+                bar.set_style(
+                    ProgressStyle::with_template(
+                        "{bar:30} {pos}/{len} steps [{elapsed_precise}<{eta_precise}] {msg}",
+                    )
+                    .unwrap_or_else(|_| ProgressStyle::default_bar()),
+                );
+                bar.set_position(*start_step);
+                self.bar = Some(bar);
+            }
+            Event::Step(s) => {
+                self.data_ms += s.data_ms;
+                self.step_ms += s.step_ms;
+                if let Some(bar) = &self.bar {
+                    bar.set_position(s.step);
+                    bar.set_message(format!(
+                        "loss {:.4} | {:.0} samples/s | data wait {:.1}% | RSS {}",
+                        s.loss,
+                        s.samples_per_s,
+                        100.0 * self.data_ms / self.step_ms.max(1e-9),
+                        s.peak_rss_bytes.map_or("n/a".into(), memory::human_bytes)
+                    ));
+                }
+            }
+            Event::EpochEnd(e) => self.line(format!(
+                "epoch {}: train loss {:.4}{} ({:.1}s)",
+                e.epoch + 1,
+                e.train_loss,
+                e.test_accuracy.map_or(String::new(), |a| format!(
+                    ", test accuracy {:.2}%, test loss {:.4}",
+                    a * 100.0,
+                    e.test_loss.unwrap_or(f32::NAN)
+                )),
+                e.seconds
+            )),
+            Event::Checkpoint { path, .. } => {
+                tracing::info!("checkpoint written: {path}");
+            }
+            Event::RunFinished(_) => {
+                if let Some(bar) = self.bar.take() {
+                    bar.finish_and_clear();
+                }
+            }
+            _ => {}
+        }
+    }
+}

@@ -1,0 +1,92 @@
+//! `kiln train`.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use kiln::Trainer;
+use kiln::datasets::{self, Split};
+use kiln::observe::{EventSink, JsonLinesSink, memory};
+
+use crate::TrainArgs;
+use crate::progress::ProgressSink;
+
+pub fn run(args: TrainArgs) -> Result<()> {
+    let plan = args.config.resolve()?;
+    plan.apply_runtime();
+    let (train, test) = match &plan.data_dir {
+        Some(dir) => (
+            datasets::load_dir(dir, Split::Train)?,
+            datasets::load_dir(dir, Split::Test)?,
+        ),
+        None => (
+            datasets::bundled(Split::Train)?,
+            datasets::bundled(Split::Test)?,
+        ),
+    };
+    let resume = match args.resume.as_deref() {
+        None => None,
+        Some("latest") => {
+            let Some(dir) = &plan.train.checkpoint_dir else {
+                bail!("--resume latest needs --checkpoint-dir (or train.checkpoint_dir) to look in");
+            };
+            let found = kiln::train::latest_checkpoint(dir)?
+                .with_context(|| format!("no checkpoint (step-*.kiln) in {}", dir.display()))?;
+            Some(found)
+        }
+        Some(path) => Some(PathBuf::from(path)),
+    };
+
+    let mut json_sink;
+    let mut progress_sink;
+    let sink: &mut dyn EventSink = if args.json {
+        json_sink = JsonLinesSink::new(std::io::stdout());
+        &mut json_sink
+    } else {
+        eprintln!(
+            "kiln: training {} ({}) on {} samples, level {}, backend {}, {} threads",
+            plan.model.name(),
+            plan.model.workload(),
+            train.len_samples(),
+            plan.level,
+            plan.backend.name(),
+            plan.threads
+        );
+        progress_sink = ProgressSink::new();
+        &mut progress_sink
+    };
+    let model = plan.model;
+    let mut trainer =
+        Trainer::new(plan.train.clone(), plan.backend.device(), sink).with_plan(plan.to_json());
+    if let Some(path) = resume {
+        trainer = trainer.resume_from(path);
+    }
+    let outcome = trainer.fit(model.name(), |d| model.init(d), &train, Some(&test))?;
+    if !args.json {
+        let s = &outcome.summary;
+        println!(
+            "done: {} steps, test accuracy {}, {:.0} samples/s, data wait {:.1}%, wall {:.1}s, peak RSS {}",
+            s.steps,
+            s.test_accuracy
+                .map_or("n/a".into(), |a| format!("{:.2}%", a * 100.0)),
+            s.samples_per_s,
+            s.data_wait_share * 100.0,
+            s.wall_seconds,
+            s.peak_rss_bytes.map_or("n/a".into(), memory::human_bytes),
+        );
+        if let Some(ckpt) = &s.last_checkpoint {
+            println!("last checkpoint: {ckpt}");
+        }
+    }
+    Ok(())
+}
+
+/// Sample count without importing the trait at every call site.
+trait LenSamples {
+    fn len_samples(&self) -> usize;
+}
+
+impl LenSamples for kiln::data::ImageDataset {
+    fn len_samples(&self) -> usize {
+        kiln::data::Dataset::len(self)
+    }
+}

@@ -1,0 +1,345 @@
+//! The one declaration of every config key: type, allowed values, documentation and the
+//! default at each level. Validation, `kiln plan` and the docs all read this table.
+
+use super::Level;
+use crate::error::KilnError;
+
+/// A setting's type and allowed values.
+#[derive(Debug, Clone, Copy)]
+pub enum Kind {
+    /// An integer in `[min, max]`.
+    Int {
+        /// Smallest allowed value.
+        min: i64,
+        /// Largest allowed value.
+        max: i64,
+    },
+    /// A float in `[min, max]` (an integer literal is accepted too).
+    Float {
+        /// Smallest allowed value.
+        min: f64,
+        /// Largest allowed value.
+        max: f64,
+    },
+    /// `true` or `false`.
+    Bool,
+    /// One of a fixed set of strings.
+    Enum(&'static [&'static str]),
+    /// Free text (paths).
+    Text,
+}
+
+/// A default value in the static table.
+#[derive(Debug, Clone, Copy)]
+pub enum Dflt {
+    /// Integer default.
+    I(i64),
+    /// Float default.
+    F(f64),
+    /// Boolean default.
+    B(bool),
+    /// String default.
+    S(&'static str),
+}
+
+impl Dflt {
+    /// The default as a TOML value.
+    pub fn to_value(self) -> toml::Value {
+        match self {
+            Dflt::I(v) => toml::Value::Integer(v),
+            Dflt::F(v) => toml::Value::Float(v),
+            Dflt::B(v) => toml::Value::Boolean(v),
+            Dflt::S(v) => toml::Value::String(v.to_string()),
+        }
+    }
+}
+
+/// One config key.
+#[derive(Debug)]
+pub struct SettingSpec {
+    /// Dotted key, e.g. `train.lr`.
+    pub key: &'static str,
+    /// Type and allowed values.
+    pub kind: Kind,
+    /// The neutral default (used by `basic` and `custom`).
+    pub default: Dflt,
+    /// Level-specific defaults that differ from the neutral one.
+    pub levels: &'static [(Level, Dflt)],
+    /// One line for `kiln plan` and the docs.
+    pub doc: &'static str,
+}
+
+use Dflt::{B, F, I, S};
+
+/// Every key Kiln accepts (besides the top-level `level`).
+pub static SETTINGS: &[SettingSpec] = &[
+    SettingSpec {
+        key: "train.model",
+        kind: Kind::Enum(&["mlp", "cnn", "transformer", "resnet"]),
+        default: S("cnn"),
+        levels: &[],
+        doc: "zoo model: mlp (W1), cnn (W2), transformer (W4), resnet (W5)",
+    },
+    SettingSpec {
+        key: "train.epochs",
+        kind: Kind::Int { min: 1, max: 100_000 },
+        default: I(3),
+        levels: &[],
+        doc: "passes over the training set",
+    },
+    SettingSpec {
+        key: "train.batch_size",
+        kind: Kind::Int { min: 1, max: 1 << 20 },
+        default: I(64),
+        levels: &[],
+        doc: "micro-batch size (samples per forward/backward)",
+    },
+    SettingSpec {
+        key: "train.grad_accum_steps",
+        kind: Kind::Int { min: 1, max: 65_536 },
+        default: I(1),
+        levels: &[],
+        doc: "micro-batches per optimizer step (effective batch = batch_size x this)",
+    },
+    SettingSpec {
+        key: "train.optimizer",
+        kind: Kind::Enum(&["adam", "adamw", "sgd"]),
+        default: S("adam"),
+        levels: &[],
+        doc: "optimizer: adam, adamw (decoupled weight decay) or sgd (with momentum)",
+    },
+    SettingSpec {
+        key: "train.lr",
+        kind: Kind::Float { min: 1e-12, max: 10.0 },
+        default: F(1e-3),
+        levels: &[],
+        doc: "peak learning rate",
+    },
+    SettingSpec {
+        key: "train.weight_decay",
+        kind: Kind::Float { min: 0.0, max: 1.0 },
+        default: F(0.0),
+        levels: &[],
+        doc: "weight decay (decoupled for adamw, L2 for adam/sgd)",
+    },
+    SettingSpec {
+        key: "train.momentum",
+        kind: Kind::Float { min: 0.0, max: 0.999_999 },
+        default: F(0.9),
+        levels: &[],
+        doc: "SGD momentum (sgd only)",
+    },
+    SettingSpec {
+        key: "train.schedule",
+        kind: Kind::Enum(&["constant", "cosine"]),
+        default: S("constant"),
+        levels: &[(Level::Advanced, S("cosine")), (Level::Ultra, S("cosine"))],
+        doc: "learning-rate schedule after warm-up: constant or cosine decay to min_lr_ratio x lr",
+    },
+    SettingSpec {
+        key: "train.warmup_steps",
+        kind: Kind::Int { min: 0, max: 10_000_000 },
+        default: I(0),
+        levels: &[(Level::Advanced, I(50)), (Level::Ultra, I(50))],
+        doc: "optimizer steps of linear learning-rate warm-up",
+    },
+    SettingSpec {
+        key: "train.min_lr_ratio",
+        kind: Kind::Float { min: 0.0, max: 1.0 },
+        default: F(0.05),
+        levels: &[],
+        doc: "cosine schedule floor as a fraction of lr",
+    },
+    SettingSpec {
+        key: "train.grad_clip_norm",
+        kind: Kind::Float { min: 0.0, max: 1e9 },
+        default: F(0.0),
+        levels: &[(Level::Advanced, F(1.0)), (Level::Ultra, F(1.0))],
+        doc: "clip gradients by global L2 norm over all parameters (0 = off), like torch's clip_grad_norm_",
+    },
+    SettingSpec {
+        key: "train.activation_checkpointing",
+        kind: Kind::Bool,
+        default: B(false),
+        levels: &[(Level::Ultra, B(true))],
+        doc: "recompute memory-bound activations in backward (Burn's balanced checkpointing)",
+    },
+    SettingSpec {
+        key: "train.seed",
+        kind: Kind::Int { min: 0, max: i64::MAX },
+        default: I(42),
+        levels: &[],
+        doc: "seed for initialization and data order (same seed = same run)",
+    },
+    SettingSpec {
+        key: "train.max_steps",
+        kind: Kind::Int { min: 0, max: i64::MAX },
+        default: I(0),
+        levels: &[],
+        doc: "stop after this many optimizer steps (0 = no limit)",
+    },
+    SettingSpec {
+        key: "train.eval_every_epochs",
+        kind: Kind::Int { min: 0, max: 100_000 },
+        default: I(1),
+        levels: &[],
+        doc: "evaluate on the test split every N epochs (0 = only at the end)",
+    },
+    SettingSpec {
+        key: "train.checkpoint_dir",
+        kind: Kind::Text,
+        default: S(""),
+        levels: &[],
+        doc: "directory for atomic checkpoints (empty = no checkpoints)",
+    },
+    SettingSpec {
+        key: "train.checkpoint_every_steps",
+        kind: Kind::Int { min: 0, max: i64::MAX },
+        default: I(0),
+        levels: &[],
+        doc: "also checkpoint every N optimizer steps (0 = at each epoch end only)",
+    },
+    SettingSpec {
+        key: "precision.policy",
+        kind: Kind::Enum(&["f32"]),
+        default: S("f32"),
+        levels: &[],
+        doc: "numeric precision of the step (bf16/f16 mixed precision: see issue #2)",
+    },
+    SettingSpec {
+        key: "device.backend",
+        kind: Kind::Enum(&["auto", "flex", "cuda"]),
+        default: S("auto"),
+        levels: &[],
+        doc: "tensor backend: flex (embedded CPU), cuda (needs the cuda feature), auto = probe",
+    },
+    SettingSpec {
+        key: "device.threads",
+        kind: Kind::Int { min: 0, max: 4096 },
+        default: I(0),
+        levels: &[],
+        doc: "CPU worker threads for the flex backend (0 = one per core, probed)",
+    },
+    SettingSpec {
+        key: "data.dir",
+        kind: Kind::Text,
+        default: S(""),
+        levels: &[],
+        doc: "directory with MNIST-format IDX files (empty = the bundled 5k subset)",
+    },
+    SettingSpec {
+        key: "data.shuffle",
+        kind: Kind::Bool,
+        default: B(true),
+        levels: &[],
+        doc: "shuffle the training set each epoch (seeded by train.seed and the epoch)",
+    },
+];
+
+impl SettingSpec {
+    /// The default for a level, and whether it is level-specific.
+    pub fn default_for(&self, level: Level) -> (toml::Value, bool) {
+        match self.levels.iter().find(|(l, _)| *l == level) {
+            Some((_, d)) => (d.to_value(), true),
+            None => (self.default.to_value(), false),
+        }
+    }
+
+    /// A human description of what is allowed.
+    pub fn expected(&self) -> String {
+        match self.kind {
+            Kind::Int { min, max } => format!("an integer in [{min}, {max}]"),
+            Kind::Float { min, max } => format!("a number in [{min}, {max}]"),
+            Kind::Bool => "true or false".into(),
+            Kind::Enum(opts) => format!("one of {}", opts.join(", ")),
+            Kind::Text => "a string".into(),
+        }
+    }
+
+    /// Checks a TOML value against this key's kind, normalizing ints to floats for floats.
+    pub fn validate(&self, value: &toml::Value) -> Result<toml::Value, KilnError> {
+        let bad = || KilnError::InvalidValue {
+            key: self.key.into(),
+            value: value.to_string(),
+            expected: self.expected(),
+        };
+        match (self.kind, value) {
+            (Kind::Int { min, max }, toml::Value::Integer(v)) if (min..=max).contains(v) => {
+                Ok(value.clone())
+            }
+            (Kind::Float { min, max }, toml::Value::Float(v))
+                if v.is_finite() && *v >= min && *v <= max =>
+            {
+                Ok(value.clone())
+            }
+            (Kind::Float { min, max }, toml::Value::Integer(v))
+                if (*v as f64) >= min && (*v as f64) <= max =>
+            {
+                Ok(toml::Value::Float(*v as f64))
+            }
+            (Kind::Bool, toml::Value::Boolean(_)) | (Kind::Text, toml::Value::String(_)) => {
+                Ok(value.clone())
+            }
+            (Kind::Enum(opts), toml::Value::String(s)) if opts.contains(&s.as_str()) => {
+                Ok(value.clone())
+            }
+            _ => Err(bad()),
+        }
+    }
+
+    /// Parses a command-line string into a value of this key's kind, then validates it.
+    pub fn parse_flag(&self, raw: &str) -> Result<toml::Value, KilnError> {
+        let bad = || KilnError::InvalidValue {
+            key: self.key.into(),
+            value: format!("{raw:?}"),
+            expected: self.expected(),
+        };
+        let value = match self.kind {
+            Kind::Int { .. } => toml::Value::Integer(raw.trim().parse().map_err(|_| bad())?),
+            Kind::Float { .. } => toml::Value::Float(raw.trim().parse().map_err(|_| bad())?),
+            Kind::Bool => toml::Value::Boolean(raw.trim().parse().map_err(|_| bad())?),
+            Kind::Enum(_) | Kind::Text => toml::Value::String(raw.to_string()),
+        };
+        self.validate(&value)
+    }
+}
+
+/// Looks a key up in [`SETTINGS`].
+pub fn find(key: &str) -> Option<&'static SettingSpec> {
+    SETTINGS.iter().find(|s| s.key == key)
+}
+
+/// The error for an unknown key, with the closest known key as a hint.
+pub fn unknown_key(key: &str) -> KilnError {
+    let best = SETTINGS
+        .iter()
+        .map(|s| s.key)
+        .chain(std::iter::once("level"))
+        .map(|k| (edit_distance(key, k), k))
+        .min();
+    let hint = match best {
+        Some((d, k)) if d <= 3 || k.ends_with(key.rsplit('.').next().unwrap_or(key)) => {
+            format!(" (did you mean `{k}`? `kiln plan` lists every key)")
+        }
+        _ => " (`kiln plan` lists every key)".into(),
+    };
+    KilnError::UnknownKey {
+        key: key.into(),
+        hint,
+    }
+}
+
+/// Levenshtein distance, for "did you mean" hints.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1; b.len() + 1];
+        for (j, cb) in b.iter().enumerate() {
+            let sub = prev[j] + usize::from(ca != *cb);
+            cur[j + 1] = sub.min(prev[j + 1] + 1).min(cur[j] + 1);
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}

@@ -1,0 +1,96 @@
+//! The library's error type: every variant names the problem and, where there is one, the fix.
+
+use std::path::PathBuf;
+
+/// Result alias used throughout Kiln.
+pub type Result<T, E = KilnError> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in Kiln, with enough context to act on.
+#[derive(Debug, thiserror::Error)]
+pub enum KilnError {
+    /// A configuration key that Kiln does not know.
+    #[error("unknown config key `{key}`{hint}")]
+    UnknownKey {
+        /// The key as written (dotted path).
+        key: String,
+        /// A "did you mean" suggestion, or empty.
+        hint: String,
+    },
+    /// A configuration value of the wrong type or outside its allowed range.
+    #[error("invalid value {value} for `{key}`: expected {expected}")]
+    InvalidValue {
+        /// The key (dotted path).
+        key: String,
+        /// The offending value as written.
+        value: String,
+        /// What is allowed.
+        expected: String,
+    },
+    /// A configuration that is valid key by key but contradicts itself.
+    #[error("inconsistent configuration: {0}")]
+    Inconsistent(String),
+    /// The TOML text itself does not parse.
+    #[error("cannot parse config {path}: {message}")]
+    ConfigSyntax {
+        /// The file.
+        path: PathBuf,
+        /// The parser's message, with line and column.
+        message: String,
+    },
+    /// A data file is missing, truncated, corrupt or of the wrong format.
+    #[error("bad data file {path}: {problem}")]
+    BadData {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong and how to fix it.
+        problem: String,
+    },
+    /// A checkpoint that cannot be used.
+    #[error("bad checkpoint {path}: {problem}")]
+    BadCheckpoint {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong and how to fix it.
+        problem: String,
+    },
+    /// A model name that the zoo does not have.
+    #[error("unknown model `{0}`: expected one of mlp (W1), cnn (W2), transformer (W4), resnet (W5)")]
+    UnknownModel(String),
+    /// A shape mismatch between data and model.
+    #[error("shape mismatch: {0}")]
+    Shape(String),
+    /// The numbers went non-finite during training.
+    #[error("training diverged at step {step}: loss is {loss}; lower the learning rate or enable gradient clipping")]
+    Diverged {
+        /// Global optimizer step.
+        step: u64,
+        /// The loss value that was seen.
+        loss: f32,
+    },
+    /// An I/O error with the path it concerns.
+    #[error("I/O error on {path}: {source}")]
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// A Burn record (weights or optimizer state) that could not be (de)serialized.
+    #[error("cannot (de)serialize {what}: {message}")]
+    Record {
+        /// What was being handled.
+        what: &'static str,
+        /// Burn's message.
+        message: String,
+    },
+}
+
+impl KilnError {
+    /// Wraps an I/O error with the path it concerns.
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Self::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}

@@ -1,0 +1,104 @@
+//! The events a training run emits.
+
+use serde::{Deserialize, Serialize};
+
+/// One optimizer step.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct StepEvent {
+    /// Global optimizer step (1-based).
+    pub step: u64,
+    /// Epoch (0-based).
+    pub epoch: usize,
+    /// Mean training loss over the step's samples.
+    pub loss: f32,
+    /// Learning rate used.
+    pub lr: f64,
+    /// Global gradient L2 norm before clipping (when clipping is on).
+    pub grad_norm: Option<f32>,
+    /// Samples in this step (all micro-batches).
+    pub samples: usize,
+    /// Wall time of the step, milliseconds.
+    pub step_ms: f64,
+    /// Of which: waiting for data (batch assembly and upload), milliseconds.
+    pub data_ms: f64,
+    /// Of which: forward, backward and optimizer, milliseconds.
+    pub compute_ms: f64,
+    /// Throughput of this step.
+    pub samples_per_s: f64,
+    /// Peak resident set size of the process so far, bytes.
+    pub peak_rss_bytes: Option<u64>,
+}
+
+/// The end of an epoch.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct EpochSummary {
+    /// Epoch (0-based).
+    pub epoch: usize,
+    /// Mean training loss over the epoch.
+    pub train_loss: f32,
+    /// Test accuracy in [0, 1], if evaluated this epoch.
+    pub test_accuracy: Option<f64>,
+    /// Mean test loss, if evaluated.
+    pub test_loss: Option<f32>,
+    /// Wall time of the epoch, seconds.
+    pub seconds: f64,
+}
+
+/// The end of a run.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct RunSummary {
+    /// Model name.
+    pub model: String,
+    /// Optimizer steps taken in total (including those before a resume).
+    pub steps: u64,
+    /// Epochs completed.
+    pub epochs: usize,
+    /// Final test accuracy in [0, 1], if evaluated.
+    pub test_accuracy: Option<f64>,
+    /// Final mean training loss (last epoch).
+    pub train_loss: f32,
+    /// Training throughput of this process, samples per second of step time.
+    pub samples_per_s: f64,
+    /// Share of step time spent waiting for data, in [0, 1].
+    pub data_wait_share: f64,
+    /// Wall time of this process's training, seconds.
+    pub wall_seconds: f64,
+    /// Peak resident set size, bytes.
+    pub peak_rss_bytes: Option<u64>,
+    /// The last checkpoint written, if any.
+    pub last_checkpoint: Option<String>,
+}
+
+/// Everything a run reports.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum Event {
+    /// The run starts; `plan` is the resolved plan as JSON when one exists.
+    RunStarted {
+        /// Model name.
+        model: String,
+        /// Training samples.
+        train_samples: usize,
+        /// Optimizer steps the run will take in total.
+        total_steps: u64,
+        /// Step the run starts at (non-zero after a resume).
+        start_step: u64,
+        /// The resolved plan.
+        plan: Option<serde_json::Value>,
+    },
+    /// An optimizer step finished.
+    Step(StepEvent),
+    /// An epoch finished.
+    EpochEnd(EpochSummary),
+    /// A checkpoint was written atomically.
+    Checkpoint {
+        /// Global step it captures.
+        step: u64,
+        /// Where.
+        path: String,
+        /// Size in bytes.
+        bytes: u64,
+    },
+    /// The run finished.
+    RunFinished(RunSummary),
+}

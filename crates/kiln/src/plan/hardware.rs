@@ -1,0 +1,79 @@
+//! The hardware probe: what this machine has, so `auto` settings resolve to real values.
+
+/// A tensor backend Kiln can run on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// Burn's embedded CPU backend.
+    Flex,
+    /// NVIDIA GPUs (the `cuda` cargo feature).
+    Cuda,
+}
+
+impl Backend {
+    /// The name used in configs.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Flex => "flex",
+            Backend::Cuda => "cuda",
+        }
+    }
+
+    /// Parses a validated name (anything but `cuda` is flex).
+    pub fn from_name(name: &str) -> Self {
+        if name == "cuda" {
+            Backend::Cuda
+        } else {
+            Backend::Flex
+        }
+    }
+
+    /// The Burn device for this backend, with autodiff for training.
+    pub fn device(self) -> burn::tensor::Device {
+        match self {
+            Backend::Flex => burn::tensor::Device::flex(),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda => burn::tensor::Device::cuda(0),
+            #[cfg(not(feature = "cuda"))]
+            Backend::Cuda => burn::tensor::Device::flex(),
+        }
+    }
+}
+
+/// What the probe found.
+#[derive(Debug, Clone)]
+pub struct Hardware {
+    /// Logical CPU cores available to this process.
+    pub cores: usize,
+    /// Whether this binary was built with the `cuda` feature.
+    pub cuda_compiled: bool,
+}
+
+impl Hardware {
+    /// Probes the current machine.
+    pub fn probe() -> Self {
+        Hardware {
+            cores: std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1),
+            cuda_compiled: cfg!(feature = "cuda"),
+        }
+    }
+
+    /// The backend `auto` resolves to.
+    pub fn best_backend(&self) -> Backend {
+        if self.cuda_compiled {
+            Backend::Cuda
+        } else {
+            Backend::Flex
+        }
+    }
+
+    /// Why `auto` chose what it chose.
+    pub fn backend_reason(&self) -> String {
+        if self.cuda_compiled {
+            "built with cuda".into()
+        } else {
+            "no cuda feature; embedded CPU".into()
+        }
+    }
+}

@@ -1,0 +1,294 @@
+//! Resolution of a [`KilnConfig`] and a hardware probe into a concrete, inspectable [`Plan`]:
+//! every setting with its value and where that value came from. `kiln plan` prints it.
+
+mod hardware;
+
+use std::fmt;
+use std::path::PathBuf;
+
+pub use hardware::{Backend, Hardware};
+
+use crate::config::schema::{self, SETTINGS};
+use crate::config::{KilnConfig, Level, Origin};
+use crate::error::{KilnError, Result};
+use crate::precision::Precision;
+use crate::train::{OptimizerKind, Schedule, TrainOptions};
+use crate::zoo::ModelKind;
+
+/// Where a resolved value came from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Source {
+    /// Kiln's neutral built-in default.
+    Default,
+    /// The optimization level's bundle.
+    Level(Level),
+    /// The config file.
+    File(PathBuf),
+    /// A command-line flag.
+    Flag,
+    /// Measured on this machine; the text says what was probed.
+    Probe(String),
+}
+
+impl fmt::Display for Source {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Source::Default => f.write_str("default"),
+            Source::Level(l) => write!(f, "level {l}"),
+            Source::File(p) => write!(f, "file {}", p.display()),
+            Source::Flag => f.write_str("flag"),
+            Source::Probe(what) => write!(f, "probe: {what}"),
+        }
+    }
+}
+
+/// One resolved setting.
+#[derive(Debug, Clone)]
+pub struct ResolvedSetting {
+    /// Dotted key.
+    pub key: &'static str,
+    /// Final value.
+    pub value: toml::Value,
+    /// Where it came from.
+    pub source: Source,
+    /// What it does.
+    pub doc: &'static str,
+}
+
+/// The concrete settings a run uses, with provenance.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// The level the plan was resolved at.
+    pub level: Level,
+    /// Where the level came from.
+    pub level_source: Source,
+    /// Every setting in schema order.
+    pub settings: Vec<ResolvedSetting>,
+    /// The model to train.
+    pub model: ModelKind,
+    /// Training-loop options.
+    pub train: TrainOptions,
+    /// The backend to run on.
+    pub backend: Backend,
+    /// Threads for the CPU backend.
+    pub threads: usize,
+    /// IDX data directory, or `None` for the bundled subset.
+    pub data_dir: Option<PathBuf>,
+    /// The hardware the plan was resolved against.
+    pub hardware: Hardware,
+}
+
+impl Plan {
+    /// The resolved value of a key.
+    pub fn get(&self, key: &str) -> Option<&ResolvedSetting> {
+        self.settings.iter().find(|s| s.key == key)
+    }
+
+    /// The plan as JSON (for `kiln plan --json` and run events).
+    pub fn to_json(&self) -> serde_json::Value {
+        let settings: serde_json::Map<String, serde_json::Value> = self
+            .settings
+            .iter()
+            .map(|s| {
+                (
+                    s.key.to_string(),
+                    serde_json::json!({"value": toml_to_json(&s.value), "source": s.source.to_string()}),
+                )
+            })
+            .collect();
+        serde_json::json!({
+            "level": self.level.name(),
+            "level_source": self.level_source.to_string(),
+            "settings": settings,
+            "hardware": {"cores": self.hardware.cores, "cuda_compiled": self.hardware.cuda_compiled},
+        })
+    }
+}
+
+impl fmt::Display for Plan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "level: {} ({})", self.level, self.level_source)?;
+        let kw = self.settings.iter().map(|s| s.key.len()).max().unwrap_or(0);
+        let vw = self
+            .settings
+            .iter()
+            .map(|s| s.value.to_string().len())
+            .max()
+            .unwrap_or(0);
+        let sw = self
+            .settings
+            .iter()
+            .map(|s| s.source.to_string().len())
+            .max()
+            .unwrap_or(0);
+        writeln!(f, "{:kw$}  {:vw$}  {:sw$}  what", "setting", "value", "source")?;
+        for s in &self.settings {
+            writeln!(
+                f,
+                "{:kw$}  {:vw$}  {:sw$}  {}",
+                s.key,
+                s.value.to_string(),
+                s.source.to_string(),
+                s.doc
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Resolves a config against the probed hardware.
+pub fn resolve(config: &KilnConfig, hardware: &Hardware) -> Result<Plan> {
+    let level = config.level;
+    let mut settings = Vec::with_capacity(SETTINGS.len());
+    for spec in SETTINGS {
+        let (value, source) = match config.user_value(spec.key) {
+            Some((v, Origin::Flag)) => (v.clone(), Source::Flag),
+            Some((v, Origin::File(p))) => (v.clone(), Source::File(p)),
+            None => {
+                let (v, level_specific) = spec.default_for(level);
+                let source = if level_specific {
+                    Source::Level(level)
+                } else {
+                    Source::Default
+                };
+                (v, source)
+            }
+        };
+        settings.push(ResolvedSetting {
+            key: spec.key,
+            value,
+            source,
+            doc: spec.doc,
+        });
+    }
+    probe_autos(&mut settings, hardware)?;
+    build(config, settings, hardware)
+}
+
+/// Replaces `auto`/`0` settings with probed values and records the probe as their source.
+fn probe_autos(settings: &mut [ResolvedSetting], hardware: &Hardware) -> Result<()> {
+    for s in settings.iter_mut() {
+        match (s.key, &s.value) {
+            ("device.backend", toml::Value::String(v)) if v == "auto" => {
+                let b = hardware.best_backend();
+                s.value = toml::Value::String(b.name().into());
+                s.source = Source::Probe(hardware.backend_reason());
+            }
+            ("device.threads", toml::Value::Integer(0)) => {
+                s.value = toml::Value::Integer(hardware.cores as i64);
+                s.source = Source::Probe(format!("{} CPU cores", hardware.cores));
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+fn build(config: &KilnConfig, settings: Vec<ResolvedSetting>, hw: &Hardware) -> Result<Plan> {
+    let get = |key: &str| -> &toml::Value {
+        // Every key read here is declared in SETTINGS, so it is present.
+        &settings
+            .iter()
+            .find(|s| s.key == key)
+            .unwrap_or_else(|| panic!("schema has no key {key}"))
+            .value
+    };
+    let int = |key: &str| get(key).as_integer().unwrap_or_default();
+    let float = |key: &str| get(key).as_float().unwrap_or_default();
+    let text = |key: &str| get(key).as_str().unwrap_or_default().to_string();
+    let flag = |key: &str| get(key).as_bool().unwrap_or_default();
+
+    let backend = Backend::from_name(&text("device.backend"));
+    if backend == Backend::Cuda && !hw.cuda_compiled {
+        return Err(KilnError::Inconsistent(
+            "device.backend = \"cuda\" but this kiln was built without CUDA; rebuild with \
+             `cargo build --release --features cuda` or use device.backend = \"flex\""
+                .into(),
+        ));
+    }
+    let optimizer = match text("train.optimizer").as_str() {
+        "adamw" => OptimizerKind::AdamW,
+        "sgd" => OptimizerKind::Sgd,
+        _ => OptimizerKind::Adam,
+    };
+    let schedule = match text("train.schedule").as_str() {
+        "cosine" => Schedule::Cosine,
+        _ => Schedule::Constant,
+    };
+    let dir = |key: &str| Some(text(key)).filter(|t| !t.is_empty()).map(PathBuf::from);
+    let train = TrainOptions {
+        epochs: int("train.epochs") as usize,
+        batch_size: int("train.batch_size") as usize,
+        grad_accum_steps: int("train.grad_accum_steps") as usize,
+        optimizer,
+        lr: float("train.lr"),
+        weight_decay: float("train.weight_decay"),
+        momentum: float("train.momentum"),
+        schedule,
+        warmup_steps: int("train.warmup_steps") as u64,
+        min_lr_ratio: float("train.min_lr_ratio"),
+        grad_clip_norm: Some(float("train.grad_clip_norm")).filter(|c| *c > 0.0),
+        activation_checkpointing: flag("train.activation_checkpointing"),
+        seed: int("train.seed") as u64,
+        max_steps: Some(int("train.max_steps") as u64).filter(|s| *s > 0),
+        eval_every_epochs: int("train.eval_every_epochs") as usize,
+        checkpoint_dir: dir("train.checkpoint_dir"),
+        checkpoint_every_steps: Some(int("train.checkpoint_every_steps") as u64)
+            .filter(|s| *s > 0),
+        shuffle: flag("data.shuffle"),
+        precision: Precision::F32,
+    };
+    if train.checkpoint_every_steps.is_some() && train.checkpoint_dir.is_none() {
+        return Err(KilnError::Inconsistent(
+            "train.checkpoint_every_steps is set but train.checkpoint_dir is empty; set \
+             train.checkpoint_dir (or --checkpoint-dir) to where checkpoints should go"
+                .into(),
+        ));
+    }
+    let model = ModelKind::from_name(&text("train.model"))?;
+    let level_source = match &config.level_origin {
+        Some(Origin::Flag) => Source::Flag,
+        Some(Origin::File(p)) => Source::File(p.clone()),
+        None => Source::Default,
+    };
+    Ok(Plan {
+        level: config.level,
+        level_source,
+        model,
+        train,
+        backend,
+        threads: int("device.threads") as usize,
+        data_dir: dir("data.dir"),
+        hardware: hw.clone(),
+        settings,
+    })
+}
+
+/// Converts a TOML scalar to JSON for machine output.
+fn toml_to_json(v: &toml::Value) -> serde_json::Value {
+    match v {
+        toml::Value::String(s) => serde_json::Value::String(s.clone()),
+        toml::Value::Integer(i) => serde_json::json!(i),
+        toml::Value::Float(f) => serde_json::json!(f),
+        toml::Value::Boolean(b) => serde_json::Value::Bool(*b),
+        other => serde_json::Value::String(other.to_string()),
+    }
+}
+
+/// Every key Kiln accepts, for help texts.
+pub fn known_keys() -> impl Iterator<Item = &'static str> {
+    schema::SETTINGS.iter().map(|s| s.key)
+}
+
+impl Plan {
+    /// Applies the process-wide runtime settings of the plan (CPU thread count). Call once,
+    /// before any tensor work; later calls keep the first setting.
+    pub fn apply_runtime(&self) {
+        if let Err(e) = rayon::ThreadPoolBuilder::new()
+            .num_threads(self.threads)
+            .build_global()
+        {
+            tracing::debug!("thread pool already configured: {e}");
+        }
+    }
+}

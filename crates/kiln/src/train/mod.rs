@@ -1,0 +1,136 @@
+//! The training loop: accumulation, global-norm clipping, schedules, evaluation, atomic
+//! checkpoints and exact resume.
+
+mod checkpoint;
+mod clip;
+mod eval;
+mod optimizer;
+mod params;
+mod schedule;
+mod trainer;
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+pub use checkpoint::{Checkpoint, CheckpointState, latest_checkpoint};
+pub use clip::{clip_global_norm, global_norm};
+pub use eval::{Evaluation, evaluate};
+pub use optimizer::build_optimizer;
+pub use params::flatten_params;
+pub use schedule::learning_rate;
+pub use trainer::{TrainOutcome, Trainer};
+
+use crate::precision::Precision;
+
+/// Which optimizer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum OptimizerKind {
+    /// Adam (L2 weight decay when `weight_decay > 0`).
+    Adam,
+    /// AdamW (decoupled weight decay).
+    AdamW,
+    /// SGD with momentum.
+    Sgd,
+}
+
+/// Learning-rate schedule after warm-up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Schedule {
+    /// Constant at the peak rate.
+    Constant,
+    /// Cosine decay from the peak rate to `min_lr_ratio × lr` at the last step.
+    Cosine,
+}
+
+/// Everything the training loop needs to know; usually built by [`crate::plan::resolve`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainOptions {
+    /// Passes over the training set.
+    pub epochs: usize,
+    /// Micro-batch size.
+    pub batch_size: usize,
+    /// Micro-batches per optimizer step.
+    pub grad_accum_steps: usize,
+    /// Optimizer.
+    pub optimizer: OptimizerKind,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Weight decay.
+    pub weight_decay: f64,
+    /// SGD momentum.
+    pub momentum: f64,
+    /// Schedule after warm-up.
+    pub schedule: Schedule,
+    /// Linear warm-up steps.
+    pub warmup_steps: u64,
+    /// Cosine floor as a fraction of `lr`.
+    pub min_lr_ratio: f64,
+    /// Global-norm clipping threshold.
+    pub grad_clip_norm: Option<f64>,
+    /// Burn's balanced activation checkpointing.
+    pub activation_checkpointing: bool,
+    /// Seed for initialization and data order.
+    pub seed: u64,
+    /// Stop after this many optimizer steps.
+    pub max_steps: Option<u64>,
+    /// Evaluate every N epochs (0 = at the end only).
+    pub eval_every_epochs: usize,
+    /// Where checkpoints go.
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Checkpoint every N steps besides each epoch end.
+    pub checkpoint_every_steps: Option<u64>,
+    /// Shuffle the training set each epoch.
+    pub shuffle: bool,
+    /// Numeric precision of the step.
+    pub precision: Precision,
+}
+
+impl Default for TrainOptions {
+    fn default() -> Self {
+        TrainOptions {
+            epochs: 1,
+            batch_size: 64,
+            grad_accum_steps: 1,
+            optimizer: OptimizerKind::Adam,
+            lr: 1e-3,
+            weight_decay: 0.0,
+            momentum: 0.9,
+            schedule: Schedule::Constant,
+            warmup_steps: 0,
+            min_lr_ratio: 0.05,
+            grad_clip_norm: None,
+            activation_checkpointing: false,
+            seed: 42,
+            max_steps: None,
+            eval_every_epochs: 1,
+            checkpoint_dir: None,
+            checkpoint_every_steps: None,
+            shuffle: true,
+            precision: Precision::F32,
+        }
+    }
+}
+
+impl TrainOptions {
+    /// The settings that shape the trajectory: a resume with different values would not
+    /// continue the same run, so [`Trainer`] refuses it.
+    pub fn trajectory_fingerprint(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("train.epochs", self.epochs.to_string()),
+            ("train.batch_size", self.batch_size.to_string()),
+            ("train.grad_accum_steps", self.grad_accum_steps.to_string()),
+            ("train.optimizer", format!("{:?}", self.optimizer)),
+            ("train.lr", self.lr.to_string()),
+            ("train.weight_decay", self.weight_decay.to_string()),
+            ("train.momentum", self.momentum.to_string()),
+            ("train.schedule", format!("{:?}", self.schedule)),
+            ("train.warmup_steps", self.warmup_steps.to_string()),
+            ("train.min_lr_ratio", self.min_lr_ratio.to_string()),
+            ("train.grad_clip_norm", format!("{:?}", self.grad_clip_norm)),
+            ("train.seed", self.seed.to_string()),
+            ("data.shuffle", self.shuffle.to_string()),
+            ("precision.policy", self.precision.name().to_string()),
+        ]
+    }
+}

@@ -1,0 +1,411 @@
+//! The step loop.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use burn::module::Module;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::optim::{GradientsAccumulator, GradientsParams, ModuleOptimizer};
+use burn::store::ModuleRecord;
+use burn::tensor::{Bytes, Device};
+
+use super::{
+    Checkpoint, CheckpointState, TrainOptions, build_optimizer, clip_global_norm, evaluate,
+    learning_rate,
+};
+use crate::data::{Dataset, collate, epoch_order};
+use crate::error::{KilnError, Result};
+use crate::observe::{EpochSummary, Event, EventSink, RunSummary, StepEvent, memory};
+use crate::zoo::Classifier;
+
+/// Evaluation batch size: large enough to amortize per-batch overhead, small enough to keep
+/// activations modest.
+const EVAL_BATCH: usize = 500;
+
+/// What a finished [`Trainer::fit`] returns.
+#[derive(Debug)]
+pub struct TrainOutcome<M> {
+    /// The trained model (on the training device).
+    pub model: M,
+    /// The run summary (also emitted as [`Event::RunFinished`]).
+    pub summary: RunSummary,
+    /// Per-epoch results of this process.
+    pub epochs: Vec<EpochSummary>,
+}
+
+/// Runs training: f32 steps with exact gradient accumulation, global-norm clipping,
+/// warm-up + cosine schedules, per-epoch evaluation, atomic checkpoints and exact resume.
+pub struct Trainer<'s> {
+    options: TrainOptions,
+    base: Device,
+    sink: &'s mut dyn EventSink,
+    plan: Option<serde_json::Value>,
+    resume: Option<PathBuf>,
+}
+
+impl<'s> Trainer<'s> {
+    /// A trainer on `device` (a plain device; autodiff is added here) reporting to `sink`.
+    pub fn new(options: TrainOptions, device: Device, sink: &'s mut dyn EventSink) -> Self {
+        Trainer {
+            options,
+            base: device.without_autodiff(),
+            sink,
+            plan: None,
+            resume: None,
+        }
+    }
+
+    /// Attaches the resolved plan, reported in [`Event::RunStarted`].
+    pub fn with_plan(mut self, plan: serde_json::Value) -> Self {
+        self.plan = Some(plan);
+        self
+    }
+
+    /// Continues from a checkpoint instead of starting fresh.
+    pub fn resume_from(mut self, checkpoint: impl Into<PathBuf>) -> Self {
+        self.resume = Some(checkpoint.into());
+        self
+    }
+
+    /// The device models are trained on: autodiff, with checkpointing if enabled.
+    pub fn training_device(&self) -> Device {
+        let device = self.base.clone().autodiff();
+        if self.options.activation_checkpointing {
+            device.gradient_checkpointing()
+        } else {
+            device
+        }
+    }
+
+    /// Trains the model that `init` builds on the training device.
+    pub fn fit<M: Classifier + 'static>(
+        &mut self,
+        model_name: &str,
+        init: impl FnOnce(&Device) -> M,
+        train: &dyn Dataset,
+        test: Option<&dyn Dataset>,
+    ) -> Result<TrainOutcome<M>> {
+        let opts = self.options.clone();
+        validate(&opts, train)?;
+        let device = self.training_device();
+        device.seed(opts.seed);
+        let mut model = init(&device);
+        model
+            .check_input(train.item_shape())
+            .map_err(KilnError::Shape)?;
+        let mut optim = build_optimizer(&opts);
+
+        let n = train.len();
+        let micro_per_epoch = n.div_ceil(opts.batch_size);
+        let steps_per_epoch = micro_per_epoch.div_ceil(opts.grad_accum_steps);
+        let planned = (opts.epochs * steps_per_epoch) as u64;
+        let total_steps = opts.max_steps.map_or(planned, |m| m.min(planned));
+
+        let mut pos = Position::default();
+        if let Some(path) = self.resume.clone() {
+            let (m, o, p) = restore(&path, model, optim, model_name, &opts, &self.base)?;
+            (model, optim, pos) = (m, o, p);
+            tracing::info!(step = pos.global_step, "resumed from {}", path.display());
+        }
+
+        self.sink.emit(&Event::RunStarted {
+            model: model_name.to_string(),
+            train_samples: n,
+            total_steps,
+            start_step: pos.global_step,
+            plan: self.plan.clone(),
+        });
+
+        let loss_fn = CrossEntropyLossConfig::new().init(&device);
+        let run_start = Instant::now();
+        let (mut step_time, mut data_time, mut samples_done) = (0f64, 0f64, 0u64);
+        let mut epochs_done = Vec::new();
+        let mut last_checkpoint = None;
+        let mut last_eval = None;
+        let mut last_train_loss = 0f32;
+
+        'epochs: for epoch in pos.epoch..opts.epochs {
+            let epoch_start = Instant::now();
+            let order = epoch_order(n, opts.seed, epoch, opts.shuffle);
+            let first = if epoch == pos.epoch { pos.step_in_epoch } else { 0 };
+            if epoch != pos.epoch {
+                pos.epoch_loss_sum = 0.0;
+                pos.epoch_samples = 0;
+            }
+            for s in first..steps_per_epoch {
+                if pos.global_step >= total_steps {
+                    // Stopped early by max_steps: leave a checkpoint to continue from.
+                    last_checkpoint = self.checkpoint(&model, &optim, model_name, &pos)?;
+                    break 'epochs;
+                }
+                let micro = s * opts.grad_accum_steps..((s + 1) * opts.grad_accum_steps).min(micro_per_epoch);
+                let slices: Vec<&[usize]> = micro
+                    .map(|m| &order[m * opts.batch_size..((m + 1) * opts.batch_size).min(n)])
+                    .collect();
+                let group: usize = slices.iter().map(|s| s.len()).sum();
+
+                let t0 = Instant::now();
+                let mut data_ms = 0f64;
+                let mut accum = GradientsAccumulator::<M>::new();
+                let mut loss_sum = 0f64;
+                for indices in &slices {
+                    let td = Instant::now();
+                    let batch = collate(train, indices, &device);
+                    data_ms += td.elapsed().as_secs_f64() * 1e3;
+                    let logits = model.forward(batch.images);
+                    let loss = loss_fn.forward(logits, batch.labels);
+                    let value: f32 = loss.clone().into_scalar();
+                    loss_sum += value as f64 * indices.len() as f64;
+                    // Weight each micro-batch's mean loss by its share of the group so that
+                    // N micro-batches give exactly the gradient of one batch of N·b samples.
+                    let weight = indices.len() as f64 / group as f64;
+                    let loss = if slices.len() == 1 {
+                        loss
+                    } else {
+                        loss.mul_scalar(weight)
+                    };
+                    let loss = loss.mul_scalar(opts.precision.loss_scale());
+                    let grads = GradientsParams::from_grads(loss.backward(), &model);
+                    accum.accumulate(&model, grads);
+                }
+                let mean_loss = (loss_sum / group as f64) as f32;
+                if !mean_loss.is_finite() {
+                    return Err(KilnError::Diverged {
+                        step: pos.global_step + 1,
+                        loss: mean_loss,
+                    });
+                }
+                let mut grads = accum.grads();
+                let mut grad_norm = None;
+                if let Some(max_norm) = opts.grad_clip_norm {
+                    let (clipped, norm) = clip_global_norm(&model, grads, max_norm);
+                    grads = clipped;
+                    grad_norm = Some(norm);
+                }
+                let lr = learning_rate(&opts, pos.global_step, total_steps);
+                model = optim.step(lr, model, grads);
+                pos.global_step += 1;
+                pos.step_in_epoch = s + 1;
+                pos.epoch = epoch;
+                pos.epoch_loss_sum += loss_sum;
+                pos.epoch_samples += group as u64;
+
+                let step_ms = t0.elapsed().as_secs_f64() * 1e3;
+                step_time += step_ms / 1e3;
+                data_time += data_ms / 1e3;
+                samples_done += group as u64;
+                self.sink.emit(&Event::Step(StepEvent {
+                    step: pos.global_step,
+                    epoch,
+                    loss: mean_loss,
+                    lr,
+                    grad_norm,
+                    samples: group,
+                    step_ms,
+                    data_ms,
+                    compute_ms: step_ms - data_ms,
+                    samples_per_s: group as f64 / (step_ms / 1e3).max(1e-9),
+                    peak_rss_bytes: memory::peak_rss_bytes(),
+                }));
+                if opts
+                    .checkpoint_every_steps
+                    .is_some_and(|k| pos.global_step % k == 0)
+                {
+                    last_checkpoint = self.checkpoint(&model, &optim, model_name, &pos)?;
+                }
+            }
+
+            // Epoch finished.
+            last_train_loss = (pos.epoch_loss_sum / pos.epoch_samples.max(1) as f64) as f32;
+            let is_last = epoch + 1 == opts.epochs;
+            let due = opts.eval_every_epochs > 0 && (epoch + 1) % opts.eval_every_epochs == 0;
+            let eval = match test {
+                Some(t) if due || is_last => {
+                    Some(evaluate(&model.valid(), t, EVAL_BATCH, &self.base))
+                }
+                _ => None,
+            };
+            if eval.is_some() {
+                last_eval = eval;
+            }
+            let summary = EpochSummary {
+                epoch,
+                train_loss: last_train_loss,
+                test_accuracy: eval.map(|e| e.accuracy),
+                test_loss: eval.map(|e| e.loss),
+                seconds: epoch_start.elapsed().as_secs_f64(),
+            };
+            self.sink.emit(&Event::EpochEnd(summary.clone()));
+            epochs_done.push(summary);
+            pos = Position {
+                epoch: epoch + 1,
+                step_in_epoch: 0,
+                global_step: pos.global_step,
+                epoch_loss_sum: 0.0,
+                epoch_samples: 0,
+            };
+            last_checkpoint = self
+                .checkpoint(&model, &optim, model_name, &pos)?
+                .or(last_checkpoint);
+        }
+
+        if last_eval.is_none()
+            && let Some(t) = test
+        {
+            last_eval = Some(evaluate(&model.valid(), t, EVAL_BATCH, &self.base));
+        }
+        let summary = RunSummary {
+            model: model_name.to_string(),
+            steps: pos.global_step,
+            epochs: pos.epoch.min(opts.epochs),
+            test_accuracy: last_eval.map(|e| e.accuracy),
+            train_loss: last_train_loss,
+            samples_per_s: samples_done as f64 / step_time.max(1e-9),
+            data_wait_share: data_time / step_time.max(1e-9),
+            wall_seconds: run_start.elapsed().as_secs_f64(),
+            peak_rss_bytes: memory::peak_rss_bytes(),
+            last_checkpoint: last_checkpoint.map(|p: PathBuf| p.display().to_string()),
+        };
+        self.sink.emit(&Event::RunFinished(summary.clone()));
+        Ok(TrainOutcome {
+            model,
+            summary,
+            epochs: epochs_done,
+        })
+    }
+
+    /// Writes a checkpoint at `pos` if a checkpoint directory is configured.
+    fn checkpoint<M: Module>(
+        &mut self,
+        model: &M,
+        optim: &ModuleOptimizer,
+        model_name: &str,
+        pos: &Position,
+    ) -> Result<Option<PathBuf>> {
+        let Some(dir) = &self.options.checkpoint_dir else {
+            return Ok(None);
+        };
+        let record_err = |what| move |e: burn::store::RecordError| KilnError::Record {
+            what,
+            message: e.to_string(),
+        };
+        let model_bytes = model
+            .clone()
+            .into_record()
+            .into_bytes()
+            .map_err(record_err("model weights"))?;
+        let optim_bytes = optim.into_bytes().map_err(record_err("optimizer state"))?;
+        let ckpt = Checkpoint {
+            state: CheckpointState {
+                model: model_name.to_string(),
+                epoch: pos.epoch,
+                step_in_epoch: pos.step_in_epoch,
+                global_step: pos.global_step,
+                fingerprint: fingerprint(&self.options),
+                epoch_loss_sum: pos.epoch_loss_sum,
+                epoch_samples: pos.epoch_samples,
+            },
+            model: model_bytes.to_vec(),
+            optimizer: optim_bytes.to_vec(),
+        };
+        let path = dir.join(Checkpoint::file_name(pos.global_step));
+        let bytes = ckpt.save(&path)?;
+        self.sink.emit(&Event::Checkpoint {
+            step: pos.global_step,
+            path: path.display().to_string(),
+            bytes,
+        });
+        Ok(Some(path))
+    }
+}
+
+/// Where the loop stands.
+#[derive(Debug, Default, Clone)]
+struct Position {
+    epoch: usize,
+    step_in_epoch: usize,
+    global_step: u64,
+    epoch_loss_sum: f64,
+    epoch_samples: u64,
+}
+
+fn fingerprint(options: &TrainOptions) -> Vec<(String, String)> {
+    options
+        .trajectory_fingerprint()
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect()
+}
+
+fn validate(opts: &TrainOptions, train: &dyn Dataset) -> Result<()> {
+    if train.is_empty() {
+        return Err(KilnError::Shape(
+            "the training set is empty; point data.dir at IDX files with samples".into(),
+        ));
+    }
+    if opts.batch_size == 0 || opts.grad_accum_steps == 0 || opts.epochs == 0 {
+        return Err(KilnError::Inconsistent(
+            "train.batch_size, train.grad_accum_steps and train.epochs must be at least 1".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Loads a checkpoint into a fresh model and optimizer, refusing one from another run.
+fn restore<M: Module>(
+    path: &std::path::Path,
+    model: M,
+    optim: ModuleOptimizer,
+    model_name: &str,
+    opts: &TrainOptions,
+    base: &Device,
+) -> Result<(M, ModuleOptimizer, Position)> {
+    let ckpt = Checkpoint::load(path)?;
+    let bad = |problem: String| KilnError::BadCheckpoint {
+        path: path.to_path_buf(),
+        problem,
+    };
+    if ckpt.state.model != model_name {
+        return Err(bad(format!(
+            "it holds model `{}`, not `{model_name}`; pass --model {}",
+            ckpt.state.model, ckpt.state.model
+        )));
+    }
+    let ours = fingerprint(opts);
+    let diffs: Vec<String> = ckpt
+        .state
+        .fingerprint
+        .iter()
+        .filter(|(k, v)| ours.iter().any(|(k2, v2)| k2 == k && v2 != v))
+        .map(|(k, v)| {
+            let now = ours.iter().find(|(k2, _)| k2 == k).map(|(_, v)| v.as_str());
+            format!("{k} was {v}, now {}", now.unwrap_or("?"))
+        })
+        .collect();
+    if !diffs.is_empty() {
+        return Err(bad(format!(
+            "it was written with other settings ({}); resume with the same settings or start a new run",
+            diffs.join("; ")
+        )));
+    }
+    let record = ModuleRecord::from_bytes(Bytes::from_bytes_vec(ckpt.model))
+        .map_err(|e| bad(format!("unreadable model weights: {e}")))?;
+    let model = model
+        .try_load_record(record)
+        .map_err(|e| bad(format!("weights do not fit model `{model_name}`: {e}")))?;
+    let optim = optim
+        .from_bytes(Bytes::from_bytes_vec(ckpt.optimizer))
+        .map_err(|e| bad(format!("unreadable optimizer state: {e}")))?;
+    let _ = base;
+    Ok((
+        model,
+        optim,
+        Position {
+            epoch: ckpt.state.epoch,
+            step_in_epoch: ckpt.state.step_in_epoch,
+            global_step: ckpt.state.global_step,
+            epoch_loss_sum: ckpt.state.epoch_loss_sum,
+            epoch_samples: ckpt.state.epoch_samples,
+        },
+    ))
+}

@@ -1,0 +1,146 @@
+//! The reference workloads: the same models are used by tests, benchmarks, the tuner and the
+//! server, so every part of Kiln is exercised on the same real networks.
+//!
+//! | id | name          | model                                                        |
+//! |----|---------------|--------------------------------------------------------------|
+//! | W1 | `mlp`         | MLP 784-512-256-10, ReLU                                     |
+//! | W2 | `cnn`         | conv3x3(1→32), conv3x3(32→64), maxpool2, fc 9216→128→10      |
+//! | W3 | `cnn` (infer) | W2's forward pass only                                       |
+//! | W4 | `transformer` | 28 row-tokens → d_model 128, 4 heads, ff 512, 2 layers       |
+//! | W5 | `resnet`      | ResNet-18 (BasicBlock [2,2,2,2], 64-128-256-512, BatchNorm)  |
+
+mod cnn;
+mod mlp;
+mod resnet;
+mod transformer;
+
+use burn::module::Module;
+use burn::tensor::{Device, Tensor};
+
+pub use cnn::Cnn;
+pub use mlp::Mlp;
+pub use resnet::{ResNet, ResNetConfig};
+pub use transformer::EncoderClassifier;
+
+use crate::error::{KilnError, Result};
+
+/// Number of classes every zoo classifier predicts.
+pub const NUM_CLASSES: usize = 10;
+
+/// A model that maps a batch of images `[B, C, H, W]` to logits `[B, classes]`.
+pub trait Classifier: Module {
+    /// Forward pass.
+    fn forward(&self, images: Tensor<4>) -> Tensor<2>;
+
+    /// Checks that samples of shape `[C, H, W]` fit this model; the error says what does.
+    fn check_input(&self, shape: [usize; 3]) -> std::result::Result<(), String> {
+        let _ = shape;
+        Ok(())
+    }
+}
+
+/// Which zoo model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ModelKind {
+    /// W1.
+    Mlp,
+    /// W2 / W3.
+    Cnn,
+    /// W4.
+    Transformer,
+    /// W5.
+    ResNet,
+}
+
+impl ModelKind {
+    /// Every zoo model.
+    pub const ALL: [ModelKind; 4] = [
+        ModelKind::Mlp,
+        ModelKind::Cnn,
+        ModelKind::Transformer,
+        ModelKind::ResNet,
+    ];
+
+    /// Stable name used by the CLI, configs and benches.
+    pub fn name(self) -> &'static str {
+        match self {
+            ModelKind::Mlp => "mlp",
+            ModelKind::Cnn => "cnn",
+            ModelKind::Transformer => "transformer",
+            ModelKind::ResNet => "resnet",
+        }
+    }
+
+    /// The workload id (W1, W2, W4, W5).
+    pub fn workload(self) -> &'static str {
+        match self {
+            ModelKind::Mlp => "W1",
+            ModelKind::Cnn => "W2",
+            ModelKind::Transformer => "W4",
+            ModelKind::ResNet => "W5",
+        }
+    }
+
+    /// Parses a name (`cnn`) or workload id (`W2`, `w2`, `W3` = cnn).
+    pub fn from_name(name: &str) -> Result<Self> {
+        let lower = name.to_ascii_lowercase();
+        match lower.as_str() {
+            "mlp" | "w1" => Ok(ModelKind::Mlp),
+            "cnn" | "w2" | "w3" => Ok(ModelKind::Cnn),
+            "transformer" | "w4" => Ok(ModelKind::Transformer),
+            "resnet" | "w5" => Ok(ModelKind::ResNet),
+            _ => Err(KilnError::UnknownModel(name.to_string())),
+        }
+    }
+
+    /// A freshly initialized model for single-channel 28×28 images (the MNIST shape).
+    pub fn init(self, device: &Device) -> ZooModel {
+        match self {
+            ModelKind::Mlp => ZooModel::Mlp(Mlp::new(device)),
+            ModelKind::Cnn => ZooModel::Cnn(Cnn::new(device)),
+            ModelKind::Transformer => ZooModel::Transformer(EncoderClassifier::new(device)),
+            ModelKind::ResNet => ZooModel::ResNet(ResNetConfig::resnet18(1).init(device)),
+        }
+    }
+}
+
+/// Any zoo model, so code that picks a model at run time stays non-generic.
+#[derive(Module, Debug)]
+pub enum ZooModel {
+    /// W1.
+    Mlp(Mlp),
+    /// W2.
+    Cnn(Cnn),
+    /// W4.
+    Transformer(EncoderClassifier),
+    /// W5.
+    ResNet(ResNet),
+}
+
+impl Classifier for ZooModel {
+    fn forward(&self, images: Tensor<4>) -> Tensor<2> {
+        match self {
+            ZooModel::Mlp(m) => m.forward(images),
+            ZooModel::Cnn(m) => m.forward(images),
+            ZooModel::Transformer(m) => m.forward(images),
+            ZooModel::ResNet(m) => m.forward(images),
+        }
+    }
+
+    fn check_input(&self, shape: [usize; 3]) -> std::result::Result<(), String> {
+        let expected = match self {
+            // The ResNet is fully convolutional with global pooling: any size of 1 channel.
+            ZooModel::ResNet(_) if shape[0] == 1 && shape[1] >= 4 && shape[2] >= 4 => {
+                return Ok(());
+            }
+            ZooModel::ResNet(_) => "[1, H, W] with H, W >= 4",
+            _ => "[1, 28, 28] (MNIST-shaped images)",
+        };
+        if !matches!(self, ZooModel::ResNet(_)) && shape == [1, 28, 28] {
+            return Ok(());
+        }
+        Err(format!(
+            "samples have shape {shape:?} but this model expects {expected}"
+        ))
+    }
+}
