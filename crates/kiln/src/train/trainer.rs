@@ -135,6 +135,8 @@ impl<'s> Trainer<'s> {
             for s in first..steps_per_epoch {
                 if pos.global_step >= total_steps {
                     // Stopped early by max_steps: leave a checkpoint to continue from.
+                    last_train_loss =
+                        (pos.epoch_loss_sum / pos.epoch_samples.max(1) as f64) as f32;
                     last_checkpoint = self.checkpoint(&model, &optim, model_name, &pos)?;
                     break 'epochs;
                 }

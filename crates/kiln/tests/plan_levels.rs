@@ -1,0 +1,117 @@
+//! Plan resolution: level bundles, file and flag precedence, and probed values.
+
+use kiln::KilnConfig;
+use kiln::config::Level;
+use kiln::plan::{Hardware, Plan, Source, resolve};
+use kiln::train::Schedule;
+
+fn hw() -> Hardware {
+    Hardware {
+        cores: 7,
+        cuda_compiled: false,
+    }
+}
+
+fn plan_at(level: Level) -> Plan {
+    let mut c = KilnConfig::default();
+    c.set_level(level);
+    resolve(&c, &hw()).unwrap()
+}
+
+#[test]
+fn basic_turns_every_technique_off() {
+    let p = plan_at(Level::Basic);
+    assert_eq!(p.train.schedule, Schedule::Constant);
+    assert_eq!(p.train.warmup_steps, 0);
+    assert_eq!(p.train.grad_clip_norm, None);
+    assert!(!p.train.activation_checkpointing);
+    assert_eq!(p.get("train.schedule").unwrap().source, Source::Default);
+}
+
+#[test]
+fn advanced_adds_warmup_cosine_and_clipping() {
+    let p = plan_at(Level::Advanced);
+    assert_eq!(p.train.schedule, Schedule::Cosine);
+    assert_eq!(p.train.warmup_steps, 50);
+    assert_eq!(p.train.grad_clip_norm, Some(1.0));
+    assert!(!p.train.activation_checkpointing);
+    assert_eq!(
+        p.get("train.grad_clip_norm").unwrap().source,
+        Source::Level(Level::Advanced)
+    );
+}
+
+#[test]
+fn ultra_adds_activation_checkpointing() {
+    let p = plan_at(Level::Ultra);
+    assert!(p.train.activation_checkpointing);
+    assert_eq!(p.train.schedule, Schedule::Cosine);
+    assert_eq!(
+        p.get("train.activation_checkpointing").unwrap().source,
+        Source::Level(Level::Ultra)
+    );
+}
+
+#[test]
+fn custom_uses_only_what_the_file_says() {
+    let c = KilnConfig::from_toml_str(
+        "level = \"custom\"\n[train]\nschedule = \"cosine\"\nepochs = 5\n",
+        "my.toml",
+    )
+    .unwrap();
+    let p = resolve(&c, &hw()).unwrap();
+    assert_eq!(p.level, Level::Custom);
+    assert_eq!(p.train.schedule, Schedule::Cosine);
+    assert_eq!(p.train.epochs, 5);
+    // Not in the file: neutral defaults, no level techniques.
+    assert_eq!(p.train.grad_clip_norm, None);
+    assert_eq!(p.train.warmup_steps, 0);
+    assert!(matches!(p.get("train.epochs").unwrap().source, Source::File(ref f) if f.ends_with("my.toml")));
+    assert!(matches!(p.level_source, Source::File(_)));
+}
+
+#[test]
+fn flags_override_file_which_overrides_level() {
+    let mut c = KilnConfig::from_toml_str(
+        "level = \"advanced\"\n[train]\ngrad_clip_norm = 5.0\nlr = 0.01\n",
+        "k.toml",
+    )
+    .unwrap();
+    c.set("train.lr", "0.02").unwrap();
+    let p = resolve(&c, &hw()).unwrap();
+    assert_eq!(p.train.grad_clip_norm, Some(5.0));
+    assert_eq!(p.train.lr, 0.02);
+    assert_eq!(p.get("train.lr").unwrap().source, Source::Flag);
+    assert!(matches!(
+        p.get("train.grad_clip_norm").unwrap().source,
+        Source::File(_)
+    ));
+    assert_eq!(
+        p.get("train.warmup_steps").unwrap().source,
+        Source::Level(Level::Advanced)
+    );
+}
+
+#[test]
+fn auto_values_come_from_the_probe() {
+    let p = plan_at(Level::Basic);
+    assert_eq!(p.threads, 7);
+    assert!(matches!(p.get("device.threads").unwrap().source, Source::Probe(_)));
+    assert_eq!(p.backend.name(), "flex");
+    let mut c = KilnConfig::default();
+    c.set("device.threads", "3").unwrap();
+    assert_eq!(resolve(&c, &hw()).unwrap().threads, 3);
+}
+
+#[test]
+fn plan_prints_every_key_with_its_source() {
+    let p = plan_at(Level::Ultra);
+    let text = p.to_string();
+    for key in kiln::plan::known_keys() {
+        assert!(text.contains(key), "missing {key} in\n{text}");
+    }
+    assert!(text.contains("level ultra"));
+    assert!(text.contains("probe: 7 CPU cores"));
+    let json = p.to_json();
+    assert_eq!(json["settings"]["train.activation_checkpointing"]["value"], true);
+}
