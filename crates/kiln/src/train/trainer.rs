@@ -88,8 +88,7 @@ impl<'s> Trainer<'s> {
         let opts = self.options.clone();
         validate(&opts, train)?;
         let device = self.training_device();
-        device.seed(opts.seed);
-        let mut model = init(&device);
+        let mut model = seeded_init(&device, opts.seed, init);
         model
             .check_input(train.item_shape())
             .map_err(KilnError::Shape)?;
@@ -319,6 +318,26 @@ impl<'s> Trainer<'s> {
         });
         Ok(Some(path))
     }
+}
+
+/// Backends keep one global RNG and Burn initializes parameters lazily, so two trainers
+/// initializing at once would interleave their draws. Serializing seed + init + first touch
+/// makes a seed mean the same weights even with concurrent trainers in one process.
+static INIT_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn seeded_init<M: Module>(device: &Device, seed: u64, init: impl FnOnce(&Device) -> M) -> M {
+    struct Touch;
+    impl burn::module::ModuleVisitor for Touch {
+        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<burn::tensor::Tensor<D>>) {
+            let _ = param.val();
+        }
+    }
+    // A poisoned lock only means another trainer panicked mid-init; the guard protects no data.
+    let _guard = INIT_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    device.seed(seed);
+    let model = init(device);
+    model.visit(&mut Touch);
+    model
 }
 
 /// Where the loop stands.
