@@ -176,7 +176,7 @@ pub static SETTINGS: &[SettingSpec] = &[
         kind: Kind::Int { min: 0, max: i64::MAX },
         default: I(0),
         levels: &[],
-        doc: "stop after this many optimizer steps (0 = no limit)",
+        doc: "stop after this many optimizer steps (0 = no limit); the schedule still spans all epochs, so the run can be resumed",
     },
     SettingSpec {
         key: "train.eval_every_epochs",

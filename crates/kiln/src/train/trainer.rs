@@ -183,7 +183,9 @@ impl<'s> Trainer<'s> {
                     grads = clipped;
                     grad_norm = Some(norm);
                 }
-                let lr = learning_rate(&opts, pos.global_step, total_steps);
+                // The schedule spans the planned epochs, not max_steps: a run stopped early and resumed
+                // must see the same learning rates as one that never stopped.
+                let lr = learning_rate(&opts, pos.global_step, planned);
                 model = optim.step(lr, model, grads);
                 pos.global_step += 1;
                 pos.step_in_epoch = s + 1;

@@ -1,0 +1,208 @@
+//! Checkpoints round-trip, are verified on load, and a resumed run continues bit for bit.
+
+use burn::tensor::Device;
+use kiln::datasets::{Split, bundled};
+use kiln::observe::{Event, MemorySink, NullSink};
+use kiln::train::{
+    Checkpoint, CheckpointState, OptimizerKind, Schedule, TrainOptions, flatten_params,
+    latest_checkpoint,
+};
+use kiln::zoo::ModelKind;
+use kiln::{KilnError, Trainer, burn};
+
+fn tempdir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("kiln-ckpt-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn options(dir: Option<std::path::PathBuf>) -> TrainOptions {
+    TrainOptions {
+        epochs: 2,
+        batch_size: 32,
+        grad_accum_steps: 2,
+        optimizer: OptimizerKind::Adam,
+        schedule: Schedule::Cosine,
+        warmup_steps: 3,
+        grad_clip_norm: Some(1.0),
+        seed: 11,
+        checkpoint_dir: dir,
+        ..TrainOptions::default()
+    }
+}
+
+#[test]
+fn checkpoint_bytes_round_trip_and_detect_corruption() {
+    let ckpt = Checkpoint {
+        state: CheckpointState {
+            model: "mlp".into(),
+            epoch: 1,
+            step_in_epoch: 3,
+            global_step: 9,
+            fingerprint: vec![("train.lr".into(), "0.001".into())],
+            epoch_loss_sum: 12.5,
+            epoch_samples: 96,
+        },
+        model: vec![1, 2, 3, 4],
+        optimizer: vec![9; 100],
+    };
+    let dir = tempdir("bytes");
+    let path = dir.join(Checkpoint::file_name(9));
+    ckpt.save(&path).unwrap();
+    let back = Checkpoint::load(&path).unwrap();
+    assert_eq!(back.state, ckpt.state);
+    assert_eq!(back.model, ckpt.model);
+    assert_eq!(back.optimizer, ckpt.optimizer);
+    // No temp files are left behind by the atomic write.
+    let names: Vec<_> = std::fs::read_dir(&dir).unwrap().flatten().collect();
+    assert_eq!(names.len(), 1);
+
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[20] ^= 0x40;
+    std::fs::write(&path, &bytes).unwrap();
+    let err = Checkpoint::load(&path).unwrap_err();
+    assert!(matches!(err, KilnError::BadCheckpoint { .. }));
+    assert!(err.to_string().contains("checksum mismatch"), "{err}");
+
+    bytes[20] ^= 0x40;
+    std::fs::write(&path, &bytes[..bytes.len() - 7]).unwrap();
+    assert!(Checkpoint::load(&path).unwrap_err().to_string().contains("checksum"));
+    std::fs::write(&path, b"hello").unwrap();
+    assert!(Checkpoint::load(&path).unwrap_err().to_string().contains("not a Kiln checkpoint"));
+}
+
+/// Train 2 epochs straight; separately, stop mid-epoch via max_steps, then resume from the
+/// checkpoint in a fresh trainer. Final weights must be identical bit for bit.
+#[test]
+fn resume_continues_bit_for_bit() {
+    let data = bundled(Split::Train).unwrap().take(320);
+    let kind = ModelKind::Mlp;
+
+    let mut sink = NullSink;
+    let straight = Trainer::new(options(None), Device::flex(), &mut sink)
+        .fit(kind.name(), |d| kind.init(d), &data, None)
+        .unwrap();
+    assert_eq!(straight.summary.steps, 10);
+
+    let dir = tempdir("resume");
+    let mut first_half = MemorySink::default();
+    let stopped = Trainer::new(
+        TrainOptions {
+            max_steps: Some(7),
+            ..options(Some(dir.clone()))
+        },
+        Device::flex(),
+        &mut first_half,
+    )
+    .fit(kind.name(), |d| kind.init(d), &data, None)
+    .unwrap();
+    assert_eq!(stopped.summary.steps, 7);
+    let ckpt = latest_checkpoint(&dir).unwrap().unwrap();
+    assert!(ckpt.ends_with("step-00000007.kiln"), "{}", ckpt.display());
+    let state = Checkpoint::load(&ckpt).unwrap().state;
+    assert_eq!((state.epoch, state.step_in_epoch), (1, 2));
+
+    let mut second_half = MemorySink::default();
+    let resumed = Trainer::new(options(Some(dir.clone())), Device::flex(), &mut second_half)
+        .resume_from(&ckpt)
+        .fit(kind.name(), |d| kind.init(d), &data, None)
+        .unwrap();
+    assert_eq!(resumed.summary.steps, 10);
+    let steps: Vec<u64> = second_half
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Step(s) => Some(s.step),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(steps, vec![8, 9, 10]);
+    let (a, b) = (flatten_params(&straight.model), flatten_params(&resumed.model));
+    assert_eq!(a.len(), b.len());
+    let differing = a.iter().zip(&b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
+    let max_diff = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    assert_eq!(
+        differing, 0,
+        "{differing} of {} resumed weights differ from the uninterrupted run (max {max_diff})",
+        a.len()
+    );
+    // The epoch mean loss spans the interruption exactly.
+    assert_eq!(
+        straight.epochs.last().unwrap().train_loss,
+        resumed.epochs.last().unwrap().train_loss
+    );
+}
+
+#[test]
+fn resume_with_other_settings_or_model_is_refused() {
+    let data = bundled(Split::Train).unwrap().take(64);
+    let dir = tempdir("refuse");
+    let mut sink = NullSink;
+    Trainer::new(
+        TrainOptions {
+            epochs: 1,
+            ..options(Some(dir.clone()))
+        },
+        Device::flex(),
+        &mut sink,
+    )
+    .fit("mlp", |d| ModelKind::Mlp.init(d), &data, None)
+    .unwrap();
+    let ckpt = latest_checkpoint(&dir).unwrap().unwrap();
+
+    let err = Trainer::new(
+        TrainOptions {
+            epochs: 1,
+            lr: 0.5,
+            ..options(None)
+        },
+        Device::flex(),
+        &mut sink,
+    )
+    .resume_from(&ckpt)
+    .fit("mlp", |d| ModelKind::Mlp.init(d), &data, None)
+    .unwrap_err();
+    assert!(err.to_string().contains("train.lr was 0.001, now 0.5"), "{err}");
+
+    let err = Trainer::new(
+        TrainOptions {
+            epochs: 1,
+            ..options(None)
+        },
+        Device::flex(),
+        &mut sink,
+    )
+    .resume_from(&ckpt)
+    .fit("cnn", |d| ModelKind::Cnn.init(d), &data, None)
+    .unwrap_err();
+    assert!(err.to_string().contains("holds model `mlp`"), "{err}");
+}
+
+/// A diverging run stops with a clear error and leaves the last good checkpoint intact.
+#[test]
+fn divergence_is_an_error_and_keeps_the_last_checkpoint() {
+    let data = bundled(Split::Train).unwrap().take(256);
+    let dir = tempdir("diverge");
+    let mut sink = NullSink;
+    let result = Trainer::new(
+        TrainOptions {
+            epochs: 40,
+            batch_size: 64,
+            optimizer: OptimizerKind::Sgd,
+            lr: 10.0,
+            momentum: 0.99,
+            checkpoint_dir: Some(dir.clone()),
+            checkpoint_every_steps: Some(1),
+            ..TrainOptions::default()
+        },
+        Device::flex(),
+        &mut sink,
+    )
+    .fit("mlp", |d| ModelKind::Mlp.init(d), &data, None);
+    let err = result.unwrap_err();
+    assert!(matches!(err, KilnError::Diverged { .. }), "{err}");
+    assert!(err.to_string().contains("lower the learning rate"));
+    let last = latest_checkpoint(&dir).unwrap().unwrap();
+    Checkpoint::load(&last).expect("the last checkpoint must still verify");
+}
