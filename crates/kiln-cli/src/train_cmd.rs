@@ -27,7 +27,9 @@ pub fn run(args: TrainArgs) -> Result<()> {
         None => None,
         Some("latest") => {
             let Some(dir) = &plan.train.checkpoint_dir else {
-                bail!("--resume latest needs --checkpoint-dir (or train.checkpoint_dir) to look in");
+                bail!(
+                    "--resume latest needs --checkpoint-dir (or train.checkpoint_dir) to look in"
+                );
             };
             let found = kiln::train::latest_checkpoint(dir)?
                 .with_context(|| format!("no checkpoint (step-*.kiln) in {}", dir.display()))?;

@@ -54,13 +54,17 @@ pub enum KilnError {
         problem: String,
     },
     /// A model name that the zoo does not have.
-    #[error("unknown model `{0}`: expected one of mlp (W1), cnn (W2), transformer (W4), resnet (W5)")]
+    #[error(
+        "unknown model `{0}`: expected one of mlp (W1), cnn (W2), transformer (W4), resnet (W5)"
+    )]
     UnknownModel(String),
     /// A shape mismatch between data and model.
     #[error("shape mismatch: {0}")]
     Shape(String),
     /// The numbers went non-finite during training.
-    #[error("training diverged at step {step}: loss is {loss}; lower the learning rate or enable gradient clipping")]
+    #[error(
+        "training diverged at step {step}: loss is {loss}; lower the learning rate or enable gradient clipping"
+    )]
     Diverged {
         /// Global optimizer step.
         step: u64,

@@ -67,9 +67,19 @@ fn checkpoint_bytes_round_trip_and_detect_corruption() {
 
     bytes[20] ^= 0x40;
     std::fs::write(&path, &bytes[..bytes.len() - 7]).unwrap();
-    assert!(Checkpoint::load(&path).unwrap_err().to_string().contains("checksum"));
+    assert!(
+        Checkpoint::load(&path)
+            .unwrap_err()
+            .to_string()
+            .contains("checksum")
+    );
     std::fs::write(&path, b"hello").unwrap();
-    assert!(Checkpoint::load(&path).unwrap_err().to_string().contains("not a Kiln checkpoint"));
+    assert!(
+        Checkpoint::load(&path)
+            .unwrap_err()
+            .to_string()
+            .contains("not a Kiln checkpoint")
+    );
 }
 
 /// Train 2 epochs straight; separately, stop mid-epoch via max_steps, then resume from the
@@ -118,12 +128,24 @@ fn resume_continues_bit_for_bit() {
         })
         .collect();
     assert_eq!(steps, vec![8, 9, 10]);
-    let (a, b) = (flatten_params(&straight.model), flatten_params(&resumed.model));
+    let (a, b) = (
+        flatten_params(&straight.model),
+        flatten_params(&resumed.model),
+    );
     assert_eq!(a.len(), b.len());
-    let differing = a.iter().zip(&b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
-    let max_diff = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    let differing = a
+        .iter()
+        .zip(&b)
+        .filter(|(x, y)| x.to_bits() != y.to_bits())
+        .count();
+    let max_diff = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
     assert_eq!(
-        differing, 0,
+        differing,
+        0,
         "{differing} of {} resumed weights differ from the uninterrupted run (max {max_diff})",
         a.len()
     );
@@ -163,7 +185,10 @@ fn resume_with_other_settings_or_model_is_refused() {
     .resume_from(&ckpt)
     .fit("mlp", |d| ModelKind::Mlp.init(d), &data, None)
     .unwrap_err();
-    assert!(err.to_string().contains("train.lr was 0.001, now 0.5"), "{err}");
+    assert!(
+        err.to_string().contains("train.lr was 0.001, now 0.5"),
+        "{err}"
+    );
 
     let err = Trainer::new(
         TrainOptions {

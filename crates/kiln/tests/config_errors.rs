@@ -43,7 +43,10 @@ fn out_of_range_value_is_rejected() {
     assert!(msg.contains("train.lr") && msg.contains("-0.5"), "{msg}");
     assert!(msg.contains("a number in"), "{msg}");
     let msg = message(parse("[train]\nbatch_size = 0\n").unwrap_err());
-    assert!(msg.contains("train.batch_size") && msg.contains('0'), "{msg}");
+    assert!(
+        msg.contains("train.batch_size") && msg.contains('0'),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -51,7 +54,10 @@ fn bad_enum_value_lists_the_choices() {
     let msg = message(parse("[train]\noptimizer = \"lbfgs\"\n").unwrap_err());
     assert!(msg.contains("one of adam, adamw, sgd"), "{msg}");
     let msg = message(parse("[precision]\npolicy = \"fp8\"\n").unwrap_err());
-    assert!(msg.contains("precision.policy") && msg.contains("fp8"), "{msg}");
+    assert!(
+        msg.contains("precision.policy") && msg.contains("fp8"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -78,7 +84,10 @@ fn missing_file_is_an_io_error_with_the_path() {
 fn flag_values_are_parsed_by_the_keys_type() {
     let mut c = KilnConfig::default();
     let msg = message(c.set("train.epochs", "two").unwrap_err());
-    assert!(msg.contains("train.epochs") && msg.contains("\"two\""), "{msg}");
+    assert!(
+        msg.contains("train.epochs") && msg.contains("\"two\""),
+        "{msg}"
+    );
     let msg = message(c.set("train.nope", "1").unwrap_err());
     assert!(msg.contains("unknown config key `train.nope`"), "{msg}");
     let msg = message(c.set_pair("train.lr").unwrap_err());

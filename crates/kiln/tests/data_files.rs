@@ -95,7 +95,11 @@ fn truncated_file_is_reported_with_sizes() {
 fn wrong_magic_is_not_an_idx_file() {
     let dir = tempdir("magic");
     write_dir(&dir, 5, false);
-    std::fs::write(dir.join("train-images-idx3-ubyte"), b"PK\x03\x04 not idx at all").unwrap();
+    std::fs::write(
+        dir.join("train-images-idx3-ubyte"),
+        b"PK\x03\x04 not idx at all",
+    )
+    .unwrap();
     expect_bad_data(load_dir(&dir, Split::Train), "not an IDX file");
 }
 

@@ -66,7 +66,9 @@ fn custom_uses_only_what_the_file_says() {
     // Not in the file: neutral defaults, no level techniques.
     assert_eq!(p.train.grad_clip_norm, None);
     assert_eq!(p.train.warmup_steps, 0);
-    assert!(matches!(p.get("train.epochs").unwrap().source, Source::File(ref f) if f.ends_with("my.toml")));
+    assert!(
+        matches!(p.get("train.epochs").unwrap().source, Source::File(ref f) if f.ends_with("my.toml"))
+    );
     assert!(matches!(p.level_source, Source::File(_)));
 }
 
@@ -96,7 +98,10 @@ fn flags_override_file_which_overrides_level() {
 fn auto_values_come_from_the_probe() {
     let p = plan_at(Level::Basic);
     assert_eq!(p.threads, 7);
-    assert!(matches!(p.get("device.threads").unwrap().source, Source::Probe(_)));
+    assert!(matches!(
+        p.get("device.threads").unwrap().source,
+        Source::Probe(_)
+    ));
     assert_eq!(p.backend.name(), "flex");
     let mut c = KilnConfig::default();
     c.set("device.threads", "3").unwrap();
@@ -113,5 +118,8 @@ fn plan_prints_every_key_with_its_source() {
     assert!(text.contains("level ultra"));
     assert!(text.contains("probe: 7 CPU cores"));
     let json = p.to_json();
-    assert_eq!(json["settings"]["train.activation_checkpointing"]["value"], true);
+    assert_eq!(
+        json["settings"]["train.activation_checkpointing"]["value"],
+        true
+    );
 }

@@ -46,7 +46,11 @@ fn accumulation_matches_one_big_batch() {
         let base = TrainOptions {
             epochs: 1,
             optimizer,
-            lr: if optimizer == OptimizerKind::Sgd { 0.05 } else { 1e-3 },
+            lr: if optimizer == OptimizerKind::Sgd {
+                0.05
+            } else {
+                1e-3
+            },
             seed: 7,
             shuffle: true,
             ..TrainOptions::default()
@@ -81,8 +85,15 @@ fn accumulation_matches_one_big_batch() {
         // Only the f32 summation order differs. SGD passes that through linearly; Adam
         // divides by sqrt(v), which magnifies rounding on near-zero gradients up to ~lr per
         // element, hence its looser (still 30x below the training movement) bound.
-        let tolerance = if optimizer == OptimizerKind::Sgd { 2e-5 } else { 1e-4 };
-        assert!(diff < tolerance, "{optimizer:?}: accumulation differs by {diff}");
+        let tolerance = if optimizer == OptimizerKind::Sgd {
+            2e-5
+        } else {
+            1e-4
+        };
+        assert!(
+            diff < tolerance,
+            "{optimizer:?}: accumulation differs by {diff}"
+        );
         // And the comparison is not vacuous: training moved the weights.
         assert!(max_rel_diff(&big, &untouched) > 1e-3);
     }

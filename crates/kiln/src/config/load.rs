@@ -41,12 +41,12 @@ impl KilnConfig {
     /// Parses and validates TOML text; `path` is only used in messages and `kiln plan`.
     pub fn from_toml_str(text: &str, path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref().to_path_buf();
-        let table: toml::Table = text.parse().map_err(|e: toml::de::Error| {
-            KilnError::ConfigSyntax {
-                path: path.clone(),
-                message: e.to_string().trim().to_string(),
-            }
-        })?;
+        let table: toml::Table =
+            text.parse()
+                .map_err(|e: toml::de::Error| KilnError::ConfigSyntax {
+                    path: path.clone(),
+                    message: e.to_string().trim().to_string(),
+                })?;
         let mut flat = BTreeMap::new();
         flatten("", &table, &mut flat);
         let mut config = KilnConfig {
@@ -83,17 +83,20 @@ impl KilnConfig {
             return Ok(());
         }
         let spec = schema::find(key).ok_or_else(|| schema::unknown_key(key))?;
-        self.overrides.insert(key.to_string(), spec.parse_flag(raw)?);
+        self.overrides
+            .insert(key.to_string(), spec.parse_flag(raw)?);
         Ok(())
     }
 
     /// Applies an override given as `key=value` (the `--set` flag's syntax).
     pub fn set_pair(&mut self, pair: &str) -> Result<()> {
-        let (key, raw) = pair.split_once('=').ok_or_else(|| KilnError::InvalidValue {
-            key: "--set".into(),
-            value: format!("{pair:?}"),
-            expected: "key=value, e.g. train.lr=0.01".into(),
-        })?;
+        let (key, raw) = pair
+            .split_once('=')
+            .ok_or_else(|| KilnError::InvalidValue {
+                key: "--set".into(),
+                value: format!("{pair:?}"),
+                expected: "key=value, e.g. train.lr=0.01".into(),
+            })?;
         self.set(key.trim(), raw.trim())
     }
 

@@ -82,21 +82,30 @@ pub static SETTINGS: &[SettingSpec] = &[
     },
     SettingSpec {
         key: "train.epochs",
-        kind: Kind::Int { min: 1, max: 100_000 },
+        kind: Kind::Int {
+            min: 1,
+            max: 100_000,
+        },
         default: I(3),
         levels: &[],
         doc: "passes over the training set",
     },
     SettingSpec {
         key: "train.batch_size",
-        kind: Kind::Int { min: 1, max: 1 << 20 },
+        kind: Kind::Int {
+            min: 1,
+            max: 1 << 20,
+        },
         default: I(64),
         levels: &[],
         doc: "micro-batch size (samples per forward/backward)",
     },
     SettingSpec {
         key: "train.grad_accum_steps",
-        kind: Kind::Int { min: 1, max: 65_536 },
+        kind: Kind::Int {
+            min: 1,
+            max: 65_536,
+        },
         default: I(1),
         levels: &[],
         doc: "micro-batches per optimizer step (effective batch = batch_size x this)",
@@ -110,7 +119,10 @@ pub static SETTINGS: &[SettingSpec] = &[
     },
     SettingSpec {
         key: "train.lr",
-        kind: Kind::Float { min: 1e-12, max: 10.0 },
+        kind: Kind::Float {
+            min: 1e-12,
+            max: 10.0,
+        },
         default: F(1e-3),
         levels: &[],
         doc: "peak learning rate",
@@ -124,7 +136,10 @@ pub static SETTINGS: &[SettingSpec] = &[
     },
     SettingSpec {
         key: "train.momentum",
-        kind: Kind::Float { min: 0.0, max: 0.999_999 },
+        kind: Kind::Float {
+            min: 0.0,
+            max: 0.999_999,
+        },
         default: F(0.9),
         levels: &[],
         doc: "SGD momentum (sgd only)",
@@ -138,7 +153,10 @@ pub static SETTINGS: &[SettingSpec] = &[
     },
     SettingSpec {
         key: "train.warmup_steps",
-        kind: Kind::Int { min: 0, max: 10_000_000 },
+        kind: Kind::Int {
+            min: 0,
+            max: 10_000_000,
+        },
         default: I(0),
         levels: &[(Level::Advanced, I(50)), (Level::Ultra, I(50))],
         doc: "optimizer steps of linear learning-rate warm-up",
@@ -166,21 +184,30 @@ pub static SETTINGS: &[SettingSpec] = &[
     },
     SettingSpec {
         key: "train.seed",
-        kind: Kind::Int { min: 0, max: i64::MAX },
+        kind: Kind::Int {
+            min: 0,
+            max: i64::MAX,
+        },
         default: I(42),
         levels: &[],
         doc: "seed for initialization and data order (same seed = same run)",
     },
     SettingSpec {
         key: "train.max_steps",
-        kind: Kind::Int { min: 0, max: i64::MAX },
+        kind: Kind::Int {
+            min: 0,
+            max: i64::MAX,
+        },
         default: I(0),
         levels: &[],
         doc: "stop after this many optimizer steps (0 = no limit); the schedule still spans all epochs, so the run can be resumed",
     },
     SettingSpec {
         key: "train.eval_every_epochs",
-        kind: Kind::Int { min: 0, max: 100_000 },
+        kind: Kind::Int {
+            min: 0,
+            max: 100_000,
+        },
         default: I(1),
         levels: &[],
         doc: "evaluate on the test split every N epochs (0 = only at the end)",
@@ -194,7 +221,10 @@ pub static SETTINGS: &[SettingSpec] = &[
     },
     SettingSpec {
         key: "train.checkpoint_every_steps",
-        kind: Kind::Int { min: 0, max: i64::MAX },
+        kind: Kind::Int {
+            min: 0,
+            max: i64::MAX,
+        },
         default: I(0),
         levels: &[],
         doc: "also checkpoint every N optimizer steps (0 = at each epoch end only)",

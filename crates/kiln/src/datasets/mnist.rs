@@ -58,13 +58,14 @@ const BUNDLED_SUMS: &str = include_str!(concat!(
 pub fn bundled(split: Split) -> Result<ImageDataset> {
     let find = |suffix: &str| -> Result<(PathBuf, &'static [u8])> {
         let name = format!("{}-{suffix}.gz", split.prefix());
-        let (_, bytes) = BUNDLED
-            .iter()
-            .find(|(n, _)| *n == name)
-            .ok_or_else(|| KilnError::BadData {
-                path: PathBuf::from(&name),
-                problem: "not among the bundled files".into(),
-            })?;
+        let (_, bytes) =
+            BUNDLED
+                .iter()
+                .find(|(n, _)| *n == name)
+                .ok_or_else(|| KilnError::BadData {
+                    path: PathBuf::from(&name),
+                    problem: "not among the bundled files".into(),
+                })?;
         let path = PathBuf::from("data/mnist5k").join(&name);
         verify_checksum(&path, &name, bytes, BUNDLED_SUMS)?;
         Ok((path, bytes))
@@ -100,7 +101,10 @@ pub fn load_dir(dir: &Path, split: Split) -> Result<ImageDataset> {
     let read = |path: &Path| -> Result<IdxArray> {
         let bytes = std::fs::read(path).map_err(|e| KilnError::io(path, e))?;
         if let Some(sums) = &sums {
-            let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+            let name = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .unwrap_or_default();
             if sums.lines().any(|l| l.ends_with(name)) {
                 verify_checksum(path, name, &bytes, sums)?;
             }

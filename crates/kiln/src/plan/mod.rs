@@ -121,7 +121,11 @@ impl fmt::Display for Plan {
             .map(|s| s.source.to_string().len())
             .max()
             .unwrap_or(0);
-        writeln!(f, "{:kw$}  {:vw$}  {:sw$}  what", "setting", "value", "source")?;
+        writeln!(
+            f,
+            "{:kw$}  {:vw$}  {:sw$}  what",
+            "setting", "value", "source"
+        )?;
         for s in &self.settings {
             writeln!(
                 f,
@@ -233,8 +237,7 @@ fn build(config: &KilnConfig, settings: Vec<ResolvedSetting>, hw: &Hardware) -> 
         max_steps: Some(int("train.max_steps") as u64).filter(|s| *s > 0),
         eval_every_epochs: int("train.eval_every_epochs") as usize,
         checkpoint_dir: dir("train.checkpoint_dir"),
-        checkpoint_every_steps: Some(int("train.checkpoint_every_steps") as u64)
-            .filter(|s| *s > 0),
+        checkpoint_every_steps: Some(int("train.checkpoint_every_steps") as u64).filter(|s| *s > 0),
         shuffle: flag("data.shuffle"),
         precision: Precision::F32,
     };

@@ -9,7 +9,8 @@ use super::{OptimizerKind, TrainOptions};
 /// The optimizer the options ask for. Clipping is *not* configured here: Kiln clips by the
 /// global norm itself (see [`super::clip_global_norm`]).
 pub fn build_optimizer(options: &TrainOptions) -> ModuleOptimizer {
-    let decay = (options.weight_decay > 0.0).then(|| WeightDecayConfig::new(options.weight_decay as f32));
+    let decay =
+        (options.weight_decay > 0.0).then(|| WeightDecayConfig::new(options.weight_decay as f32));
     match options.optimizer {
         // torch's default epsilon, so trajectories are comparable with the PyTorch peer.
         OptimizerKind::Adam => AdamConfig::new()

@@ -126,7 +126,11 @@ impl<'s> Trainer<'s> {
         'epochs: for epoch in pos.epoch..opts.epochs {
             let epoch_start = Instant::now();
             let order = epoch_order(n, opts.seed, epoch, opts.shuffle);
-            let first = if epoch == pos.epoch { pos.step_in_epoch } else { 0 };
+            let first = if epoch == pos.epoch {
+                pos.step_in_epoch
+            } else {
+                0
+            };
             if epoch != pos.epoch {
                 pos.epoch_loss_sum = 0.0;
                 pos.epoch_samples = 0;
@@ -134,12 +138,12 @@ impl<'s> Trainer<'s> {
             for s in first..steps_per_epoch {
                 if pos.global_step >= total_steps {
                     // Stopped early by max_steps: leave a checkpoint to continue from.
-                    last_train_loss =
-                        (pos.epoch_loss_sum / pos.epoch_samples.max(1) as f64) as f32;
+                    last_train_loss = (pos.epoch_loss_sum / pos.epoch_samples.max(1) as f64) as f32;
                     last_checkpoint = self.checkpoint(&model, &optim, model_name, &pos)?;
                     break 'epochs;
                 }
-                let micro = s * opts.grad_accum_steps..((s + 1) * opts.grad_accum_steps).min(micro_per_epoch);
+                let micro = s * opts.grad_accum_steps
+                    ..((s + 1) * opts.grad_accum_steps).min(micro_per_epoch);
                 let slices: Vec<&[usize]> = micro
                     .map(|m| &order[m * opts.batch_size..((m + 1) * opts.batch_size).min(n)])
                     .collect();
@@ -288,9 +292,11 @@ impl<'s> Trainer<'s> {
         let Some(dir) = &self.options.checkpoint_dir else {
             return Ok(None);
         };
-        let record_err = |what| move |e: burn::store::RecordError| KilnError::Record {
-            what,
-            message: e.to_string(),
+        let record_err = |what| {
+            move |e: burn::store::RecordError| KilnError::Record {
+                what,
+                message: e.to_string(),
+            }
         };
         let model_bytes = model
             .clone()
@@ -330,7 +336,10 @@ static INIT_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
 fn seeded_init<M: Module>(device: &Device, seed: u64, init: impl FnOnce(&Device) -> M) -> M {
     struct Touch;
     impl burn::module::ModuleVisitor for Touch {
-        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<burn::tensor::Tensor<D>>) {
+        fn visit_float<const D: usize>(
+            &mut self,
+            param: &burn::module::Param<burn::tensor::Tensor<D>>,
+        ) {
             let _ = param.val();
         }
     }

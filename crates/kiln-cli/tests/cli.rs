@@ -1,0 +1,151 @@
+//! The `kiln` binary end to end: plan, train with JSON events, checkpoints + resume, and
+//! clear errors with exit status 2.
+
+use std::process::{Command, Output};
+
+fn kiln(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(args)
+        .env("KILN_LOG", "error")
+        .output()
+        .expect("run kiln")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn tempdir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("kiln-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+#[test]
+fn help_shows_examples() {
+    let o = kiln(&["--help"]);
+    assert!(o.status.success());
+    let text = stdout(&o);
+    assert!(text.contains("Examples:") && text.contains("kiln train --model cnn --epochs 3"));
+    assert!(text.contains("train") && text.contains("plan"));
+}
+
+#[test]
+fn plan_json_reports_sources() {
+    let dir = tempdir("plan");
+    let cfg = dir.join("kiln.toml");
+    std::fs::write(&cfg, "level = \"ultra\"\n[train]\nepochs = 7\n").unwrap();
+    let o = kiln(&[
+        "plan",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--lr",
+        "0.01",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(v["level"], "ultra");
+    assert_eq!(v["settings"]["train.epochs"]["value"], 7);
+    assert!(
+        v["settings"]["train.epochs"]["source"]
+            .as_str()
+            .unwrap()
+            .starts_with("file ")
+    );
+    assert_eq!(v["settings"]["train.lr"]["source"], "flag");
+    assert_eq!(
+        v["settings"]["train.activation_checkpointing"]["source"],
+        "level ultra"
+    );
+    assert!(
+        v["settings"]["device.threads"]["source"]
+            .as_str()
+            .unwrap()
+            .starts_with("probe")
+    );
+}
+
+#[test]
+fn bad_config_is_a_clear_error_with_status_2() {
+    let dir = tempdir("bad");
+    let cfg = dir.join("kiln.toml");
+    std::fs::write(&cfg, "[train]\nbatchsize = 32\n").unwrap();
+    let o = kiln(&["train", "--config", cfg.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = stderr(&o);
+    assert!(
+        err.contains("unknown config key `train.batchsize`"),
+        "{err}"
+    );
+    assert!(err.contains("train.batch_size"), "{err}");
+
+    let o = kiln(&["train", "--model", "vgg"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("unknown model `vgg`"));
+
+    let o = kiln(&["train", "--data", "/nonexistent-kiln-dir"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("train-images-idx3-ubyte"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
+fn train_json_then_resume_latest() {
+    let dir = tempdir("train");
+    let ckpt = dir.join("ckpt");
+    let ckpt = ckpt.to_str().unwrap();
+    let common = [
+        "train",
+        "--model",
+        "W1",
+        "--epochs",
+        "1",
+        "--checkpoint-dir",
+        ckpt,
+        "--json",
+    ];
+    let mut first: Vec<&str> = common.to_vec();
+    first.extend(["--max-steps", "5"]);
+    let o = kiln(&first);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let events: Vec<serde_json::Value> = stdout(&o)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("every stdout line is JSON"))
+        .collect();
+    assert_eq!(events[0]["event"], "run_started");
+    assert_eq!(events[0]["plan"]["settings"]["train.model"]["value"], "mlp");
+    let steps = events.iter().filter(|e| e["event"] == "step").count();
+    assert_eq!(steps, 5);
+    let last = events.last().unwrap();
+    assert_eq!(last["event"], "run_finished");
+    assert!(
+        last["last_checkpoint"]
+            .as_str()
+            .unwrap()
+            .ends_with("step-00000005.kiln")
+    );
+
+    let mut second: Vec<&str> = common.to_vec();
+    second.extend(["--resume", "latest"]);
+    let o = kiln(&second);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let events: Vec<serde_json::Value> = stdout(&o)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(events[0]["start_step"], 5);
+    let first_step = events.iter().find(|e| e["event"] == "step").unwrap();
+    assert_eq!(first_step["step"], 6);
+    let done = events.last().unwrap();
+    assert_eq!(done["steps"], 63);
+    assert!(done["test_accuracy"].as_f64().unwrap() > 0.8);
+}
