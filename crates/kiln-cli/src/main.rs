@@ -1,5 +1,6 @@
 //! `kiln`: train, plan and (in later issues) tune, bench, profile and serve.
 
+mod bench_cmd;
 mod progress;
 mod train_cmd;
 
@@ -19,7 +20,9 @@ Examples:
   kiln train --checkpoint-dir runs/cnn --max-steps 100
   kiln train --checkpoint-dir runs/cnn --resume latest
   kiln train --data ~/mnist --model mlp      full MNIST / Fashion-MNIST IDX files
-  kiln plan --level ultra                    show every setting and where it came from";
+  kiln plan --level ultra                    show every setting and where it came from
+  kiln bench --workload W2                   plain Burn vs Kiln's levels, same protocol as the peers
+  bench/compare.sh                           Kiln and the PyTorch / ONNX Runtime peers side by side";
 
 /// Kiln: a performance optimization system for deep-learning training and inference.
 #[derive(Parser, Debug)]
@@ -37,6 +40,34 @@ enum Command {
     /// Print the resolved plan: every setting, its value and where it came from.
     #[command(after_help = EXAMPLES)]
     Plan(PlanArgs),
+    /// Benchmark plain Burn vs Kiln's plan at each level on the standard workloads.
+    #[command(after_help = EXAMPLES)]
+    Bench(BenchArgs),
+}
+
+#[derive(Args, Debug)]
+struct BenchArgs {
+    /// W1..W5 or all.
+    #[arg(long, default_value = "all")]
+    workload: String,
+    /// train or infer (default: infer for W3, train otherwise).
+    #[arg(long, value_parser = ["train", "infer"])]
+    mode: Option<String>,
+    /// Batch size (default: the workload's standard batch; W3 measures 1 and 64).
+    #[arg(long)]
+    batch: Option<usize>,
+    /// Timed steps per repeat (3 repeats after 5 warm-up steps).
+    #[arg(long)]
+    steps: Option<usize>,
+    /// CPU threads (0 = one per core).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// JSON lines instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Internal: measure one case in this process (`burn`, `kiln-basic`, ...).
+    #[arg(long, hide = true)]
+    case: Option<String>,
 }
 
 /// Flags that shape the configuration; each maps onto a config key.
@@ -176,6 +207,7 @@ fn main() {
     let result = match cli.command {
         Command::Train(args) => train_cmd::run(args),
         Command::Plan(args) => plan(args),
+        Command::Bench(args) => bench_cmd::run(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -149,3 +149,33 @@ fn train_json_then_resume_latest() {
     assert_eq!(done["steps"], 63);
     assert!(done["test_accuracy"].as_f64().unwrap() > 0.8);
 }
+
+#[test]
+fn bench_reports_every_case_with_the_protocol() {
+    let o = kiln(&["bench", "--workload", "W1", "--steps", "2", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let rows: Vec<serde_json::Value> = stdout(&o)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let cases: Vec<&str> = rows.iter().map(|r| r["case"].as_str().unwrap()).collect();
+    assert_eq!(cases, ["burn", "kiln-basic", "kiln-advanced", "kiln-ultra"]);
+    for r in &rows {
+        assert_eq!(r["workload"], "W1");
+        assert_eq!(r["batch"], 128);
+        let ms = r["ms_per_step"].as_f64().unwrap();
+        assert!(ms > 0.0 && ms.is_finite(), "{r}");
+        assert!(r["min_ms"].as_f64().unwrap() <= ms && ms <= r["max_ms"].as_f64().unwrap());
+        assert!(r["peak_rss_bytes"].as_u64().unwrap() > 0);
+    }
+    let o = kiln(&["bench", "--workload", "W3", "--steps", "2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let table = stdout(&o);
+    assert!(
+        table.contains("ms/step") && table.contains("W3   infer     1"),
+        "{table}"
+    );
+    let o = kiln(&["bench", "--workload", "W9"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("unknown workload `W9`"));
+}

@@ -6,8 +6,10 @@
 //! and a resumed run sees exactly the batches an uninterrupted one would.
 
 mod image;
+mod synthetic;
 
 pub use image::ImageDataset;
+pub use synthetic::SyntheticDataset;
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use rand::SeedableRng;

@@ -5,6 +5,7 @@
 mod events;
 pub mod memory;
 mod sink;
+pub mod timing;
 
 pub use events::{EpochSummary, Event, RunSummary, StepEvent};
 pub use sink::{EventSink, FanOut, JsonLinesSink, MemorySink, NullSink};

@@ -95,11 +95,27 @@ impl ModelKind {
 
     /// A freshly initialized model for single-channel 28×28 images (the MNIST shape).
     pub fn init(self, device: &Device) -> ZooModel {
+        self.init_for_channels(1, device)
+    }
+
+    /// A freshly initialized model whose input has `channels` channels. Only the ResNet is
+    /// channel-generic (W5 benchmarks use 3×32×32); the others are defined on MNIST's shape.
+    pub fn init_for_channels(self, channels: usize, device: &Device) -> ZooModel {
         match self {
             ModelKind::Mlp => ZooModel::Mlp(Mlp::new(device)),
             ModelKind::Cnn => ZooModel::Cnn(Cnn::new(device)),
             ModelKind::Transformer => ZooModel::Transformer(EncoderClassifier::new(device)),
-            ModelKind::ResNet => ZooModel::ResNet(ResNetConfig::resnet18(1).init(device)),
+            ModelKind::ResNet => ZooModel::ResNet(ResNetConfig::resnet18(channels).init(device)),
+        }
+    }
+
+    /// The standard benchmark shape of the workload: training batch and `[C, H, W]`, as in
+    /// the peers' `workloads.py`.
+    pub fn bench_shape(self) -> (usize, [usize; 3]) {
+        match self {
+            ModelKind::Mlp => (128, [1, 28, 28]),
+            ModelKind::Cnn | ModelKind::Transformer => (64, [1, 28, 28]),
+            ModelKind::ResNet => (64, [3, 32, 32]),
         }
     }
 }
@@ -129,16 +145,17 @@ impl Classifier for ZooModel {
 
     fn check_input(&self, shape: [usize; 3]) -> std::result::Result<(), String> {
         let expected = match self {
-            // The ResNet is fully convolutional with global pooling: any size of 1 channel.
-            ZooModel::ResNet(_) if shape[0] == 1 && shape[1] >= 4 && shape[2] >= 4 => {
-                return Ok(());
+            // The ResNet is fully convolutional with global pooling: any size >= 4×4.
+            ZooModel::ResNet(m) => {
+                let c = m.in_channels();
+                if shape[0] == c && shape[1] >= 4 && shape[2] >= 4 {
+                    return Ok(());
+                }
+                format!("[{c}, H, W] with H, W >= 4")
             }
-            ZooModel::ResNet(_) => "[1, H, W] with H, W >= 4",
-            _ => "[1, 28, 28] (MNIST-shaped images)",
+            _ if shape == [1, 28, 28] => return Ok(()),
+            _ => "[1, 28, 28] (MNIST-shaped images)".to_string(),
         };
-        if !matches!(self, ZooModel::ResNet(_)) && shape == [1, 28, 28] {
-            return Ok(());
-        }
         Err(format!(
             "samples have shape {shape:?} but this model expects {expected}"
         ))

@@ -112,6 +112,13 @@ pub struct ResNet {
     head: Linear,
 }
 
+impl ResNet {
+    /// Input channels, read from the stem convolution's weight `[out, in, k, k]`.
+    pub fn in_channels(&self) -> usize {
+        self.stem.weight.dims()[1]
+    }
+}
+
 impl Classifier for ResNet {
     fn forward(&self, images: Tensor<4>) -> Tensor<2> {
         let mut x = relu(self.stem_bn.forward(self.stem.forward(images)));

@@ -1,0 +1,354 @@
+//! `kiln bench`: plain Burn vs Kiln's plan at each level, same shapes and protocol as the
+//! peers (`../shared/peers/workloads.py`): 5 warm-up steps, 3 repeats of N timed steps,
+//! median. Each case runs in its own child process so its peak RSS is its own.
+
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+use burn::module::Module;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::optim::{AdamConfig, GradientsParams};
+use burn::tensor::{Device, Distribution, Int, Tensor};
+use kiln::burn;
+use kiln::config::Level;
+use kiln::data::SyntheticDataset;
+use kiln::observe::timing::{Timing, measure, summarize};
+use kiln::observe::{Event, MemorySink, memory};
+use kiln::plan::{Hardware, resolve};
+use kiln::zoo::{Classifier, ModelKind};
+use kiln::{KilnConfig, Trainer};
+use serde::{Deserialize, Serialize};
+
+use crate::BenchArgs;
+
+const WARMUP: usize = 5;
+const REPEATS: usize = 3;
+/// Distinct pre-generated batches cycled through, as the peers do.
+const BATCHES: usize = 8;
+
+/// One measured case.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CaseResult {
+    pub workload: String,
+    pub mode: String,
+    pub case: String,
+    pub batch: usize,
+    pub threads: usize,
+    pub steps: usize,
+    pub ms_per_step: f64,
+    pub min_ms: f64,
+    pub max_ms: f64,
+    pub spread: f64,
+    pub samples_per_s: f64,
+    pub peak_rss_bytes: Option<u64>,
+}
+
+/// A workload id and what it runs.
+#[derive(Debug, Clone, Copy)]
+struct Workload {
+    id: &'static str,
+    model: ModelKind,
+    infer: bool,
+}
+
+const WORKLOADS: [Workload; 5] = [
+    Workload {
+        id: "W1",
+        model: ModelKind::Mlp,
+        infer: false,
+    },
+    Workload {
+        id: "W2",
+        model: ModelKind::Cnn,
+        infer: false,
+    },
+    Workload {
+        id: "W3",
+        model: ModelKind::Cnn,
+        infer: true,
+    },
+    Workload {
+        id: "W4",
+        model: ModelKind::Transformer,
+        infer: false,
+    },
+    Workload {
+        id: "W5",
+        model: ModelKind::ResNet,
+        infer: false,
+    },
+];
+
+/// Cases measured per mode: plain Burn always; Kiln's levels for training (inference
+/// passes arrive with the inference issue, so there Kiln runs what plain Burn runs).
+fn cases(mode: &str) -> Vec<&'static str> {
+    if mode == "train" {
+        vec!["burn", "kiln-basic", "kiln-advanced", "kiln-ultra"]
+    } else {
+        vec!["burn"]
+    }
+}
+
+fn default_steps(model: ModelKind, mode: &str) -> usize {
+    match (model, mode) {
+        (_, "infer") => 50,
+        (ModelKind::Mlp, _) => 50,
+        (ModelKind::Cnn | ModelKind::Transformer, _) => 20,
+        (ModelKind::ResNet, _) => 3,
+    }
+}
+
+pub fn run(args: BenchArgs) -> Result<()> {
+    let threads = if args.threads == 0 {
+        Hardware::probe().cores
+    } else {
+        args.threads
+    };
+    if let Some(case) = &args.case {
+        // Child mode: measure one case and print one JSON line.
+        let workload = find(&args.workload)?;
+        let mode = args.mode.clone().unwrap_or_else(|| default_mode(workload));
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build_global()
+            .ok();
+        let result = measure_case(workload, &mode, case, args.batch, args.steps, threads)?;
+        println!("{}", serde_json::to_string(&result)?);
+        return Ok(());
+    }
+    let selected: Vec<Workload> = if args.workload.eq_ignore_ascii_case("all") {
+        WORKLOADS.to_vec()
+    } else {
+        vec![find(&args.workload)?]
+    };
+    let exe = std::env::current_exe().context("locating the kiln binary")?;
+    let mut results = Vec::new();
+    for w in selected {
+        let modes: Vec<String> = match &args.mode {
+            Some(m) => vec![m.clone()],
+            None => vec![default_mode(w)],
+        };
+        for mode in modes {
+            let batches: Vec<Option<usize>> = match (args.batch, w.infer) {
+                (Some(b), _) => vec![Some(b)],
+                (None, true) => vec![Some(1), Some(64)],
+                (None, false) => vec![None],
+            };
+            for batch in batches {
+                for case in cases(&mode) {
+                    let mut cmd = Command::new(&exe);
+                    cmd.args(["bench", "--workload", w.id, "--mode", &mode, "--case", case]);
+                    cmd.args(["--threads", &threads.to_string()]);
+                    if let Some(b) = batch {
+                        cmd.args(["--batch", &b.to_string()]);
+                    }
+                    if let Some(s) = args.steps {
+                        cmd.args(["--steps", &s.to_string()]);
+                    }
+                    if !args.json {
+                        eprintln!("kiln bench: {} {mode} {case} ...", w.id);
+                    }
+                    let out = cmd.output().context("running a bench case")?;
+                    if !out.status.success() {
+                        bail!(
+                            "bench case {} {mode} {case} failed: {}",
+                            w.id,
+                            String::from_utf8_lossy(&out.stderr)
+                        );
+                    }
+                    let line = String::from_utf8_lossy(&out.stdout);
+                    let r: CaseResult = serde_json::from_str(line.trim())
+                        .with_context(|| format!("parsing bench output {line:?}"))?;
+                    if args.json {
+                        println!("{}", serde_json::to_string(&r)?);
+                    }
+                    results.push(r);
+                }
+            }
+        }
+    }
+    if !args.json {
+        print_table(&results);
+    }
+    Ok(())
+}
+
+fn default_mode(w: Workload) -> String {
+    if w.infer { "infer" } else { "train" }.to_string()
+}
+
+fn find(id: &str) -> Result<Workload> {
+    WORKLOADS
+        .iter()
+        .copied()
+        .find(|w| w.id.eq_ignore_ascii_case(id))
+        .with_context(|| format!("unknown workload `{id}`: expected W1, W2, W3, W4, W5 or all"))
+}
+
+fn measure_case(
+    w: Workload,
+    mode: &str,
+    case: &str,
+    batch: Option<usize>,
+    steps: Option<usize>,
+    threads: usize,
+) -> Result<CaseResult> {
+    let (default_batch, shape) = w.model.bench_shape();
+    let batch = batch.unwrap_or(default_batch);
+    let steps = steps.unwrap_or_else(|| default_steps(w.model, mode));
+    let timing = match (mode, case) {
+        ("train", "burn") => plain_burn_train(w.model, batch, shape, steps),
+        ("infer", "burn") => plain_burn_infer(w.model, batch, shape, steps),
+        ("train", level) if level.starts_with("kiln-") => {
+            let level: Level = level.trim_start_matches("kiln-").parse()?;
+            kiln_train(w.model, level, batch, shape, steps)?
+        }
+        _ => bail!("unknown bench case `{case}` for mode `{mode}`"),
+    };
+    Ok(CaseResult {
+        workload: w.id.to_string(),
+        mode: mode.to_string(),
+        case: case.to_string(),
+        batch,
+        threads,
+        steps,
+        ms_per_step: timing.median_ms,
+        min_ms: timing.min_ms,
+        max_ms: timing.max_ms,
+        spread: timing.spread,
+        samples_per_s: batch as f64 / (timing.median_ms / 1e3),
+        peak_rss_bytes: memory::peak_rss_bytes(),
+    })
+}
+
+fn random_batches(
+    device: &Device,
+    batch: usize,
+    shape: [usize; 3],
+) -> Vec<(Tensor<4>, Tensor<1, Int>)> {
+    device.seed(1);
+    (0..BATCHES)
+        .map(|_| {
+            let x = Tensor::random(
+                [batch, shape[0], shape[1], shape[2]],
+                Distribution::Normal(0.0, 1.0),
+                device,
+            );
+            let y = Tensor::<1, Int>::random([batch], Distribution::Uniform(0.0, 10.0), device);
+            (x, y)
+        })
+        .collect()
+}
+
+/// The loop a Burn user writes from the book: Burn's default Adam, no Kiln.
+fn plain_burn_train(model: ModelKind, batch: usize, shape: [usize; 3], steps: usize) -> Timing {
+    let device = Device::flex().autodiff();
+    device.seed(0);
+    let mut net = model.init_for_channels(shape[0], &device);
+    let mut optim = AdamConfig::new().init();
+    let loss_fn = CrossEntropyLossConfig::new().init(&device);
+    let data = random_batches(&device, batch, shape);
+    let mut i = 0;
+    measure(
+        || {
+            let (x, y) = data[i % BATCHES].clone();
+            i += 1;
+            let loss = loss_fn.forward(net.forward(x), y);
+            let grads = GradientsParams::from_grads(loss.backward(), &net);
+            net = optim.step(1e-3, net.clone(), grads);
+            // Force completion like the peers' sync(): read one value back.
+            let _ = device.sync();
+        },
+        WARMUP,
+        steps,
+        REPEATS,
+    )
+}
+
+fn plain_burn_infer(model: ModelKind, batch: usize, shape: [usize; 3], steps: usize) -> Timing {
+    let device = Device::flex();
+    device.seed(0);
+    let net = model.init_for_channels(shape[0], &device).valid();
+    let data = random_batches(&device, batch, shape);
+    let mut i = 0;
+    measure(
+        || {
+            let (x, _) = data[i % BATCHES].clone();
+            i += 1;
+            let y = net.forward(x);
+            let _ = y.into_data();
+        },
+        WARMUP,
+        steps,
+        REPEATS,
+    )
+}
+
+/// Kiln's trainer with the plan resolved at `level`, on synthetic data of the same shape.
+fn kiln_train(
+    model: ModelKind,
+    level: Level,
+    batch: usize,
+    shape: [usize; 3],
+    steps: usize,
+) -> Result<Timing> {
+    let mut config = KilnConfig::default();
+    config.set_level(level);
+    config.set("train.model", model.name())?;
+    config.set("train.batch_size", &batch.to_string())?;
+    let plan = resolve(&config, &Hardware::probe())?;
+    let total = WARMUP + steps * REPEATS;
+    let mut options = plan.train.clone();
+    options.epochs = 1;
+    options.max_steps = Some(total as u64);
+    options.eval_every_epochs = 0;
+    options.checkpoint_dir = None;
+    let data = SyntheticDataset::new(total * batch * options.grad_accum_steps, shape, 10, 1);
+    let mut sink = MemorySink::default();
+    Trainer::new(options, plan.backend.device(), &mut sink).fit(
+        model.name(),
+        |d| model.init_for_channels(shape[0], d),
+        &data,
+        None,
+    )?;
+    let durations: Vec<f64> = sink
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Step(s) => Some(s.step_ms),
+            _ => None,
+        })
+        .skip(WARMUP)
+        .collect();
+    summarize(&durations, steps, REPEATS).context("too few steps were measured")
+}
+
+fn print_table(results: &[CaseResult]) {
+    println!(
+        "{:<4} {:<5} {:>5} {:<14} {:>10} {:>7} {:>11} {:>10} {:>9}",
+        "wl", "mode", "batch", "case", "ms/step", "spread", "samples/s", "peak RSS", "vs burn"
+    );
+    for r in results {
+        let base = results
+            .iter()
+            .find(|b| {
+                b.workload == r.workload
+                    && b.mode == r.mode
+                    && b.batch == r.batch
+                    && b.case == "burn"
+            })
+            .map(|b| b.ms_per_step / r.ms_per_step);
+        println!(
+            "{:<4} {:<5} {:>5} {:<14} {:>10.2} {:>6.1}% {:>11.1} {:>10} {:>9}",
+            r.workload,
+            r.mode,
+            r.batch,
+            r.case,
+            r.ms_per_step,
+            r.spread * 100.0,
+            r.samples_per_s,
+            r.peak_rss_bytes.map_or("n/a".into(), memory::human_bytes),
+            base.map_or("-".into(), |x| format!("{x:.2}x")),
+        );
+    }
+}
