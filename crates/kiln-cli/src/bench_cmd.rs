@@ -41,6 +41,8 @@ pub struct CaseResult {
     pub spread: f64,
     pub samples_per_s: f64,
     pub peak_rss_bytes: Option<u64>,
+    /// The process allocator the case ran with (plain Burn: the system's).
+    pub allocator: String,
 }
 
 /// A workload id and what it runs.
@@ -79,13 +81,14 @@ const WORKLOADS: [Workload; 5] = [
     },
 ];
 
-/// Cases measured per mode: plain Burn always; Kiln's levels for training (inference
-/// passes arrive with the inference issue, so there Kiln runs what plain Burn runs).
+/// Cases measured per mode: plain Burn always; Kiln's levels for training. For inference,
+/// `kiln` is the same forward pass under Kiln's runtime (allocator, thread pool); the
+/// inference passes (folding, int8) arrive with the inference issue.
 fn cases(mode: &str) -> Vec<&'static str> {
     if mode == "train" {
         vec!["burn", "kiln-basic", "kiln-advanced", "kiln-ultra"]
     } else {
-        vec!["burn"]
+        vec!["burn", "kiln"]
     }
 }
 
@@ -137,6 +140,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
             for batch in batches {
                 for case in cases(&mode) {
                     let mut cmd = Command::new(&exe);
+                    // Plain Burn runs as a Burn program does by default: system allocator.
+                    if case == "burn" {
+                        cmd.env("KILN_ALLOCATOR", "system");
+                    } else {
+                        cmd.env_remove("KILN_ALLOCATOR");
+                    }
                     cmd.args(["bench", "--workload", w.id, "--mode", &mode, "--case", case]);
                     cmd.args(["--threads", &threads.to_string()]);
                     if let Some(b) = batch {
@@ -198,7 +207,7 @@ fn measure_case(
     let steps = steps.unwrap_or_else(|| default_steps(w.model, mode));
     let timing = match (mode, case) {
         ("train", "burn") => plain_burn_train(w.model, batch, shape, steps),
-        ("infer", "burn") => plain_burn_infer(w.model, batch, shape, steps),
+        ("infer", "burn" | "kiln") => plain_burn_infer(w.model, batch, shape, steps),
         ("train", level) if level.starts_with("kiln-") => {
             let level: Level = level.trim_start_matches("kiln-").parse()?;
             kiln_train(w.model, level, batch, shape, steps)?
@@ -218,6 +227,7 @@ fn measure_case(
         spread: timing.spread,
         samples_per_s: batch as f64 / (timing.median_ms / 1e3),
         peak_rss_bytes: memory::peak_rss_bytes(),
+        allocator: crate::alloc::name().to_string(),
     })
 }
 

@@ -1,5 +1,6 @@
 //! `kiln`: train, plan and (in later issues) tune, bench, profile and serve.
 
+mod alloc;
 mod bench_cmd;
 mod progress;
 mod train_cmd;
@@ -11,6 +12,9 @@ use clap::{Args, Parser, Subcommand};
 use kiln::KilnConfig;
 use kiln::config::Level;
 use kiln::plan::{Hardware, Plan};
+
+#[global_allocator]
+static ALLOCATOR: alloc::KilnAllocator = alloc::KilnAllocator;
 
 const EXAMPLES: &str = "\
 Examples:

@@ -160,6 +160,9 @@ fn bench_reports_every_case_with_the_protocol() {
         .collect();
     let cases: Vec<&str> = rows.iter().map(|r| r["case"].as_str().unwrap()).collect();
     assert_eq!(cases, ["burn", "kiln-basic", "kiln-advanced", "kiln-ultra"]);
+    // Plain Burn runs with the system allocator, as a Burn program does; Kiln with its own.
+    assert_eq!(rows[0]["allocator"], "system");
+    assert_eq!(rows[1]["allocator"], "mimalloc");
     for r in &rows {
         assert_eq!(r["workload"], "W1");
         assert_eq!(r["batch"], 128);
@@ -175,6 +178,7 @@ fn bench_reports_every_case_with_the_protocol() {
         table.contains("ms/step") && table.contains("W3   infer     1"),
         "{table}"
     );
+    assert!(table.contains(" kiln "), "{table}");
     let o = kiln(&["bench", "--workload", "W9"]);
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("unknown workload `W9`"));
