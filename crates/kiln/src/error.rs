@@ -63,13 +63,16 @@ pub enum KilnError {
     Shape(String),
     /// The numbers went non-finite during training.
     #[error(
-        "training diverged at step {step}: loss is {loss}; lower the learning rate or enable gradient clipping"
+        "training diverged at step {step}: {detail}; lower the learning rate, enable gradient \
+         clipping (train.grad_clip_norm), or let the guard skip bad steps (guard.policy = \"skip\")"
     )]
     Diverged {
         /// Global optimizer step.
         step: u64,
         /// The loss value that was seen.
         loss: f32,
+        /// What went non-finite, where, and what the guard did before stopping.
+        detail: String,
     },
     /// An I/O error with the path it concerns.
     #[error("I/O error on {path}: {source}")]

@@ -19,6 +19,7 @@ pub mod config;
 pub mod data;
 pub mod datasets;
 pub mod error;
+pub mod guard;
 pub mod observe;
 pub mod plan;
 pub mod precision;

@@ -43,6 +43,7 @@ fn checkpoint_bytes_round_trip_and_detect_corruption() {
             fingerprint: vec![("train.lr".into(), "0.001".into())],
             epoch_loss_sum: 12.5,
             epoch_samples: 96,
+            scaler: None,
         },
         model: vec![1, 2, 3, 4],
         optimizer: vec![9; 100],

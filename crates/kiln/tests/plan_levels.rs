@@ -2,6 +2,7 @@
 
 use kiln::KilnConfig;
 use kiln::config::Level;
+use kiln::guard::GuardPolicy;
 use kiln::plan::{Hardware, Plan, Source, resolve};
 use kiln::train::Schedule;
 
@@ -25,6 +26,8 @@ fn basic_turns_every_technique_off() {
     assert_eq!(p.train.warmup_steps, 0);
     assert_eq!(p.train.grad_clip_norm, None);
     assert!(!p.train.activation_checkpointing);
+    assert_eq!(p.train.guard.policy, GuardPolicy::Abort);
+    assert!(!p.train.guard.check_params);
     assert_eq!(p.get("train.schedule").unwrap().source, Source::Default);
 }
 
@@ -35,6 +38,8 @@ fn advanced_adds_warmup_cosine_and_clipping() {
     assert_eq!(p.train.warmup_steps, 50);
     assert_eq!(p.train.grad_clip_norm, Some(1.0));
     assert!(!p.train.activation_checkpointing);
+    assert_eq!(p.train.guard.policy, GuardPolicy::Skip);
+    assert!(p.train.guard.check_params);
     assert_eq!(
         p.get("train.grad_clip_norm").unwrap().source,
         Source::Level(Level::Advanced)
@@ -46,6 +51,7 @@ fn ultra_adds_activation_checkpointing() {
     let p = plan_at(Level::Ultra);
     assert!(p.train.activation_checkpointing);
     assert_eq!(p.train.schedule, Schedule::Cosine);
+    assert_eq!(p.train.guard.policy, GuardPolicy::Rollback);
     assert_eq!(
         p.get("train.activation_checkpointing").unwrap().source,
         Source::Level(Level::Ultra)

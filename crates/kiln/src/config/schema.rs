@@ -237,6 +237,40 @@ pub static SETTINGS: &[SettingSpec] = &[
         doc: "numeric precision of the step (bf16/f16 mixed precision: see issue #2)",
     },
     SettingSpec {
+        key: "guard.policy",
+        kind: Kind::Enum(&["skip", "rollback", "abort"]),
+        default: S("abort"),
+        levels: &[(Level::Advanced, S("skip")), (Level::Ultra, S("rollback"))],
+        doc: "on non-finite loss/gradients/parameters: skip the step, roll back to the last good snapshot, or abort",
+    },
+    SettingSpec {
+        key: "guard.max_consecutive",
+        kind: Kind::Int {
+            min: 1,
+            max: 1_000_000,
+        },
+        default: I(10),
+        levels: &[],
+        doc: "abort after this many non-finite steps in a row",
+    },
+    SettingSpec {
+        key: "guard.check_params",
+        kind: Kind::Bool,
+        default: B(false),
+        levels: &[(Level::Advanced, B(true)), (Level::Ultra, B(true))],
+        doc: "also check parameters after each update (one fused pass)",
+    },
+    SettingSpec {
+        key: "guard.snapshot_every",
+        kind: Kind::Int {
+            min: 1,
+            max: i64::MAX,
+        },
+        default: I(50),
+        levels: &[],
+        doc: "optimizer steps between in-memory snapshots used by rollback",
+    },
+    SettingSpec {
         key: "device.backend",
         kind: Kind::Enum(&["auto", "flex", "cuda"]),
         default: S("auto"),

@@ -2,6 +2,49 @@
 
 use serde::{Deserialize, Serialize};
 
+/// What went non-finite (stability guard).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Trouble {
+    /// The loss value.
+    Loss,
+    /// One or more gradients.
+    Gradients,
+    /// One or more parameters after the update.
+    Parameters,
+}
+
+/// What the guard did about it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GuardAction {
+    /// The optimizer step was not applied.
+    Skipped,
+    /// Model and optimizer were restored to the snapshot taken at `restored_step`.
+    RolledBack,
+    /// The run stopped.
+    Aborted,
+}
+
+/// One guard event, as reported to the event sink and in the run summary.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GuardEvent {
+    /// Optimizer step (1-based) the event concerns.
+    pub step: u64,
+    /// What went non-finite (stability guard).
+    pub trouble: Trouble,
+    /// Names (module paths) of the non-finite tensors; empty for the loss.
+    pub tensors: Vec<String>,
+    /// The loss value seen (may be NaN/Inf).
+    pub loss: f32,
+    /// Loss scale in force at the time.
+    pub loss_scale: f32,
+    /// What the guard did.
+    pub action: GuardAction,
+    /// For rollbacks: the step of the snapshot restored.
+    pub restored_step: Option<u64>,
+}
+
 /// One optimizer step.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct StepEvent {
@@ -27,6 +70,9 @@ pub struct StepEvent {
     pub samples_per_s: f64,
     /// Peak resident set size of the process so far, bytes.
     pub peak_rss_bytes: Option<u64>,
+    /// The stability guard skipped this step's update (non-finite loss or gradients).
+    #[serde(default)]
+    pub skipped: bool,
 }
 
 /// The end of an epoch.
@@ -67,6 +113,8 @@ pub struct RunSummary {
     pub peak_rss_bytes: Option<u64>,
     /// The last checkpoint written, if any.
     pub last_checkpoint: Option<String>,
+    /// Every stability-guard event of this process, in order.
+    pub guard_events: Vec<GuardEvent>,
 }
 
 /// Everything a run reports.
@@ -90,6 +138,8 @@ pub enum Event {
     Step(StepEvent),
     /// An epoch finished.
     EpochEnd(EpochSummary),
+    /// The stability guard saw a non-finite value and acted.
+    Guard(GuardEvent),
     /// A checkpoint was written atomically.
     Checkpoint {
         /// Global step it captures.

@@ -7,5 +7,5 @@ pub mod memory;
 mod sink;
 pub mod timing;
 
-pub use events::{EpochSummary, Event, RunSummary, StepEvent};
+pub use events::{EpochSummary, Event, GuardAction, GuardEvent, RunSummary, StepEvent, Trouble};
 pub use sink::{EventSink, FanOut, JsonLinesSink, MemorySink, NullSink};

@@ -11,6 +11,7 @@ pub use hardware::{Backend, Hardware};
 use crate::config::schema::{self, SETTINGS};
 use crate::config::{KilnConfig, Level, Origin};
 use crate::error::{KilnError, Result};
+use crate::guard::{GuardOptions, GuardPolicy};
 use crate::precision::Precision;
 use crate::train::{OptimizerKind, Schedule, TrainOptions};
 use crate::zoo::ModelKind;
@@ -240,6 +241,12 @@ fn build(config: &KilnConfig, settings: Vec<ResolvedSetting>, hw: &Hardware) -> 
         checkpoint_every_steps: Some(int("train.checkpoint_every_steps") as u64).filter(|s| *s > 0),
         shuffle: flag("data.shuffle"),
         precision: Precision::F32,
+        guard: GuardOptions {
+            policy: GuardPolicy::from_name(&text("guard.policy")),
+            max_consecutive: int("guard.max_consecutive") as u32,
+            check_params: flag("guard.check_params"),
+            snapshot_every: int("guard.snapshot_every") as u64,
+        },
     };
     if train.checkpoint_every_steps.is_some() && train.checkpoint_dir.is_none() {
         return Err(KilnError::Inconsistent(

@@ -5,7 +5,11 @@
 //! [`Precision::unscale_factor`] at the points where a loss scaler acts, so that work can
 //! land without restructuring the step.
 
+mod scaler;
+
 use serde::{Deserialize, Serialize};
+
+pub use scaler::{LossScaler, ScaleChange, ScalerState};
 
 /// The numeric precision of a training step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -23,8 +27,10 @@ impl Precision {
         }
     }
 
-    /// The factor the loss is multiplied by before backward (1 for f32).
-    pub fn loss_scale(self) -> f32 {
-        1.0
+    /// The loss scaler this precision uses by default (f32: none).
+    pub fn default_scaler(self) -> LossScaler {
+        match self {
+            Precision::F32 => LossScaler::disabled(),
+        }
     }
 }

@@ -34,6 +34,9 @@ pub struct CheckpointState {
     pub epoch_loss_sum: f64,
     /// Samples seen so far in the current epoch.
     pub epoch_samples: u64,
+    /// Loss-scaler state (absent in checkpoints of unscaled runs).
+    #[serde(default)]
+    pub scaler: Option<crate::precision::ScalerState>,
 }
 
 /// A checkpoint in memory.

@@ -43,21 +43,32 @@ pub fn clip_global_norm<M: Module>(
     let norm: f32 = norm.into_scalar();
     let coef = max_norm / (norm as f64 + 1e-6);
     if coef < 1.0 {
-        struct Scale<'a> {
-            grads: &'a mut GradientsParams,
-            coef: f64,
-        }
-        impl ModuleVisitor for Scale<'_> {
-            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-                if let Some(g) = self.grads.remove::<D>(param.id) {
-                    self.grads.register::<D>(param.id, g.mul_scalar(self.coef));
-                }
-            }
-        }
-        model.visit(&mut Scale {
-            grads: &mut grads,
-            coef,
-        });
+        grads = scale_grads(model, grads, coef);
     }
     (grads, norm)
+}
+
+/// Multiplies every gradient of `model` by `factor` (clipping, loss-scale removal).
+pub fn scale_grads<M: Module>(
+    model: &M,
+    mut grads: GradientsParams,
+    factor: f64,
+) -> GradientsParams {
+    struct Scale<'a> {
+        grads: &'a mut GradientsParams,
+        factor: f64,
+    }
+    impl ModuleVisitor for Scale<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(g) = self.grads.remove::<D>(param.id) {
+                self.grads
+                    .register::<D>(param.id, g.mul_scalar(self.factor));
+            }
+        }
+    }
+    model.visit(&mut Scale {
+        grads: &mut grads,
+        factor,
+    });
+    grads
 }

@@ -14,13 +14,14 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 pub use checkpoint::{Checkpoint, CheckpointState, latest_checkpoint};
-pub use clip::{clip_global_norm, global_norm};
+pub use clip::{clip_global_norm, global_norm, scale_grads};
 pub use eval::{Evaluation, evaluate};
 pub use optimizer::build_optimizer;
 pub use params::flatten_params;
 pub use schedule::learning_rate;
 pub use trainer::{TrainOutcome, Trainer};
 
+use crate::guard::GuardOptions;
 use crate::precision::Precision;
 
 /// Which optimizer.
@@ -84,6 +85,8 @@ pub struct TrainOptions {
     pub shuffle: bool,
     /// Numeric precision of the step.
     pub precision: Precision,
+    /// Numerical-stability guard.
+    pub guard: GuardOptions,
 }
 
 impl Default for TrainOptions {
@@ -108,6 +111,7 @@ impl Default for TrainOptions {
             checkpoint_every_steps: None,
             shuffle: true,
             precision: Precision::F32,
+            guard: GuardOptions::default(),
         }
     }
 }

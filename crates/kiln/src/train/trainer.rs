@@ -11,11 +11,23 @@ use burn::tensor::{Bytes, Device};
 
 use super::{
     Checkpoint, CheckpointState, TrainOptions, build_optimizer, clip_global_norm, evaluate,
-    learning_rate,
+    learning_rate, scale_grads,
 };
 use crate::data::{Dataset, collate, epoch_order};
 use crate::error::{KilnError, Result};
+use crate::guard::{
+    Guard, GuardAction, GuardEvent, GuardPolicy, Trouble, nonfinite_grad_names,
+    nonfinite_param_names, probe_grads, probe_params,
+};
 use crate::observe::{EpochSummary, Event, EventSink, RunSummary, StepEvent, memory};
+use crate::precision::LossScaler;
+
+/// A known-good model and optimizer state to roll back to.
+struct Snapshot<M> {
+    model: M,
+    optimizer: Vec<u8>,
+    step: u64,
+}
 use crate::zoo::Classifier;
 
 /// Evaluation batch size: large enough to amortize per-batch overhead, small enough to keep
@@ -101,10 +113,19 @@ impl<'s> Trainer<'s> {
         let total_steps = opts.max_steps.map_or(planned, |m| m.min(planned));
 
         let mut pos = Position::default();
+        let mut scaler = opts.precision.default_scaler();
         if let Some(path) = self.resume.clone() {
-            let (m, o, p) = restore(&path, model, optim, model_name, &opts, &self.base)?;
+            let (m, o, p, s) = restore(&path, model, optim, model_name, &opts)?;
             (model, optim, pos) = (m, o, p);
+            if let Some(state) = s {
+                scaler.restore(state);
+            }
             tracing::info!(step = pos.global_step, "resumed from {}", path.display());
+        }
+        let mut guard = Guard::new(opts.guard.clone());
+        let mut snapshot = None;
+        if opts.guard.policy == GuardPolicy::Rollback {
+            snapshot = Some(take_snapshot(&model, &optim, pos.global_step)?);
         }
 
         self.sink.emit(&Event::RunStarted {
@@ -139,7 +160,7 @@ impl<'s> Trainer<'s> {
                 if pos.global_step >= total_steps {
                     // Stopped early by max_steps: leave a checkpoint to continue from.
                     last_train_loss = (pos.epoch_loss_sum / pos.epoch_samples.max(1) as f64) as f32;
-                    last_checkpoint = self.checkpoint(&model, &optim, model_name, &pos)?;
+                    last_checkpoint = self.checkpoint(&model, &optim, model_name, &pos, &scaler)?;
                     break 'epochs;
                 }
                 let micro = s * opts.grad_accum_steps
@@ -169,33 +190,112 @@ impl<'s> Trainer<'s> {
                     } else {
                         loss.mul_scalar(weight)
                     };
-                    let loss = loss.mul_scalar(opts.precision.loss_scale());
+                    let loss = if scaler.enabled() {
+                        loss.mul_scalar(scaler.scale())
+                    } else {
+                        loss
+                    };
                     let grads = GradientsParams::from_grads(loss.backward(), &model);
                     accum.accumulate(&model, grads);
                 }
                 let mean_loss = (loss_sum / group as f64) as f32;
-                if !mean_loss.is_finite() {
-                    return Err(KilnError::Diverged {
-                        step: pos.global_step + 1,
-                        loss: mean_loss,
-                    });
-                }
                 let mut grads = accum.grads();
-                let mut grad_norm = None;
-                if let Some(max_norm) = opts.grad_clip_norm {
-                    let (clipped, norm) = clip_global_norm(&model, grads, max_norm);
-                    grads = clipped;
-                    grad_norm = Some(norm);
+                if scaler.enabled() {
+                    // Unscale once, before the guard's check and before clipping.
+                    grads = scale_grads(&model, grads, scaler.inverse_scale());
                 }
+                let step_no = pos.global_step + 1;
+                let loss_scale = scaler.scale();
+                // The guard's fused check: one scalar read for all gradients.
+                let trouble = if !mean_loss.is_finite() {
+                    Some(Trouble::Loss)
+                } else if probe_grads(&model, &grads).is_some_and(|p| !finite(p)) {
+                    Some(Trouble::Gradients)
+                } else {
+                    None
+                };
+                scaler.update(trouble.is_some());
                 // The schedule spans the planned epochs, not max_steps: a run stopped early and resumed
                 // must see the same learning rates as one that never stopped.
                 let lr = learning_rate(&opts, pos.global_step, planned);
-                model = optim.step(lr, model, grads);
+                let mut grad_norm = None;
+                if let Some(trouble) = trouble {
+                    let tensors = match trouble {
+                        Trouble::Gradients => nonfinite_grad_names(&model, &grads),
+                        _ => Vec::new(),
+                    };
+                    let action = guard.decide(trouble, snapshot.is_some());
+                    self.guard_event(
+                        &mut guard,
+                        GuardEvent {
+                            step: step_no,
+                            trouble,
+                            tensors,
+                            loss: mean_loss,
+                            loss_scale,
+                            action,
+                            restored_step: None,
+                        },
+                    );
+                    if action == GuardAction::Aborted {
+                        return Err(diverged(&guard, step_no, mean_loss));
+                    }
+                } else {
+                    if let Some(max_norm) = opts.grad_clip_norm {
+                        let (clipped, norm) = clip_global_norm(&model, grads, max_norm);
+                        grads = clipped;
+                        grad_norm = Some(norm);
+                    }
+                    model = optim.step(lr, model, grads);
+                    let params_bad =
+                        opts.guard.check_params && probe_params(&model).is_some_and(|p| !finite(p));
+                    if params_bad {
+                        let tensors = nonfinite_param_names(&model);
+                        let action = guard.decide(Trouble::Parameters, snapshot.is_some());
+                        let mut restored_step = None;
+                        if let (GuardAction::RolledBack, Some(snap)) = (action, &snapshot) {
+                            model = snap.model.clone();
+                            optim = build_optimizer(&opts)
+                                .from_bytes(Bytes::from_bytes_vec(snap.optimizer.clone()))
+                                .map_err(|e| KilnError::Record {
+                                    what: "optimizer snapshot",
+                                    message: e.to_string(),
+                                })?;
+                            restored_step = Some(snap.step);
+                        }
+                        self.guard_event(
+                            &mut guard,
+                            GuardEvent {
+                                step: step_no,
+                                trouble: Trouble::Parameters,
+                                tensors,
+                                loss: mean_loss,
+                                loss_scale,
+                                action,
+                                restored_step,
+                            },
+                        );
+                        if action == GuardAction::Aborted {
+                            return Err(diverged(&guard, step_no, mean_loss));
+                        }
+                    } else {
+                        guard.clean_step();
+                        let due = snapshot
+                            .as_ref()
+                            .is_none_or(|s| step_no - s.step >= opts.guard.snapshot_every);
+                        if opts.guard.policy == GuardPolicy::Rollback && due {
+                            snapshot = Some(take_snapshot(&model, &optim, step_no)?);
+                        }
+                    }
+                }
                 pos.global_step += 1;
                 pos.step_in_epoch = s + 1;
                 pos.epoch = epoch;
-                pos.epoch_loss_sum += loss_sum;
-                pos.epoch_samples += group as u64;
+                if trouble.is_none() {
+                    // Skipped steps carry a non-finite loss; the epoch mean is over clean ones.
+                    pos.epoch_loss_sum += loss_sum;
+                    pos.epoch_samples += group as u64;
+                }
 
                 let step_ms = t0.elapsed().as_secs_f64() * 1e3;
                 step_time += step_ms / 1e3;
@@ -213,12 +313,13 @@ impl<'s> Trainer<'s> {
                     compute_ms: step_ms - data_ms,
                     samples_per_s: group as f64 / (step_ms / 1e3).max(1e-9),
                     peak_rss_bytes: memory::peak_rss_bytes(),
+                    skipped: trouble.is_some(),
                 }));
                 if opts
                     .checkpoint_every_steps
                     .is_some_and(|k| pos.global_step % k == 0)
                 {
-                    last_checkpoint = self.checkpoint(&model, &optim, model_name, &pos)?;
+                    last_checkpoint = self.checkpoint(&model, &optim, model_name, &pos, &scaler)?;
                 }
             }
 
@@ -252,7 +353,7 @@ impl<'s> Trainer<'s> {
                 epoch_samples: 0,
             };
             last_checkpoint = self
-                .checkpoint(&model, &optim, model_name, &pos)?
+                .checkpoint(&model, &optim, model_name, &pos, &scaler)?
                 .or(last_checkpoint);
         }
 
@@ -272,6 +373,7 @@ impl<'s> Trainer<'s> {
             wall_seconds: run_start.elapsed().as_secs_f64(),
             peak_rss_bytes: memory::peak_rss_bytes(),
             last_checkpoint: last_checkpoint.map(|p: PathBuf| p.display().to_string()),
+            guard_events: guard.events.clone(),
         };
         self.sink.emit(&Event::RunFinished(summary.clone()));
         Ok(TrainOutcome {
@@ -281,6 +383,19 @@ impl<'s> Trainer<'s> {
         })
     }
 
+    /// Reports a guard event to the sink and keeps it for the run summary.
+    fn guard_event(&mut self, guard: &mut Guard, event: GuardEvent) {
+        tracing::warn!(
+            step = event.step,
+            "non-finite {:?} {:?}: {:?}",
+            event.trouble,
+            event.tensors,
+            event.action
+        );
+        self.sink.emit(&Event::Guard(event.clone()));
+        guard.events.push(event);
+    }
+
     /// Writes a checkpoint at `pos` if a checkpoint directory is configured.
     fn checkpoint<M: Module>(
         &mut self,
@@ -288,6 +403,7 @@ impl<'s> Trainer<'s> {
         optim: &ModuleOptimizer,
         model_name: &str,
         pos: &Position,
+        scaler: &LossScaler,
     ) -> Result<Option<PathBuf>> {
         let Some(dir) = &self.options.checkpoint_dir else {
             return Ok(None);
@@ -313,6 +429,7 @@ impl<'s> Trainer<'s> {
                 fingerprint: fingerprint(&self.options),
                 epoch_loss_sum: pos.epoch_loss_sum,
                 epoch_samples: pos.epoch_samples,
+                scaler: scaler.enabled().then(|| scaler.state()),
             },
             model: model_bytes.to_vec(),
             optimizer: optim_bytes.to_vec(),
@@ -361,6 +478,45 @@ struct Position {
     epoch_samples: u64,
 }
 
+/// Whether a fused probe read back as finite (0 means every tensor was finite).
+fn finite(probe: burn::tensor::Tensor<1>) -> bool {
+    probe.into_scalar::<f32>().is_finite()
+}
+
+fn take_snapshot<M: Module>(model: &M, optim: &ModuleOptimizer, step: u64) -> Result<Snapshot<M>> {
+    let optimizer = optim.into_bytes().map_err(|e| KilnError::Record {
+        what: "optimizer snapshot",
+        message: e.to_string(),
+    })?;
+    Ok(Snapshot {
+        model: model.clone(),
+        optimizer: optimizer.to_vec(),
+        step,
+    })
+}
+
+/// The error that ends a run the guard gave up on, with what it saw.
+fn diverged(guard: &Guard, step: u64, loss: f32) -> KilnError {
+    let last = guard.events.last();
+    let what = last.map_or("a value".to_string(), |e| {
+        let place = if e.tensors.is_empty() {
+            String::new()
+        } else {
+            format!(" in {}", e.tensors.join(", "))
+        };
+        format!("non-finite {:?}{place}", e.trouble).to_lowercase()
+    });
+    KilnError::Diverged {
+        step,
+        loss,
+        detail: format!(
+            "{what} (loss {loss}); {} non-finite step(s) in a row, {} guard event(s) in total",
+            guard.consecutive(),
+            guard.events.len()
+        ),
+    }
+}
+
 fn fingerprint(options: &TrainOptions) -> Vec<(String, String)> {
     options
         .trajectory_fingerprint()
@@ -390,8 +546,12 @@ fn restore<M: Module>(
     optim: ModuleOptimizer,
     model_name: &str,
     opts: &TrainOptions,
-    base: &Device,
-) -> Result<(M, ModuleOptimizer, Position)> {
+) -> Result<(
+    M,
+    ModuleOptimizer,
+    Position,
+    Option<crate::precision::ScalerState>,
+)> {
     let ckpt = Checkpoint::load(path)?;
     let bad = |problem: String| KilnError::BadCheckpoint {
         path: path.to_path_buf(),
@@ -428,7 +588,6 @@ fn restore<M: Module>(
     let optim = optim
         .from_bytes(Bytes::from_bytes_vec(ckpt.optimizer))
         .map_err(|e| bad(format!("unreadable optimizer state: {e}")))?;
-    let _ = base;
     Ok((
         model,
         optim,
@@ -439,5 +598,6 @@ fn restore<M: Module>(
             epoch_loss_sum: ckpt.state.epoch_loss_sum,
             epoch_samples: ckpt.state.epoch_samples,
         },
+        ckpt.state.scaler,
     ))
 }

@@ -1,0 +1,123 @@
+//! Fused non-finite checks over a module's parameters or gradients.
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
+use burn::tensor::Tensor;
+
+fn zero_sum<const D: usize>(t: Tensor<D>) -> Tensor<1> {
+    // 0·x is 0 for finite x and NaN for ±Inf/NaN; the sum of zeros cannot overflow.
+    t.mul_scalar(0.0).sum()
+}
+
+fn add(total: &mut Option<Tensor<1>>, s: Tensor<1>) {
+    *total = Some(match total.take() {
+        Some(t) => t + s,
+        None => s,
+    });
+}
+
+/// A 1-element tensor that is 0 when every gradient is finite and NaN otherwise.
+pub fn probe_grads<M: Module>(model: &M, grads: &GradientsParams) -> Option<Tensor<1>> {
+    struct V<'a>(&'a GradientsParams, Option<Tensor<1>>);
+    impl ModuleVisitor for V<'_> {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            if let Some(g) = self.0.get::<D>(p.id) {
+                add(&mut self.1, zero_sum(g));
+            }
+        }
+    }
+    let mut v = V(grads, None);
+    model.visit(&mut v);
+    v.1
+}
+
+/// A 1-element tensor that is 0 when every parameter is finite and NaN otherwise.
+pub fn probe_params<M: Module>(model: &M) -> Option<Tensor<1>> {
+    struct V(Option<Tensor<1>>);
+    impl ModuleVisitor for V {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            add(&mut self.0, zero_sum(p.val()));
+        }
+    }
+    let mut v = V(None);
+    model.visit(&mut v);
+    v.0
+}
+
+fn is_bad<const D: usize>(t: Tensor<D>) -> bool {
+    let v: f32 = zero_sum(t).into_scalar();
+    !v.is_finite()
+}
+
+/// Module paths of the gradients that are not finite (slow path: one read per tensor).
+pub fn nonfinite_grad_names<M: Module>(model: &M, grads: &GradientsParams) -> Vec<String> {
+    struct V<'a>(&'a GradientsParams, Vec<String>);
+    impl ModuleVisitor for V<'_> {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            if let Some(g) = self.0.get::<D>(p.id)
+                && is_bad(g)
+            {
+                self.1.push(format!("param {}", p.id));
+            }
+        }
+    }
+    let mut v = V(grads, Vec::new());
+    model.visit(&mut v);
+    name_by_path(model, v.1)
+}
+
+/// Module paths of the parameters that are not finite (slow path).
+pub fn nonfinite_param_names<M: Module>(model: &M) -> Vec<String> {
+    struct V(Vec<String>);
+    impl ModuleVisitor for V {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            if is_bad(p.val()) {
+                self.0.push(format!("param {}", p.id));
+            }
+        }
+    }
+    let mut v = V(Vec::new());
+    model.visit(&mut v);
+    name_by_path(model, v.0)
+}
+
+/// Replaces `param <id>` labels with dotted module paths (`fc1.weight`).
+fn name_by_path<M: Module>(model: &M, labels: Vec<String>) -> Vec<String> {
+    struct Paths {
+        stack: Vec<String>,
+        found: Vec<(String, String)>,
+    }
+    impl ModuleVisitor for Paths {
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.stack.push(name.to_string());
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.stack.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            let path: Vec<&str> = self
+                .stack
+                .iter()
+                .map(String::as_str)
+                .filter(|s| !s.is_empty())
+                .collect();
+            self.found.push((format!("param {}", p.id), path.join(".")));
+        }
+    }
+    let mut paths = Paths {
+        stack: Vec::new(),
+        found: Vec::new(),
+    };
+    model.visit(&mut paths);
+    labels
+        .into_iter()
+        .map(|l| {
+            paths
+                .found
+                .iter()
+                .find(|(id, _)| *id == l)
+                .map(|(_, p)| p.clone())
+                .unwrap_or(l)
+        })
+        .collect()
+}
