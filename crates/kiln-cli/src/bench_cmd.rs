@@ -13,7 +13,7 @@ use kiln::burn;
 use kiln::config::Level;
 use kiln::data::SyntheticDataset;
 use kiln::observe::timing::{Timing, measure, summarize};
-use kiln::observe::{Event, MemorySink, memory};
+use kiln::observe::{MemorySink, memory};
 use kiln::plan::{Hardware, resolve};
 use kiln::zoo::{Classifier, ModelKind};
 use kiln::{KilnConfig, Trainer};
@@ -321,15 +321,7 @@ fn kiln_train(
         &data,
         None,
     )?;
-    let durations: Vec<f64> = sink
-        .events
-        .iter()
-        .filter_map(|e| match e {
-            Event::Step(s) => Some(s.step_ms),
-            _ => None,
-        })
-        .skip(WARMUP)
-        .collect();
+    let durations: Vec<f64> = sink.steps().map(|s| s.step_ms).skip(WARMUP).collect();
     summarize(&durations, steps, REPEATS).context("too few steps were measured")
 }
 

@@ -2,7 +2,7 @@
 
 use burn::tensor::Device;
 use kiln::datasets::{Split, bundled};
-use kiln::observe::{Event, MemorySink, NullSink};
+use kiln::observe::{MemorySink, NullSink};
 use kiln::train::{
     Checkpoint, CheckpointState, OptimizerKind, Schedule, TrainOptions, flatten_params,
     latest_checkpoint,
@@ -120,14 +120,7 @@ fn resume_continues_bit_for_bit() {
         .fit(kind.name(), |d| kind.init(d), &data, None)
         .unwrap();
     assert_eq!(resumed.summary.steps, 10);
-    let steps: Vec<u64> = second_half
-        .events
-        .iter()
-        .filter_map(|e| match e {
-            Event::Step(s) => Some(s.step),
-            _ => None,
-        })
-        .collect();
+    let steps: Vec<u64> = second_half.steps().map(|s| s.step).collect();
     assert_eq!(steps, vec![8, 9, 10]);
     let (a, b) = (
         flatten_params(&straight.model),

@@ -75,14 +75,7 @@ fn loss_falls(kind: &str, init: impl FnOnce(&Device) -> ZooModel, steps: u64, lr
     )
     .fit(kind, init, &train, None)
     .unwrap();
-    let losses: Vec<f32> = sink
-        .events
-        .iter()
-        .filter_map(|e| match e {
-            Event::Step(s) => Some(s.loss),
-            _ => None,
-        })
-        .collect();
+    let losses: Vec<f32> = sink.steps().map(|s| s.loss).collect();
     let k = 5;
     let first: f32 = losses[..k].iter().sum::<f32>() / k as f32;
     let last: f32 = losses[losses.len() - k..].iter().sum::<f32>() / k as f32;

@@ -25,6 +25,16 @@ pub struct MemorySink {
     pub events: Vec<Event>,
 }
 
+impl MemorySink {
+    /// The step events received so far, in order.
+    pub fn steps(&self) -> impl Iterator<Item = &super::StepEvent> {
+        self.events.iter().filter_map(|e| match e {
+            Event::Step(s) => Some(s),
+            _ => None,
+        })
+    }
+}
+
 impl EventSink for MemorySink {
     fn emit(&mut self, event: &Event) {
         self.events.push(event.clone());
