@@ -108,7 +108,19 @@ fn cuda_without_the_feature_says_how_to_get_it() {
     let hw = Hardware {
         cores: 2,
         cuda_compiled: false,
+        cuda_driver: false,
     };
     let msg = message(resolve(&c, &hw).unwrap_err());
     assert!(msg.contains("--features cuda"), "{msg}");
+    // Built with CUDA but no driver: a clear error, not cudarc's panic on a worker thread.
+    let hw = Hardware {
+        cores: 2,
+        cuda_compiled: true,
+        cuda_driver: false,
+    };
+    let msg = message(resolve(&c, &hw).unwrap_err());
+    assert!(
+        msg.contains("libcuda.so.1") && msg.contains("flex"),
+        "{msg}"
+    );
 }

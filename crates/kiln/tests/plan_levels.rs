@@ -10,6 +10,7 @@ fn hw() -> Hardware {
     Hardware {
         cores: 7,
         cuda_compiled: false,
+        cuda_driver: false,
     }
 }
 

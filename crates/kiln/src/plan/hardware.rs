@@ -46,6 +46,8 @@ pub struct Hardware {
     pub cores: usize,
     /// Whether this binary was built with the `cuda` feature.
     pub cuda_compiled: bool,
+    /// Whether the NVIDIA driver library (`libcuda.so.1`) can be loaded.
+    pub cuda_driver: bool,
 }
 
 impl Hardware {
@@ -56,12 +58,13 @@ impl Hardware {
                 .map(|n| n.get())
                 .unwrap_or(1),
             cuda_compiled: cfg!(feature = "cuda"),
+            cuda_driver: cuda_driver_present(),
         }
     }
 
     /// The backend `auto` resolves to.
     pub fn best_backend(&self) -> Backend {
-        if self.cuda_compiled {
+        if self.cuda_compiled && self.cuda_driver {
             Backend::Cuda
         } else {
             Backend::Flex
@@ -70,10 +73,34 @@ impl Hardware {
 
     /// Why `auto` chose what it chose.
     pub fn backend_reason(&self) -> String {
-        if self.cuda_compiled {
-            "built with cuda".into()
-        } else {
-            "no cuda feature; embedded CPU".into()
+        match (self.cuda_compiled, self.cuda_driver) {
+            (true, true) => "built with cuda, driver found".into(),
+            (true, false) => "built with cuda but no NVIDIA driver; embedded CPU".into(),
+            _ => "no cuda feature; embedded CPU".into(),
         }
     }
+}
+
+/// Whether the NVIDIA driver library loads. cudarc loads it lazily and panics on a worker
+/// thread when it is missing, so Kiln checks first and reports a clear error instead.
+#[cfg(feature = "cuda")]
+fn cuda_driver_present() -> bool {
+    [c"libcuda.so.1", c"libcuda.so"].iter().any(|name| {
+        // SAFETY: dlopen/dlclose with a valid NUL-terminated name; the handle is closed
+        // immediately and nothing from the library is called.
+        unsafe {
+            let handle = libc::dlopen(name.as_ptr(), libc::RTLD_LAZY);
+            if handle.is_null() {
+                false
+            } else {
+                libc::dlclose(handle);
+                true
+            }
+        }
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_driver_present() -> bool {
+    false
 }

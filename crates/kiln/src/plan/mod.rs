@@ -211,6 +211,14 @@ fn build(config: &KilnConfig, settings: Vec<ResolvedSetting>, hw: &Hardware) -> 
                 .into(),
         ));
     }
+    if backend == Backend::Cuda && !hw.cuda_driver {
+        return Err(KilnError::Inconsistent(
+            "device.backend = \"cuda\" but no NVIDIA driver (libcuda.so.1) can be loaded on \
+             this machine; install the driver (or add its directory to LD_LIBRARY_PATH) or use \
+             device.backend = \"flex\""
+                .into(),
+        ));
+    }
     let optimizer = match text("train.optimizer").as_str() {
         "adamw" => OptimizerKind::AdamW,
         "sgd" => OptimizerKind::Sgd,
