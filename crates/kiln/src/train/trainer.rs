@@ -173,15 +173,20 @@ impl<'s> Trainer<'s> {
                 let t0 = Instant::now();
                 let mut data_ms = 0f64;
                 let mut accum = GradientsAccumulator::<M>::new();
-                let mut loss_sum = 0f64;
+                let mut loss_total: Option<burn::tensor::Tensor<1>> = None;
                 for indices in &slices {
                     let td = Instant::now();
                     let batch = collate(train, indices, &device);
                     data_ms += td.elapsed().as_secs_f64() * 1e3;
                     let logits = model.forward(batch.images);
                     let loss = loss_fn.forward(logits, batch.labels);
-                    let value: f32 = loss.clone().into_scalar();
-                    loss_sum += value as f64 * indices.len() as f64;
+                    // Kept on the device and read once per step: a read per micro-batch would
+                    // stall an asynchronous backend (CUDA) between micro-batches.
+                    let weighted = loss.clone().detach().mul_scalar(indices.len() as f64);
+                    loss_total = Some(match loss_total.take() {
+                        Some(t) => t + weighted,
+                        None => weighted,
+                    });
                     // Weight each micro-batch's mean loss by its share of the group so that
                     // N micro-batches give exactly the gradient of one batch of N·b samples.
                     let weight = indices.len() as f64 / group as f64;
@@ -198,6 +203,7 @@ impl<'s> Trainer<'s> {
                     let grads = GradientsParams::from_grads(loss.backward(), &model);
                     accum.accumulate(&model, grads);
                 }
+                let loss_sum = loss_total.map_or(f64::NAN, |t| t.into_scalar::<f32>() as f64);
                 let mean_loss = (loss_sum / group as f64) as f32;
                 let mut grads = accum.grads();
                 if scaler.enabled() {
