@@ -49,45 +49,26 @@ fn is_bad<const D: usize>(t: Tensor<D>) -> bool {
     !v.is_finite()
 }
 
-/// Module paths of the gradients that are not finite (slow path: one read per tensor).
+/// Module paths (`Mlp.fc1.weight`) of the gradients that are not finite (slow path: one
+/// read per tensor, run only after the fused check failed).
 pub fn nonfinite_grad_names<M: Module>(model: &M, grads: &GradientsParams) -> Vec<String> {
-    struct V<'a>(&'a GradientsParams, Vec<String>);
-    impl ModuleVisitor for V<'_> {
-        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
-            if let Some(g) = self.0.get::<D>(p.id)
-                && is_bad(g)
-            {
-                self.1.push(format!("param {}", p.id));
-            }
-        }
-    }
-    let mut v = V(grads, Vec::new());
-    model.visit(&mut v);
-    name_by_path(model, v.1)
+    nonfinite_paths(model, Some(grads))
 }
 
 /// Module paths of the parameters that are not finite (slow path).
 pub fn nonfinite_param_names<M: Module>(model: &M) -> Vec<String> {
-    struct V(Vec<String>);
-    impl ModuleVisitor for V {
-        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
-            if is_bad(p.val()) {
-                self.0.push(format!("param {}", p.id));
-            }
-        }
-    }
-    let mut v = V(Vec::new());
-    model.visit(&mut v);
-    name_by_path(model, v.0)
+    nonfinite_paths(model, None)
 }
 
-/// Replaces `param <id>` labels with dotted module paths (`fc1.weight`).
-fn name_by_path<M: Module>(model: &M, labels: Vec<String>) -> Vec<String> {
-    struct Paths {
+/// Walks the module tracking the path, and checks each parameter's gradient (when `grads` is
+/// given) or its value.
+fn nonfinite_paths<M: Module>(model: &M, grads: Option<&GradientsParams>) -> Vec<String> {
+    struct Scan<'a> {
+        grads: Option<&'a GradientsParams>,
         stack: Vec<String>,
-        found: Vec<(String, String)>,
+        found: Vec<String>,
     }
-    impl ModuleVisitor for Paths {
+    impl ModuleVisitor for Scan<'_> {
         fn enter_module(&mut self, name: &str, _container_type: &str) {
             self.stack.push(name.to_string());
         }
@@ -95,29 +76,26 @@ fn name_by_path<M: Module>(model: &M, labels: Vec<String>) -> Vec<String> {
             self.stack.pop();
         }
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
-            let path: Vec<&str> = self
-                .stack
-                .iter()
-                .map(String::as_str)
-                .filter(|s| !s.is_empty())
-                .collect();
-            self.found.push((format!("param {}", p.id), path.join(".")));
+            let tensor = match self.grads {
+                Some(grads) => grads.get::<D>(p.id),
+                None => Some(p.val()),
+            };
+            if tensor.is_some_and(is_bad) {
+                let path: Vec<&str> = self
+                    .stack
+                    .iter()
+                    .map(String::as_str)
+                    .filter(|s| !s.is_empty())
+                    .collect();
+                self.found.push(path.join("."));
+            }
         }
     }
-    let mut paths = Paths {
+    let mut scan = Scan {
+        grads,
         stack: Vec::new(),
         found: Vec::new(),
     };
-    model.visit(&mut paths);
-    labels
-        .into_iter()
-        .map(|l| {
-            paths
-                .found
-                .iter()
-                .find(|(id, _)| *id == l)
-                .map(|(_, p)| p.clone())
-                .unwrap_or(l)
-        })
-        .collect()
+    model.visit(&mut scan);
+    scan.found
 }
