@@ -21,6 +21,7 @@ use crate::guard::{
 };
 use crate::observe::{EpochSummary, Event, EventSink, RunSummary, StepEvent, memory};
 use crate::precision::LossScaler;
+use crate::zoo::Classifier;
 
 /// A known-good model and optimizer state to roll back to.
 struct Snapshot<M> {
@@ -28,7 +29,6 @@ struct Snapshot<M> {
     optimizer: Vec<u8>,
     step: u64,
 }
-use crate::zoo::Classifier;
 
 /// Evaluation batch size: large enough to amortize per-batch overhead, small enough to keep
 /// activations modest.
@@ -147,19 +147,12 @@ impl<'s> Trainer<'s> {
         'epochs: for epoch in pos.epoch..opts.epochs {
             let epoch_start = Instant::now();
             let order = epoch_order(n, opts.seed, epoch, opts.shuffle);
-            let first = if epoch == pos.epoch {
-                pos.step_in_epoch
-            } else {
-                0
-            };
-            if epoch != pos.epoch {
-                pos.epoch_loss_sum = 0.0;
-                pos.epoch_samples = 0;
-            }
-            for s in first..steps_per_epoch {
+            // `pos` is always at the start of this epoch or, after a resume, inside it: each
+            // epoch's end resets it to the next epoch's first step.
+            for s in pos.step_in_epoch..steps_per_epoch {
                 if pos.global_step >= total_steps {
                     // Stopped early by max_steps: leave a checkpoint to continue from.
-                    last_train_loss = (pos.epoch_loss_sum / pos.epoch_samples.max(1) as f64) as f32;
+                    last_train_loss = pos.epoch_mean_loss();
                     last_checkpoint = self.checkpoint(&model, &optim, model_name, &pos, &scaler)?;
                     break 'epochs;
                 }
@@ -296,7 +289,6 @@ impl<'s> Trainer<'s> {
                 }
                 pos.global_step += 1;
                 pos.step_in_epoch = s + 1;
-                pos.epoch = epoch;
                 if trouble.is_none() {
                     // Skipped steps carry a non-finite loss; the epoch mean is over clean ones.
                     pos.epoch_loss_sum += loss_sum;
@@ -330,7 +322,7 @@ impl<'s> Trainer<'s> {
             }
 
             // Epoch finished.
-            last_train_loss = (pos.epoch_loss_sum / pos.epoch_samples.max(1) as f64) as f32;
+            last_train_loss = pos.epoch_mean_loss();
             let is_last = epoch + 1 == opts.epochs;
             let due = opts.eval_every_epochs > 0 && (epoch + 1) % opts.eval_every_epochs == 0;
             let eval = match test {
@@ -482,6 +474,13 @@ struct Position {
     global_step: u64,
     epoch_loss_sum: f64,
     epoch_samples: u64,
+}
+
+impl Position {
+    /// Mean training loss over the epoch's clean steps so far.
+    fn epoch_mean_loss(&self) -> f32 {
+        (self.epoch_loss_sum / self.epoch_samples.max(1) as f64) as f32
+    }
 }
 
 /// Whether a fused probe read back as finite (0 means every tensor was finite).
