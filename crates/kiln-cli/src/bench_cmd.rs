@@ -111,10 +111,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         // Child mode: measure one case and print one JSON line.
         let workload = find(&args.workload)?;
         let mode = args.mode.clone().unwrap_or_else(|| default_mode(workload));
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build_global()
-            .ok();
+        kiln::plan::set_cpu_threads(threads);
         let result = measure_case(workload, &mode, case, args.batch, args.steps, threads)?;
         println!("{}", serde_json::to_string(&result)?);
         return Ok(());

@@ -302,11 +302,17 @@ impl Plan {
     /// Applies the process-wide runtime settings of the plan (CPU thread count). Call once,
     /// before any tensor work; later calls keep the first setting.
     pub fn apply_runtime(&self) {
-        if let Err(e) = rayon::ThreadPoolBuilder::new()
-            .num_threads(self.threads)
-            .build_global()
-        {
-            tracing::debug!("thread pool already configured: {e}");
-        }
+        set_cpu_threads(self.threads);
+    }
+}
+
+/// Sizes the CPU backend's (rayon's global) thread pool. Only the first call in a process
+/// takes effect, so call it before any tensor work.
+pub fn set_cpu_threads(threads: usize) {
+    if let Err(e) = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build_global()
+    {
+        tracing::debug!("thread pool already configured: {e}");
     }
 }
