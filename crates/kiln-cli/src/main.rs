@@ -116,7 +116,7 @@ struct ConfigArgs {
     /// Directory for checkpoints.
     #[arg(long, value_name = "DIR")]
     checkpoint_dir: Option<String>,
-    /// Precision policy (f32; bf16/f16 come with mixed precision).
+    /// Precision policy: f32, bf16 or f16 (mixed precision with f32 master weights).
     #[arg(long)]
     precision: Option<String>,
     /// Backend: auto, flex, cuda.

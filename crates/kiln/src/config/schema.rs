@@ -231,10 +231,37 @@ pub static SETTINGS: &[SettingSpec] = &[
     },
     SettingSpec {
         key: "precision.policy",
-        kind: Kind::Enum(&["f32"]),
+        kind: Kind::Enum(&["f32", "bf16", "f16"]),
         default: S("f32"),
         levels: &[],
-        doc: "numeric precision of the step (bf16/f16 mixed precision: see issue #2)",
+        doc: "numeric precision: f32, or bf16/f16 mixed precision (matmul/conv in low precision, f32 master weights, reductions, norms and loss)",
+    },
+    SettingSpec {
+        key: "precision.loss_scaling",
+        kind: Kind::Enum(&["auto", "dynamic", "off"]),
+        default: S("auto"),
+        levels: &[],
+        doc: "loss scaling: auto = dynamic for f16, off for f32/bf16; dynamic = GradScaler semantics",
+    },
+    SettingSpec {
+        key: "precision.init_scale",
+        kind: Kind::Float {
+            min: 1.0,
+            max: 16_777_216.0,
+        },
+        default: F(65_536.0),
+        levels: &[],
+        doc: "initial loss scale of dynamic scaling (torch: 2^16)",
+    },
+    SettingSpec {
+        key: "precision.growth_interval",
+        kind: Kind::Int {
+            min: 1,
+            max: 1_000_000,
+        },
+        default: I(2_000),
+        levels: &[],
+        doc: "clean steps before the loss scale doubles (it halves on every overflow)",
     },
     SettingSpec {
         key: "guard.policy",

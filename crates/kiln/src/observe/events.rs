@@ -24,6 +24,9 @@ pub enum GuardAction {
     RolledBack,
     /// The run stopped.
     Aborted,
+    /// Only gradients overflowed while loss scaling was on: the step was skipped and the
+    /// scale halved (f16's normal operation; the guard steps in once the scale is below 1).
+    ScaleBackoff,
 }
 
 /// One guard event, as reported to the event sink and in the run summary.

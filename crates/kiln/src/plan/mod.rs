@@ -12,7 +12,7 @@ use crate::config::schema::{self, SETTINGS};
 use crate::config::{KilnConfig, Level, Origin};
 use crate::error::{KilnError, Result};
 use crate::guard::{GuardOptions, GuardPolicy};
-use crate::precision::Precision;
+use crate::precision::{Precision, ScalerOptions, ScalingMode};
 use crate::train::{OptimizerKind, Schedule, TrainOptions};
 use crate::zoo::ModelKind;
 
@@ -248,7 +248,12 @@ fn build(config: &KilnConfig, settings: Vec<ResolvedSetting>, hw: &Hardware) -> 
         checkpoint_dir: dir("train.checkpoint_dir"),
         checkpoint_every_steps: Some(int("train.checkpoint_every_steps") as u64).filter(|s| *s > 0),
         shuffle: flag("data.shuffle"),
-        precision: Precision::F32,
+        precision: Precision::from_name(&text("precision.policy")).unwrap_or_default(),
+        scaler: ScalerOptions {
+            mode: ScalingMode::from_name(&text("precision.loss_scaling")),
+            init_scale: float("precision.init_scale") as f32,
+            growth_interval: int("precision.growth_interval") as u32,
+        },
         guard: GuardOptions {
             policy: GuardPolicy::from_name(&text("guard.policy")),
             max_consecutive: int("guard.max_consecutive") as u32,

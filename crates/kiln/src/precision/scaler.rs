@@ -64,6 +64,14 @@ impl LossScaler {
         }
     }
 
+    /// Overrides the initial scale (a positive, finite number).
+    pub fn with_init_scale(mut self, scale: f32) -> Self {
+        if scale.is_finite() && scale > 0.0 {
+            self.state.scale = scale;
+        }
+        self
+    }
+
     /// Overrides the growth interval (tests, short runs).
     pub fn with_growth_interval(mut self, steps: u32) -> Self {
         self.growth_interval = steps.max(1);

@@ -22,7 +22,7 @@ pub use schedule::learning_rate;
 pub use trainer::{TrainOutcome, Trainer};
 
 use crate::guard::GuardOptions;
-use crate::precision::Precision;
+use crate::precision::{Precision, ScalerOptions};
 
 /// Which optimizer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -85,6 +85,8 @@ pub struct TrainOptions {
     pub shuffle: bool,
     /// Numeric precision of the step.
     pub precision: Precision,
+    /// Loss scaling.
+    pub scaler: ScalerOptions,
     /// Numerical-stability guard.
     pub guard: GuardOptions,
 }
@@ -111,6 +113,7 @@ impl Default for TrainOptions {
             checkpoint_every_steps: None,
             shuffle: true,
             precision: Precision::F32,
+            scaler: ScalerOptions::default(),
             guard: GuardOptions::default(),
         }
     }
@@ -135,6 +138,7 @@ impl TrainOptions {
             ("train.seed", self.seed.to_string()),
             ("data.shuffle", self.shuffle.to_string()),
             ("precision.policy", self.precision.name().to_string()),
+            ("precision.loss_scaling", format!("{:?}", self.scaler.mode)),
         ]
     }
 }

@@ -10,8 +10,8 @@ use burn::store::ModuleRecord;
 use burn::tensor::{Bytes, Device};
 
 use super::{
-    Checkpoint, CheckpointState, TrainOptions, build_optimizer, clip_global_norm, evaluate,
-    learning_rate, scale_grads,
+    Checkpoint, CheckpointState, Evaluation, TrainOptions, build_optimizer, clip_global_norm,
+    evaluate, learning_rate, scale_grads,
 };
 use crate::data::{Dataset, collate, epoch_order};
 use crate::error::{KilnError, Result};
@@ -20,7 +20,7 @@ use crate::guard::{
     nonfinite_param_names, probe_grads, probe_params,
 };
 use crate::observe::{EpochSummary, Event, EventSink, RunSummary, StepEvent, memory};
-use crate::precision::LossScaler;
+use crate::precision::{LossScaler, autocast};
 use crate::zoo::Classifier;
 
 /// A known-good model and optimizer state to roll back to.
@@ -113,7 +113,7 @@ impl<'s> Trainer<'s> {
         let total_steps = opts.max_steps.map_or(planned, |m| m.min(planned));
 
         let mut pos = Position::default();
-        let mut scaler = opts.precision.default_scaler();
+        let mut scaler = opts.scaler.build(opts.precision);
         if let Some(path) = self.resume.clone() {
             let (m, o, p, s) = restore(&path, model, optim, model_name, &opts)?;
             (model, optim, pos) = (m, o, p);
@@ -171,7 +171,12 @@ impl<'s> Trainer<'s> {
                     let td = Instant::now();
                     let batch = collate(train, indices, &device);
                     data_ms += td.elapsed().as_secs_f64() * 1e3;
-                    let logits = model.forward(batch.images);
+                    let logits = {
+                        let _amp = autocast(opts.precision);
+                        model.forward(batch.images)
+                    };
+                    // Logits come out of the autocast ops in f32: log-softmax and the loss
+                    // run in f32.
                     let loss = loss_fn.forward(logits, batch.labels);
                     // Kept on the device and read once per step: a read per micro-batch would
                     // stall an asynchronous backend (CUDA) between micro-batches.
@@ -213,6 +218,12 @@ impl<'s> Trainer<'s> {
                 } else {
                     None
                 };
+                // An overflow in the gradients alone is the scaler's business (skip, halve the
+                // scale) while the scale is still >= 1; below that, scaling no longer explains
+                // it and the guard's policy applies.
+                let scaler_owns = trouble == Some(Trouble::Gradients)
+                    && scaler.enabled()
+                    && scaler.scale() >= 1.0;
                 scaler.update(trouble.is_some());
                 // The schedule spans the planned epochs, not max_steps: a run stopped early and resumed
                 // must see the same learning rates as one that never stopped.
@@ -223,7 +234,11 @@ impl<'s> Trainer<'s> {
                         Trouble::Gradients => nonfinite_grad_names(&model, &grads),
                         _ => Vec::new(),
                     };
-                    let action = guard.decide(trouble, snapshot.is_some());
+                    let action = if scaler_owns {
+                        GuardAction::ScaleBackoff
+                    } else {
+                        guard.decide(trouble, snapshot.is_some())
+                    };
                     self.guard_event(
                         &mut guard,
                         GuardEvent {
@@ -289,8 +304,9 @@ impl<'s> Trainer<'s> {
                 }
                 pos.global_step += 1;
                 pos.step_in_epoch = s + 1;
-                if trouble.is_none() {
-                    // Skipped steps carry a non-finite loss; the epoch mean is over clean ones.
+                if mean_loss.is_finite() {
+                    // A non-finite loss would poison the epoch mean (and the checkpoint's
+                    // JSON): the mean is over finite ones.
                     pos.epoch_loss_sum += loss_sum;
                     pos.epoch_samples += group as u64;
                 }
@@ -326,9 +342,7 @@ impl<'s> Trainer<'s> {
             let is_last = epoch + 1 == opts.epochs;
             let due = opts.eval_every_epochs > 0 && (epoch + 1) % opts.eval_every_epochs == 0;
             let eval = match test {
-                Some(t) if due || is_last => {
-                    Some(evaluate(&model.valid(), t, EVAL_BATCH, &self.base))
-                }
+                Some(t) if due || is_last => Some(self.evaluate(&model, t)),
                 _ => None,
             };
             if eval.is_some() {
@@ -358,7 +372,7 @@ impl<'s> Trainer<'s> {
         if last_eval.is_none()
             && let Some(t) = test
         {
-            last_eval = Some(evaluate(&model.valid(), t, EVAL_BATCH, &self.base));
+            last_eval = Some(self.evaluate(&model, t));
         }
         let summary = RunSummary {
             model: model_name.to_string(),
@@ -379,6 +393,13 @@ impl<'s> Trainer<'s> {
             summary,
             epochs: epochs_done,
         })
+    }
+
+    /// Evaluates the model in inference mode, in the run's precision (what it will be served
+    /// in).
+    fn evaluate<M: Classifier>(&self, model: &M, data: &dyn Dataset) -> Evaluation {
+        let _amp = autocast(self.options.precision);
+        evaluate(&model.valid(), data, EVAL_BATCH, &self.base)
     }
 
     /// Reports a guard event to the sink and keeps it for the run summary.

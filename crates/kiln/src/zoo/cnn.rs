@@ -8,6 +8,7 @@ use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor};
 
 use super::{Classifier, NUM_CLASSES};
+use crate::precision as amp;
 
 /// W2: conv3x3(1→32)+ReLU, conv3x3(32→64)+ReLU, maxpool2, fc(9216→128)+ReLU, fc(128→10).
 #[derive(Module, Debug)]
@@ -34,10 +35,10 @@ impl Cnn {
 
 impl Classifier for Cnn {
     fn forward(&self, images: Tensor<4>) -> Tensor<2> {
-        let x = relu(self.conv1.forward(images));
-        let x = relu(self.conv2.forward(x));
+        let x = relu(amp::conv2d(&self.conv1, images));
+        let x = relu(amp::conv2d(&self.conv2, x));
         let x: Tensor<2> = self.pool.forward(x).flatten(1, 3);
-        let x = relu(self.fc1.forward(x));
-        self.fc2.forward(x)
+        let x = relu(amp::linear(&self.fc1, x));
+        amp::linear(&self.fc2, x)
     }
 }

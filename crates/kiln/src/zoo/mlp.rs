@@ -6,6 +6,7 @@ use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor};
 
 use super::{Classifier, NUM_CLASSES};
+use crate::precision as amp;
 
 /// W1: a three-layer perceptron on flattened 28×28 images.
 #[derive(Module, Debug)]
@@ -29,8 +30,8 @@ impl Mlp {
 impl Classifier for Mlp {
     fn forward(&self, images: Tensor<4>) -> Tensor<2> {
         let x: Tensor<2> = images.flatten(1, 3);
-        let x = relu(self.fc1.forward(x));
-        let x = relu(self.fc2.forward(x));
-        self.fc3.forward(x)
+        let x = relu(amp::linear(&self.fc1, x));
+        let x = relu(amp::linear(&self.fc2, x));
+        amp::linear(&self.fc3, x)
     }
 }

@@ -8,6 +8,7 @@ use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor};
 
 use super::{Classifier, NUM_CLASSES};
+use crate::precision as amp;
 
 /// Shape of a ResNet: input channels and the width of each of the four stages.
 #[derive(Debug, Clone, Copy)]
@@ -92,10 +93,10 @@ impl BasicBlock {
     }
 
     fn forward(&self, x: Tensor<4>) -> Tensor<4> {
-        let y = relu(self.bn1.forward(self.conv1.forward(x.clone())));
-        let y = self.bn2.forward(self.conv2.forward(y));
+        let y = relu(self.bn1.forward(amp::conv2d(&self.conv1, x.clone())));
+        let y = self.bn2.forward(amp::conv2d(&self.conv2, y));
         let skip = match &self.shortcut {
-            Some(s) => s.bn.forward(s.conv.forward(x)),
+            Some(s) => s.bn.forward(amp::conv2d(&s.conv, x)),
             None => x,
         };
         relu(y + skip)
@@ -121,11 +122,11 @@ impl ResNet {
 
 impl Classifier for ResNet {
     fn forward(&self, images: Tensor<4>) -> Tensor<2> {
-        let mut x = relu(self.stem_bn.forward(self.stem.forward(images)));
+        let mut x = relu(self.stem_bn.forward(amp::conv2d(&self.stem, images)));
         for block in &self.blocks {
             x = block.forward(x);
         }
         let x: Tensor<2> = self.pool.forward(x).flatten(1, 3);
-        self.head.forward(x)
+        amp::linear(&self.head, x)
     }
 }

@@ -1,13 +1,16 @@
 //! W4: a Transformer encoder classifier that reads the 28 image rows as 28 tokens.
 
 use burn::module::{Module, Param};
+use burn::nn::attention::MultiHeadAttention;
 use burn::nn::transformer::{
-    TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput,
+    PositionWiseFeedForward, TransformerEncoder, TransformerEncoderConfig, TransformerEncoderLayer,
 };
 use burn::nn::{Linear, LinearConfig};
+use burn::tensor::activation::softmax;
 use burn::tensor::{Device, Tensor};
 
 use super::{Classifier, NUM_CLASSES};
+use crate::precision as amp;
 
 const TOKENS: usize = 28;
 const FEATURES: usize = 28;
@@ -15,6 +18,10 @@ const D_MODEL: usize = 128;
 
 /// W4: embed(28→128) + learned positions, 2 post-norm encoder layers (4 heads, ff 512, ReLU,
 /// no dropout, as the PyTorch peer), mean-pool over tokens, linear head.
+///
+/// The parameters are Burn's [`TransformerEncoder`]; the forward pass is Kiln's
+/// ([`encoder_layer`]) because Burn's calls its `Linear`s and matmuls directly, where
+/// mixed precision needs the autocast ops.
 #[derive(Module, Debug)]
 pub struct EncoderClassifier {
     embed: Linear,
@@ -36,10 +43,11 @@ impl EncoderClassifier {
             head: LinearConfig::new(D_MODEL, NUM_CLASSES).init(device),
         }
     }
-}
 
-impl Classifier for EncoderClassifier {
-    fn forward(&self, images: Tensor<4>) -> Tensor<2> {
+    /// The encoder stack through Burn's own forward (the reference [`Classifier::forward`] is
+    /// tested against).
+    pub fn forward_with_burn_encoder(&self, images: Tensor<4>) -> Tensor<2> {
+        use burn::nn::transformer::TransformerEncoderInput;
         let [batch, _, _, _] = images.dims();
         let tokens: Tensor<3> = images.reshape([batch, TOKENS, FEATURES]);
         let h = self.embed.forward(tokens) + self.pos.val();
@@ -47,4 +55,59 @@ impl Classifier for EncoderClassifier {
         let pooled: Tensor<2> = h.mean_dim(1).reshape([batch, D_MODEL]);
         self.head.forward(pooled)
     }
+}
+
+impl Classifier for EncoderClassifier {
+    fn forward(&self, images: Tensor<4>) -> Tensor<2> {
+        let [batch, _, _, _] = images.dims();
+        let tokens: Tensor<3> = images.reshape([batch, TOKENS, FEATURES]);
+        let mut h = amp::linear(&self.embed, tokens) + self.pos.val();
+        for layer in &self.encoder.layers {
+            h = encoder_layer(layer, h);
+        }
+        let pooled: Tensor<2> = h.mean_dim(1).reshape([batch, D_MODEL]);
+        amp::linear(&self.head, pooled)
+    }
+}
+
+/// One encoder layer, as Burn's `TransformerEncoderLayer::forward` without masks and with
+/// dropout 0 (W4 uses neither), through the autocast ops. LayerNorm, softmax and the
+/// residual adds stay f32.
+fn encoder_layer(layer: &TransformerEncoderLayer, x: Tensor<3>) -> Tensor<3> {
+    if layer.norm_first {
+        let attn = self_attention(&layer.mha, layer.norm_2.forward(x.clone()));
+        let x = x + attn;
+        let ff = feed_forward(&layer.pwff, layer.norm_1.forward(x.clone()));
+        x + ff
+    } else {
+        let x = layer
+            .norm_1
+            .forward(x.clone() + self_attention(&layer.mha, x));
+        let ff = feed_forward(&layer.pwff, x.clone());
+        layer.norm_2.forward(x + ff)
+    }
+}
+
+/// Multi-head self-attention: projections and both matmuls in the compute precision, the
+/// softmax in f32.
+fn self_attention(mha: &MultiHeadAttention, x: Tensor<3>) -> Tensor<3> {
+    let [batch, seq, d_model] = x.dims();
+    let heads = |linear: &Linear| -> Tensor<4> {
+        amp::linear(linear, x.clone())
+            .reshape([batch, seq, mha.n_heads, mha.d_k])
+            .swap_dims(1, 2)
+    };
+    let (q, k, v) = (heads(&mha.query), heads(&mha.key), heads(&mha.value));
+    let scores = amp::matmul(q, k.transpose()).div_scalar((mha.d_k as f32).sqrt());
+    let weights = softmax(scores, 3);
+    let context = amp::matmul(weights, v)
+        .swap_dims(1, 2)
+        .reshape([batch, seq, d_model]);
+    amp::linear(&mha.output, context)
+}
+
+/// Position-wise feed-forward: two autocast linears around the activation.
+fn feed_forward(ff: &PositionWiseFeedForward, x: Tensor<3>) -> Tensor<3> {
+    let h = ff.activation.forward(amp::linear(&ff.linear_inner, x));
+    amp::linear(&ff.linear_outer, h)
 }

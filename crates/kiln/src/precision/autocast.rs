@@ -1,0 +1,169 @@
+//! Autocast: run the ops where low precision is safe in bf16/f16, everything else in f32.
+//!
+//! Burn 0.22 has no autocast, so Kiln provides the torch.amp idea in the small: a scope
+//! ([`autocast`]) sets the compute dtype for the current thread, and the zoo's forward passes
+//! call [`linear`], [`conv2d`] and [`matmul`] instead of the plain ops. Inside a bf16/f16 scope
+//! those ops cast their inputs *and the f32 master weights* to the low precision, compute
+//! there, and cast the result back to f32; outside a scope they are exactly the plain ops.
+//!
+//! The per-op list (also in `docs/mixed-precision.md`):
+//!
+//! | runs in bf16/f16                     | stays in f32                                         |
+//! |--------------------------------------|------------------------------------------------------|
+//! | `linear` (matmul + bias)             | softmax / log-softmax and the cross-entropy loss     |
+//! | `conv2d` (+ bias)                    | BatchNorm and LayerNorm (their statistics)           |
+//! | `matmul` (attention scores, context) | reductions (means, pooling), residual adds, ReLU     |
+//! |                                      | parameters, gradients applied, optimizer state       |
+//!
+//! Why the result goes back to f32 at once: every op that is *not* in the left column then
+//! sees f32 without the model having to track dtypes, and the gradient that reaches each f32
+//! master weight is f32 (the cast's backward casts it up). The price is one extra elementwise
+//! pass per op; on a fusing GPU backend that pass merges into the neighbouring kernel.
+//!
+//! The scope is thread-local, like torch's: a forward pass runs on the calling thread (the
+//! backend's own worker threads only execute kernels), so a server with several model
+//! instances on several threads can run each in its own precision.
+
+use std::cell::Cell;
+
+use burn::nn::conv::Conv2d;
+use burn::nn::{Linear, PaddingConfig2d};
+use burn::tensor::module::{conv2d as plain_conv2d, linear as plain_linear};
+use burn::tensor::ops::ConvOptions;
+use burn::tensor::{FloatDType, Tensor};
+
+use super::Precision;
+
+thread_local! {
+    static COMPUTE: Cell<Option<FloatDType>> = const { Cell::new(None) };
+}
+
+/// While alive, the autocast ops on this thread compute in the scope's precision; dropping it
+/// restores the previous setting (scopes nest).
+#[must_use = "autocast is active only while the scope is alive"]
+#[derive(Debug)]
+pub struct AutocastScope {
+    previous: Option<FloatDType>,
+}
+
+impl Drop for AutocastScope {
+    fn drop(&mut self) {
+        COMPUTE.with(|c| c.set(self.previous));
+    }
+}
+
+/// Enters an autocast scope for `precision` on this thread (`F32` = plain ops).
+pub fn autocast(precision: Precision) -> AutocastScope {
+    let previous = COMPUTE.with(|c| c.replace(precision.compute_dtype()));
+    AutocastScope { previous }
+}
+
+/// The low-precision compute dtype of the current scope, if any.
+pub fn compute_dtype() -> Option<FloatDType> {
+    COMPUTE.with(Cell::get)
+}
+
+/// `layer.forward(x)`, computed in the scope's precision.
+pub fn linear<const D: usize>(layer: &Linear, x: Tensor<D>) -> Tensor<D> {
+    let Some(dt) = compute_dtype() else {
+        return layer.forward(x);
+    };
+    let weight = layer.weight.val().cast(dt);
+    let bias = layer.bias.as_ref().map(|b| b.val().cast(dt));
+    plain_linear(x.cast(dt), weight, bias).cast(FloatDType::F32)
+}
+
+/// `layer.forward(x)`, computed in the scope's precision.
+pub fn conv2d(layer: &Conv2d, x: Tensor<4>) -> Tensor<4> {
+    let Some(dt) = compute_dtype() else {
+        return layer.forward(x);
+    };
+    let [_, _, height, width] = x.dims();
+    let pads = [
+        padding_pair(
+            &layer.padding,
+            0,
+            height,
+            layer.kernel_size[0],
+            layer.stride[0],
+        ),
+        padding_pair(
+            &layer.padding,
+            1,
+            width,
+            layer.kernel_size[1],
+            layer.stride[1],
+        ),
+    ];
+    let options = ConvOptions::new_with_padding(layer.stride, pads, layer.dilation, layer.groups);
+    let weight = layer.weight.val().cast(dt);
+    let bias = layer.bias.as_ref().map(|b| b.val().cast(dt));
+    plain_conv2d(x.cast(dt), weight, bias, options).cast(FloatDType::F32)
+}
+
+/// (start, end) padding of spatial axis `axis` (0 = height, 1 = width), resolved exactly as
+/// `Conv2d::forward` does (Burn keeps its helper crate-private): `Same` puts the odd pixel at
+/// the end, as ONNX does.
+fn padding_pair(
+    padding: &PaddingConfig2d,
+    axis: usize,
+    size: usize,
+    kernel: usize,
+    stride: usize,
+) -> (usize, usize) {
+    match *padding {
+        PaddingConfig2d::Valid => (0, 0),
+        PaddingConfig2d::Explicit(top, left, bottom, right) => {
+            if axis == 0 {
+                (top, bottom)
+            } else {
+                (left, right)
+            }
+        }
+        PaddingConfig2d::Same => {
+            let out = size.div_ceil(stride);
+            let total = if out > 0 {
+                ((out - 1) * stride + kernel).saturating_sub(size)
+            } else {
+                0
+            };
+            (total / 2, total - total / 2)
+        }
+    }
+}
+
+/// `a.matmul(b)`, computed in the scope's precision.
+pub fn matmul<const D: usize>(a: Tensor<D>, b: Tensor<D>) -> Tensor<D> {
+    match compute_dtype() {
+        None => a.matmul(b),
+        Some(dt) => a.cast(dt).matmul(b.cast(dt)).cast(FloatDType::F32),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scopes_nest_and_restore() {
+        assert_eq!(compute_dtype(), None);
+        {
+            let _outer = autocast(Precision::Bf16);
+            assert_eq!(compute_dtype(), Some(FloatDType::BF16));
+            {
+                let _inner = autocast(Precision::F32);
+                assert_eq!(compute_dtype(), None);
+            }
+            assert_eq!(compute_dtype(), Some(FloatDType::BF16));
+        }
+        assert_eq!(compute_dtype(), None);
+    }
+
+    #[test]
+    fn scope_is_per_thread() {
+        let _scope = autocast(Precision::F16);
+        let other = std::thread::spawn(compute_dtype).join().ok().flatten();
+        assert_eq!(other, None);
+        assert_eq!(compute_dtype(), Some(FloatDType::F16));
+    }
+}
