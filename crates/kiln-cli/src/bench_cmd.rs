@@ -1,4 +1,5 @@
-//! `kiln bench`: plain Burn vs Kiln's plan at each level, same shapes and protocol as the
+//! `kiln bench`: plain Burn vs Kiln's plan at each level (or each precision policy, with
+//! `--mode precision`), same shapes and protocol as the
 //! peers (`../shared/peers/workloads.py`): 5 warm-up steps, 3 repeats of N timed steps,
 //! median. Each case runs in its own child process so its peak RSS is its own.
 
@@ -15,6 +16,7 @@ use kiln::data::SyntheticDataset;
 use kiln::observe::timing::{Timing, measure, summarize};
 use kiln::observe::{MemorySink, memory};
 use kiln::plan::{Hardware, resolve};
+use kiln::precision::{Precision, autocast};
 use kiln::zoo::{Classifier, ModelKind};
 use kiln::{KilnConfig, Trainer};
 use serde::{Deserialize, Serialize};
@@ -81,14 +83,17 @@ const WORKLOADS: [Workload; 5] = [
     },
 ];
 
-/// Cases measured per mode: plain Burn always; Kiln's levels for training. For inference,
+/// Cases measured per mode: plain Burn and Kiln's levels for training. For inference,
 /// `kiln` is the same forward pass under Kiln's runtime (allocator, thread pool); the
 /// inference passes (folding, int8) arrive with the inference issue.
+///
+/// `precision` mode measures the same step (training at level basic; inference for W3) in
+/// each precision policy; its reference case is `f32`.
 fn cases(mode: &str) -> Vec<&'static str> {
-    if mode == "train" {
-        vec!["burn", "kiln-basic", "kiln-advanced", "kiln-ultra"]
-    } else {
-        vec!["burn", "kiln"]
+    match mode {
+        "train" => vec!["burn", "kiln-basic", "kiln-advanced", "kiln-ultra"],
+        "precision" => vec!["f32", "bf16", "f16"],
+        _ => vec!["burn", "kiln"],
     }
 }
 
@@ -207,7 +212,17 @@ fn measure_case(
         ("infer", "burn" | "kiln") => plain_burn_infer(w.model, batch, shape, steps),
         ("train", level) if level.starts_with("kiln-") => {
             let level: Level = level.trim_start_matches("kiln-").parse()?;
-            kiln_train(w.model, level, batch, shape, steps)?
+            kiln_train(w.model, level, Precision::F32, batch, shape, steps)?
+        }
+        ("precision", name) => {
+            let precision = Precision::from_name(name)
+                .with_context(|| format!("unknown precision `{name}`"))?;
+            if w.infer {
+                let _scope = autocast(precision);
+                plain_burn_infer(w.model, batch, shape, steps)
+            } else {
+                kiln_train(w.model, Level::Basic, precision, batch, shape, steps)?
+            }
         }
         _ => bail!("unknown bench case `{case}` for mode `{mode}`"),
     };
@@ -291,10 +306,12 @@ fn plain_burn_infer(model: ModelKind, batch: usize, shape: [usize; 3], steps: us
     )
 }
 
-/// Kiln's trainer with the plan resolved at `level`, on synthetic data of the same shape.
+/// Kiln's trainer with the plan resolved at `level` in `precision`, on synthetic data of the
+/// same shape.
 fn kiln_train(
     model: ModelKind,
     level: Level,
+    precision: Precision,
     batch: usize,
     shape: [usize; 3],
     steps: usize,
@@ -303,6 +320,7 @@ fn kiln_train(
     config.set_level(level);
     config.set("train.model", model.name())?;
     config.set("train.batch_size", &batch.to_string())?;
+    config.set("precision.policy", precision.name())?;
     let plan = resolve(&config, &Hardware::probe())?;
     let total = WARMUP + steps * REPEATS;
     let mut options = plan.train.clone();
@@ -324,21 +342,23 @@ fn kiln_train(
 
 fn print_table(results: &[CaseResult]) {
     println!(
-        "{:<4} {:<5} {:>5} {:<14} {:>10} {:>7} {:>11} {:>10} {:>9}",
-        "wl", "mode", "batch", "case", "ms/step", "spread", "samples/s", "peak RSS", "vs burn"
+        "{:<4} {:<9} {:>5} {:<14} {:>10} {:>7} {:>11} {:>10} {:>9}",
+        "wl", "mode", "batch", "case", "ms/step", "spread", "samples/s", "peak RSS", "vs ref"
     );
     for r in results {
+        // The reference is each mode's first case: plain Burn, or f32 in precision mode.
+        let reference = cases(&r.mode)[0];
         let base = results
             .iter()
             .find(|b| {
                 b.workload == r.workload
                     && b.mode == r.mode
                     && b.batch == r.batch
-                    && b.case == "burn"
+                    && b.case == reference
             })
             .map(|b| b.ms_per_step / r.ms_per_step);
         println!(
-            "{:<4} {:<5} {:>5} {:<14} {:>10.2} {:>6.1}% {:>11.1} {:>10} {:>9}",
+            "{:<4} {:<9} {:>5} {:<14} {:>10.2} {:>6.1}% {:>11.1} {:>10} {:>9}",
             r.workload,
             r.mode,
             r.batch,

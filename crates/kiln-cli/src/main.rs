@@ -54,8 +54,8 @@ struct BenchArgs {
     /// W1..W5 or all.
     #[arg(long, default_value = "all")]
     workload: String,
-    /// train or infer (default: infer for W3, train otherwise).
-    #[arg(long, value_parser = ["train", "infer"])]
+    /// train, infer, or precision (f32 vs bf16 vs f16; default: infer for W3, train otherwise).
+    #[arg(long, value_parser = ["train", "infer", "precision"])]
     mode: Option<String>,
     /// Batch size (default: the workload's standard batch; W3 measures 1 and 64).
     #[arg(long)]

@@ -175,11 +175,60 @@ fn bench_reports_every_case_with_the_protocol() {
     assert!(o.status.success(), "{}", stderr(&o));
     let table = stdout(&o);
     assert!(
-        table.contains("ms/step") && table.contains("W3   infer     1"),
+        table.contains("ms/step") && table.contains("W3   infer         1"),
         "{table}"
     );
     assert!(table.contains(" kiln "), "{table}");
     let o = kiln(&["bench", "--workload", "W9"]);
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("unknown workload `W9`"));
+}
+
+/// `--precision f16` trains on the bundled data end to end: the plan says f16 with dynamic
+/// scaling, the run learns, and any overflow is reported as a scale back-off.
+#[test]
+fn train_in_f16_and_bench_each_precision() {
+    let o = kiln(&[
+        "train",
+        "--model",
+        "mlp",
+        "--epochs",
+        "1",
+        "--level",
+        "basic",
+        "--precision",
+        "f16",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let events: Vec<serde_json::Value> = stdout(&o)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let plan = &events[0]["plan"];
+    let setting = |key: &str| plan["settings"][key]["value"].clone();
+    assert_eq!(setting("precision.policy"), "f16");
+    assert_eq!(setting("precision.loss_scaling"), "auto");
+    for e in events.iter().filter(|e| e["event"] == "guard") {
+        assert_eq!(e["action"], "ScaleBackoff", "{e}");
+    }
+    let done = events.last().unwrap();
+    assert!(done["test_accuracy"].as_f64().unwrap() > 0.85, "{done}");
+
+    let o = kiln(&[
+        "bench",
+        "--workload",
+        "W1",
+        "--mode",
+        "precision",
+        "--steps",
+        "2",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let cases: Vec<String> = stdout(&o)
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["case"].to_string())
+        .collect();
+    assert_eq!(cases, ["\"f32\"", "\"bf16\"", "\"f16\""]);
 }

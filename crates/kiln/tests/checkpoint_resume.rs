@@ -1,5 +1,7 @@
 //! Checkpoints round-trip, are verified on load, and a resumed run continues bit for bit.
 
+mod common;
+
 use burn::tensor::Device;
 use kiln::datasets::{Split, bundled};
 use kiln::observe::{MemorySink, NullSink};
@@ -9,13 +11,6 @@ use kiln::train::{
 };
 use kiln::zoo::ModelKind;
 use kiln::{KilnError, Trainer, burn};
-
-fn tempdir(name: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("kiln-ckpt-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
 
 fn options(dir: Option<std::path::PathBuf>) -> TrainOptions {
     TrainOptions {
@@ -48,7 +43,7 @@ fn checkpoint_bytes_round_trip_and_detect_corruption() {
         model: vec![1, 2, 3, 4],
         optimizer: vec![9; 100],
     };
-    let dir = tempdir("bytes");
+    let dir = common::tempdir("ckpt", "bytes");
     let path = dir.join(Checkpoint::file_name(9));
     ckpt.save(&path).unwrap();
     let back = Checkpoint::load(&path).unwrap();
@@ -96,7 +91,7 @@ fn resume_continues_bit_for_bit() {
         .unwrap();
     assert_eq!(straight.summary.steps, 10);
 
-    let dir = tempdir("resume");
+    let dir = common::tempdir("ckpt", "resume");
     let mut first_half = MemorySink::default();
     let stopped = Trainer::new(
         TrainOptions {
@@ -126,17 +121,7 @@ fn resume_continues_bit_for_bit() {
         flatten_params(&straight.model),
         flatten_params(&resumed.model),
     );
-    assert_eq!(a.len(), b.len());
-    let differing = a
-        .iter()
-        .zip(&b)
-        .filter(|(x, y)| x.to_bits() != y.to_bits())
-        .count();
-    let max_diff = a
-        .iter()
-        .zip(&b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0f32, f32::max);
+    let (differing, max_diff) = common::bitwise_differences(&a, &b);
     assert_eq!(
         differing,
         0,
@@ -153,7 +138,7 @@ fn resume_continues_bit_for_bit() {
 #[test]
 fn resume_with_other_settings_or_model_is_refused() {
     let data = bundled(Split::Train).unwrap().take(64);
-    let dir = tempdir("refuse");
+    let dir = common::tempdir("ckpt", "refuse");
     let mut sink = NullSink;
     Trainer::new(
         TrainOptions {
@@ -202,7 +187,7 @@ fn resume_with_other_settings_or_model_is_refused() {
 #[test]
 fn divergence_is_an_error_and_keeps_the_last_checkpoint() {
     let data = bundled(Split::Train).unwrap().take(256);
-    let dir = tempdir("diverge");
+    let dir = common::tempdir("ckpt", "diverge");
     let mut sink = NullSink;
     let result = Trainer::new(
         TrainOptions {

@@ -1,5 +1,7 @@
 //! The bundled data and the IDX loader, including every way a data file can be bad.
 
+mod common;
+
 use std::io::Write;
 use std::path::Path;
 
@@ -31,13 +33,6 @@ fn write_dir(dir: &Path, n: usize, compress: bool) {
     }
 }
 
-fn tempdir(name: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("kiln-test-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
 #[test]
 fn bundled_split_is_4000_train_and_1000_test_stratified() {
     let train = bundled(Split::Train).unwrap();
@@ -61,7 +56,7 @@ fn bundled_split_is_4000_train_and_1000_test_stratified() {
 #[test]
 fn idx_directory_loads_plain_and_gzipped() {
     for compress in [false, true] {
-        let dir = tempdir(&format!("idx-{compress}"));
+        let dir = common::tempdir("test", &format!("idx-{compress}"));
         write_dir(&dir, 12, compress);
         let ds = load_dir(&dir, Split::Train).unwrap();
         assert_eq!(ds.len(), 12);
@@ -81,7 +76,7 @@ fn expect_bad_data(result: kiln::Result<kiln::data::ImageDataset>, needle: &str)
 
 #[test]
 fn truncated_file_is_reported_with_sizes() {
-    let dir = tempdir("trunc");
+    let dir = common::tempdir("test", "trunc");
     write_dir(&dir, 5, false);
     let p = dir.join("train-images-idx3-ubyte");
     let bytes = std::fs::read(&p).unwrap();
@@ -93,7 +88,7 @@ fn truncated_file_is_reported_with_sizes() {
 
 #[test]
 fn wrong_magic_is_not_an_idx_file() {
-    let dir = tempdir("magic");
+    let dir = common::tempdir("test", "magic");
     write_dir(&dir, 5, false);
     std::fs::write(
         dir.join("train-images-idx3-ubyte"),
@@ -105,7 +100,7 @@ fn wrong_magic_is_not_an_idx_file() {
 
 #[test]
 fn corrupt_gzip_is_reported() {
-    let dir = tempdir("gz");
+    let dir = common::tempdir("test", "gz");
     write_dir(&dir, 5, true);
     let p = dir.join("train-images-idx3-ubyte.gz");
     let mut bytes = std::fs::read(&p).unwrap();
@@ -117,7 +112,7 @@ fn corrupt_gzip_is_reported() {
 
 #[test]
 fn swapped_or_mismatched_files_are_reported() {
-    let dir = tempdir("swap");
+    let dir = common::tempdir("test", "swap");
     write_dir(&dir, 5, false);
     let lab = dir.join("train-labels-idx1-ubyte");
     std::fs::write(&lab, idx::encode(&[4], &[1, 2, 3, 4])).unwrap();
@@ -130,13 +125,13 @@ fn swapped_or_mismatched_files_are_reported() {
 
 #[test]
 fn missing_file_names_the_expected_names() {
-    let dir = tempdir("missing");
+    let dir = common::tempdir("test", "missing");
     expect_bad_data(load_dir(&dir, Split::Train), "train-images-idx3-ubyte");
 }
 
 #[test]
 fn checksum_listing_is_verified() {
-    let dir = tempdir("sums");
+    let dir = common::tempdir("test", "sums");
     write_dir(&dir, 5, false);
     std::fs::write(
         dir.join("SHA256SUMS"),

@@ -1,11 +1,13 @@
 //! The numerical-stability guard: injected NaN in data, an exploding learning rate, and
 //! each policy ending the way it says, with the report, without corrupting checkpoints.
 
+mod common;
+
 use burn::tensor::Device;
 use kiln::data::{Dataset, ImageDataset};
 use kiln::datasets::{Split, bundled};
 use kiln::guard::{GuardAction, GuardOptions, GuardPolicy, Trouble};
-use kiln::observe::{Event, GuardEvent, MemorySink};
+use kiln::observe::{Event, MemorySink};
 use kiln::train::{Checkpoint, OptimizerKind, TrainOptions, flatten_params, latest_checkpoint};
 use kiln::zoo::ModelKind;
 use kiln::{KilnError, Trainer, burn};
@@ -32,40 +34,6 @@ impl Dataset for Poisoned {
     }
 }
 
-fn tempdir(name: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("kiln-guard-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn options(policy: GuardPolicy, dir: &std::path::Path) -> TrainOptions {
-    TrainOptions {
-        epochs: 1,
-        batch_size: 32,
-        shuffle: false,
-        checkpoint_dir: Some(dir.to_path_buf()),
-        checkpoint_every_steps: Some(1),
-        guard: GuardOptions {
-            policy,
-            max_consecutive: 3,
-            check_params: true,
-            snapshot_every: 2,
-        },
-        ..TrainOptions::default()
-    }
-}
-
-fn guard_events(sink: &MemorySink) -> Vec<GuardEvent> {
-    sink.events
-        .iter()
-        .filter_map(|e| match e {
-            Event::Guard(g) => Some(g.clone()),
-            _ => None,
-        })
-        .collect()
-}
-
 fn poisoned() -> Poisoned {
     // Batches of 32 in order: samples 40 and 200 fall in steps 2 and 7.
     Poisoned {
@@ -76,13 +44,17 @@ fn poisoned() -> Poisoned {
 
 #[test]
 fn skip_policy_skips_poisoned_batches_and_finishes() {
-    let dir = tempdir("skip");
+    let dir = common::tempdir("guard", "skip");
     let data = poisoned();
     let mut sink = MemorySink::default();
-    let out = Trainer::new(options(GuardPolicy::Skip, &dir), Device::flex(), &mut sink)
-        .fit("mlp", |d| ModelKind::Mlp.init(d), &data, None)
-        .unwrap();
-    let events = guard_events(&sink);
+    let out = Trainer::new(
+        common::guard_test_options(GuardPolicy::Skip, &dir),
+        Device::flex(),
+        &mut sink,
+    )
+    .fit("mlp", |d| ModelKind::Mlp.init(d), &data, None)
+    .unwrap();
+    let events = common::guard_events(&sink);
     let steps: Vec<u64> = events.iter().map(|e| e.step).collect();
     assert_eq!(steps, vec![2, 7], "{events:?}");
     assert!(events.iter().all(|e| e.trouble == Trouble::Loss));
@@ -115,12 +87,16 @@ fn skip_policy_skips_poisoned_batches_and_finishes() {
 
 #[test]
 fn abort_policy_stops_with_the_report_and_keeps_the_last_checkpoint() {
-    let dir = tempdir("abort");
+    let dir = common::tempdir("guard", "abort");
     let data = poisoned();
     let mut sink = MemorySink::default();
-    let err = Trainer::new(options(GuardPolicy::Abort, &dir), Device::flex(), &mut sink)
-        .fit("mlp", |d| ModelKind::Mlp.init(d), &data, None)
-        .unwrap_err();
+    let err = Trainer::new(
+        common::guard_test_options(GuardPolicy::Abort, &dir),
+        Device::flex(),
+        &mut sink,
+    )
+    .fit("mlp", |d| ModelKind::Mlp.init(d), &data, None)
+    .unwrap_err();
     match &err {
         KilnError::Diverged { step, detail, .. } => {
             assert_eq!(*step, 2);
@@ -128,7 +104,7 @@ fn abort_policy_stops_with_the_report_and_keeps_the_last_checkpoint() {
         }
         other => panic!("expected Diverged, got {other}"),
     }
-    let events = guard_events(&sink);
+    let events = common::guard_events(&sink);
     assert_eq!(events.len(), 1);
     assert_eq!(events[0].action, GuardAction::Aborted);
     let last = latest_checkpoint(&dir).unwrap().unwrap();
@@ -141,7 +117,7 @@ fn abort_policy_stops_with_the_report_and_keeps_the_last_checkpoint() {
 /// after `max_consecutive` in a row.
 #[test]
 fn rollback_policy_restores_snapshots_then_gives_up_on_an_exploding_lr() {
-    let dir = tempdir("rollback");
+    let dir = common::tempdir("guard", "rollback");
     let data = bundled(Split::Train).unwrap().take(256);
     let mut sink = MemorySink::default();
     let err = Trainer::new(
@@ -149,14 +125,14 @@ fn rollback_policy_restores_snapshots_then_gives_up_on_an_exploding_lr() {
             optimizer: OptimizerKind::Sgd,
             momentum: 0.0,
             lr: 1e39, // beyond f32: every update overflows
-            ..options(GuardPolicy::Rollback, &dir)
+            ..common::guard_test_options(GuardPolicy::Rollback, &dir)
         },
         Device::flex(),
         &mut sink,
     )
     .fit("mlp", |d| ModelKind::Mlp.init(d), &data, None)
     .unwrap_err();
-    let events = guard_events(&sink);
+    let events = common::guard_events(&sink);
     assert_eq!(events.len(), 4, "{events:?}");
     for e in &events[..3] {
         assert_eq!(e.trouble, Trouble::Parameters);
@@ -183,7 +159,7 @@ fn rollback_policy_restores_snapshots_then_gives_up_on_an_exploding_lr() {
 /// With skip, an exploding learning rate ends after `max_consecutive` skipped steps.
 #[test]
 fn skip_policy_gives_up_after_consecutive_bad_steps() {
-    let dir = tempdir("explode");
+    let dir = common::tempdir("guard", "explode");
     let data = bundled(Split::Train).unwrap().take(512);
     let mut sink = MemorySink::default();
     let err = Trainer::new(
@@ -193,9 +169,9 @@ fn skip_policy_gives_up_after_consecutive_bad_steps() {
             lr: 1e39,
             guard: GuardOptions {
                 check_params: false,
-                ..options(GuardPolicy::Skip, &dir).guard
+                ..common::guard_test_options(GuardPolicy::Skip, &dir).guard
             },
-            ..options(GuardPolicy::Skip, &dir)
+            ..common::guard_test_options(GuardPolicy::Skip, &dir)
         },
         Device::flex(),
         &mut sink,
@@ -203,7 +179,7 @@ fn skip_policy_gives_up_after_consecutive_bad_steps() {
     .fit("mlp", |d| ModelKind::Mlp.init(d), &data, None)
     .unwrap_err();
     assert!(matches!(err, KilnError::Diverged { .. }), "{err}");
-    let events = guard_events(&sink);
+    let events = common::guard_events(&sink);
     assert!(events.len() >= 2);
     assert_eq!(events.last().unwrap().action, GuardAction::Aborted);
     assert!(

@@ -404,13 +404,24 @@ impl<'s> Trainer<'s> {
 
     /// Reports a guard event to the sink and keeps it for the run summary.
     fn guard_event(&mut self, guard: &mut Guard, event: GuardEvent) {
-        tracing::warn!(
-            step = event.step,
-            "non-finite {:?} {:?}: {:?}",
-            event.trouble,
-            event.tensors,
-            event.action
-        );
+        if event.action == GuardAction::ScaleBackoff {
+            // Routine for f16: worth a line in the log, not a warning.
+            tracing::info!(
+                step = event.step,
+                scale = event.loss_scale,
+                "gradients overflowed {:?}: step skipped, loss scale halved",
+                event.tensors
+            );
+        } else {
+            tracing::warn!(
+                step = event.step,
+                scale = event.loss_scale,
+                "non-finite {:?} {:?}: {:?}",
+                event.trouble,
+                event.tensors,
+                event.action
+            );
+        }
         self.sink.emit(&Event::Guard(event.clone()));
         guard.events.push(event);
     }

@@ -1,0 +1,60 @@
+//! Helpers shared by the integration tests (each test binary uses a subset).
+#![allow(dead_code)]
+
+use kiln::guard::{GuardOptions, GuardPolicy};
+use kiln::observe::{Event, GuardEvent, MemorySink};
+use kiln::train::TrainOptions;
+
+/// A fresh, empty directory under the system temp dir, unique to this test process.
+pub fn tempdir(prefix: &str, name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("kiln-{prefix}-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The guard events a run reported, in order.
+pub fn guard_events(sink: &MemorySink) -> Vec<GuardEvent> {
+    sink.events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Guard(g) => Some(g.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// How many weights differ bit for bit, and the largest absolute difference.
+pub fn bitwise_differences(a: &[f32], b: &[f32]) -> (usize, f32) {
+    assert_eq!(a.len(), b.len(), "models of different sizes");
+    let differing = a
+        .iter()
+        .zip(b)
+        .filter(|(x, y)| x.to_bits() != y.to_bits())
+        .count();
+    let max_diff = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    (differing, max_diff)
+}
+
+/// One epoch of batch 32 in order, a checkpoint after every step, and a strict guard
+/// (3 bad steps in a row abort, parameters checked, snapshots every 2 steps).
+pub fn guard_test_options(policy: GuardPolicy, dir: &std::path::Path) -> TrainOptions {
+    TrainOptions {
+        epochs: 1,
+        batch_size: 32,
+        shuffle: false,
+        checkpoint_dir: Some(dir.to_path_buf()),
+        checkpoint_every_steps: Some(1),
+        guard: GuardOptions {
+            policy,
+            max_consecutive: 3,
+            check_params: true,
+            snapshot_every: 2,
+        },
+        ..TrainOptions::default()
+    }
+}
