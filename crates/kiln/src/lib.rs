@@ -8,7 +8,7 @@
 //! Map of the crate (see `DESIGN.md` at the repository root for the architecture):
 //! - [`config`]: [`KilnConfig`], the TOML schema, levels and validation.
 //! - [`plan`]: resolution of a config + hardware probe into a [`plan::Plan`].
-//! - [`precision`]: the precision policy seam used by the training step.
+//! - [`precision`]: mixed precision — the bf16/f16 policy, autocast ops, dynamic loss scaling.
 //! - [`train`]: the [`train::Trainer`] step loop, accumulation, clipping, schedules, checkpoints.
 //! - [`data`]: the [`data::Dataset`] trait, batching and shuffling.
 //! - [`datasets`]: the bundled MNIST subset and the IDX loader.
