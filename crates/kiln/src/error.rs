@@ -82,6 +82,19 @@ pub enum KilnError {
         /// The underlying error.
         source: std::io::Error,
     },
+    /// A model holds a layer a pass (lowering, folding, quantization, export) cannot handle.
+    #[error("{pass}: unsupported layer {layer}; {fix}")]
+    Unsupported {
+        /// The pass that refused.
+        pass: String,
+        /// The layer (module path and kind).
+        layer: String,
+        /// What the user can do.
+        fix: String,
+    },
+    /// An inference graph or session could not be built or run.
+    #[error("inference: {0}")]
+    Inference(String),
     /// A Burn record (weights or optimizer state) that could not be (de)serialized.
     #[error("cannot (de)serialize {what}: {message}")]
     Record {

@@ -14,12 +14,17 @@
 //! - [`datasets`]: the bundled MNIST subset and the IDX loader.
 //! - [`zoo`]: the reference workloads W1–W5.
 //! - [`observe`]: run events, sinks and memory readings.
+//! - [`infer`]: inference graphs, passes (BN folding, int8), the executor and ONNX export.
+//! - [`guard`]: the numerical-stability guard.
+//! - [`fsutil`]: atomic file writes.
 
 pub mod config;
 pub mod data;
 pub mod datasets;
 pub mod error;
+pub mod fsutil;
 pub mod guard;
+pub mod infer;
 pub mod observe;
 pub mod plan;
 pub mod precision;

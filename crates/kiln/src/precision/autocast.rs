@@ -104,7 +104,7 @@ pub fn conv2d(layer: &Conv2d, x: Tensor<4>) -> Tensor<4> {
 /// (start, end) padding of spatial axis `axis` (0 = height, 1 = width), resolved exactly as
 /// `Conv2d::forward` does (Burn keeps its helper crate-private): `Same` puts the odd pixel at
 /// the end, as ONNX does.
-fn padding_pair(
+pub(crate) fn padding_pair(
     padding: &PaddingConfig2d,
     axis: usize,
     size: usize,

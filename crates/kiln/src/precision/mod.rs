@@ -13,6 +13,7 @@ mod scaler;
 use burn::tensor::FloatDType;
 use serde::{Deserialize, Serialize};
 
+pub(crate) use autocast::padding_pair;
 pub use autocast::{AutocastScope, autocast, compute_dtype, conv2d, linear, matmul};
 pub use scaler::{LossScaler, ScaleChange, ScalerState};
 

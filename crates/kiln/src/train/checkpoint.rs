@@ -5,7 +5,6 @@
 //! it. Writes go to a temporary file in the same directory, are fsynced, then renamed over
 //! the target, so a crash leaves either the old checkpoint or the new one, never a torn one.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -114,7 +113,7 @@ impl Checkpoint {
     /// Writes the checkpoint atomically (temp file + fsync + rename); returns its size.
     pub fn save(&self, path: &Path) -> Result<u64> {
         let bytes = self.to_bytes()?;
-        write_atomic(path, &bytes)?;
+        crate::fsutil::write_atomic(path, &bytes)?;
         Ok(bytes.len() as u64)
     }
 
@@ -153,28 +152,4 @@ pub fn latest_checkpoint(dir: &Path) -> Result<Option<PathBuf>> {
         }
     }
     Ok(best.map(|(_, p)| p))
-}
-
-/// Writes `bytes` to `path` via a temporary file in the same directory and a rename.
-pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
-    if let Some(dir) = dir {
-        std::fs::create_dir_all(dir).map_err(|e| KilnError::io(dir, e))?;
-    }
-    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
-    let result = (|| {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)?;
-        if let Some(dir) = dir {
-            // Persist the rename itself; not all filesystems support syncing a directory.
-            let _ = std::fs::File::open(dir).and_then(|d| d.sync_all());
-        }
-        Ok(())
-    })();
-    result.map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        KilnError::io(path, e)
-    })
 }

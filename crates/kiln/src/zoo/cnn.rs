@@ -13,11 +13,11 @@ use crate::precision as amp;
 /// W2: conv3x3(1→32)+ReLU, conv3x3(32→64)+ReLU, maxpool2, fc(9216→128)+ReLU, fc(128→10).
 #[derive(Module, Debug)]
 pub struct Cnn {
-    conv1: Conv2d,
-    conv2: Conv2d,
-    pool: MaxPool2d,
-    fc1: Linear,
-    fc2: Linear,
+    pub(crate) conv1: Conv2d,
+    pub(crate) conv2: Conv2d,
+    pub(crate) pool: MaxPool2d,
+    pub(crate) fc1: Linear,
+    pub(crate) fc2: Linear,
 }
 
 impl Cnn {

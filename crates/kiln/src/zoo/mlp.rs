@@ -11,9 +11,9 @@ use crate::precision as amp;
 /// W1: a three-layer perceptron on flattened 28×28 images.
 #[derive(Module, Debug)]
 pub struct Mlp {
-    fc1: Linear,
-    fc2: Linear,
-    fc3: Linear,
+    pub(crate) fc1: Linear,
+    pub(crate) fc2: Linear,
+    pub(crate) fc3: Linear,
 }
 
 impl Mlp {

@@ -60,18 +60,18 @@ fn conv3x3(cin: usize, cout: usize, stride: usize, device: &Device) -> Conv2d {
 /// The projection shortcut of a block that changes shape.
 #[derive(Module, Debug)]
 pub struct Shortcut {
-    conv: Conv2d,
-    bn: BatchNorm,
+    pub(crate) conv: Conv2d,
+    pub(crate) bn: BatchNorm,
 }
 
 /// ResNet BasicBlock: two 3×3 convs with BatchNorm and a residual connection.
 #[derive(Module, Debug)]
 pub struct BasicBlock {
-    conv1: Conv2d,
-    bn1: BatchNorm,
-    conv2: Conv2d,
-    bn2: BatchNorm,
-    shortcut: Option<Shortcut>,
+    pub(crate) conv1: Conv2d,
+    pub(crate) bn1: BatchNorm,
+    pub(crate) conv2: Conv2d,
+    pub(crate) bn2: BatchNorm,
+    pub(crate) shortcut: Option<Shortcut>,
 }
 
 impl BasicBlock {
@@ -106,11 +106,11 @@ impl BasicBlock {
 /// W5: ResNet-18-style classifier.
 #[derive(Module, Debug)]
 pub struct ResNet {
-    stem: Conv2d,
-    stem_bn: BatchNorm,
-    blocks: Vec<BasicBlock>,
-    pool: AdaptiveAvgPool2d,
-    head: Linear,
+    pub(crate) stem: Conv2d,
+    pub(crate) stem_bn: BatchNorm,
+    pub(crate) blocks: Vec<BasicBlock>,
+    pub(crate) pool: AdaptiveAvgPool2d,
+    pub(crate) head: Linear,
 }
 
 impl ResNet {

@@ -24,10 +24,10 @@ const D_MODEL: usize = 128;
 /// mixed precision needs the autocast ops.
 #[derive(Module, Debug)]
 pub struct EncoderClassifier {
-    embed: Linear,
-    pos: Param<Tensor<3>>,
-    encoder: TransformerEncoder,
-    head: Linear,
+    pub(crate) embed: Linear,
+    pub(crate) pos: Param<Tensor<3>>,
+    pub(crate) encoder: TransformerEncoder,
+    pub(crate) head: Linear,
 }
 
 impl EncoderClassifier {

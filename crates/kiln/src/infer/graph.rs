@@ -1,0 +1,270 @@
+//! The inference graph: a flat list of operations over numbered values, with the weights on
+//! the host. Zoo models are lowered into it once; the passes rewrite it; the executor runs it
+//! on a device; the ONNX exporter serializes it. One representation keeps all four in
+//! agreement — what is exported is exactly what was measured.
+
+use serde::Serialize;
+
+/// A constant tensor on the host (weights, statistics).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Weight {
+    /// Dimensions.
+    pub shape: Vec<usize>,
+    /// Row-major values.
+    pub values: Vec<f32>,
+}
+
+impl Weight {
+    /// A weight, checking that the values fill the shape.
+    pub fn new(shape: Vec<usize>, values: Vec<f32>) -> Self {
+        debug_assert_eq!(shape.iter().product::<usize>(), values.len());
+        Weight { shape, values }
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.values.len()
+    }
+
+    /// Whether it holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.values.is_empty()
+    }
+}
+
+/// Per-output-channel symmetric int8 weights of a quantized layer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QuantWeight {
+    /// Output channels (rows of `values`).
+    pub rows: usize,
+    /// Inputs per output channel (`in` for a linear, `in/groups · kh · kw` for a conv).
+    pub cols: usize,
+    /// Row-major int8 values, `rows × cols`: output channel-major, so each row is the dot
+    /// product's weight vector.
+    pub values: Vec<i8>,
+    /// Dequantization scale of each output channel: `w ≈ values · scale`.
+    pub scales: Vec<f32>,
+}
+
+/// 2-D convolution geometry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct ConvGeometry {
+    /// Stride (h, w).
+    pub stride: [usize; 2],
+    /// Padding (top, left, bottom, right), ONNX's order.
+    pub pads: [usize; 4],
+    /// Dilation (h, w).
+    pub dilation: [usize; 2],
+    /// Groups.
+    pub groups: usize,
+    /// Kernel size (h, w).
+    pub kernel: [usize; 2],
+}
+
+/// One operation.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Op {
+    /// `[B, Ci, H, W] → [B, Co, H', W']`; weight `[Co, Ci/groups, kh, kw]`, bias `[Co]`.
+    Conv2d {
+        /// Kernel.
+        weight: Weight,
+        /// Bias.
+        bias: Option<Weight>,
+        /// Geometry.
+        geometry: ConvGeometry,
+    },
+    /// `[B, in] → [B, out]`; weight `[in, out]` (Burn's layout), bias `[out]`.
+    Linear {
+        /// Weight.
+        weight: Weight,
+        /// Bias.
+        bias: Option<Weight>,
+    },
+    /// Inference BatchNorm over channel axis 1: `(x − mean) / sqrt(var + eps) · gamma + beta`.
+    BatchNorm {
+        /// Scale.
+        gamma: Vec<f32>,
+        /// Shift.
+        beta: Vec<f32>,
+        /// Running mean.
+        mean: Vec<f32>,
+        /// Running variance.
+        var: Vec<f32>,
+        /// Epsilon.
+        eps: f64,
+    },
+    /// Elementwise max(x, 0).
+    Relu,
+    /// Max pooling without padding.
+    MaxPool2d {
+        /// Window.
+        kernel: [usize; 2],
+        /// Stride.
+        stride: [usize; 2],
+    },
+    /// Mean over H and W: `[B, C, H, W] → [B, C, 1, 1]`.
+    GlobalAvgPool,
+    /// `[B, ...] → [B, product]`.
+    Flatten,
+    /// Elementwise sum of two values of the same shape.
+    Add,
+    /// Identity at inference; removed by the `strip` pass. Kept by lowering so that the graph
+    /// says what the trained model held.
+    Dropout {
+        /// Training-time drop probability.
+        prob: f64,
+    },
+    /// Int8 dynamic-quantized linear: activations quantized per batch, integer matmul with
+    /// i32 accumulation, dequantized with the activation scale × each channel's weight scale.
+    QLinear {
+        /// Quantized weights, `out × in`.
+        weight: QuantWeight,
+        /// f32 bias `[out]`.
+        bias: Option<Vec<f32>>,
+    },
+    /// Int8 dynamic-quantized convolution (im2col + the int8 matmul).
+    QConv2d {
+        /// Quantized weights, `Co × (Ci/groups · kh · kw)`.
+        weight: QuantWeight,
+        /// f32 bias `[Co]`.
+        bias: Option<Vec<f32>>,
+        /// Geometry.
+        geometry: ConvGeometry,
+    },
+}
+
+impl Op {
+    /// The op's name in reports and errors (ONNX's where one exists).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Op::Conv2d { .. } => "Conv",
+            Op::Linear { .. } => "Gemm",
+            Op::BatchNorm { .. } => "BatchNormalization",
+            Op::Relu => "Relu",
+            Op::MaxPool2d { .. } => "MaxPool",
+            Op::GlobalAvgPool => "GlobalAveragePool",
+            Op::Flatten => "Flatten",
+            Op::Add => "Add",
+            Op::Dropout { .. } => "Dropout",
+            Op::QLinear { .. } => "QLinear(int8)",
+            Op::QConv2d { .. } => "QConv(int8)",
+        }
+    }
+
+    /// Bytes of constants this op holds (weights, statistics).
+    pub fn weight_bytes(&self) -> usize {
+        let f = |w: &Weight| w.len() * 4;
+        let of = |w: &Option<Weight>| w.as_ref().map_or(0, f);
+        let ov = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, |v| v.len() * 4);
+        match self {
+            Op::Conv2d { weight, bias, .. } | Op::Linear { weight, bias } => f(weight) + of(bias),
+            Op::BatchNorm { gamma, .. } => gamma.len() * 16,
+            Op::QLinear { weight, bias } | Op::QConv2d { weight, bias, .. } => {
+                weight.values.len() + weight.scales.len() * 4 + ov(bias)
+            }
+            _ => 0,
+        }
+    }
+}
+
+/// Identifies a value: 0 is the graph input, each node defines one more.
+pub type ValueId = usize;
+
+/// One node: an op applied to values, defining a new value.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Node {
+    /// The module path it came from (`blocks.3.conv1`), for reports and errors.
+    pub name: String,
+    /// The operation.
+    pub op: Op,
+    /// Input values.
+    pub inputs: Vec<ValueId>,
+    /// The value it defines.
+    pub output: ValueId,
+}
+
+/// A model as a graph: one input `[B, C, H, W]`, one output `[B, classes]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Graph {
+    /// Zoo model name.
+    pub model: String,
+    /// Per-sample input shape `[C, H, W]`.
+    pub input_shape: [usize; 3],
+    /// Nodes in execution order.
+    pub nodes: Vec<Node>,
+    /// The value holding the logits.
+    pub output: ValueId,
+}
+
+impl Graph {
+    /// An empty graph over an input of `[C, H, W]` samples.
+    pub fn new(model: &str, input_shape: [usize; 3]) -> Self {
+        Graph {
+            model: model.to_string(),
+            input_shape,
+            nodes: Vec::new(),
+            output: 0,
+        }
+    }
+
+    /// The graph's input value.
+    pub const INPUT: ValueId = 0;
+
+    /// Appends a node and returns the value it defines (which becomes the output).
+    pub fn push(&mut self, name: impl Into<String>, op: Op, inputs: Vec<ValueId>) -> ValueId {
+        let output = self.next_value();
+        self.nodes.push(Node {
+            name: name.into(),
+            op,
+            inputs,
+            output,
+        });
+        self.output = output;
+        output
+    }
+
+    /// A value id not used yet.
+    pub fn next_value(&self) -> ValueId {
+        self.nodes.iter().map(|n| n.output).max().unwrap_or(0) + 1
+    }
+
+    /// Total bytes of constants.
+    pub fn weight_bytes(&self) -> usize {
+        self.nodes.iter().map(|n| n.op.weight_bytes()).sum()
+    }
+
+    /// How many nodes use `value` as an input.
+    pub fn uses(&self, value: ValueId) -> usize {
+        self.nodes
+            .iter()
+            .map(|n| n.inputs.iter().filter(|&&v| v == value).count())
+            .sum::<usize>()
+            + usize::from(self.output == value)
+    }
+
+    /// Replaces every use of `old` with `new` (inputs and the graph output).
+    pub fn rename_uses(&mut self, old: ValueId, new: ValueId) {
+        for n in &mut self.nodes {
+            for v in &mut n.inputs {
+                if *v == old {
+                    *v = new;
+                }
+            }
+        }
+        if self.output == old {
+            self.output = new;
+        }
+    }
+
+    /// Counts of each op kind, for reports (`Conv ×20, BatchNormalization ×20, ...`).
+    pub fn op_counts(&self) -> Vec<(&'static str, usize)> {
+        let mut counts: Vec<(&'static str, usize)> = Vec::new();
+        for n in &self.nodes {
+            match counts.iter_mut().find(|(k, _)| *k == n.op.kind()) {
+                Some((_, c)) => *c += 1,
+                None => counts.push((n.op.kind(), 1)),
+            }
+        }
+        counts
+    }
+}

@@ -1,0 +1,204 @@
+//! Inference: a trained zoo model lowered to a graph, rewritten by passes (strip train-only
+//! layers, fold BatchNorm, int8 dynamic quantization), run on a device, exported to ONNX.
+//!
+//! ```text
+//! ZooModel ──lower──▶ Graph ──passes──▶ Graph ──▶ Executor (Burn f32 ops + int8 kernel)
+//!                                          └────▶ ONNX file
+//! ```
+
+mod exec;
+mod graph;
+pub mod int8;
+mod lower;
+pub mod onnx;
+mod passes;
+
+use std::path::Path;
+
+use burn::module::Module;
+use burn::store::ModuleRecord;
+use burn::tensor::{Bytes, Device, Tensor};
+use serde::Serialize;
+
+pub use exec::Executor;
+pub use graph::{ConvGeometry, Graph, Node, Op, QuantWeight, ValueId, Weight};
+pub use lower::lower;
+pub use passes::{Pass, PassReport, fold_batch_norm, quantize_int8, run_passes, strip_train_only};
+
+use crate::data::{Dataset, collate};
+use crate::error::{KilnError, Result};
+use crate::train::Checkpoint;
+use crate::zoo::{Classifier, ModelKind, ZooModel};
+
+/// A model ready for inference: its graph after the passes, on a device.
+#[derive(Debug)]
+pub struct InferenceSession {
+    executor: Executor,
+    reports: Vec<PassReport>,
+}
+
+impl InferenceSession {
+    /// Lowers `model` (samples `[C, H, W]`), applies `passes` in order and prepares the result
+    /// on `device`.
+    pub fn new(
+        model: &ZooModel,
+        name: &str,
+        input_shape: [usize; 3],
+        passes: &[Pass],
+        device: &Device,
+    ) -> Result<Self> {
+        let mut graph = lower(model, name, input_shape)?;
+        let reports = run_passes(&mut graph, passes)?;
+        Ok(InferenceSession {
+            executor: Executor::new(graph, device)?,
+            reports,
+        })
+    }
+
+    /// What each pass changed.
+    pub fn reports(&self) -> &[PassReport] {
+        &self.reports
+    }
+
+    /// The graph that runs.
+    pub fn graph(&self) -> &Graph {
+        self.executor.graph()
+    }
+
+    /// Logits `[B, classes]` for images `[B, C, H, W]` on the session's device.
+    pub fn forward(&self, images: Tensor<4>) -> Result<Tensor<2>> {
+        self.executor.forward(images)
+    }
+
+    /// Top-1 accuracy and logits over `data`, in batches of `batch`.
+    pub fn evaluate(&self, data: &dyn Dataset, batch: usize) -> Result<Predictions> {
+        let order: Vec<usize> = (0..data.len()).collect();
+        let mut logits = Vec::new();
+        let mut correct = 0usize;
+        for chunk in order.chunks(batch.max(1)) {
+            let b = collate(data, chunk, self.executor.device());
+            let out = self.forward(b.images)?;
+            let values = out
+                .into_data()
+                .try_into_vec_as::<f32>()
+                .map_err(|e| KilnError::Inference(format!("reading logits: {e:?}")))?;
+            let labels = b
+                .labels
+                .into_data()
+                .try_into_vec_as::<i64>()
+                .map_err(|e| KilnError::Inference(format!("reading labels: {e:?}")))?;
+            let classes = values.len() / chunk.len();
+            for (row, label) in values.chunks_exact(classes).zip(&labels) {
+                let arg = row
+                    .iter()
+                    .enumerate()
+                    .fold((0, f32::NEG_INFINITY), |best, (i, v)| {
+                        if *v > best.1 { (i, *v) } else { best }
+                    })
+                    .0;
+                correct += usize::from(arg as i64 == *label);
+            }
+            logits.extend(values);
+        }
+        Ok(Predictions {
+            accuracy: correct as f64 / data.len().max(1) as f64,
+            logits,
+        })
+    }
+}
+
+/// Logits and accuracy of a session over a dataset.
+#[derive(Debug, Clone)]
+pub struct Predictions {
+    /// Top-1 accuracy in [0, 1].
+    pub accuracy: f64,
+    /// All logits, row-major `[samples, classes]`.
+    pub logits: Vec<f32>,
+}
+
+/// How far one set of logits is from a reference.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq)]
+pub struct LogitDelta {
+    /// Largest absolute difference.
+    pub max_abs: f32,
+    /// Mean absolute difference.
+    pub mean_abs: f32,
+    /// Largest absolute difference relative to the reference's largest magnitude.
+    pub max_rel: f32,
+}
+
+impl LogitDelta {
+    /// Compares `ours` with `reference` (same length).
+    pub fn between(ours: &[f32], reference: &[f32]) -> Self {
+        let n = ours.len().min(reference.len()).max(1);
+        let (mut max_abs, mut sum) = (0f32, 0f64);
+        for (a, b) in ours.iter().zip(reference) {
+            let d = (a - b).abs();
+            max_abs = max_abs.max(d);
+            sum += d as f64;
+        }
+        let scale = reference
+            .iter()
+            .fold(0f32, |m, v| m.max(v.abs()))
+            .max(1e-12);
+        LogitDelta {
+            max_abs,
+            mean_abs: (sum / n as f64) as f32,
+            max_rel: max_abs / scale,
+        }
+    }
+}
+
+/// Loads a trained zoo model of `kind` (input channels `channels`) from a Kiln checkpoint.
+/// A checkpoint of another model, or weights that do not fit, are errors that say which.
+pub fn load_model(
+    kind: ModelKind,
+    channels: usize,
+    checkpoint: &Path,
+    device: &Device,
+) -> Result<ZooModel> {
+    let ckpt = Checkpoint::load(checkpoint)?;
+    let bad = |problem: String| KilnError::BadCheckpoint {
+        path: checkpoint.to_path_buf(),
+        problem,
+    };
+    if ckpt.state.model != kind.name() {
+        return Err(bad(format!(
+            "it holds model `{}`, not `{}`; pass --model {}",
+            ckpt.state.model,
+            kind.name(),
+            ckpt.state.model
+        )));
+    }
+    let model = kind.init_for_channels(channels, device);
+    let record = ModuleRecord::from_bytes(Bytes::from_bytes_vec(ckpt.model))
+        .map_err(|e| bad(format!("unreadable model weights: {e}")))?;
+    model.try_load_record(record).map_err(|e| {
+        bad(format!(
+            "its weights do not fit `{}` with {channels} input channel(s): {e}",
+            kind.name()
+        ))
+    })
+}
+
+/// The zoo model's own forward pass, as the reference the passes are checked against.
+pub fn reference_logits(
+    model: &ZooModel,
+    data: &dyn Dataset,
+    batch: usize,
+    device: &Device,
+) -> Vec<f32> {
+    let order: Vec<usize> = (0..data.len()).collect();
+    let mut out = Vec::new();
+    for chunk in order.chunks(batch.max(1)) {
+        let b = collate(data, chunk, device);
+        let logits = model.forward(b.images);
+        out.extend(
+            logits
+                .into_data()
+                .try_into_vec_as::<f32>()
+                .unwrap_or_default(),
+        );
+    }
+    out
+}

@@ -1,0 +1,95 @@
+//! Graph passes: each rewrites an inference [`Graph`] and says what it changed.
+
+mod fold;
+mod quantize;
+mod strip;
+
+use serde::Serialize;
+
+use super::graph::Graph;
+use crate::error::{KilnError, Result};
+
+pub use fold::fold_batch_norm;
+pub use quantize::quantize_int8;
+pub use strip::strip_train_only;
+
+/// A graph pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Pass {
+    /// Remove train-only layers (dropout).
+    Strip,
+    /// Fold inference BatchNorm into the preceding convolution or linear layer.
+    Fold,
+    /// Int8 dynamic quantization of linear and convolution layers.
+    Int8,
+}
+
+impl Pass {
+    /// Every pass, in the order they are best applied.
+    pub const ALL: [Pass; 3] = [Pass::Strip, Pass::Fold, Pass::Int8];
+
+    /// Config / CLI name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Pass::Strip => "strip",
+            Pass::Fold => "fold",
+            Pass::Int8 => "int8",
+        }
+    }
+
+    /// Parses a comma-separated list (`fold,int8`); an empty string is no passes.
+    pub fn parse_list(list: &str) -> Result<Vec<Pass>> {
+        list.split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(|s| {
+                Pass::ALL
+                    .into_iter()
+                    .find(|p| p.name() == s)
+                    .ok_or_else(|| KilnError::InvalidValue {
+                        key: "passes".into(),
+                        value: s.to_string(),
+                        expected: "a comma-separated list of strip, fold, int8".into(),
+                    })
+            })
+            .collect()
+    }
+
+    /// Applies the pass to `graph`, returning one line per change.
+    pub fn apply(self, graph: &mut Graph) -> Result<Vec<String>> {
+        match self {
+            Pass::Strip => Ok(strip_train_only(graph)),
+            Pass::Fold => Ok(fold_batch_norm(graph)),
+            Pass::Int8 => quantize_int8(graph),
+        }
+    }
+}
+
+/// What one pass did.
+#[derive(Debug, Clone, Serialize)]
+pub struct PassReport {
+    /// The pass.
+    pub pass: Pass,
+    /// Nodes before and after.
+    pub nodes: (usize, usize),
+    /// Bytes of constants before and after.
+    pub weight_bytes: (usize, usize),
+    /// One line per rewritten node.
+    pub changes: Vec<String>,
+}
+
+/// Applies `passes` in order, reporting each.
+pub fn run_passes(graph: &mut Graph, passes: &[Pass]) -> Result<Vec<PassReport>> {
+    let mut reports = Vec::new();
+    for &pass in passes {
+        let before = (graph.nodes.len(), graph.weight_bytes());
+        let changes = pass.apply(graph)?;
+        reports.push(PassReport {
+            pass,
+            nodes: (before.0, graph.nodes.len()),
+            weight_bytes: (before.1, graph.weight_bytes()),
+            changes,
+        });
+    }
+    Ok(reports)
+}

@@ -1,0 +1,60 @@
+//! Int8 dynamic quantization of linear and convolution layers.
+
+use crate::error::{KilnError, Result};
+use crate::infer::graph::{Graph, Op};
+use crate::infer::int8::quantize_rows;
+
+/// Replaces each Linear with a QLinear and each ungrouped Conv2d with a QConv2d (per-channel
+/// symmetric int8 weights; activations are quantized per batch when the graph runs).
+pub fn quantize_int8(graph: &mut Graph) -> Result<Vec<String>> {
+    let mut changes = Vec::new();
+    for node in &mut graph.nodes {
+        let replacement = match &node.op {
+            Op::Linear { weight, bias } => {
+                let (k, n) = (weight.shape[0], weight.shape[1]);
+                // Burn stores [in, out]; the kernel wants one row per output channel.
+                let mut rows = vec![0f32; n * k];
+                for (i, row) in weight.values.chunks_exact(n).enumerate() {
+                    for (j, v) in row.iter().enumerate() {
+                        rows[j * k + i] = *v;
+                    }
+                }
+                Op::QLinear {
+                    weight: quantize_rows(&rows, n, k),
+                    bias: bias.as_ref().map(|b| b.values.clone()),
+                }
+            }
+            Op::Conv2d {
+                weight,
+                bias,
+                geometry,
+            } => {
+                if geometry.groups != 1 {
+                    return Err(KilnError::Unsupported {
+                        pass: "int8".into(),
+                        layer: format!("{} (Conv with groups = {})", node.name, geometry.groups),
+                        fix: "leave this model in f32 (drop int8 from --passes)".into(),
+                    });
+                }
+                let co = weight.shape[0];
+                let cols = weight.len() / co;
+                Op::QConv2d {
+                    weight: quantize_rows(&weight.values, co, cols),
+                    bias: bias.as_ref().map(|b| b.values.clone()),
+                    geometry: *geometry,
+                }
+            }
+            _ => continue,
+        };
+        changes.push(format!(
+            "{}: {} → {} ({} → {} bytes)",
+            node.name,
+            node.op.kind(),
+            replacement.kind(),
+            node.op.weight_bytes(),
+            replacement.weight_bytes()
+        ));
+        node.op = replacement;
+    }
+    Ok(changes)
+}
