@@ -13,6 +13,7 @@ use burn::tensor::{Device, Distribution, Int, Tensor};
 use kiln::burn;
 use kiln::config::Level;
 use kiln::data::SyntheticDataset;
+use kiln::infer::{InferenceSession, Pass};
 use kiln::observe::timing::{Timing, measure, summarize};
 use kiln::observe::{MemorySink, memory};
 use kiln::plan::{Hardware, resolve};
@@ -83,9 +84,9 @@ const WORKLOADS: [Workload; 5] = [
     },
 ];
 
-/// Cases measured per mode: plain Burn and Kiln's levels for training. For inference,
-/// `kiln` is the same forward pass under Kiln's runtime (allocator, thread pool); the
-/// inference passes (folding, int8) arrive with the inference issue.
+/// Cases measured per mode: plain Burn and Kiln's levels for training. For inference, plain
+/// Burn's forward vs Kiln's inference session: `kiln` (the lowered f32 graph), `kiln-fold`
+/// (+ strip and BatchNorm folding), `kiln-int8` (+ int8 dynamic quantization).
 ///
 /// `precision` mode measures the same step (training at level basic; inference for W3) in
 /// each precision policy; its reference case is `f32`.
@@ -93,7 +94,7 @@ fn cases(mode: &str) -> Vec<&'static str> {
     match mode {
         "train" => vec!["burn", "kiln-basic", "kiln-advanced", "kiln-ultra"],
         "precision" => vec!["f32", "bf16", "f16"],
-        _ => vec!["burn", "kiln"],
+        _ => vec!["burn", "kiln", "kiln-fold", "kiln-int8"],
     }
 }
 
@@ -209,7 +210,12 @@ fn measure_case(
     let steps = steps.unwrap_or_else(|| default_steps(w.model, mode));
     let timing = match (mode, case) {
         ("train", "burn") => plain_burn_train(w.model, batch, shape, steps),
-        ("infer", "burn" | "kiln") => plain_burn_infer(w.model, batch, shape, steps),
+        ("infer", "burn") => plain_burn_infer(w.model, batch, shape, steps),
+        ("infer", "kiln") => session_infer(w.model, &[], batch, shape, steps)?,
+        ("infer", "kiln-fold") => {
+            session_infer(w.model, &[Pass::Strip, Pass::Fold], batch, shape, steps)?
+        }
+        ("infer", "kiln-int8") => session_infer(w.model, &Pass::ALL, batch, shape, steps)?,
         ("train", level) if level.starts_with("kiln-") => {
             let level: Level = level.trim_start_matches("kiln-").parse()?;
             kiln_train(w.model, level, Precision::F32, batch, shape, steps)?
@@ -304,6 +310,42 @@ fn plain_burn_infer(model: ModelKind, batch: usize, shape: [usize; 3], steps: us
         steps,
         REPEATS,
     )
+}
+
+/// Kiln's inference session (the model lowered to a graph, `passes` applied).
+fn session_infer(
+    model: ModelKind,
+    passes: &[Pass],
+    batch: usize,
+    shape: [usize; 3],
+    steps: usize,
+) -> Result<Timing> {
+    let device = Device::flex();
+    device.seed(0);
+    let net = model.init_for_channels(shape[0], &device);
+    let session = InferenceSession::new(&net, model.name(), shape, passes, &device)?;
+    let data = random_batches(&device, batch, shape);
+    let mut i = 0;
+    let mut failure = None;
+    let timing = measure(
+        || {
+            let (x, _) = data[i % BATCHES].clone();
+            i += 1;
+            match session.forward(x) {
+                Ok(y) => {
+                    let _ = y.into_data();
+                }
+                Err(e) => failure = Some(e),
+            }
+        },
+        WARMUP,
+        steps,
+        REPEATS,
+    );
+    match failure {
+        Some(e) => Err(e.into()),
+        None => Ok(timing),
+    }
 }
 
 /// Kiln's trainer with the plan resolved at `level` in `precision`, on synthetic data of the

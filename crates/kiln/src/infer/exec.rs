@@ -5,18 +5,25 @@ use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
 use burn::tensor::module::{adaptive_avg_pool2d, conv2d, linear};
 use burn::tensor::ops::ConvOptions;
 use burn::tensor::{Device, Tensor, TensorData};
+use rayon::prelude::*;
 
 use super::graph::{ConvGeometry, Graph, Op, ValueId, Weight};
-use super::int8::{self, I16Matrix};
+use super::int8::{
+    ActivationQuant, Kernel, PackedWeights, QuantizedActivations, dequantize, dequantize_planes,
+    gemm,
+};
 use crate::error::{KilnError, Result};
 
-/// A value flowing through the graph.
+/// A value flowing through the graph: on the device, or on the host between int8 ops (so a
+/// chain of quantized layers never round-trips through the device).
 #[derive(Debug, Clone)]
 enum Value {
     /// `[B, features]`.
     Flat(Tensor<2>),
     /// `[B, C, H, W]`.
     Image(Tensor<4>),
+    /// Row-major host values with their dims (`[B, F]` or `[B, C, H, W]`).
+    Host(Vec<f32>, Vec<usize>),
 }
 
 /// An op with its constants already on the device (or widened for the int8 kernel).
@@ -43,15 +50,15 @@ enum Prepared {
     Add,
     Identity,
     QLinear {
-        weight: I16Matrix,
-        scales: Vec<f32>,
+        weight: PackedWeights,
         bias: Option<Vec<f32>>,
+        relu: bool,
     },
     QConv {
-        weight: I16Matrix,
-        scales: Vec<f32>,
+        weight: PackedWeights,
         bias: Option<Vec<f32>>,
         geometry: ConvGeometry,
+        relu: bool,
     },
 }
 
@@ -129,20 +136,21 @@ impl Executor {
                 Op::Flatten => Prepared::Flatten,
                 Op::Add => Prepared::Add,
                 Op::Dropout { .. } => Prepared::Identity,
-                Op::QLinear { weight, bias } => Prepared::QLinear {
-                    weight: I16Matrix::from_weights(weight),
-                    scales: weight.scales.clone(),
+                Op::QLinear { weight, bias, relu } => Prepared::QLinear {
+                    weight: PackedWeights::new(weight, Kernel::detect()),
                     bias: bias.clone(),
+                    relu: *relu,
                 },
                 Op::QConv2d {
                     weight,
                     bias,
                     geometry,
+                    relu,
                 } => Prepared::QConv {
-                    weight: I16Matrix::from_weights(weight),
-                    scales: weight.scales.clone(),
+                    weight: PackedWeights::new(weight, Kernel::detect()),
                     bias: bias.clone(),
                     geometry: *geometry,
+                    relu: *relu,
                 },
             });
         }
@@ -186,13 +194,8 @@ impl Executor {
                 .map_err(|e| KilnError::Inference(format!("node `{}`: {e}", node.name)))?;
             values[node.output] = Some(out);
         }
-        match take_or_clone(&mut values, &mut remaining, self.graph.output, "output")? {
-            Value::Flat(t) => Ok(t),
-            Value::Image(t) => {
-                let [b, ..] = t.dims();
-                Ok(t.reshape([b as i32, -1]))
-            }
-        }
+        let out = take_or_clone(&mut values, &mut remaining, self.graph.output, "output")?;
+        flat(out, &self.device).map_err(KilnError::Inference)
     }
 }
 
@@ -222,17 +225,45 @@ fn conv_options(g: &ConvGeometry) -> ConvOptions<2> {
     )
 }
 
-fn image(v: Value) -> std::result::Result<Tensor<4>, String> {
+/// The value as a device image `[B, C, H, W]`.
+fn image(v: Value, device: &Device) -> std::result::Result<Tensor<4>, String> {
     match v {
         Value::Image(t) => Ok(t),
+        Value::Host(data, dims) if dims.len() == 4 => Ok(host_tensor(
+            data,
+            [dims[0], dims[1], dims[2], dims[3]],
+            device,
+        )),
+        Value::Host(_, dims) => Err(format!("expects an image, got {dims:?}")),
         Value::Flat(t) => Err(format!("expects an image, got {:?}", t.dims())),
     }
 }
 
-fn flat(v: Value) -> std::result::Result<Tensor<2>, String> {
+/// The value as a device batch `[B, F]` (images are flattened).
+fn flat(v: Value, device: &Device) -> std::result::Result<Tensor<2>, String> {
     match v {
         Value::Flat(t) => Ok(t),
-        Value::Image(t) => Err(format!("expects a flat batch, got {:?}", t.dims())),
+        Value::Image(t) => Ok(t.flatten(1, 3)),
+        Value::Host(data, dims) => {
+            let b = dims.first().copied().unwrap_or(1);
+            let f = data.len() / b.max(1);
+            Ok(host_tensor(data, [b, f], device))
+        }
+    }
+}
+
+/// The value on the host with its dims.
+fn host(v: Value) -> (Vec<f32>, Vec<usize>) {
+    match v {
+        Value::Host(data, dims) => (data, dims),
+        Value::Image(t) => {
+            let dims = t.dims().to_vec();
+            (host_values(t), dims)
+        }
+        Value::Flat(t) => {
+            let dims = t.dims().to_vec();
+            (host_values(t), dims)
+        }
     }
 }
 
@@ -248,106 +279,154 @@ fn run(
             bias,
             options,
         } => Value::Image(conv2d(
-            image(x)?,
+            image(x, device)?,
             weight.clone(),
             bias.clone(),
             options.clone(),
         )),
         Prepared::Linear { weight, bias } => {
-            Value::Flat(linear(flat(x)?, weight.clone(), bias.clone()))
+            Value::Flat(linear(flat(x, device)?, weight.clone(), bias.clone()))
         }
         Prepared::Affine { scale, shift } => {
             let c = scale.len();
             match x {
-                Value::Image(t) => {
-                    let s = host_tensor(scale.clone(), [1, c, 1, 1], device);
-                    let b = host_tensor(shift.clone(), [1, c, 1, 1], device);
-                    Value::Image(t * s + b)
-                }
                 Value::Flat(t) => {
                     let s = host_tensor(scale.clone(), [1, c], device);
                     let b = host_tensor(shift.clone(), [1, c], device);
                     Value::Flat(t * s + b)
+                }
+                other => {
+                    let t = image(other, device)?;
+                    let s = host_tensor(scale.clone(), [1, c, 1, 1], device);
+                    let b = host_tensor(shift.clone(), [1, c, 1, 1], device);
+                    Value::Image(t * s + b)
                 }
             }
         }
         Prepared::Relu => match x {
             Value::Image(t) => Value::Image(burn::tensor::activation::relu(t)),
             Value::Flat(t) => Value::Flat(burn::tensor::activation::relu(t)),
+            Value::Host(mut data, dims) => {
+                data.par_iter_mut().for_each(|v| *v = v.max(0.0));
+                Value::Host(data, dims)
+            }
         },
-        Prepared::MaxPool(pool) => Value::Image(pool.forward(image(x)?)),
-        Prepared::GlobalAvgPool => Value::Image(adaptive_avg_pool2d(image(x)?, [1, 1])),
+        Prepared::MaxPool(pool) => match x {
+            Value::Host(data, dims) if dims.len() == 4 => {
+                let (y, out) = host_max_pool(&data, &dims, pool.kernel_size, pool.stride);
+                Value::Host(y, out)
+            }
+            other => Value::Image(pool.forward(image(other, device)?)),
+        },
+        Prepared::GlobalAvgPool => Value::Image(adaptive_avg_pool2d(image(x, device)?, [1, 1])),
         Prepared::Flatten => match x {
             Value::Image(t) => Value::Flat(t.flatten(1, 3)),
+            Value::Host(data, dims) => {
+                let b = dims.first().copied().unwrap_or(1);
+                let f = data.len() / b.max(1);
+                Value::Host(data, vec![b, f])
+            }
             flat @ Value::Flat(_) => flat,
         },
         Prepared::Add => {
             let y = inputs.pop().ok_or("Add needs two inputs")?;
             match (x, y) {
-                (Value::Image(a), Value::Image(b)) => Value::Image(a + b),
-                (Value::Flat(a), Value::Flat(b)) => Value::Flat(a + b),
-                _ => return Err("Add of an image and a flat batch".into()),
+                (Value::Flat(a), y) => Value::Flat(a + flat(y, device)?),
+                (a, y) => Value::Image(image(a, device)? + image(y, device)?),
             }
         }
         Prepared::Identity => x,
-        Prepared::QLinear {
-            weight,
-            scales,
-            bias,
-        } => {
-            let x = flat(x)?;
-            let [b, k] = x.dims();
-            let values = host_values(x);
-            let y = quantized_matmul(&values, k, weight, scales, bias.as_deref());
-            Value::Flat(host_tensor(y, [b, weight.rows], device))
+        Prepared::QLinear { weight, bias, relu } => {
+            let (values, dims) = host(x);
+            let b = dims.first().copied().unwrap_or(1);
+            let k = values.len() / b.max(1);
+            if k != weight.cols {
+                return Err(format!("expects {} features, got {k}", weight.cols));
+            }
+            let y = quantized_matmul(&values, k, weight, bias.as_deref(), *relu);
+            Value::Host(y, vec![b, weight.rows])
         }
         Prepared::QConv {
             weight,
-            scales,
             bias,
             geometry,
+            relu,
         } => {
-            let x = image(x)?;
-            let dims = x.dims();
-            let values = host_values(x);
+            let (values, dims) = host(x);
+            let dims: [usize; 4] = dims
+                .try_into()
+                .map_err(|d| format!("expects an image, got {d:?}"))?;
             let (y, out_dims) =
-                quantized_conv(&values, dims, weight, scales, bias.as_deref(), geometry)?;
-            Value::Image(host_tensor(y, out_dims, device))
+                quantized_conv(&values, dims, weight, bias.as_deref(), geometry, *relu)?;
+            Value::Host(y, out_dims.to_vec())
         }
     })
+}
+
+/// Max pooling without padding on host values `[B, C, H, W]`, one plane per task.
+fn host_max_pool(
+    x: &[f32],
+    dims: &[usize],
+    [kh, kw]: [usize; 2],
+    [sh, sw]: [usize; 2],
+) -> (Vec<f32>, Vec<usize>) {
+    let (b, c, h, w) = (dims[0], dims[1], dims[2], dims[3]);
+    let (ho, wo) = ((h - kh) / sh + 1, (w - kw) / sw + 1);
+    let mut y = vec![0f32; b * c * ho * wo];
+    y.par_chunks_mut(ho * wo)
+        .zip(x.par_chunks(h * w))
+        .for_each(|(out, plane)| {
+            if (kh, kw, sh, sw) == (2, 2, 2, 2) {
+                // The common 2×2/2 pool: two input rows per output row, pairs along x.
+                for (oy, o_row) in out.chunks_exact_mut(wo).enumerate() {
+                    let r0 = &plane[2 * oy * w..][..2 * wo];
+                    let r1 = &plane[(2 * oy + 1) * w..][..2 * wo];
+                    for ((o, a), b) in o_row
+                        .iter_mut()
+                        .zip(r0.chunks_exact(2))
+                        .zip(r1.chunks_exact(2))
+                    {
+                        *o = a[0].max(a[1]).max(b[0].max(b[1]));
+                    }
+                }
+                return;
+            }
+            for oy in 0..ho {
+                for ox in 0..wo {
+                    let mut m = f32::NEG_INFINITY;
+                    for ky in 0..kh {
+                        let row = &plane[(oy * sh + ky) * w + ox * sw..][..kw];
+                        m = row.iter().fold(m, |m, v| m.max(*v));
+                    }
+                    out[oy * wo + ox] = m;
+                }
+            }
+        });
+    (y, vec![b, c, ho, wo])
 }
 
 /// `x [m × k] → [m × n]`: quantize x per batch, integer matmul, dequantize, add the bias.
 fn quantized_matmul(
     x: &[f32],
     k: usize,
-    weight: &I16Matrix,
-    scales: &[f32],
+    weight: &PackedWeights,
     bias: Option<&[f32]>,
+    relu: bool,
 ) -> Vec<f32> {
-    let sx = int8::activation_scale(x);
-    let a = int8::quantize_activations(x, k, sx);
-    let acc = int8::gemm_abt(&a, weight);
-    let n = weight.rows;
-    let combined: Vec<f32> = scales.iter().map(|s| s * sx).collect();
-    acc.chunks_exact(n)
-        .flat_map(|row| {
-            row.iter()
-                .enumerate()
-                .map(|(j, v)| *v as f32 * combined[j] + bias.map_or(0.0, |b| b[j]))
-        })
-        .collect()
+    let quant = ActivationQuant::for_values(x);
+    let a = QuantizedActivations::new(x, k, quant, weight.kernel());
+    dequantize(&gemm(&a, weight), &a, weight, bias, relu)
 }
-
 /// Int8 convolution: quantize the input once, unfold patches (im2col) in the layout of the
-/// weight rows `[ci, kh, kw]`, integer matmul, dequantize into NCHW.
+/// weight rows `[ci, kh, kw]` (padding = the zero point, i.e. exactly 0.0), integer matmul,
+/// dequantize into NCHW.
 fn quantized_conv(
     x: &[f32],
     [b, ci, h, w]: [usize; 4],
-    weight: &I16Matrix,
-    scales: &[f32],
+    weight: &PackedWeights,
     bias: Option<&[f32]>,
     g: &ConvGeometry,
+    relu: bool,
 ) -> std::result::Result<(Vec<f32>, [usize; 4]), String> {
     if g.groups != 1 {
         return Err("grouped int8 convolution is not supported".into());
@@ -361,60 +440,60 @@ fn quantized_conv(
     }
     let ho = (hp - span(kh, 0)) / g.stride[0] + 1;
     let wo = (wp - span(kw, 1)) / g.stride[1] + 1;
+    let quant = ActivationQuant::for_values(x);
+    let quantize = quant.quantizer();
+    let q: Vec<u8> = x.par_iter().map(|v| quantize(*v)).collect();
+    let plane = ho * wo;
+    let (sh, sw) = (g.stride[0], g.stride[1]);
+    let (dh, dw) = (g.dilation[0], g.dilation[1]);
     let k = ci * kh * kw;
-    let kp = int8::padded(k);
-    let sx = int8::activation_scale(x);
-    let inv = 1.0 / sx;
-    let q: Vec<i16> = x
-        .iter()
-        .map(|v| (v * inv).round().clamp(-127.0, 127.0) as i16)
-        .collect();
-    let mut patches = vec![0i16; b * ho * wo * kp];
-    use rayon::prelude::*;
-    patches
-        .par_chunks_mut(ho * wo * kp)
-        .enumerate()
-        .for_each(|(n, sample)| {
-            let src = &q[n * ci * h * w..(n + 1) * ci * h * w];
-            for oy in 0..ho {
-                for ox in 0..wo {
-                    let row = &mut sample[(oy * wo + ox) * kp..][..kp];
-                    let mut idx = 0;
-                    for c in 0..ci {
-                        for ky in 0..kh {
-                            let iy =
-                                (oy * g.stride[0] + ky * g.dilation[0]) as isize - top as isize;
-                            for kx in 0..kw {
-                                let ix = (ox * g.stride[1] + kx * g.dilation[1]) as isize
-                                    - left as isize;
-                                if iy >= 0 && ix >= 0 && (iy as usize) < h && (ix as usize) < w {
-                                    row[idx] = src[c * h * w + iy as usize * w + ix as usize];
-                                }
-                                idx += 1;
-                            }
+    let a = QuantizedActivations::from_rows(b * plane, k, quant, weight.kernel(), |row, out| {
+        let (n, p) = (row / plane, row % plane);
+        let (oy, ox) = (p / wo, p % wo);
+        let src = &q[n * ci * h * w..(n + 1) * ci * h * w];
+        // Window origin in unpadded coordinates; the window is inside the image on most rows,
+        // and then each (channel, kernel row) is one contiguous run of `kw` bytes.
+        let (y0, x0) = (
+            (oy * sh) as isize - top as isize,
+            (ox * sw) as isize - left as isize,
+        );
+        let inside = y0 >= 0
+            && x0 >= 0
+            && (y0 as usize + dh * (kh - 1)) < h
+            && (x0 as usize + dw * (kw - 1)) < w;
+        if inside && dw == 1 {
+            let (y0, x0) = (y0 as usize, x0 as usize);
+            let mut runs = out.chunks_exact_mut(kw);
+            for c in 0..ci {
+                for ky in 0..kh {
+                    let start = c * h * w + (y0 + ky * dh) * w + x0;
+                    if let Some(run) = runs.next() {
+                        // A few bytes: an element loop beats a memcpy call.
+                        for (o, v) in run.iter_mut().zip(&src[start..start + kw]) {
+                            *o = *v;
                         }
                     }
                 }
             }
-        });
-    let a = I16Matrix {
-        rows: b * ho * wo,
-        cols: k,
-        data: patches,
-    };
-    let acc = int8::gemm_abt(&a, weight);
-    let co = weight.rows;
-    let mut y = vec![0f32; b * co * ho * wo];
-    let combined: Vec<f32> = scales.iter().map(|s| s * sx).collect();
-    y.par_chunks_mut(co * ho * wo)
-        .enumerate()
-        .for_each(|(n, out)| {
-            for p in 0..ho * wo {
-                let row = &acc[(n * ho * wo + p) * co..][..co];
-                for (c, v) in row.iter().enumerate() {
-                    out[c * ho * wo + p] = *v as f32 * combined[c] + bias.map_or(0.0, |bb| bb[c]);
+            return;
+        }
+        // Border rows: positions outside the image keep the zero point (= 0.0).
+        let mut idx = 0;
+        for c in 0..ci {
+            for ky in 0..kh {
+                let iy = y0 + (ky * dh) as isize;
+                for kx in 0..kw {
+                    let ix = x0 + (kx * dw) as isize;
+                    if iy >= 0 && ix >= 0 && (iy as usize) < h && (ix as usize) < w {
+                        out[idx] = src[c * h * w + iy as usize * w + ix as usize];
+                    }
+                    idx += 1;
                 }
             }
-        });
+        }
+    });
+    let acc = gemm(&a, weight);
+    let co = weight.rows;
+    let y = dequantize_planes(&acc, &a, weight, bias, relu, plane);
     Ok((y, [b, co, ho, wo]))
 }

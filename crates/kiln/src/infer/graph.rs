@@ -121,6 +121,8 @@ pub enum Op {
         weight: QuantWeight,
         /// f32 bias `[out]`.
         bias: Option<Vec<f32>>,
+        /// A following ReLU fused into the dequantization.
+        relu: bool,
     },
     /// Int8 dynamic-quantized convolution (im2col + the int8 matmul).
     QConv2d {
@@ -130,6 +132,8 @@ pub enum Op {
         bias: Option<Vec<f32>>,
         /// Geometry.
         geometry: ConvGeometry,
+        /// A following ReLU fused into the dequantization.
+        relu: bool,
     },
 }
 
@@ -159,7 +163,7 @@ impl Op {
         match self {
             Op::Conv2d { weight, bias, .. } | Op::Linear { weight, bias } => f(weight) + of(bias),
             Op::BatchNorm { gamma, .. } => gamma.len() * 16,
-            Op::QLinear { weight, bias } | Op::QConv2d { weight, bias, .. } => {
+            Op::QLinear { weight, bias, .. } | Op::QConv2d { weight, bias, .. } => {
                 weight.values.len() + weight.scales.len() * 4 + ov(bias)
             }
             _ => 0,

@@ -1,24 +1,40 @@
 //! Int8 dynamic quantization and an integer matrix multiply with i32 accumulation.
 //!
-//! Weights: per-output-channel symmetric int8 (`w ≈ q · s_c`, q ∈ [−127, 127]).
-//! Activations: per-batch symmetric int8 with one scale (`x ≈ q · s_x`), computed on each call
-//! (dynamic quantization, as torch's `quantize_dynamic` and ONNX Runtime's dynamic mode).
-//! Product: `Σ q_x · q_w` in i32, exact; the result is dequantized with `s_x · s_c`.
+//! - Weights: per-output-channel symmetric int8, `w ≈ q_w · s_c`, `q_w ∈ [−127, 127]`.
+//! - Activations: per-batch asymmetric uint8, `x ≈ (q_x − z) · s_x`, `q_x ∈ [0, 255]`, computed
+//!   on every call (dynamic quantization, as ONNX Runtime's and torch's dynamic modes). The
+//!   zero point `z` makes ReLU outputs (all ≥ 0) use all 256 levels.
+//! - Product: `Σ_k q_x·q_w` in i32 (exact), then
+//!   `y = s_x · s_c · (acc − z · Σ_k q_w) + bias`: the zero-point term is one precomputed row
+//!   sum per output channel.
 //!
-//! The kernel widens int8 to i16 once (weights at session build, activations when they are
-//! quantized) and multiplies with AVX2's `vpmaddwd` — 16 multiply-adds of i16 pairs into i32
-//! per instruction, twice the lanes of an f32 FMA, and no saturation (the 8-bit alternative
-//! `vpmaddubsw` saturates at i16 and would need 7-bit weights). Without AVX2 a portable loop
-//! computes the same integers.
+//! Kernels, picked at run time (`is_x86_feature_detected!`), all in the register-blocked
+//! "broadcast" form of production int8 GEMMs (FBGEMM, oneDNN): weights are packed so that one
+//! vector register holds the next few K values of 16 (or 8) consecutive output channels; an
+//! activation's K-group is broadcast to every lane; one multiply-add instruction then advances
+//! 16 (or 8) outputs at once, and no horizontal sums are needed — that matters for the short
+//! K of small convolutions (W3's first layer has K = 9).
+//! - AVX-512 VNNI: `vpdpbusd`, 4 u8×i8 products per lane added into i32, 64 per instruction,
+//!   without the i16 saturation of AVX2's `vpmaddubsw`;
+//! - AVX2: i16 operands, `vpmaddwd` (2 products per lane, 16 per instruction, exact);
+//! - portable loops otherwise. All three compute the same integers (tested).
+
+use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
 use super::graph::QuantWeight;
 
-/// Largest quantized magnitude (symmetric: −127..=127, so negation never overflows).
+/// Largest weight magnitude (symmetric: −127..=127).
 const QMAX: f32 = 127.0;
-/// The kernel consumes K in chunks of this many i16 (one 256-bit register).
-pub const K_ALIGN: usize = 16;
+
+/// Rounds to the nearest integer (ties to even) with two adds: exact for |x| < 2²², and,
+/// unlike `f32::round`, no libm call, so the quantization loops vectorize.
+#[inline]
+fn round(x: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0; // 1.5 · 2²³
+    (x + MAGIC) - MAGIC
+}
 
 /// Quantizes a row-major `rows × cols` f32 matrix per row (per output channel).
 pub fn quantize_rows(values: &[f32], rows: usize, cols: usize) -> QuantWeight {
@@ -30,7 +46,7 @@ pub fn quantize_rows(values: &[f32], rows: usize, cols: usize) -> QuantWeight {
         scales.push(scale);
         q.extend(
             row.iter()
-                .map(|v| (v / scale).round().clamp(-QMAX, QMAX) as i8),
+                .map(|v| round(v / scale).clamp(-QMAX, QMAX) as i8),
         );
     }
     QuantWeight {
@@ -41,256 +57,543 @@ pub fn quantize_rows(values: &[f32], rows: usize, cols: usize) -> QuantWeight {
     }
 }
 
-/// Rounds `k` up to the kernel's chunk size.
-pub fn padded(k: usize) -> usize {
-    k.div_ceil(K_ALIGN) * K_ALIGN
+/// Which integer kernel this CPU runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernel {
+    /// AVX-512 VNNI `vpdpbusd`.
+    Vnni512,
+    /// AVX2 `vpmaddwd` on i16 operands.
+    Avx2,
+    /// Portable loops (over the AVX2 packing).
+    Scalar,
 }
 
-/// A matrix widened to i16, each row zero-padded to [`padded`] columns.
+impl Kernel {
+    /// The best kernel this CPU supports (detected once).
+    pub fn detect() -> Kernel {
+        static KERNEL: OnceLock<Kernel> = OnceLock::new();
+        *KERNEL.get_or_init(|| {
+            #[cfg(target_arch = "x86_64")]
+            {
+                if std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512bw")
+                    && std::arch::is_x86_feature_detected!("avx512vnni")
+                {
+                    return Kernel::Vnni512;
+                }
+                if std::arch::is_x86_feature_detected!("avx2") {
+                    return Kernel::Avx2;
+                }
+            }
+            Kernel::Scalar
+        })
+    }
+
+    /// Name for reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernel::Vnni512 => "avx512-vnni",
+            Kernel::Avx2 => "avx2",
+            Kernel::Scalar => "scalar",
+        }
+    }
+
+    /// K values one lane multiplies per instruction (4 u8 for VNNI, 2 i16 otherwise).
+    fn group(self) -> usize {
+        if self == Kernel::Vnni512 { 4 } else { 2 }
+    }
+
+    /// Output channels per vector register (16 i32 lanes, or 8).
+    fn lanes(self) -> usize {
+        if self == Kernel::Vnni512 { 16 } else { 8 }
+    }
+}
+
+/// Quantized weights packed for a kernel: channel blocks of `lanes`, and within a block, for
+/// each K-group, the group's values of every channel side by side
+/// (`[n / lanes][k / group][lanes][group]`, zero-padded).
 #[derive(Debug, Clone)]
-pub struct I16Matrix {
-    /// Rows.
+pub struct PackedWeights {
+    /// Output channels.
     pub rows: usize,
-    /// Columns before padding.
+    /// Inputs per channel (before padding).
     pub cols: usize,
-    /// `rows × padded(cols)` values.
-    pub data: Vec<i16>,
+    /// Per-channel dequantization scales.
+    pub scales: Vec<f32>,
+    /// `Σ_k q_w` per channel, for the zero-point correction.
+    pub row_sums: Vec<i32>,
+    kernel: Kernel,
+    groups: usize,
+    blocks: usize,
+    bytes: Vec<u8>,
+    wide: Vec<i16>,
 }
 
-impl I16Matrix {
-    /// Widens quantized weights for the kernel.
-    pub fn from_weights(w: &QuantWeight) -> Self {
-        let kp = padded(w.cols);
-        let mut data = vec![0i16; w.rows * kp];
-        for (dst, src) in data.chunks_exact_mut(kp).zip(w.values.chunks_exact(w.cols)) {
-            for (d, s) in dst.iter_mut().zip(src) {
-                *d = *s as i16;
+impl PackedWeights {
+    /// Packs `w` for `kernel`.
+    pub fn new(w: &QuantWeight, kernel: Kernel) -> Self {
+        let (g, l) = (kernel.group(), kernel.lanes());
+        let groups = w.cols.div_ceil(g).max(1);
+        let blocks = w.rows.div_ceil(l).max(1);
+        let index = |j: usize, k: usize| ((j / l) * groups + k / g) * l * g + (j % l) * g + k % g;
+        let len = blocks * groups * l * g;
+        let (mut bytes, mut wide) = (Vec::new(), Vec::new());
+        if kernel == Kernel::Vnni512 {
+            bytes = vec![0u8; len];
+        } else {
+            wide = vec![0i16; len];
+        }
+        for j in 0..w.rows {
+            for k in 0..w.cols {
+                let v = w.values[j * w.cols + k];
+                if kernel == Kernel::Vnni512 {
+                    bytes[index(j, k)] = v as u8; // i8 bit pattern
+                } else {
+                    wide[index(j, k)] = v as i16;
+                }
             }
         }
-        I16Matrix {
+        PackedWeights {
             rows: w.rows,
             cols: w.cols,
-            data,
+            scales: w.scales.clone(),
+            row_sums: w
+                .values
+                .chunks_exact(w.cols.max(1))
+                .take(w.rows)
+                .map(|r| r.iter().map(|v| *v as i32).sum())
+                .collect(),
+            kernel,
+            groups,
+            blocks,
+            bytes,
+            wide,
         }
     }
 
-    /// Row stride in elements.
-    pub fn stride(&self) -> usize {
-        padded(self.cols)
+    /// The kernel these weights are packed for.
+    pub fn kernel(&self) -> Kernel {
+        self.kernel
     }
 }
 
-/// The scale that maps `max |x|` to 127 (1 for an all-zero tensor).
-pub fn activation_scale(x: &[f32]) -> f32 {
-    let max = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-    if max > 0.0 && max.is_finite() {
-        max / QMAX
-    } else {
-        1.0
+/// Per-batch activation quantization parameters: `x ≈ (q − zero_point) · scale`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ActivationQuant {
+    /// Step size.
+    pub scale: f32,
+    /// The quantized value of 0.0 (so padding is exact).
+    pub zero_point: u8,
+}
+
+impl ActivationQuant {
+    /// Parameters covering `[min(x, 0), max(x, 0)]` with 256 levels.
+    pub fn for_values(x: &[f32]) -> Self {
+        let (lo, hi) = x
+            .par_chunks(1 << 14)
+            .map(|c| {
+                c.iter()
+                    .fold((0f32, 0f32), |(lo, hi), v| (lo.min(*v), hi.max(*v)))
+            })
+            .reduce(|| (0.0, 0.0), |a, b| (a.0.min(b.0), a.1.max(b.1)));
+        let range = hi - lo;
+        if !(range > 0.0 && range.is_finite()) {
+            return ActivationQuant {
+                scale: 1.0,
+                zero_point: 0,
+            };
+        }
+        let scale = range / 255.0;
+        let zero_point = round(-lo / scale).clamp(0.0, 255.0) as u8;
+        ActivationQuant { scale, zero_point }
+    }
+
+    /// Quantizes one value.
+    #[inline]
+    pub fn quantize(&self, v: f32) -> u8 {
+        self.quantizer()(v)
+    }
+
+    /// A fast quantizing closure: multiply by the precomputed inverse scale, clamp (NaN goes
+    /// to 0: `max` drops it), and read the rounded integer out of the mantissa after adding
+    /// 1.5·2²³ — no division, no libm call and no saturating float→int conversion, so loops
+    /// over it vectorize.
+    #[inline]
+    pub fn quantizer(&self) -> impl Fn(f32) -> u8 + Copy {
+        let inv = 1.0 / self.scale;
+        let zp = self.zero_point as f32;
+        move |v: f32| {
+            // Not `clamp`: clamp keeps NaN, and NaN must not reach the bit trick.
+            #[allow(clippy::manual_clamp)]
+            let y = (v * inv + zp).max(0.0).min(255.0);
+            ((y + 12_582_912.0).to_bits() & 0xFF) as u8
+        }
     }
 }
 
-/// Quantizes `x` (row-major, `cols` per row) with `scale` into a padded i16 matrix.
-pub fn quantize_activations(x: &[f32], cols: usize, scale: f32) -> I16Matrix {
-    let rows = x.len() / cols.max(1);
-    let kp = padded(cols);
-    let inv = 1.0 / scale;
-    let mut data = vec![0i16; rows * kp];
-    data.par_chunks_mut(kp)
-        .zip(x.par_chunks(cols.max(1)))
-        .for_each(|(dst, src)| {
-            for (d, s) in dst.iter_mut().zip(src) {
-                *d = (s * inv).round().clamp(-QMAX, QMAX) as i16;
+/// Quantized activations: `rows` rows of `cols` values, each row padded to whole K-groups.
+#[derive(Debug, Clone)]
+pub struct QuantizedActivations {
+    /// Rows.
+    pub rows: usize,
+    /// Values per row before padding.
+    pub cols: usize,
+    /// Quantization parameters.
+    pub quant: ActivationQuant,
+    kernel: Kernel,
+    stride: usize,
+    bytes: Vec<u8>,
+    wide: Vec<i16>,
+}
+
+impl QuantizedActivations {
+    /// Quantizes row-major `x` (`cols` per row) for `kernel`.
+    pub fn new(x: &[f32], cols: usize, quant: ActivationQuant, kernel: Kernel) -> Self {
+        let rows = x.len() / cols.max(1);
+        let q = quant.quantizer();
+        Self::from_rows(rows, cols, quant, kernel, |r, out: &mut [u8]| {
+            for (o, v) in out.iter_mut().zip(&x[r * cols..(r + 1) * cols]) {
+                *o = q(*v);
             }
-        });
-    I16Matrix { rows, cols, data }
+        })
+    }
+
+    /// Builds the matrix row by row: `fill(r, row)` writes row `r`'s `cols` quantized values
+    /// (pre-set to the zero point, i.e. 0.0). Rows are filled in parallel.
+    pub fn from_rows(
+        rows: usize,
+        cols: usize,
+        quant: ActivationQuant,
+        kernel: Kernel,
+        fill: impl Fn(usize, &mut [u8]) + Sync,
+    ) -> Self {
+        let stride = cols.div_ceil(kernel.group()).max(1) * kernel.group();
+        let mut bytes = vec![quant.zero_point; rows * stride];
+        bytes
+            .par_chunks_mut(stride)
+            .enumerate()
+            .for_each(|(r, row)| fill(r, &mut row[..cols]));
+        let wide = if kernel == Kernel::Vnni512 {
+            Vec::new()
+        } else {
+            let wide: Vec<i16> = bytes.par_iter().map(|v| *v as i16).collect();
+            bytes = Vec::new();
+            wide
+        };
+        QuantizedActivations {
+            rows,
+            cols,
+            quant,
+            kernel,
+            stride,
+            bytes,
+            wide,
+        }
+    }
 }
 
-/// `out[i·n + j] = Σ_k a[i][k] · b[j][k]` in i32 (both operands row-major over K, i.e.
-/// `A · Bᵀ`). Parallel over whichever side is larger, so each thread streams the smaller
-/// operand from cache.
-pub fn gemm_abt(a: &I16Matrix, b: &I16Matrix) -> Vec<i32> {
-    assert_eq!(a.cols, b.cols, "inner dimensions differ");
-    let (m, n, kp) = (a.rows, b.rows, a.stride());
-    let mut out = vec![0i32; m * n];
+/// Raw accumulators `acc[i·n + j] = Σ_k q_x[i][k] · q_w[j][k]` (before the zero-point
+/// correction), in parallel over rectangles of rows × channel blocks.
+pub fn gemm(a: &QuantizedActivations, w: &PackedWeights) -> Vec<i32> {
+    assert_eq!(a.cols, w.cols, "inner dimensions differ");
+    assert_eq!(a.kernel, w.kernel, "operands packed for different kernels");
+    let (m, n) = (a.rows, w.rows);
+    let lanes = w.kernel.lanes();
+    let n_pad = w.blocks * lanes;
+    let mut out = vec![0i32; m * n_pad];
     if m == 0 || n == 0 {
+        return Vec::new();
+    }
+    // Rectangles: 64 rows × 4 channel blocks; enough tasks for the pool either way round.
+    let (row_chunk, block_chunk) = (64, 4);
+    let tasks: Vec<(usize, usize)> = (0..m.div_ceil(row_chunk))
+        .flat_map(|ri| (0..w.blocks.div_ceil(block_chunk)).map(move |bi| (ri, bi)))
+        .collect();
+    let ptr = OutPtr(out.as_mut_ptr());
+    tasks.par_iter().for_each(|&(ri, bi)| {
+        let rows = ri * row_chunk..((ri + 1) * row_chunk).min(m);
+        let blocks = bi * block_chunk..((bi + 1) * block_chunk).min(w.blocks);
+        // SAFETY: each task writes only out[i·n_pad + b·lanes ..][..lanes] for its own rows
+        // and blocks: the rectangles are disjoint, and `out` outlives the parallel loop.
+        unsafe { rectangle(a, w, rows, blocks, &ptr, n_pad) };
+    });
+    if n_pad == n {
         return out;
     }
-    let threads = rayon::current_num_threads().max(1);
-    if m >= n {
-        // Blocks of A rows; every block sees all of B.
-        let block = (m.div_ceil(threads * 4)).clamp(2, 64);
-        out.par_chunks_mut(block * n)
-            .enumerate()
-            .for_each(|(bi, chunk)| {
-                let i0 = bi * block;
-                let rows = chunk.len() / n;
-                tile(
-                    &a.data[i0 * kp..(i0 + rows) * kp],
-                    &b.data,
-                    rows,
-                    n,
-                    kp,
-                    chunk,
-                    n,
-                    1,
-                );
-            });
-    } else {
-        // Blocks of B rows, computed transposed (each block's rows of Cᵀ are contiguous).
-        let block = (n.div_ceil(threads * 4)).clamp(4, 64);
-        let mut out_t = vec![0i32; n * m];
-        out_t
-            .par_chunks_mut(block * m)
-            .enumerate()
-            .for_each(|(bj, chunk)| {
-                let j0 = bj * block;
-                let cols = chunk.len() / m;
-                // Cᵀ[j][i] = Σ b[j]·a[i]: the same kernel with the operands swapped.
-                tile(
-                    &b.data[j0 * kp..(j0 + cols) * kp],
-                    &a.data,
-                    cols,
-                    m,
-                    kp,
-                    chunk,
-                    m,
-                    1,
-                );
-            });
-        for j in 0..n {
-            for i in 0..m {
-                out[i * n + j] = out_t[j * m + i];
+    out.chunks_exact(n_pad)
+        .flat_map(|row| row[..n].iter().copied())
+        .collect()
+}
+
+/// The output buffer shared by the tasks of [`gemm`], each writing its own rectangle.
+struct OutPtr(*mut i32);
+// SAFETY: tasks write disjoint ranges (see `gemm`).
+unsafe impl Sync for OutPtr {}
+
+/// Computes one rectangle of the product with the kernel the operands are packed for.
+///
+/// # Safety
+/// `out` must point to `a.rows × n_pad` i32s that no other task writes in this rectangle.
+unsafe fn rectangle(
+    a: &QuantizedActivations,
+    w: &PackedWeights,
+    rows: std::ops::Range<usize>,
+    blocks: std::ops::Range<usize>,
+    out: &OutPtr,
+    n_pad: usize,
+) {
+    match w.kernel {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: VNNI packing is only produced when `Kernel::detect` found the features.
+        Kernel::Vnni512 => unsafe { vnni::rectangle(a, w, rows, blocks, out.0, n_pad) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above, for AVX2.
+        Kernel::Avx2 => unsafe { avx2::rectangle(a, w, rows, blocks, out.0, n_pad) },
+        _ => {
+            let (g, l) = (2, 8);
+            for i in rows {
+                let x = &a.wide[i * a.stride..][..a.stride];
+                for b in blocks.clone() {
+                    let mut acc = [0i32; 8];
+                    for q in 0..w.groups {
+                        let wq = &w.wide[(b * w.groups + q) * l * g..][..l * g];
+                        for (lane, acc) in acc.iter_mut().enumerate() {
+                            for e in 0..g {
+                                *acc += x[q * g + e] as i32 * wq[lane * g + e] as i32;
+                            }
+                        }
+                    }
+                    for (lane, v) in acc.iter().enumerate() {
+                        // SAFETY: inside this task's rectangle (caller's contract).
+                        unsafe { *out.0.add(i * n_pad + b * l + lane) = *v };
+                    }
+                }
             }
         }
     }
-    out
 }
 
-/// Computes `rows × n` dot products of `a` rows with `b` rows into `out` (row stride
-/// `out_stride`, column step `out_step`).
-#[allow(clippy::too_many_arguments)]
-fn tile(
-    a: &[i16],
-    b: &[i16],
-    rows: usize,
-    n: usize,
-    kp: usize,
-    out: &mut [i32],
-    out_stride: usize,
-    out_step: usize,
-) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: AVX2 is present (checked above); slices are sized rows·kp and n·kp with
-            // kp a multiple of 16, which is all the kernel reads.
-            unsafe { avx2::tile(a, b, rows, n, kp, out, out_stride, out_step) };
-            return;
-        }
-    }
-    for i in 0..rows {
-        for j in 0..n {
-            out[i * out_stride + j * out_step] = dot_scalar(&a[i * kp..][..kp], &b[j * kp..][..kp]);
-        }
-    }
+/// Turns raw accumulators `[m × n]` into f32 outputs `[m × n]`:
+/// `y[i][j] = s_x·s_j·(acc − z·Σq_w[j]) + b[j]`, then `max(y, 0)` when `relu` (rows in
+/// parallel).
+pub fn dequantize(
+    acc: &[i32],
+    a: &QuantizedActivations,
+    w: &PackedWeights,
+    bias: Option<&[f32]>,
+    relu: bool,
+) -> Vec<f32> {
+    let floor = if relu { 0.0 } else { f32::NEG_INFINITY };
+    let n = w.rows;
+    let (scale, offset) = affine(a, w, bias);
+    let mut y = vec![0f32; acc.len()];
+    y.par_chunks_mut(n * 64)
+        .zip(acc.par_chunks(n * 64))
+        .for_each(|(out, rows)| {
+            for (o_row, a_row) in out.chunks_exact_mut(n).zip(rows.chunks_exact(n)) {
+                for j in 0..n {
+                    o_row[j] = (a_row[j] as f32 * scale[j] + offset[j]).max(floor);
+                }
+            }
+        });
+    y
 }
 
-fn dot_scalar(a: &[i16], b: &[i16]) -> i32 {
-    a.iter().zip(b).map(|(x, y)| *x as i32 * *y as i32).sum()
+/// Like [`dequantize`] for a convolution: accumulator rows are `(sample, position)` pairs,
+/// and the output is written straight into `[B, n, plane]` (NCHW), one sample per task.
+pub fn dequantize_planes(
+    acc: &[i32],
+    a: &QuantizedActivations,
+    w: &PackedWeights,
+    bias: Option<&[f32]>,
+    relu: bool,
+    plane: usize,
+) -> Vec<f32> {
+    let n = w.rows;
+    let (scale, offset) = affine(a, w, bias);
+    let floor = if relu { 0.0 } else { f32::NEG_INFINITY };
+    let mut y = vec![0f32; acc.len()];
+    y.par_chunks_mut(n * plane)
+        .zip(acc.par_chunks(n * plane))
+        .for_each(|(out, sample)| {
+            for (p, row) in sample.chunks_exact(n).enumerate() {
+                for (j, v) in row.iter().enumerate() {
+                    out[j * plane + p] = (*v as f32 * scale[j] + offset[j]).max(floor);
+                }
+            }
+        });
+    y
+}
+
+/// Per channel, `y = acc · scale + offset` folds the activation scale, the weight scale, the
+/// zero-point correction and the bias.
+fn affine(
+    a: &QuantizedActivations,
+    w: &PackedWeights,
+    bias: Option<&[f32]>,
+) -> (Vec<f32>, Vec<f32>) {
+    let z = a.quant.zero_point as i32;
+    let scale: Vec<f32> = w.scales.iter().map(|s| s * a.quant.scale).collect();
+    let offset = w
+        .row_sums
+        .iter()
+        .zip(&scale)
+        .enumerate()
+        .map(|(j, (s, sc))| bias.map_or(0.0, |b| b[j]) - (z * s) as f32 * sc)
+        .collect();
+    (scale, offset)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod vnni {
+    use std::arch::x86_64::*;
+
+    use super::{PackedWeights, QuantizedActivations};
+
+    /// `R` rows × `C` channel blocks of 16: R·C accumulators, C weight registers, one
+    /// broadcast; per K-group of 4, R·C `vpdpbusd`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn block<const R: usize, const C: usize>(
+        a: *const u8,
+        a_stride: usize,
+        w: *const u8,
+        groups: usize,
+        out: *mut i32,
+        n_pad: usize,
+    ) {
+        let mut acc = [[_mm512_setzero_si512(); C]; R];
+        for q in 0..groups {
+            let mut wv = [_mm512_setzero_si512(); C];
+            for (c, v) in wv.iter_mut().enumerate() {
+                // SAFETY: block c of this chunk holds `groups` × 64 bytes.
+                *v = unsafe { _mm512_loadu_si512(w.add((c * groups + q) * 64) as *const __m512i) };
+            }
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                // SAFETY: row r holds a_stride ≥ 4·groups bytes.
+                let quad = unsafe { (a.add(r * a_stride + q * 4) as *const i32).read_unaligned() };
+                let av = _mm512_set1_epi32(quad);
+                for (acc, v) in acc_r.iter_mut().zip(&wv) {
+                    *acc = _mm512_dpbusd_epi32(*acc, av, *v);
+                }
+            }
+        }
+        for (r, acc_r) in acc.iter().enumerate() {
+            for (c, v) in acc_r.iter().enumerate() {
+                // SAFETY: the caller's rectangle covers these 16 outputs.
+                unsafe { _mm512_storeu_si512(out.add(r * n_pad + c * 16) as *mut __m512i, *v) };
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn rectangle(
+        a: &QuantizedActivations,
+        w: &PackedWeights,
+        rows: std::ops::Range<usize>,
+        blocks: std::ops::Range<usize>,
+        out: *mut i32,
+        n_pad: usize,
+    ) {
+        let (g, s) = (w.groups, a.stride);
+        let mut b = blocks.start;
+        while b < blocks.end {
+            let two = blocks.end - b >= 2;
+            let wp = w.bytes[b * g * 64..].as_ptr();
+            let mut i = rows.start;
+            while i < rows.end {
+                let ap = a.bytes[i * s..].as_ptr();
+                // SAFETY: rows i.. and blocks b.. are inside the packed operands and this
+                // task's rectangle of `out`.
+                unsafe {
+                    let o = out.add(i * n_pad + b * 16);
+                    match (rows.end - i >= 6, two) {
+                        (true, true) => block::<6, 2>(ap, s, wp, g, o, n_pad),
+                        (true, false) => block::<6, 1>(ap, s, wp, g, o, n_pad),
+                        (false, true) => block::<1, 2>(ap, s, wp, g, o, n_pad),
+                        (false, false) => block::<1, 1>(ap, s, wp, g, o, n_pad),
+                    }
+                }
+                i += if rows.end - i >= 6 { 6 } else { 1 };
+            }
+            b += if two { 2 } else { 1 };
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
 
-    /// Horizontal sum of eight i32 lanes.
+    use super::{PackedWeights, QuantizedActivations};
+
+    /// `R` rows × `C` channel blocks of 8 (≤ 4 × 2: 8 accumulators + 2 weights + 1 broadcast
+    /// of the 16 ymm registers); per K-pair, R·C `vpmaddwd` + add.
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn hsum(v: __m256i) -> i32 {
-        let lo = _mm256_castsi256_si128(v);
-        let hi = _mm256_extracti128_si256(v, 1);
-        let s = _mm_add_epi32(lo, hi);
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
-        _mm_cvtsi128_si32(s)
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn load(p: *const i16) -> __m256i {
-        unsafe { _mm256_loadu_si256(p as *const __m256i) }
-    }
-
-    /// 2 rows of A × 4 rows of B per step: 8 accumulators + 6 operands fit the 16 registers.
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn tile(
-        a: &[i16],
-        b: &[i16],
-        rows: usize,
-        n: usize,
-        kp: usize,
-        out: &mut [i32],
-        out_stride: usize,
-        out_step: usize,
+    unsafe fn block<const R: usize, const C: usize>(
+        a: *const i16,
+        a_stride: usize,
+        w: *const i16,
+        groups: usize,
+        out: *mut i32,
+        n_pad: usize,
     ) {
-        let (ap, bp) = (a.as_ptr(), b.as_ptr());
-        let mut j = 0;
-        while j + 4 <= n {
-            let mut i = 0;
-            while i + 2 <= rows {
-                let mut acc = [_mm256_setzero_si256(); 8];
-                let mut k = 0;
-                while k < kp {
-                    unsafe {
-                        let a0 = load(ap.add(i * kp + k));
-                        let a1 = load(ap.add((i + 1) * kp + k));
-                        for c in 0..4 {
-                            let bv = load(bp.add((j + c) * kp + k));
-                            acc[c] = _mm256_add_epi32(acc[c], _mm256_madd_epi16(a0, bv));
-                            acc[4 + c] = _mm256_add_epi32(acc[4 + c], _mm256_madd_epi16(a1, bv));
-                        }
-                    }
-                    k += 16;
-                }
-                for c in 0..4 {
-                    unsafe {
-                        out[i * out_stride + (j + c) * out_step] = hsum(acc[c]);
-                        out[(i + 1) * out_stride + (j + c) * out_step] = hsum(acc[4 + c]);
-                    }
-                }
-                i += 2;
+        let mut acc = [[_mm256_setzero_si256(); C]; R];
+        for q in 0..groups {
+            let mut wv = [_mm256_setzero_si256(); C];
+            for (c, v) in wv.iter_mut().enumerate() {
+                // SAFETY: block c holds `groups` × 16 i16.
+                *v = unsafe { _mm256_loadu_si256(w.add((c * groups + q) * 16) as *const __m256i) };
             }
-            while i < rows {
-                for c in 0..4 {
-                    out[i * out_stride + (j + c) * out_step] =
-                        unsafe { dot(ap.add(i * kp), bp.add((j + c) * kp), kp) };
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                // SAFETY: row r holds a_stride ≥ 2·groups i16.
+                let pair = unsafe { (a.add(r * a_stride + q * 2) as *const i32).read_unaligned() };
+                let av = _mm256_set1_epi32(pair);
+                for (acc, v) in acc_r.iter_mut().zip(&wv) {
+                    *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(av, *v));
                 }
-                i += 1;
             }
-            j += 4;
         }
-        while j < n {
-            for i in 0..rows {
-                out[i * out_stride + j * out_step] =
-                    unsafe { dot(ap.add(i * kp), bp.add(j * kp), kp) };
+        for (r, acc_r) in acc.iter().enumerate() {
+            for (c, v) in acc_r.iter().enumerate() {
+                // SAFETY: the caller's rectangle covers these 8 outputs.
+                unsafe { _mm256_storeu_si256(out.add(r * n_pad + c * 8) as *mut __m256i, *v) };
             }
-            j += 1;
         }
     }
 
     #[target_feature(enable = "avx2")]
-    unsafe fn dot(a: *const i16, b: *const i16, kp: usize) -> i32 {
-        let mut acc = _mm256_setzero_si256();
-        let mut k = 0;
-        while k < kp {
-            unsafe {
-                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(load(a.add(k)), load(b.add(k))));
+    pub(super) unsafe fn rectangle(
+        a: &QuantizedActivations,
+        w: &PackedWeights,
+        rows: std::ops::Range<usize>,
+        blocks: std::ops::Range<usize>,
+        out: *mut i32,
+        n_pad: usize,
+    ) {
+        let (g, s) = (w.groups, a.stride);
+        let mut b = blocks.start;
+        while b < blocks.end {
+            let two = blocks.end - b >= 2;
+            let wp = w.wide[b * g * 16..].as_ptr();
+            let mut i = rows.start;
+            while i < rows.end {
+                let ap = a.wide[i * s..].as_ptr();
+                // SAFETY: as in the VNNI kernel.
+                unsafe {
+                    let o = out.add(i * n_pad + b * 8);
+                    match (rows.end - i >= 4, two) {
+                        (true, true) => block::<4, 2>(ap, s, wp, g, o, n_pad),
+                        (true, false) => block::<4, 1>(ap, s, wp, g, o, n_pad),
+                        (false, true) => block::<1, 2>(ap, s, wp, g, o, n_pad),
+                        (false, false) => block::<1, 1>(ap, s, wp, g, o, n_pad),
+                    }
+                }
+                i += if rows.end - i >= 4 { 4 } else { 1 };
             }
-            k += 16;
+            b += if two { 2 } else { 1 };
         }
-        unsafe { hsum(acc) }
     }
 }
 
@@ -305,32 +608,72 @@ mod tests {
         ((*seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
     }
 
+    /// Every kernel this CPU has computes exactly the scalar integers, for odd shapes that
+    /// hit every remainder path and both partitionings (m ≥ n and m < n).
     #[test]
-    fn integer_gemm_is_exact_for_every_shape_and_split() {
+    fn every_kernel_computes_the_exact_integers() {
+        let mut kernels = vec![Kernel::Scalar];
+        let best = Kernel::detect();
+        if best != Kernel::Scalar {
+            kernels.push(Kernel::Avx2);
+        }
+        if best == Kernel::Vnni512 {
+            kernels.push(Kernel::Vnni512);
+        }
         let mut seed = 7;
-        // Odd sizes exercise every remainder path; m<n and m>n both partitionings.
         for (m, n, k) in [
             (1, 1, 1),
             (3, 5, 17),
             (64, 10, 100),
             (7, 130, 33),
-            (130, 6, 48),
+            (130, 6, 200),
         ] {
-            let av: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
-            let bv: Vec<f32> = (0..n * k).map(|_| lcg(&mut seed)).collect();
-            let a = quantize_activations(&av, k, activation_scale(&av));
-            let b = I16Matrix::from_weights(&quantize_rows(&bv, n, k));
-            let got = gemm_abt(&a, &b);
-            for i in 0..m {
-                for j in 0..n {
-                    let want = dot_scalar(
-                        &a.data[i * a.stride()..][..k],
-                        &b.data[j * b.stride()..][..k],
-                    );
-                    assert_eq!(got[i * n + j], want, "({m},{n},{k}) at ({i},{j})");
+            let xv: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
+            let wv: Vec<f32> = (0..n * k).map(|_| lcg(&mut seed)).collect();
+            let quant = ActivationQuant::for_values(&xv);
+            let qw = quantize_rows(&wv, n, k);
+            let qx: Vec<u8> = xv.iter().map(|v| quant.quantize(*v)).collect();
+            for &kernel in &kernels {
+                let a = QuantizedActivations::new(&xv, k, quant, kernel);
+                let w = PackedWeights::new(&qw, kernel);
+                let got = gemm(&a, &w);
+                for i in 0..m {
+                    for j in 0..n {
+                        let want: i32 = (0..k)
+                            .map(|t| qx[i * k + t] as i32 * qw.values[j * k + t] as i32)
+                            .sum();
+                        assert_eq!(
+                            got[i * n + j],
+                            want,
+                            "{kernel:?} ({m},{n},{k}) at ({i},{j})"
+                        );
+                    }
                 }
             }
         }
+    }
+
+    #[test]
+    fn dequantized_product_is_close_to_f32() {
+        let mut seed = 3;
+        let (m, n, k) = (8, 12, 300);
+        let xv: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed).max(0.0)).collect(); // ReLU-like
+        let wv: Vec<f32> = (0..n * k).map(|_| lcg(&mut seed) * 0.1).collect();
+        let quant = ActivationQuant::for_values(&xv);
+        let kernel = Kernel::detect();
+        let a = QuantizedActivations::new(&xv, k, quant, kernel);
+        let w = PackedWeights::new(&quantize_rows(&wv, n, k), kernel);
+        let y = dequantize(&gemm(&a, &w), &a, &w, None, false);
+        let mut worst = 0f32;
+        let mut norm = 0f32;
+        for i in 0..m {
+            for j in 0..n {
+                let exact: f32 = (0..k).map(|t| xv[i * k + t] * wv[j * k + t]).sum();
+                worst = worst.max((y[i * n + j] - exact).abs());
+                norm = norm.max(exact.abs());
+            }
+        }
+        assert!(worst / norm < 0.02, "relative error {}", worst / norm);
     }
 
     #[test]
@@ -345,9 +688,15 @@ mod tests {
                 assert!((back - w[r * 3 + c]).abs() <= q.scales[r] / 2.0 + 1e-7);
             }
         }
-        // An all-zero row gets scale 1, not a division by zero.
         let z = quantize_rows(&[0.0; 4], 1, 4);
         assert_eq!(z.scales, vec![1.0]);
-        assert!(z.values.iter().all(|v| *v == 0));
+        // Zero is exactly representable in the activations (padding relies on it).
+        let p = ActivationQuant::for_values(&[-0.3, 0.0, 1.7]);
+        assert_eq!(p.quantize(0.0), p.zero_point);
+        assert_eq!(p.quantize(-0.3), 0);
+        assert_eq!(p.quantize(1.7), 255);
+        assert_eq!(round(2.5), 2.0);
+        assert_eq!(round(-1.5), -2.0);
+        assert_eq!(round(3.49), 3.0);
     }
 }

@@ -22,6 +22,7 @@ pub fn quantize_int8(graph: &mut Graph) -> Result<Vec<String>> {
                 Op::QLinear {
                     weight: quantize_rows(&rows, n, k),
                     bias: bias.as_ref().map(|b| b.values.clone()),
+                    relu: false,
                 }
             }
             Op::Conv2d {
@@ -42,6 +43,7 @@ pub fn quantize_int8(graph: &mut Graph) -> Result<Vec<String>> {
                     weight: quantize_rows(&weight.values, co, cols),
                     bias: bias.as_ref().map(|b| b.values.clone()),
                     geometry: *geometry,
+                    relu: false,
                 }
             }
             _ => continue,
@@ -56,5 +58,34 @@ pub fn quantize_int8(graph: &mut Graph) -> Result<Vec<String>> {
         ));
         node.op = replacement;
     }
+    changes.extend(fuse_relu(graph));
     Ok(changes)
+}
+
+/// Folds each ReLU that is the only consumer of a quantized op into that op's dequantization
+/// (one pass over the activations fewer).
+fn fuse_relu(graph: &mut Graph) -> Vec<String> {
+    let mut changes = Vec::new();
+    let mut i = 0;
+    while i < graph.nodes.len() {
+        let input = graph.nodes[i].inputs.first().copied();
+        let is_relu = matches!(graph.nodes[i].op, Op::Relu);
+        let producer = input.and_then(|v| graph.nodes.iter().position(|n| n.output == v));
+        let fusable = is_relu
+            && producer.is_some_and(|p| {
+                graph.uses(graph.nodes[p].output) == 1
+                    && matches!(graph.nodes[p].op, Op::QLinear { .. } | Op::QConv2d { .. })
+            });
+        let Some(p) = producer.filter(|_| fusable) else {
+            i += 1;
+            continue;
+        };
+        if let Op::QLinear { relu, .. } | Op::QConv2d { relu, .. } = &mut graph.nodes[p].op {
+            *relu = true;
+        }
+        let node = graph.nodes.remove(i);
+        graph.rename_uses(node.output, graph.nodes[p].output);
+        changes.push(format!("fused {} into {}", node.name, graph.nodes[p].name));
+    }
+    changes
 }
