@@ -1,7 +1,8 @@
-//! `kiln`: train, plan and (in later issues) tune, bench, profile and serve.
+//! `kiln`: train, plan, bench and optimize (and, in later issues, tune, profile and serve).
 
 mod alloc;
 mod bench_cmd;
+mod optimize_cmd;
 mod progress;
 mod train_cmd;
 
@@ -25,6 +26,7 @@ Examples:
   kiln train --checkpoint-dir runs/cnn --resume latest
   kiln train --data ~/mnist --model mlp      full MNIST / Fashion-MNIST IDX files
   kiln plan --level ultra                    show every setting and where it came from
+  kiln optimize --model cnn --checkpoint runs/cnn --passes fold,int8 --out opt/cnn
   kiln bench --workload W2                   plain Burn vs Kiln's levels, same protocol as the peers
   bench/compare.sh                           Kiln and the PyTorch / ONNX Runtime peers side by side";
 
@@ -47,6 +49,38 @@ enum Command {
     /// Benchmark plain Burn vs Kiln's plan at each level on the standard workloads.
     #[command(after_help = EXAMPLES)]
     Bench(BenchArgs),
+    /// Optimize a trained checkpoint for inference (strip, BN folding, int8) and report each
+    /// pass: latency, throughput, size, accuracy; writes model.kgraph (+ model.onnx).
+    #[command(after_help = EXAMPLES)]
+    Optimize(OptimizeArgs),
+}
+
+#[derive(Args, Debug)]
+struct OptimizeArgs {
+    /// Zoo model: mlp (W1), cnn (W2/W3), resnet (W5).
+    #[arg(long)]
+    model: String,
+    /// A checkpoint file, or a checkpoint directory (its newest checkpoint is used).
+    #[arg(long)]
+    checkpoint: PathBuf,
+    /// Passes to apply in order, comma-separated: strip, fold, int8.
+    #[arg(long, default_value = "strip,fold,int8")]
+    passes: String,
+    /// Output directory (model.kgraph, model.onnx when exportable, summary.md, summary.json).
+    #[arg(long)]
+    out: PathBuf,
+    /// Directory with MNIST-format IDX files for the accuracy column (default: bundled).
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// CPU threads (0 = one per core).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Timed forwards per repeat (3 repeats after 5 warm-up).
+    #[arg(long, default_value_t = 20)]
+    steps: usize,
+    /// Print the summary as JSON on stdout.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args, Debug)]
@@ -212,6 +246,7 @@ fn main() {
         Command::Train(args) => train_cmd::run(args),
         Command::Plan(args) => plan(args),
         Command::Bench(args) => bench_cmd::run(args),
+        Command::Optimize(args) => optimize_cmd::run(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

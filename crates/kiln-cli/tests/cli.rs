@@ -232,3 +232,121 @@ fn train_in_f16_and_bench_each_precision() {
         .collect();
     assert_eq!(cases, ["\"f32\"", "\"bf16\"", "\"f16\""]);
 }
+
+/// `kiln optimize` on a checkpoint: one row per pass added in turn, int8 within half a point
+/// of f32 on the held-out images, the optimized graph on disk (loadable, same accuracy), an
+/// ONNX file for an exportable graph, and a clear note for int8.
+#[test]
+fn optimize_reports_each_pass_and_writes_the_model() {
+    let dir = tempdir("optimize");
+    let ckpt = dir.join("ckpt");
+    let o = kiln(&[
+        "train",
+        "--model",
+        "mlp",
+        "--epochs",
+        "1",
+        "--checkpoint-dir",
+        ckpt.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = dir.join("opt");
+    let o = kiln(&[
+        "optimize",
+        "--model",
+        "mlp",
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
+        "--passes",
+        "strip,fold,int8",
+        "--out",
+        out.to_str().unwrap(),
+        "--steps",
+        "2",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let rows: Vec<serde_json::Value> = serde_json::from_str(stdout(&o).trim()).unwrap();
+    let names: Vec<&str> = rows.iter().map(|r| r["passes"].as_str().unwrap()).collect();
+    assert_eq!(names, ["f32", "strip", "strip+fold", "strip+fold+int8"]);
+    let acc = |i: usize| rows[i]["accuracy"].as_f64().unwrap();
+    assert!(acc(0) > 0.85, "{}", rows[0]);
+    assert!(
+        (acc(3) - acc(0)).abs() <= 0.005,
+        "int8 {} vs f32 {}",
+        acc(3),
+        acc(0)
+    );
+    let size = |i: usize| rows[i]["size_bytes"].as_u64().unwrap();
+    assert!(
+        size(3) * 3 < size(0),
+        "int8 graph {} vs f32 {}",
+        size(3),
+        size(0)
+    );
+    for r in &rows {
+        assert!(r["latency_b1_ms"].as_f64().unwrap() > 0.0);
+        assert!(r["throughput_b64"].as_f64().unwrap() > 0.0);
+    }
+    assert!(out.join("summary.md").exists() && out.join("summary.json").exists());
+    // int8 graphs are not exported to ONNX (and the summary says why).
+    assert!(!out.join("model.onnx").exists());
+    let md = std::fs::read_to_string(out.join("summary.md")).unwrap();
+    assert!(
+        md.contains("no ONNX file") && md.contains("fused fc1.relu into fc1"),
+        "{md}"
+    );
+
+    // The written graph loads and scores what the summary says.
+    let graph = kiln::infer::load_graph(&out.join("model.kgraph")).unwrap();
+    let device = kiln::burn::tensor::Device::flex();
+    let session = kiln::infer::InferenceSession::from_graph(graph, &device).unwrap();
+    let test = kiln::datasets::bundled(kiln::datasets::Split::Test).unwrap();
+    let reloaded = session.evaluate(&test, 500).unwrap().accuracy;
+    assert!((reloaded - acc(3)).abs() < 1e-9, "{reloaded} vs {}", acc(3));
+
+    // A float-only pipeline also writes model.onnx.
+    let out2 = dir.join("opt-fold");
+    let o = kiln(&[
+        "optimize",
+        "--model",
+        "mlp",
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
+        "--passes",
+        "fold",
+        "--out",
+        out2.to_str().unwrap(),
+        "--steps",
+        "1",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(out2.join("model.onnx").exists());
+    assert!(stdout(&o).contains("| fold |"), "{}", stdout(&o));
+
+    // Bad input: a checkpoint of another model, an unknown pass.
+    let o = kiln(&[
+        "optimize",
+        "--model",
+        "cnn",
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
+        "--out",
+        out2.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("holds model `mlp`"), "{}", stderr(&o));
+    let o = kiln(&[
+        "optimize",
+        "--model",
+        "mlp",
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
+        "--passes",
+        "fold,int4",
+        "--out",
+        out2.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("int4"), "{}", stderr(&o));
+}

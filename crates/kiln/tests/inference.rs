@@ -381,3 +381,33 @@ fn unsupported_layers_and_mismatched_checkpoints_are_clear_errors() {
     assert!(msg.contains("do not fit") && msg.contains("stem"), "{msg}");
     let _ = rgb.len();
 }
+
+/// Optimized graphs round-trip through the checksummed file; corruption is detected.
+#[test]
+fn graph_files_round_trip_and_detect_corruption() {
+    let device = Device::flex();
+    let model = ModelKind::Cnn.init(&device);
+    let session =
+        InferenceSession::new(&model, "cnn", [1, 28, 28], &[Pass::Int8], &device).unwrap();
+    let dir = common::tempdir("infer", "kgraph");
+    let path = dir.join("model.kgraph");
+    let size = infer::save_graph(session.graph(), &path).unwrap();
+    assert_eq!(size, std::fs::metadata(&path).unwrap().len());
+    let back = infer::load_graph(&path).unwrap();
+    assert_eq!(&back, session.graph());
+    let x = random_images([1, 28, 28], 2, &device);
+    let reloaded = InferenceSession::from_graph(back, &device).unwrap();
+    assert_eq!(
+        values(reloaded.forward(x.clone()).unwrap()),
+        values(session.forward(x).unwrap())
+    );
+    let mut bytes = std::fs::read(&path).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 1;
+    std::fs::write(&path, &bytes).unwrap();
+    let msg = infer::load_graph(&path).unwrap_err().to_string();
+    assert!(msg.contains("checksum mismatch"), "{msg}");
+    std::fs::write(&path, b"KILNCKP1 something else").unwrap();
+    let msg = infer::load_graph(&path).unwrap_err().to_string();
+    assert!(msg.contains("not a Kiln graph"), "{msg}");
+}

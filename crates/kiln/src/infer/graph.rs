@@ -3,14 +3,15 @@
 //! on a device; the ONNX exporter serializes it. One representation keeps all four in
 //! agreement — what is exported is exactly what was measured.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// A constant tensor on the host (weights, statistics).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Weight {
     /// Dimensions.
     pub shape: Vec<usize>,
     /// Row-major values.
+    #[serde(with = "f32_bytes")]
     pub values: Vec<f32>,
 }
 
@@ -32,8 +33,46 @@ impl Weight {
     }
 }
 
+/// Weights travel as byte strings in graph files (4 bytes per f32, 1 per i8) rather than as
+/// CBOR arrays of numbers (5 and ~2 bytes): the file size is then the weights' size.
+mod f32_bytes {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &[f32], s: S) -> Result<S::Ok, S::Error> {
+        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        s.serialize_bytes(&bytes)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<f32>, D::Error> {
+        let bytes = serde_bytes::ByteBuf::deserialize(d)?;
+        if bytes.len() % 4 != 0 {
+            return Err(serde::de::Error::custom(
+                "f32 data is not a multiple of 4 bytes",
+            ));
+        }
+        Ok(bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect())
+    }
+}
+
+mod i8_bytes {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &[i8], s: S) -> Result<S::Ok, S::Error> {
+        let bytes: Vec<u8> = v.iter().map(|x| *x as u8).collect();
+        s.serialize_bytes(&bytes)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<i8>, D::Error> {
+        let bytes = serde_bytes::ByteBuf::deserialize(d)?;
+        Ok(bytes.iter().map(|b| *b as i8).collect())
+    }
+}
+
 /// Per-output-channel symmetric int8 weights of a quantized layer.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct QuantWeight {
     /// Output channels (rows of `values`).
     pub rows: usize,
@@ -41,13 +80,14 @@ pub struct QuantWeight {
     pub cols: usize,
     /// Row-major int8 values, `rows × cols`: output channel-major, so each row is the dot
     /// product's weight vector.
+    #[serde(with = "i8_bytes")]
     pub values: Vec<i8>,
     /// Dequantization scale of each output channel: `w ≈ values · scale`.
     pub scales: Vec<f32>,
 }
 
 /// 2-D convolution geometry.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ConvGeometry {
     /// Stride (h, w).
     pub stride: [usize; 2],
@@ -62,7 +102,7 @@ pub struct ConvGeometry {
 }
 
 /// One operation.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Op {
     /// `[B, Ci, H, W] → [B, Co, H', W']`; weight `[Co, Ci/groups, kh, kw]`, bias `[Co]`.
     Conv2d {
@@ -175,7 +215,7 @@ impl Op {
 pub type ValueId = usize;
 
 /// One node: an op applied to values, defining a new value.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Node {
     /// The module path it came from (`blocks.3.conv1`), for reports and errors.
     pub name: String,
@@ -188,7 +228,7 @@ pub struct Node {
 }
 
 /// A model as a graph: one input `[B, C, H, W]`, one output `[B, classes]`.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Graph {
     /// Zoo model name.
     pub model: String,

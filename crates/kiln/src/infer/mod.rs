@@ -12,6 +12,7 @@ pub mod int8;
 mod lower;
 pub mod onnx;
 mod passes;
+mod store;
 
 use std::path::Path;
 
@@ -24,6 +25,7 @@ pub use exec::Executor;
 pub use graph::{ConvGeometry, Graph, Node, Op, QuantWeight, ValueId, Weight};
 pub use lower::lower;
 pub use passes::{Pass, PassReport, fold_batch_norm, quantize_int8, run_passes, strip_train_only};
+pub use store::{graph_to_bytes, load_graph, save_graph};
 
 use crate::data::{Dataset, collate};
 use crate::error::{KilnError, Result};
@@ -52,6 +54,14 @@ impl InferenceSession {
         Ok(InferenceSession {
             executor: Executor::new(graph, device)?,
             reports,
+        })
+    }
+
+    /// Runs an already-optimized graph (e.g. from [`load_graph`]) on `device`.
+    pub fn from_graph(graph: Graph, device: &Device) -> Result<Self> {
+        Ok(InferenceSession {
+            executor: Executor::new(graph, device)?,
+            reports: Vec::new(),
         })
     }
 

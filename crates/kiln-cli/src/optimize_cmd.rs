@@ -1,0 +1,175 @@
+//! `kiln optimize`: a trained checkpoint → an optimized inference graph, with a table of what
+//! each pass bought (latency b1, throughput b64, size on disk, accuracy, logit drift).
+
+use anyhow::{Context, Result};
+use burn::tensor::Device;
+use kiln::burn;
+use kiln::data::{Dataset, collate};
+use kiln::datasets::{self, Split};
+use kiln::infer::{self, InferenceSession, LogitDelta, Pass, onnx};
+use kiln::observe::timing::measure;
+use kiln::zoo::ModelKind;
+use serde::Serialize;
+
+use crate::OptimizeArgs;
+
+/// One row of the summary: the model after the passes so far.
+#[derive(Debug, Serialize)]
+struct Stage {
+    /// Passes applied, in order (`f32` for none).
+    passes: String,
+    /// Median latency of one image, ms.
+    latency_b1_ms: f64,
+    /// Images per second at batch 64.
+    throughput_b64: f64,
+    /// Size of the graph file (weights + structure), bytes.
+    size_bytes: usize,
+    /// Top-1 on the test split.
+    accuracy: f64,
+    /// Logit drift from the unoptimized model.
+    logits_vs_f32: LogitDelta,
+    /// What the newest pass changed.
+    changes: Vec<String>,
+}
+
+pub fn run(args: OptimizeArgs) -> Result<()> {
+    if args.threads > 0 {
+        kiln::plan::set_cpu_threads(args.threads);
+    }
+    let kind = ModelKind::from_name(&args.model)?;
+    let passes = Pass::parse_list(&args.passes)?;
+    let test = match &args.data {
+        Some(dir) => datasets::load_dir(dir, Split::Test)?,
+        None => datasets::bundled(Split::Test)?,
+    };
+    let shape = test.item_shape();
+    let checkpoint = if args.checkpoint.is_dir() {
+        kiln::train::latest_checkpoint(&args.checkpoint)?.with_context(|| {
+            format!(
+                "no checkpoint (step-*.kiln) in {}",
+                args.checkpoint.display()
+            )
+        })?
+    } else {
+        args.checkpoint.clone()
+    };
+    let device = Device::flex();
+    let model = infer::load_model(kind, shape[0], &checkpoint, &device)?;
+
+    let mut stages = Vec::new();
+    let mut reference: Option<Vec<f32>> = None;
+    let mut last = None;
+    for upto in 0..=passes.len() {
+        let applied = &passes[..upto];
+        let session = InferenceSession::new(&model, kind.name(), shape, applied, &device)?;
+        let predictions = session.evaluate(&test, 250)?;
+        let reference = reference.get_or_insert_with(|| predictions.logits.clone());
+        let stage = Stage {
+            passes: if applied.is_empty() {
+                "f32".into()
+            } else {
+                applied
+                    .iter()
+                    .map(|p| p.name())
+                    .collect::<Vec<_>>()
+                    .join("+")
+            },
+            latency_b1_ms: time_batch(&session, &test, 1, args.steps)?,
+            throughput_b64: 64.0 / (time_batch(&session, &test, 64, args.steps)? / 1e3),
+            size_bytes: infer::graph_to_bytes(session.graph())?.len(),
+            accuracy: predictions.accuracy,
+            logits_vs_f32: LogitDelta::between(&predictions.logits, reference),
+            changes: session
+                .reports()
+                .last()
+                .map(|r| r.changes.clone())
+                .unwrap_or_default(),
+        };
+        if !args.json {
+            eprintln!(
+                "kiln optimize: {} measured ({} changes)",
+                stage.passes,
+                stage.changes.len()
+            );
+        }
+        stages.push(stage);
+        last = Some(session);
+    }
+    let session = last.context("no stage was measured")?;
+
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
+    let graph_path = args.out.join("model.kgraph");
+    infer::save_graph(session.graph(), &graph_path)?;
+    let onnx_note = match onnx::export(session.graph(), &args.out.join("model.onnx")) {
+        Ok(()) => "model.onnx (opset 17)".to_string(),
+        Err(e) => format!("no ONNX file: {e}"),
+    };
+    let table = render(kind, &stages, &onnx_note);
+    std::fs::write(args.out.join("summary.md"), &table)?;
+    std::fs::write(
+        args.out.join("summary.json"),
+        serde_json::to_string_pretty(&stages)?,
+    )?;
+    if args.json {
+        println!("{}", serde_json::to_string(&stages)?);
+    } else {
+        print!("{table}");
+        println!("wrote {} and {}", graph_path.display(), onnx_note);
+    }
+    Ok(())
+}
+
+/// Median ms per forward of `batch` real test images (5 warm-up, 3 × `steps`).
+fn time_batch(
+    session: &InferenceSession,
+    data: &dyn Dataset,
+    batch: usize,
+    steps: usize,
+) -> Result<f64> {
+    let indices: Vec<usize> = (0..batch).map(|i| i % data.len()).collect();
+    let images = collate(data, &indices, &Device::flex()).images;
+    let mut failure = None;
+    let timing = measure(
+        || {
+            if let Err(e) = session.forward(images.clone()).map(|y| y.into_data()) {
+                failure = Some(e);
+            }
+        },
+        5,
+        steps.max(1),
+        3,
+    );
+    match failure {
+        Some(e) => Err(e.into()),
+        None => Ok(timing.median_ms),
+    }
+}
+
+fn render(kind: ModelKind, stages: &[Stage], onnx_note: &str) -> String {
+    let mut s = format!(
+        "# kiln optimize: {} ({})\n\n| passes | latency b1 | throughput b64 | size | accuracy | max |Δlogit| | mean |Δlogit| |\n|---|---:|---:|---:|---:|---:|---:|\n",
+        kind.name(),
+        kind.workload()
+    );
+    for st in stages {
+        s.push_str(&format!(
+            "| {} | {:.3} ms | {:.0} img/s | {} | {:.2}% | {:.4} | {:.4} |\n",
+            st.passes,
+            st.latency_b1_ms,
+            st.throughput_b64,
+            kiln::observe::memory::human_bytes(st.size_bytes as u64),
+            st.accuracy * 100.0,
+            st.logits_vs_f32.max_abs,
+            st.logits_vs_f32.mean_abs,
+        ));
+    }
+    s.push_str(&format!("\nExport: {onnx_note}\n"));
+    for st in stages.iter().filter(|st| !st.changes.is_empty()) {
+        s.push_str(&format!("\n{}:\n", st.passes));
+        for c in &st.changes {
+            s.push_str(&format!("- {c}\n"));
+        }
+    }
+    s
+}
