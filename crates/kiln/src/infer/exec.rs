@@ -10,7 +10,7 @@ use rayon::prelude::*;
 use super::graph::{ConvGeometry, Graph, Op, ValueId, Weight};
 use super::int8::{
     ActivationQuant, Kernel, PackedWeights, QuantizedActivations, dequantize, dequantize_planes,
-    gemm,
+    gemm, pack_conv_weights,
 };
 use crate::error::{KilnError, Result};
 
@@ -147,7 +147,12 @@ impl Executor {
                     geometry,
                     relu,
                 } => Prepared::QConv {
-                    weight: PackedWeights::new(weight, Kernel::detect()),
+                    weight: pack_conv_weights(
+                        weight,
+                        weight.cols / (geometry.kernel[0] * geometry.kernel[1]).max(1),
+                        geometry.kernel,
+                        Kernel::detect(),
+                    ),
                     bias: bias.clone(),
                     geometry: *geometry,
                     relu: *relu,
@@ -417,12 +422,12 @@ fn quantized_matmul(
     let a = QuantizedActivations::new(x, k, quant, weight.kernel());
     dequantize(&gemm(&a, weight), &a, weight, bias, relu)
 }
-/// Int8 convolution: quantize the input once, unfold patches (im2col) in the layout of the
-/// weight rows `[ci, kh, kw]` (padding = the zero point, i.e. exactly 0.0), integer matmul,
-/// dequantize into NCHW.
+/// Int8 convolution as an implicit GEMM: the input is quantized once into a padded NHWC u8
+/// image and the kernel reads each output pixel's taps from it in place (no patch matrix);
+/// the result is dequantized straight into NCHW.
 fn quantized_conv(
     x: &[f32],
-    [b, ci, h, w]: [usize; 4],
+    dims: [usize; 4],
     weight: &PackedWeights,
     bias: Option<&[f32]>,
     g: &ConvGeometry,
@@ -431,69 +436,23 @@ fn quantized_conv(
     if g.groups != 1 {
         return Err("grouped int8 convolution is not supported".into());
     }
+    let [b, _, h, w] = dims;
     let [kh, kw] = g.kernel;
     let [top, left, bottom, right] = g.pads;
-    let span = |k: usize, axis: usize| g.dilation[axis] * (k - 1) + 1;
-    let (hp, wp) = (h + top + bottom, w + left + right);
-    if hp < span(kh, 0) || wp < span(kw, 1) {
+    if h + top + bottom < g.dilation[0] * (kh - 1) + 1
+        || w + left + right < g.dilation[1] * (kw - 1) + 1
+    {
         return Err(format!("input {h}×{w} is smaller than the kernel"));
     }
-    let ho = (hp - span(kh, 0)) / g.stride[0] + 1;
-    let wo = (wp - span(kw, 1)) / g.stride[1] + 1;
     let quant = ActivationQuant::for_values(x);
-    let quantize = quant.quantizer();
-    let q: Vec<u8> = x.par_iter().map(|v| quantize(*v)).collect();
-    let plane = ho * wo;
-    let (sh, sw) = (g.stride[0], g.stride[1]);
-    let (dh, dw) = (g.dilation[0], g.dilation[1]);
-    let k = ci * kh * kw;
-    let a = QuantizedActivations::from_rows(b * plane, k, quant, weight.kernel(), |row, out| {
-        let (n, p) = (row / plane, row % plane);
-        let (oy, ox) = (p / wo, p % wo);
-        let src = &q[n * ci * h * w..(n + 1) * ci * h * w];
-        // Window origin in unpadded coordinates; the window is inside the image on most rows,
-        // and then each (channel, kernel row) is one contiguous run of `kw` bytes.
-        let (y0, x0) = (
-            (oy * sh) as isize - top as isize,
-            (ox * sw) as isize - left as isize,
-        );
-        let inside = y0 >= 0
-            && x0 >= 0
-            && (y0 as usize + dh * (kh - 1)) < h
-            && (x0 as usize + dw * (kw - 1)) < w;
-        if inside && dw == 1 {
-            let (y0, x0) = (y0 as usize, x0 as usize);
-            let mut runs = out.chunks_exact_mut(kw);
-            for c in 0..ci {
-                for ky in 0..kh {
-                    let start = c * h * w + (y0 + ky * dh) * w + x0;
-                    if let Some(run) = runs.next() {
-                        // A few bytes: an element loop beats a memcpy call.
-                        for (o, v) in run.iter_mut().zip(&src[start..start + kw]) {
-                            *o = *v;
-                        }
-                    }
-                }
-            }
-            return;
-        }
-        // Border rows: positions outside the image keep the zero point (= 0.0).
-        let mut idx = 0;
-        for c in 0..ci {
-            for ky in 0..kh {
-                let iy = y0 + (ky * dh) as isize;
-                for kx in 0..kw {
-                    let ix = x0 + (kx * dw) as isize;
-                    if iy >= 0 && ix >= 0 && (iy as usize) < h && (ix as usize) < w {
-                        out[idx] = src[c * h * w + iy as usize * w + ix as usize];
-                    }
-                    idx += 1;
-                }
-            }
-        }
-    });
+    let (a, ho, wo) = QuantizedActivations::for_conv(x, dims, g, quant, weight.kernel());
+    if a.cols != weight.cols {
+        return Err(format!(
+            "input has {} channels per tap group, the weights {}",
+            a.cols, weight.cols
+        ));
+    }
     let acc = gemm(&a, weight);
-    let co = weight.rows;
-    let y = dequantize_planes(&acc, &a, weight, bias, relu, plane);
-    Ok((y, [b, co, ho, wo]))
+    let y = dequantize_planes(&acc, &a, weight, bias, relu, ho * wo);
+    Ok((y, [b, weight.rows, ho, wo]))
 }

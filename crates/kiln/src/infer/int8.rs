@@ -23,7 +23,7 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
-use super::graph::QuantWeight;
+use super::graph::{ConvGeometry, QuantWeight};
 
 /// Largest weight magnitude (symmetric: −127..=127).
 const QMAX: f32 = 127.0;
@@ -231,17 +231,23 @@ impl ActivationQuant {
     }
 }
 
-/// Quantized activations: `rows` rows of `cols` values, each row padded to whole K-groups.
+/// Quantized activations as the left operand of [`gemm`]: `rows` rows of `cols` values.
+///
+/// A row need not be contiguous: row `i`'s K-group `q` starts at element
+/// `bases[i] + k_offsets[q]`. A plain matrix has `bases[i] = i·stride`, `k_offsets[q] = q·g`;
+/// a convolution's rows are output pixels over a padded NHWC image, and its K-groups are the
+/// kernel taps' channel groups — an implicit GEMM, with no patch matrix materialized.
 #[derive(Debug, Clone)]
 pub struct QuantizedActivations {
     /// Rows.
     pub rows: usize,
-    /// Values per row before padding.
+    /// Values per row (K, including any channel padding).
     pub cols: usize,
     /// Quantization parameters.
     pub quant: ActivationQuant,
     kernel: Kernel,
-    stride: usize,
+    bases: Vec<usize>,
+    k_offsets: Vec<usize>,
     bytes: Vec<u8>,
     wide: Vec<i16>,
 }
@@ -273,6 +279,94 @@ impl QuantizedActivations {
             .par_chunks_mut(stride)
             .enumerate()
             .for_each(|(r, row)| fill(r, &mut row[..cols]));
+        let g = kernel.group();
+        Self::assemble(
+            rows,
+            cols,
+            quant,
+            kernel,
+            (0..rows).map(|i| i * stride).collect(),
+            (0..stride / g).map(|q| q * g).collect(),
+            bytes,
+        )
+    }
+
+    /// The implicit-GEMM operand of a convolution over NCHW `x` of `dims`: the input is
+    /// quantized once into a zero-point-padded NHWC image (channels padded to the K-group);
+    /// row `(n, oy, ox)` is an output pixel, K runs over (ky, kx, channel). Returns the operand
+    /// and the output size (ho, wo). Pack the weights with [`pack_conv_weights`].
+    pub fn for_conv(
+        x: &[f32],
+        [b, ci, h, w]: [usize; 4],
+        geometry: &ConvGeometry,
+        quant: ActivationQuant,
+        kernel: Kernel,
+    ) -> (Self, usize, usize) {
+        let g = kernel.group();
+        let cp = ci.div_ceil(g) * g;
+        let [kh, kw] = geometry.kernel;
+        let [top, left, bottom, right] = geometry.pads;
+        let [sh, sw] = geometry.stride;
+        let [dh, dw] = geometry.dilation;
+        let (hp, wp) = (h + top + bottom, w + left + right);
+        let ho = (hp - dh * (kh - 1) - 1) / sh + 1;
+        let wo = (wp - dw * (kw - 1) - 1) / sw + 1;
+        let q = quant.quantizer();
+        let mut bytes = vec![quant.zero_point; b * hp * wp * cp];
+        // One padded image row (all its pixels' channels) per task.
+        bytes
+            .par_chunks_mut(wp * cp)
+            .enumerate()
+            .for_each(|(row, out)| {
+                let (n, yp) = (row / hp, row % hp);
+                if yp < top || yp >= top + h {
+                    return;
+                }
+                let y = yp - top;
+                for c in 0..ci {
+                    let src = &x[((n * ci + c) * h + y) * w..][..w];
+                    for (xx, v) in src.iter().enumerate() {
+                        out[(xx + left) * cp + c] = q(*v);
+                    }
+                }
+            });
+        let plane = ho * wo;
+        let bases = (0..b * plane)
+            .map(|i| {
+                let (n, p) = (i / plane, i % plane);
+                let (oy, ox) = (p / wo, p % wo);
+                ((n * hp + oy * sh) * wp + ox * sw) * cp
+            })
+            .collect();
+        let mut k_offsets = Vec::with_capacity(kh * kw * cp / g);
+        for ky in 0..kh {
+            for kx in 0..kw {
+                for cg in 0..cp / g {
+                    k_offsets.push((ky * dh * wp + kx * dw) * cp + cg * g);
+                }
+            }
+        }
+        let op = Self::assemble(
+            b * plane,
+            kh * kw * cp,
+            quant,
+            kernel,
+            bases,
+            k_offsets,
+            bytes,
+        );
+        (op, ho, wo)
+    }
+
+    fn assemble(
+        rows: usize,
+        cols: usize,
+        quant: ActivationQuant,
+        kernel: Kernel,
+        bases: Vec<usize>,
+        k_offsets: Vec<usize>,
+        mut bytes: Vec<u8>,
+    ) -> Self {
         let wide = if kernel == Kernel::Vnni512 {
             Vec::new()
         } else {
@@ -285,11 +379,43 @@ impl QuantizedActivations {
             cols,
             quant,
             kernel,
-            stride,
+            bases,
+            k_offsets,
             bytes,
             wide,
         }
     }
+}
+
+/// Packs conv weights `[co][ci][kh][kw]` for [`QuantizedActivations::for_conv`]: K reordered
+/// to (ky, kx, channel) with channels padded to the kernel's K-group.
+pub fn pack_conv_weights(
+    w: &QuantWeight,
+    ci: usize,
+    [kh, kw]: [usize; 2],
+    kernel: Kernel,
+) -> PackedWeights {
+    let g = kernel.group();
+    let cp = ci.div_ceil(g) * g;
+    let cols = kh * kw * cp;
+    let mut values = vec![0i8; w.rows * cols];
+    for co in 0..w.rows {
+        for c in 0..ci {
+            for ky in 0..kh {
+                for kx in 0..kw {
+                    values[co * cols + (ky * kw + kx) * cp + c] =
+                        w.values[((co * ci + c) * kh + ky) * kw + kx];
+                }
+            }
+        }
+    }
+    let reordered = QuantWeight {
+        rows: w.rows,
+        cols,
+        values,
+        scales: w.scales.clone(),
+    };
+    PackedWeights::new(&reordered, kernel)
 }
 
 /// Raw accumulators `acc[i·n + j] = Σ_k q_x[i][k] · q_w[j][k]` (before the zero-point
@@ -352,14 +478,15 @@ unsafe fn rectangle(
         _ => {
             let (g, l) = (2, 8);
             for i in rows {
-                let x = &a.wide[i * a.stride..][..a.stride];
+                let base = a.bases[i];
                 for b in blocks.clone() {
                     let mut acc = [0i32; 8];
-                    for q in 0..w.groups {
+                    for (q, off) in a.k_offsets.iter().enumerate() {
+                        let x = &a.wide[base + off..][..g];
                         let wq = &w.wide[(b * w.groups + q) * l * g..][..l * g];
                         for (lane, acc) in acc.iter_mut().enumerate() {
                             for e in 0..g {
-                                *acc += x[q * g + e] as i32 * wq[lane * g + e] as i32;
+                                *acc += x[e] as i32 * wq[lane * g + e] as i32;
                             }
                         }
                     }
@@ -456,22 +583,24 @@ mod vnni {
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     unsafe fn block<const R: usize, const C: usize>(
         a: *const u8,
-        a_stride: usize,
+        bases: &[usize],
+        k_offsets: &[usize],
         w: *const u8,
         groups: usize,
         out: *mut i32,
         n_pad: usize,
     ) {
         let mut acc = [[_mm512_setzero_si512(); C]; R];
-        for q in 0..groups {
+        let rows: [*const u8; R] = std::array::from_fn(|r| a.wrapping_add(bases[r]));
+        for (q, &off) in k_offsets.iter().enumerate() {
             let mut wv = [_mm512_setzero_si512(); C];
             for (c, v) in wv.iter_mut().enumerate() {
                 // SAFETY: block c of this chunk holds `groups` × 64 bytes.
                 *v = unsafe { _mm512_loadu_si512(w.add((c * groups + q) * 64) as *const __m512i) };
             }
             for (r, acc_r) in acc.iter_mut().enumerate() {
-                // SAFETY: row r holds a_stride ≥ 4·groups bytes.
-                let quad = unsafe { (a.add(r * a_stride + q * 4) as *const i32).read_unaligned() };
+                // SAFETY: bases + k_offsets address the operand's own K-groups (4 bytes each).
+                let quad = unsafe { (rows[r].add(off) as *const i32).read_unaligned() };
                 let av = _mm512_set1_epi32(quad);
                 for (acc, v) in acc_r.iter_mut().zip(&wv) {
                     *acc = _mm512_dpbusd_epi32(*acc, av, *v);
@@ -495,23 +624,24 @@ mod vnni {
         out: *mut i32,
         n_pad: usize,
     ) {
-        let (g, s) = (w.groups, a.stride);
+        let g = w.groups;
+        let (ap, ks) = (a.bytes.as_ptr(), &a.k_offsets[..]);
         let mut b = blocks.start;
         while b < blocks.end {
             let two = blocks.end - b >= 2;
             let wp = w.bytes[b * g * 64..].as_ptr();
             let mut i = rows.start;
             while i < rows.end {
-                let ap = a.bytes[i * s..].as_ptr();
+                let bs = &a.bases[i..];
                 // SAFETY: rows i.. and blocks b.. are inside the packed operands and this
                 // task's rectangle of `out`.
                 unsafe {
                     let o = out.add(i * n_pad + b * 16);
                     match (rows.end - i >= 6, two) {
-                        (true, true) => block::<6, 2>(ap, s, wp, g, o, n_pad),
-                        (true, false) => block::<6, 1>(ap, s, wp, g, o, n_pad),
-                        (false, true) => block::<1, 2>(ap, s, wp, g, o, n_pad),
-                        (false, false) => block::<1, 1>(ap, s, wp, g, o, n_pad),
+                        (true, true) => block::<6, 2>(ap, bs, ks, wp, g, o, n_pad),
+                        (true, false) => block::<6, 1>(ap, bs, ks, wp, g, o, n_pad),
+                        (false, true) => block::<1, 2>(ap, bs, ks, wp, g, o, n_pad),
+                        (false, false) => block::<1, 1>(ap, bs, ks, wp, g, o, n_pad),
                     }
                 }
                 i += if rows.end - i >= 6 { 6 } else { 1 };
@@ -533,22 +663,24 @@ mod avx2 {
     #[target_feature(enable = "avx2")]
     unsafe fn block<const R: usize, const C: usize>(
         a: *const i16,
-        a_stride: usize,
+        bases: &[usize],
+        k_offsets: &[usize],
         w: *const i16,
         groups: usize,
         out: *mut i32,
         n_pad: usize,
     ) {
         let mut acc = [[_mm256_setzero_si256(); C]; R];
-        for q in 0..groups {
+        let rows: [*const i16; R] = std::array::from_fn(|r| a.wrapping_add(bases[r]));
+        for (q, &off) in k_offsets.iter().enumerate() {
             let mut wv = [_mm256_setzero_si256(); C];
             for (c, v) in wv.iter_mut().enumerate() {
                 // SAFETY: block c holds `groups` × 16 i16.
                 *v = unsafe { _mm256_loadu_si256(w.add((c * groups + q) * 16) as *const __m256i) };
             }
             for (r, acc_r) in acc.iter_mut().enumerate() {
-                // SAFETY: row r holds a_stride ≥ 2·groups i16.
-                let pair = unsafe { (a.add(r * a_stride + q * 2) as *const i32).read_unaligned() };
+                // SAFETY: bases + k_offsets address the operand's own K-pairs.
+                let pair = unsafe { (rows[r].add(off) as *const i32).read_unaligned() };
                 let av = _mm256_set1_epi32(pair);
                 for (acc, v) in acc_r.iter_mut().zip(&wv) {
                     *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(av, *v));
@@ -572,22 +704,23 @@ mod avx2 {
         out: *mut i32,
         n_pad: usize,
     ) {
-        let (g, s) = (w.groups, a.stride);
+        let g = w.groups;
+        let (ap, ks) = (a.wide.as_ptr(), &a.k_offsets[..]);
         let mut b = blocks.start;
         while b < blocks.end {
             let two = blocks.end - b >= 2;
             let wp = w.wide[b * g * 16..].as_ptr();
             let mut i = rows.start;
             while i < rows.end {
-                let ap = a.wide[i * s..].as_ptr();
+                let bs = &a.bases[i..];
                 // SAFETY: as in the VNNI kernel.
                 unsafe {
                     let o = out.add(i * n_pad + b * 8);
                     match (rows.end - i >= 4, two) {
-                        (true, true) => block::<4, 2>(ap, s, wp, g, o, n_pad),
-                        (true, false) => block::<4, 1>(ap, s, wp, g, o, n_pad),
-                        (false, true) => block::<1, 2>(ap, s, wp, g, o, n_pad),
-                        (false, false) => block::<1, 1>(ap, s, wp, g, o, n_pad),
+                        (true, true) => block::<4, 2>(ap, bs, ks, wp, g, o, n_pad),
+                        (true, false) => block::<4, 1>(ap, bs, ks, wp, g, o, n_pad),
+                        (false, true) => block::<1, 2>(ap, bs, ks, wp, g, o, n_pad),
+                        (false, false) => block::<1, 1>(ap, bs, ks, wp, g, o, n_pad),
                     }
                 }
                 i += if rows.end - i >= 4 { 4 } else { 1 };
@@ -698,5 +831,67 @@ mod tests {
         assert_eq!(round(2.5), 2.0);
         assert_eq!(round(-1.5), -2.0);
         assert_eq!(round(3.49), 3.0);
+    }
+
+    /// The implicit-GEMM convolution computes exactly the integers of a direct convolution
+    /// over the quantized input (zero point in the padding), for every kernel, with odd
+    /// channel counts, asymmetric padding, stride and dilation.
+    #[test]
+    fn implicit_gemm_conv_matches_direct_integer_convolution() {
+        let mut kernels = vec![Kernel::Scalar];
+        if Kernel::detect() != Kernel::Scalar {
+            kernels.push(Kernel::Avx2);
+        }
+        if Kernel::detect() == Kernel::Vnni512 {
+            kernels.push(Kernel::Vnni512);
+        }
+        let mut seed = 11;
+        let (b, ci, h, w, co) = (2, 3, 7, 6, 5);
+        let geometry = ConvGeometry {
+            stride: [2, 1],
+            pads: [1, 0, 2, 1],
+            dilation: [1, 2],
+            groups: 1,
+            kernel: [3, 2],
+        };
+        let x: Vec<f32> = (0..b * ci * h * w).map(|_| lcg(&mut seed)).collect();
+        let wv: Vec<f32> = (0..co * ci * 6).map(|_| lcg(&mut seed)).collect();
+        let qw = quantize_rows(&wv, co, ci * 6);
+        let quant = ActivationQuant::for_values(&x);
+        let qx = |n: usize, c: usize, y: isize, xx: isize| -> i32 {
+            if y < 0 || xx < 0 || y >= h as isize || xx >= w as isize {
+                quant.zero_point as i32
+            } else {
+                quant.quantize(x[((n * ci + c) * h + y as usize) * w + xx as usize]) as i32
+            }
+        };
+        for kernel in kernels {
+            let (a, ho, wo) =
+                QuantizedActivations::for_conv(&x, [b, ci, h, w], &geometry, quant, kernel);
+            assert_eq!((ho, wo), ((7 + 3 - 3) / 2 + 1, (6 + 1 - 3) + 1));
+            let pw = pack_conv_weights(&qw, ci, [3, 2], kernel);
+            let acc = gemm(&a, &pw);
+            for n in 0..b {
+                for oy in 0..ho {
+                    for ox in 0..wo {
+                        for o in 0..co {
+                            let mut want = 0i32;
+                            for c in 0..ci {
+                                for ky in 0..3 {
+                                    for kx in 0..2 {
+                                        let y = (oy * 2 + ky) as isize - 1;
+                                        let xx = (ox + kx * 2) as isize;
+                                        want += qx(n, c, y, xx)
+                                            * qw.values[((o * ci + c) * 3 + ky) * 2 + kx] as i32;
+                                    }
+                                }
+                            }
+                            let row = (n * ho + oy) * wo + ox;
+                            assert_eq!(acc[row * co + o], want, "{kernel:?} n{n} ({oy},{ox}) o{o}");
+                        }
+                    }
+                }
+            }
+        }
     }
 }
