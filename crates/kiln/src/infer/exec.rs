@@ -150,7 +150,7 @@ impl Executor {
                     weight: pack_conv_weights(
                         weight,
                         weight.cols / (geometry.kernel[0] * geometry.kernel[1]).max(1),
-                        geometry.kernel,
+                        geometry,
                         Kernel::detect(),
                     ),
                     bias: bias.clone(),

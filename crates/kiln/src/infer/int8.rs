@@ -25,6 +25,8 @@ use rayon::prelude::*;
 
 use super::graph::{ConvGeometry, QuantWeight};
 
+/// Bytes past a convolution's image that a padded K-group may read (< one group; generous).
+const K_SLACK: usize = 64;
 /// Largest weight magnitude (symmetric: −127..=127).
 const QMAX: f32 = 127.0;
 
@@ -303,7 +305,14 @@ impl QuantizedActivations {
         kernel: Kernel,
     ) -> (Self, usize, usize) {
         let g = kernel.group();
-        let cp = ci.div_ceil(g) * g;
+        let layout = ConvLayout::new(ci, geometry, kernel);
+        // Row runs read kw·ci contiguous bytes, so channels need no padding; per-tap runs
+        // read ci, padded to the group.
+        let cp = if layout.row_runs {
+            ci
+        } else {
+            layout.run_padded
+        };
         let [kh, kw] = geometry.kernel;
         let [top, left, bottom, right] = geometry.pads;
         let [sh, sw] = geometry.stride;
@@ -312,9 +321,11 @@ impl QuantizedActivations {
         let ho = (hp - dh * (kh - 1) - 1) / sh + 1;
         let wo = (wp - dw * (kw - 1) - 1) / sw + 1;
         let q = quant.quantizer();
-        let mut bytes = vec![quant.zero_point; b * hp * wp * cp];
-        // One padded image row (all its pixels' channels) per task.
-        bytes
+        // A run's padding may read up to g − 1 bytes past the image: slack at the end keeps
+        // those reads in bounds (their weights are zero).
+        let image = b * hp * wp * cp;
+        let mut bytes = vec![quant.zero_point; image + K_SLACK];
+        bytes[..image]
             .par_chunks_mut(wp * cp)
             .enumerate()
             .for_each(|(row, out)| {
@@ -338,17 +349,21 @@ impl QuantizedActivations {
                 ((n * hp + oy * sh) * wp + ox * sw) * cp
             })
             .collect();
-        let mut k_offsets = Vec::with_capacity(kh * kw * cp / g);
-        for ky in 0..kh {
-            for kx in 0..kw {
-                for cg in 0..cp / g {
-                    k_offsets.push((ky * dh * wp + kx * dw) * cp + cg * g);
-                }
+        let mut k_offsets = Vec::with_capacity(layout.cols() / g);
+        for r in 0..layout.runs {
+            let start = if layout.row_runs {
+                r * dh * wp * cp
+            } else {
+                let (ky, kx) = (r / kw, r % kw);
+                (ky * dh * wp + kx * dw) * cp
+            };
+            for t in 0..layout.run_padded / g {
+                k_offsets.push(start + t * g);
             }
         }
         let op = Self::assemble(
             b * plane,
-            kh * kw * cp,
+            layout.cols(),
             quant,
             kernel,
             bases,
@@ -387,24 +402,66 @@ impl QuantizedActivations {
     }
 }
 
+/// How a convolution's K is laid out over the NHWC image.
+///
+/// With unit horizontal dilation, one kernel row's `kw` taps of all channels are `kw·ci`
+/// contiguous bytes of the NHWC image, so K is `kh` runs of `kw·ci` values, each padded to the
+/// K-group (`run_padded`): a 1-channel 3×3 conv has K = 3 × 4 = 12, not 9 taps × 4. Otherwise
+/// each tap is its own run of `ci` values padded to the group.
+#[derive(Debug, Clone, Copy)]
+struct ConvLayout {
+    /// Runs per output pixel (kh, or kh·kw per tap).
+    runs: usize,
+    /// Values per run after padding to the K-group.
+    run_padded: usize,
+    /// Whether runs span whole kernel rows.
+    row_runs: bool,
+}
+
+impl ConvLayout {
+    fn new(ci: usize, geometry: &ConvGeometry, kernel: Kernel) -> Self {
+        let g = kernel.group();
+        let [kh, kw] = geometry.kernel;
+        let row_runs = geometry.dilation[1] == 1;
+        let (runs, run) = if row_runs {
+            (kh, kw * ci)
+        } else {
+            (kh * kw, ci)
+        };
+        ConvLayout {
+            runs,
+            run_padded: run.div_ceil(g) * g,
+            row_runs,
+        }
+    }
+
+    fn cols(&self) -> usize {
+        self.runs * self.run_padded
+    }
+}
+
 /// Packs conv weights `[co][ci][kh][kw]` for [`QuantizedActivations::for_conv`]: K reordered
-/// to (ky, kx, channel) with channels padded to the kernel's K-group.
+/// to the NHWC runs of [`ConvLayout`] (zeros in the padding, so over-read bytes contribute 0).
 pub fn pack_conv_weights(
     w: &QuantWeight,
     ci: usize,
-    [kh, kw]: [usize; 2],
+    geometry: &ConvGeometry,
     kernel: Kernel,
 ) -> PackedWeights {
-    let g = kernel.group();
-    let cp = ci.div_ceil(g) * g;
-    let cols = kh * kw * cp;
+    let [kh, kw] = geometry.kernel;
+    let layout = ConvLayout::new(ci, geometry, kernel);
+    let cols = layout.cols();
     let mut values = vec![0i8; w.rows * cols];
     for co in 0..w.rows {
         for c in 0..ci {
             for ky in 0..kh {
                 for kx in 0..kw {
-                    values[co * cols + (ky * kw + kx) * cp + c] =
-                        w.values[((co * ci + c) * kh + ky) * kw + kx];
+                    let k = if layout.row_runs {
+                        ky * layout.run_padded + kx * ci + c
+                    } else {
+                        (ky * kw + kx) * layout.run_padded + c
+                    };
+                    values[co * cols + k] = w.values[((co * ci + c) * kh + ky) * kw + kx];
                 }
             }
         }
@@ -543,9 +600,16 @@ pub fn dequantize_planes(
     y.par_chunks_mut(n * plane)
         .zip(acc.par_chunks(n * plane))
         .for_each(|(out, sample)| {
-            for (p, row) in sample.chunks_exact(n).enumerate() {
-                for (j, v) in row.iter().enumerate() {
-                    out[j * plane + p] = (*v as f32 * scale[j] + offset[j]).max(floor);
+            // Transpose in tiles of 32 positions: the tile's accumulators (32 × n) stay in L1
+            // and each channel's 32 outputs are written contiguously.
+            const TILE: usize = 32;
+            for p0 in (0..plane).step_by(TILE) {
+                let p1 = (p0 + TILE).min(plane);
+                for j in 0..n {
+                    let dst = &mut out[j * plane + p0..j * plane + p1];
+                    for (d, p) in dst.iter_mut().zip(p0..p1) {
+                        *d = (sample[p * n + j] as f32 * scale[j] + offset[j]).max(floor);
+                    }
                 }
             }
         });
@@ -846,48 +910,65 @@ mod tests {
             kernels.push(Kernel::Vnni512);
         }
         let mut seed = 11;
-        let (b, ci, h, w, co) = (2, 3, 7, 6, 5);
-        let geometry = ConvGeometry {
-            stride: [2, 1],
-            pads: [1, 0, 2, 1],
-            dilation: [1, 2],
-            groups: 1,
-            kernel: [3, 2],
-        };
-        let x: Vec<f32> = (0..b * ci * h * w).map(|_| lcg(&mut seed)).collect();
-        let wv: Vec<f32> = (0..co * ci * 6).map(|_| lcg(&mut seed)).collect();
-        let qw = quantize_rows(&wv, co, ci * 6);
-        let quant = ActivationQuant::for_values(&x);
-        let qx = |n: usize, c: usize, y: isize, xx: isize| -> i32 {
-            if y < 0 || xx < 0 || y >= h as isize || xx >= w as isize {
-                quant.zero_point as i32
-            } else {
-                quant.quantize(x[((n * ci + c) * h + y as usize) * w + xx as usize]) as i32
-            }
-        };
-        for kernel in kernels {
-            let (a, ho, wo) =
-                QuantizedActivations::for_conv(&x, [b, ci, h, w], &geometry, quant, kernel);
-            assert_eq!((ho, wo), ((7 + 3 - 3) / 2 + 1, (6 + 1 - 3) + 1));
-            let pw = pack_conv_weights(&qw, ci, [3, 2], kernel);
-            let acc = gemm(&a, &pw);
-            for n in 0..b {
-                for oy in 0..ho {
-                    for ox in 0..wo {
-                        for o in 0..co {
-                            let mut want = 0i32;
-                            for c in 0..ci {
-                                for ky in 0..3 {
-                                    for kx in 0..2 {
-                                        let y = (oy * 2 + ky) as isize - 1;
-                                        let xx = (ox + kx * 2) as isize;
-                                        want += qx(n, c, y, xx)
-                                            * qw.values[((o * ci + c) * 3 + ky) * 2 + kx] as i32;
+        // Per-tap runs (dilation 2 along x) with 3 channels, and kernel-row runs (dilation 1)
+        // with 1 channel (W3's first layer: K = 3 rows × 4) and with 5 channels.
+        let cases = [([1usize, 2usize], 3usize), ([1, 1], 1), ([2, 1], 5)];
+        for (dilation, ci) in cases {
+            let (b, h, w, co) = (2, 7, 6, 5);
+            let geometry = ConvGeometry {
+                stride: [2, 1],
+                pads: [1, 0, 2, 1],
+                dilation,
+                groups: 1,
+                kernel: [3, 2],
+            };
+            let x: Vec<f32> = (0..b * ci * h * w).map(|_| lcg(&mut seed)).collect();
+            let wv: Vec<f32> = (0..co * ci * 6).map(|_| lcg(&mut seed)).collect();
+            let qw = quantize_rows(&wv, co, ci * 6);
+            let quant = ActivationQuant::for_values(&x);
+            let qx = |n: usize, c: usize, y: isize, xx: isize| -> i32 {
+                if y < 0 || xx < 0 || y >= h as isize || xx >= w as isize {
+                    quant.zero_point as i32
+                } else {
+                    quant.quantize(x[((n * ci + c) * h + y as usize) * w + xx as usize]) as i32
+                }
+            };
+            for &kernel in &kernels {
+                let (a, ho, wo) =
+                    QuantizedActivations::for_conv(&x, [b, ci, h, w], &geometry, quant, kernel);
+                let span = |k: usize, d: usize| d * (k - 1) + 1;
+                assert_eq!(
+                    (ho, wo),
+                    (
+                        (10 - span(3, dilation[0])) / 2 + 1,
+                        7 - span(2, dilation[1]) + 1
+                    )
+                );
+                let pw = pack_conv_weights(&qw, ci, &geometry, kernel);
+                let acc = gemm(&a, &pw);
+                for n in 0..b {
+                    for oy in 0..ho {
+                        for ox in 0..wo {
+                            for o in 0..co {
+                                let mut want = 0i32;
+                                for c in 0..ci {
+                                    for ky in 0..3 {
+                                        for kx in 0..2 {
+                                            let y = (oy * 2 + ky * dilation[0]) as isize - 1;
+                                            let xx = (ox + kx * dilation[1]) as isize;
+                                            want += qx(n, c, y, xx)
+                                                * qw.values[((o * ci + c) * 3 + ky) * 2 + kx]
+                                                    as i32;
+                                        }
                                     }
                                 }
+                                let row = (n * ho + oy) * wo + ox;
+                                assert_eq!(
+                                    acc[row * co + o],
+                                    want,
+                                    "{kernel:?} d{dilation:?} ci{ci} n{n} ({oy},{ox}) o{o}"
+                                );
                             }
-                            let row = (n * ho + oy) * wo + ox;
-                            assert_eq!(acc[row * co + o], want, "{kernel:?} n{n} ({oy},{ox}) o{o}");
                         }
                     }
                 }
