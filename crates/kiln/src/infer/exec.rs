@@ -7,7 +7,7 @@ use burn::tensor::ops::ConvOptions;
 use burn::tensor::{Device, Tensor, TensorData};
 use rayon::prelude::*;
 
-use super::graph::{ConvGeometry, Graph, Op, ValueId, Weight};
+use super::graph::{ConvGeometry, Graph, Op, ValueId, Weight, batch_norm_affine};
 use super::int8::{
     ActivationQuant, Kernel, PackedWeights, QuantizedActivations, dequantize, dequantize_planes,
     gemm, pack_conv_weights,
@@ -115,17 +115,7 @@ impl Executor {
                     var,
                     eps,
                 } => {
-                    let scale: Vec<f32> = gamma
-                        .iter()
-                        .zip(var)
-                        .map(|(g, v)| g / (v + *eps as f32).sqrt())
-                        .collect();
-                    let shift = beta
-                        .iter()
-                        .zip(mean)
-                        .zip(&scale)
-                        .map(|((b, m), s)| b - m * s)
-                        .collect();
+                    let (scale, shift) = batch_norm_affine(gamma, beta, mean, var, *eps);
                     Prepared::Affine { scale, shift }
                 }
                 Op::Relu => Prepared::Relu,

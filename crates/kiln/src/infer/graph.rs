@@ -177,6 +177,30 @@ pub enum Op {
     },
 }
 
+/// Inference BatchNorm as a per-channel affine map `y = x·scale + shift`, with
+/// `scale = γ / sqrt(var + ε)` and `shift = β − mean·scale` (used by the executor and by the
+/// folding pass, so both agree to the bit).
+pub fn batch_norm_affine(
+    gamma: &[f32],
+    beta: &[f32],
+    mean: &[f32],
+    var: &[f32],
+    eps: f64,
+) -> (Vec<f32>, Vec<f32>) {
+    let scale: Vec<f32> = gamma
+        .iter()
+        .zip(var)
+        .map(|(g, v)| g / (v + eps as f32).sqrt())
+        .collect();
+    let shift = beta
+        .iter()
+        .zip(mean)
+        .zip(&scale)
+        .map(|((b, m), s)| b - m * s)
+        .collect();
+    (scale, shift)
+}
+
 impl Op {
     /// The op's name in reports and errors (ONNX's where one exists).
     pub fn kind(&self) -> &'static str {

@@ -635,11 +635,33 @@ fn affine(
     (scale, offset)
 }
 
+/// Walks a rectangle in register blocks of `r_full` rows × two channel blocks, with single
+/// rows and single channel blocks at the edges: `f(i, b, full_rows, two_blocks)`.
+#[cfg(target_arch = "x86_64")]
+fn walk_blocks(
+    rows: std::ops::Range<usize>,
+    blocks: std::ops::Range<usize>,
+    r_full: usize,
+    mut f: impl FnMut(usize, usize, bool, bool),
+) {
+    let mut b = blocks.start;
+    while b < blocks.end {
+        let two = blocks.end - b >= 2;
+        let mut i = rows.start;
+        while i < rows.end {
+            let full = rows.end - i >= r_full;
+            f(i, b, full, two);
+            i += if full { r_full } else { 1 };
+        }
+        b += if two { 2 } else { 1 };
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod vnni {
     use std::arch::x86_64::*;
 
-    use super::{PackedWeights, QuantizedActivations};
+    use super::{PackedWeights, QuantizedActivations, walk_blocks};
 
     /// `R` rows × `C` channel blocks of 16: R·C accumulators, C weight registers, one
     /// broadcast; per K-group of 4, R·C `vpdpbusd`.
@@ -690,28 +712,20 @@ mod vnni {
     ) {
         let g = w.groups;
         let (ap, ks) = (a.bytes.as_ptr(), &a.k_offsets[..]);
-        let mut b = blocks.start;
-        while b < blocks.end {
-            let two = blocks.end - b >= 2;
-            let wp = w.bytes[b * g * 64..].as_ptr();
-            let mut i = rows.start;
-            while i < rows.end {
-                let bs = &a.bases[i..];
-                // SAFETY: rows i.. and blocks b.. are inside the packed operands and this
-                // task's rectangle of `out`.
-                unsafe {
-                    let o = out.add(i * n_pad + b * 16);
-                    match (rows.end - i >= 6, two) {
-                        (true, true) => block::<6, 2>(ap, bs, ks, wp, g, o, n_pad),
-                        (true, false) => block::<6, 1>(ap, bs, ks, wp, g, o, n_pad),
-                        (false, true) => block::<1, 2>(ap, bs, ks, wp, g, o, n_pad),
-                        (false, false) => block::<1, 1>(ap, bs, ks, wp, g, o, n_pad),
-                    }
+        walk_blocks(rows, blocks, 6, |i, b, full, two| {
+            let (wp, bs) = (w.bytes[b * g * 64..].as_ptr(), &a.bases[i..]);
+            // SAFETY: rows i.. and blocks b.. are inside the packed operands and this task's
+            // rectangle of `out`; the CPU features were detected before packing for VNNI.
+            unsafe {
+                let o = out.add(i * n_pad + b * 16);
+                match (full, two) {
+                    (true, true) => block::<6, 2>(ap, bs, ks, wp, g, o, n_pad),
+                    (true, false) => block::<6, 1>(ap, bs, ks, wp, g, o, n_pad),
+                    (false, true) => block::<1, 2>(ap, bs, ks, wp, g, o, n_pad),
+                    (false, false) => block::<1, 1>(ap, bs, ks, wp, g, o, n_pad),
                 }
-                i += if rows.end - i >= 6 { 6 } else { 1 };
             }
-            b += if two { 2 } else { 1 };
-        }
+        });
     }
 }
 
@@ -719,7 +733,7 @@ mod vnni {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{PackedWeights, QuantizedActivations};
+    use super::{PackedWeights, QuantizedActivations, walk_blocks};
 
     /// `R` rows × `C` channel blocks of 8 (≤ 4 × 2: 8 accumulators + 2 weights + 1 broadcast
     /// of the 16 ymm registers); per K-pair, R·C `vpmaddwd` + add.
@@ -770,27 +784,19 @@ mod avx2 {
     ) {
         let g = w.groups;
         let (ap, ks) = (a.wide.as_ptr(), &a.k_offsets[..]);
-        let mut b = blocks.start;
-        while b < blocks.end {
-            let two = blocks.end - b >= 2;
-            let wp = w.wide[b * g * 16..].as_ptr();
-            let mut i = rows.start;
-            while i < rows.end {
-                let bs = &a.bases[i..];
-                // SAFETY: as in the VNNI kernel.
-                unsafe {
-                    let o = out.add(i * n_pad + b * 8);
-                    match (rows.end - i >= 4, two) {
-                        (true, true) => block::<4, 2>(ap, bs, ks, wp, g, o, n_pad),
-                        (true, false) => block::<4, 1>(ap, bs, ks, wp, g, o, n_pad),
-                        (false, true) => block::<1, 2>(ap, bs, ks, wp, g, o, n_pad),
-                        (false, false) => block::<1, 1>(ap, bs, ks, wp, g, o, n_pad),
-                    }
+        walk_blocks(rows, blocks, 4, |i, b, full, two| {
+            let (wp, bs) = (w.wide[b * g * 16..].as_ptr(), &a.bases[i..]);
+            // SAFETY: as in the VNNI kernel, for AVX2.
+            unsafe {
+                let o = out.add(i * n_pad + b * 8);
+                match (full, two) {
+                    (true, true) => block::<4, 2>(ap, bs, ks, wp, g, o, n_pad),
+                    (true, false) => block::<4, 1>(ap, bs, ks, wp, g, o, n_pad),
+                    (false, true) => block::<1, 2>(ap, bs, ks, wp, g, o, n_pad),
+                    (false, false) => block::<1, 1>(ap, bs, ks, wp, g, o, n_pad),
                 }
-                i += if rows.end - i >= 4 { 4 } else { 1 };
             }
-            b += if two { 2 } else { 1 };
-        }
+        });
     }
 }
 

@@ -5,7 +5,7 @@
 //! each output channel's weights scaled and a new bias. One node and one pass over the
 //! activations less, and the result is exact up to f32 rounding.
 
-use crate::infer::graph::{Graph, Op, Weight};
+use crate::infer::graph::{Graph, Op, Weight, batch_norm_affine};
 
 /// Folds every BatchNorm whose input is a Conv2d or Linear used only by that BatchNorm.
 pub fn fold_batch_norm(graph: &mut Graph) -> Vec<String> {
@@ -29,17 +29,7 @@ pub fn fold_batch_norm(graph: &mut Graph) -> Vec<String> {
             i += 1;
             continue;
         };
-        let scale: Vec<f32> = gamma
-            .iter()
-            .zip(var)
-            .map(|(g, v)| g / (v + *eps as f32).sqrt())
-            .collect();
-        let shift: Vec<f32> = beta
-            .iter()
-            .zip(mean)
-            .zip(&scale)
-            .map(|((b, m), s)| b - m * s)
-            .collect();
+        let (scale, shift) = batch_norm_affine(gamma, beta, mean, var, *eps);
         let channels = scale.len();
         let folded = match &mut graph.nodes[p].op {
             Op::Conv2d { weight, bias, .. } if weight.shape[0] == channels => {
