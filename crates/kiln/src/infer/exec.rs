@@ -9,8 +9,8 @@ use rayon::prelude::*;
 
 use super::graph::{ConvGeometry, Graph, Op, ValueId, Weight, batch_norm_affine};
 use super::int8::{
-    ActivationQuant, Kernel, PackedWeights, QuantizedActivations, dequantize, dequantize_planes,
-    gemm, pack_conv_weights,
+    ActivationQuant, Kernel, PackedWeights, QuantizedActivations, conv_dequantized,
+    matmul_dequantized, pack_conv_weights,
 };
 use crate::error::{KilnError, Result};
 
@@ -410,7 +410,7 @@ fn quantized_matmul(
 ) -> Vec<f32> {
     let quant = ActivationQuant::for_values(x);
     let a = QuantizedActivations::new(x, k, quant, weight.kernel());
-    dequantize(&gemm(&a, weight), &a, weight, bias, relu)
+    matmul_dequantized(&a, weight, bias, relu)
 }
 /// Int8 convolution as an implicit GEMM: the input is quantized once into a padded NHWC u8
 /// image and the kernel reads each output pixel's taps from it in place (no patch matrix);
@@ -442,7 +442,6 @@ fn quantized_conv(
             a.cols, weight.cols
         ));
     }
-    let acc = gemm(&a, weight);
-    let y = dequantize_planes(&acc, &a, weight, bias, relu, ho * wo);
+    let y = conv_dequantized(&a, weight, bias, relu, ho * wo);
     Ok((y, [b, weight.rows, ho, wo]))
 }

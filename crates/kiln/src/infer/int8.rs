@@ -476,64 +476,159 @@ pub fn pack_conv_weights(
 }
 
 /// Raw accumulators `acc[i·n + j] = Σ_k q_x[i][k] · q_w[j][k]` (before the zero-point
-/// correction), in parallel over rectangles of rows × channel blocks.
+/// correction), row-major.
 pub fn gemm(a: &QuantizedActivations, w: &PackedWeights) -> Vec<i32> {
+    let n = w.rows;
+    let mut out = vec![0i32; a.rows * n];
+    let ptr = SharedOut(out.as_mut_ptr());
+    gemm_with(a, w, |rows, chans, tile, stride| {
+        for (r, i) in rows.enumerate() {
+            for (c, j) in chans.clone().enumerate() {
+                // SAFETY: tasks cover disjoint (row, channel) rectangles of `out`.
+                unsafe { *ptr.get().add(i * n + j) = tile[r * stride + c] };
+            }
+        }
+    });
+    out
+}
+
+/// The integer product in parallel over rectangles of 64 rows × 4 channel blocks; each
+/// rectangle is computed into a small task-local tile (L1/L2-resident) and handed to
+/// `epilogue(rows, channels, tile, tile_stride)` at once — so the caller can dequantize,
+/// apply ReLU and write its final layout without an m × n accumulator buffer.
+pub fn gemm_with(
+    a: &QuantizedActivations,
+    w: &PackedWeights,
+    epilogue: impl Fn(std::ops::Range<usize>, std::ops::Range<usize>, &[i32], usize) + Sync,
+) {
     assert_eq!(a.cols, w.cols, "inner dimensions differ");
     assert_eq!(a.kernel, w.kernel, "operands packed for different kernels");
     let (m, n) = (a.rows, w.rows);
-    let lanes = w.kernel.lanes();
-    let n_pad = w.blocks * lanes;
-    let mut out = vec![0i32; m * n_pad];
     if m == 0 || n == 0 {
-        return Vec::new();
+        return;
     }
-    // Rectangles: 64 rows × 4 channel blocks; enough tasks for the pool either way round.
+    let lanes = w.kernel.lanes();
     let (row_chunk, block_chunk) = (64, 4);
     let tasks: Vec<(usize, usize)> = (0..m.div_ceil(row_chunk))
         .flat_map(|ri| (0..w.blocks.div_ceil(block_chunk)).map(move |bi| (ri, bi)))
         .collect();
-    let ptr = OutPtr(out.as_mut_ptr());
     tasks.par_iter().for_each(|&(ri, bi)| {
         let rows = ri * row_chunk..((ri + 1) * row_chunk).min(m);
         let blocks = bi * block_chunk..((bi + 1) * block_chunk).min(w.blocks);
-        // SAFETY: each task writes only out[i·n_pad + b·lanes ..][..lanes] for its own rows
-        // and blocks: the rectangles are disjoint, and `out` outlives the parallel loop.
-        unsafe { rectangle(a, w, rows, blocks, &ptr, n_pad) };
+        let stride = blocks.len() * lanes;
+        let mut tile = vec![0i32; rows.len() * stride];
+        // SAFETY: the tile holds rows.len() × stride i32s and is this task's own.
+        unsafe {
+            rectangle(
+                a,
+                w,
+                rows.clone(),
+                blocks.clone(),
+                tile.as_mut_ptr(),
+                stride,
+            )
+        };
+        let chans = blocks.start * lanes..(blocks.end * lanes).min(n);
+        epilogue(rows, chans, &tile, stride);
     });
-    if n_pad == n {
-        return out;
-    }
-    out.chunks_exact(n_pad)
-        .flat_map(|row| row[..n].iter().copied())
-        .collect()
 }
 
-/// The output buffer shared by the tasks of [`gemm`], each writing its own rectangle.
-struct OutPtr(*mut i32);
-// SAFETY: tasks write disjoint ranges (see `gemm`).
-unsafe impl Sync for OutPtr {}
+/// Dequantizes `x`'s product with `w` straight into row-major f32 `[m × n]`:
+/// `y = s_x·s_j·(acc − z·Σq_w[j]) + b[j]`, then `max(y, 0)` when `relu`.
+pub fn matmul_dequantized(
+    a: &QuantizedActivations,
+    w: &PackedWeights,
+    bias: Option<&[f32]>,
+    relu: bool,
+) -> Vec<f32> {
+    let n = w.rows;
+    let (scale, offset) = affine(a, w, bias);
+    let floor = if relu { 0.0 } else { f32::NEG_INFINITY };
+    let mut y = vec![0f32; a.rows * n];
+    let ptr = SharedOut(y.as_mut_ptr());
+    gemm_with(a, w, |rows, chans, tile, stride| {
+        for (r, i) in rows.enumerate() {
+            for (c, j) in chans.clone().enumerate() {
+                let v = (tile[r * stride + c] as f32 * scale[j] + offset[j]).max(floor);
+                // SAFETY: tasks cover disjoint (row, channel) rectangles of `y`.
+                unsafe { *ptr.get().add(i * n + j) = v };
+            }
+        }
+    });
+    y
+}
 
-/// Computes one rectangle of the product with the kernel the operands are packed for.
+/// Like [`matmul_dequantized`] for a convolution: rows are `(sample, position)` pairs and the
+/// result is written straight into NCHW `[B, n, plane]`.
+pub fn conv_dequantized(
+    a: &QuantizedActivations,
+    w: &PackedWeights,
+    bias: Option<&[f32]>,
+    relu: bool,
+    plane: usize,
+) -> Vec<f32> {
+    let n = w.rows;
+    let (scale, offset) = affine(a, w, bias);
+    let floor = if relu { 0.0 } else { f32::NEG_INFINITY };
+    let mut y = vec![0f32; a.rows * n];
+    let ptr = SharedOut(y.as_mut_ptr());
+    gemm_with(a, w, |rows, chans, tile, stride| {
+        // Each tile row's NCHW offset without its channel term, computed once per tile;
+        // channel-outer so consecutive rows write consecutive positions of one plane.
+        let bases: Vec<usize> = rows
+            .map(|i| (i / plane) * n * plane + i % plane)
+            .collect();
+        for (c, j) in chans.enumerate() {
+            let (sc, of) = (scale[j], offset[j]);
+            for (r, base) in bases.iter().enumerate() {
+                let v = (tile[r * stride + c] as f32 * sc + of).max(floor);
+                // SAFETY: tasks cover disjoint (row, channel) rectangles, and each maps to
+                // its own NCHW elements.
+                unsafe { *ptr.get().add(base + j * plane) = v };
+            }
+        }
+    });
+    y
+}
+
+/// A raw output pointer shared by the tasks of [`gemm_with`]'s epilogues, each writing its
+/// own disjoint elements.
+#[derive(Clone, Copy)]
+struct SharedOut<T>(*mut T);
+// SAFETY: tasks write disjoint elements (see the callers).
+unsafe impl<T> Sync for SharedOut<T> {}
+unsafe impl<T> Send for SharedOut<T> {}
+
+impl<T> SharedOut<T> {
+    fn get(self) -> *mut T {
+        self.0
+    }
+}
+
+/// Computes one rectangle of the product with the kernel the operands are packed for, into
+/// `out` indexed relative to the rectangle: `(i − rows.start)·n_pad + (b − blocks.start)·lanes`.
 ///
 /// # Safety
-/// `out` must point to `a.rows × n_pad` i32s that no other task writes in this rectangle.
+/// `out` must hold `rows.len() × n_pad` i32s (`n_pad ≥ blocks.len()·lanes`) that nothing else
+/// writes meanwhile.
 unsafe fn rectangle(
     a: &QuantizedActivations,
     w: &PackedWeights,
     rows: std::ops::Range<usize>,
     blocks: std::ops::Range<usize>,
-    out: &OutPtr,
+    out: *mut i32,
     n_pad: usize,
 ) {
     match w.kernel {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: VNNI packing is only produced when `Kernel::detect` found the features.
-        Kernel::Vnni512 => unsafe { vnni::rectangle(a, w, rows, blocks, out.0, n_pad) },
+        Kernel::Vnni512 => unsafe { vnni::rectangle(a, w, rows, blocks, out, n_pad) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above, for AVX2.
-        Kernel::Avx2 => unsafe { avx2::rectangle(a, w, rows, blocks, out.0, n_pad) },
+        Kernel::Avx2 => unsafe { avx2::rectangle(a, w, rows, blocks, out, n_pad) },
         _ => {
             let (g, l) = (2, 8);
+            let (i0, b0) = (rows.start, blocks.start);
             for i in rows {
                 let base = a.bases[i];
                 for b in blocks.clone() {
@@ -549,71 +644,12 @@ unsafe fn rectangle(
                     }
                     for (lane, v) in acc.iter().enumerate() {
                         // SAFETY: inside this task's rectangle (caller's contract).
-                        unsafe { *out.0.add(i * n_pad + b * l + lane) = *v };
+                        unsafe { *out.add((i - i0) * n_pad + (b - b0) * l + lane) = *v };
                     }
                 }
             }
         }
     }
-}
-
-/// Turns raw accumulators `[m × n]` into f32 outputs `[m × n]`:
-/// `y[i][j] = s_x·s_j·(acc − z·Σq_w[j]) + b[j]`, then `max(y, 0)` when `relu` (rows in
-/// parallel).
-pub fn dequantize(
-    acc: &[i32],
-    a: &QuantizedActivations,
-    w: &PackedWeights,
-    bias: Option<&[f32]>,
-    relu: bool,
-) -> Vec<f32> {
-    let floor = if relu { 0.0 } else { f32::NEG_INFINITY };
-    let n = w.rows;
-    let (scale, offset) = affine(a, w, bias);
-    let mut y = vec![0f32; acc.len()];
-    y.par_chunks_mut(n * 64)
-        .zip(acc.par_chunks(n * 64))
-        .for_each(|(out, rows)| {
-            for (o_row, a_row) in out.chunks_exact_mut(n).zip(rows.chunks_exact(n)) {
-                for j in 0..n {
-                    o_row[j] = (a_row[j] as f32 * scale[j] + offset[j]).max(floor);
-                }
-            }
-        });
-    y
-}
-
-/// Like [`dequantize`] for a convolution: accumulator rows are `(sample, position)` pairs,
-/// and the output is written straight into `[B, n, plane]` (NCHW), one sample per task.
-pub fn dequantize_planes(
-    acc: &[i32],
-    a: &QuantizedActivations,
-    w: &PackedWeights,
-    bias: Option<&[f32]>,
-    relu: bool,
-    plane: usize,
-) -> Vec<f32> {
-    let n = w.rows;
-    let (scale, offset) = affine(a, w, bias);
-    let floor = if relu { 0.0 } else { f32::NEG_INFINITY };
-    let mut y = vec![0f32; acc.len()];
-    y.par_chunks_mut(n * plane)
-        .zip(acc.par_chunks(n * plane))
-        .for_each(|(out, sample)| {
-            // Transpose in tiles of 32 positions: the tile's accumulators (32 × n) stay in L1
-            // and each channel's 32 outputs are written contiguously.
-            const TILE: usize = 32;
-            for p0 in (0..plane).step_by(TILE) {
-                let p1 = (p0 + TILE).min(plane);
-                for j in 0..n {
-                    let dst = &mut out[j * plane + p0..j * plane + p1];
-                    for (d, p) in dst.iter_mut().zip(p0..p1) {
-                        *d = (sample[p * n + j] as f32 * scale[j] + offset[j]).max(floor);
-                    }
-                }
-            }
-        });
-    y
 }
 
 /// Per channel, `y = acc · scale + offset` folds the activation scale, the weight scale, the
@@ -711,13 +747,14 @@ mod vnni {
         n_pad: usize,
     ) {
         let g = w.groups;
+        let (i0, b0) = (rows.start, blocks.start);
         let (ap, ks) = (a.bytes.as_ptr(), &a.k_offsets[..]);
         walk_blocks(rows, blocks, 6, |i, b, full, two| {
             let (wp, bs) = (w.bytes[b * g * 64..].as_ptr(), &a.bases[i..]);
             // SAFETY: rows i.. and blocks b.. are inside the packed operands and this task's
             // rectangle of `out`; the CPU features were detected before packing for VNNI.
             unsafe {
-                let o = out.add(i * n_pad + b * 16);
+                let o = out.add((i - i0) * n_pad + (b - b0) * 16);
                 match (full, two) {
                     (true, true) => block::<6, 2>(ap, bs, ks, wp, g, o, n_pad),
                     (true, false) => block::<6, 1>(ap, bs, ks, wp, g, o, n_pad),
@@ -783,12 +820,13 @@ mod avx2 {
         n_pad: usize,
     ) {
         let g = w.groups;
+        let (i0, b0) = (rows.start, blocks.start);
         let (ap, ks) = (a.wide.as_ptr(), &a.k_offsets[..]);
         walk_blocks(rows, blocks, 4, |i, b, full, two| {
             let (wp, bs) = (w.wide[b * g * 16..].as_ptr(), &a.bases[i..]);
             // SAFETY: as in the VNNI kernel, for AVX2.
             unsafe {
-                let o = out.add(i * n_pad + b * 8);
+                let o = out.add((i - i0) * n_pad + (b - b0) * 8);
                 match (full, two) {
                     (true, true) => block::<4, 2>(ap, bs, ks, wp, g, o, n_pad),
                     (true, false) => block::<4, 1>(ap, bs, ks, wp, g, o, n_pad),
@@ -866,7 +904,7 @@ mod tests {
         let kernel = Kernel::detect();
         let a = QuantizedActivations::new(&xv, k, quant, kernel);
         let w = PackedWeights::new(&quantize_rows(&wv, n, k), kernel);
-        let y = dequantize(&gemm(&a, &w), &a, &w, None, false);
+        let y = matmul_dequantized(&a, &w, None, false);
         let mut worst = 0f32;
         let mut norm = 0f32;
         for i in 0..m {
