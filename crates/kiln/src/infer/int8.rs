@@ -575,9 +575,7 @@ pub fn conv_dequantized(
     gemm_with(a, w, |rows, chans, tile, stride| {
         // Each tile row's NCHW offset without its channel term, computed once per tile;
         // channel-outer so consecutive rows write consecutive positions of one plane.
-        let bases: Vec<usize> = rows
-            .map(|i| (i / plane) * n * plane + i % plane)
-            .collect();
+        let bases: Vec<usize> = rows.map(|i| (i / plane) * n * plane + i % plane).collect();
         for (c, j) in chans.enumerate() {
             let (sc, of) = (scale[j], offset[j]);
             for (r, base) in bases.iter().enumerate() {
