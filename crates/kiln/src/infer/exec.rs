@@ -38,10 +38,11 @@ enum Prepared {
         weight: Tensor<2>,
         bias: Option<Tensor<1>>,
     },
-    /// Inference BatchNorm as a per-channel affine map.
+    /// Inference BatchNorm as a per-channel affine map, uploaded once (`[C]`; reshaped to
+    /// broadcast over the input's rank at run time, which is a view).
     Affine {
-        scale: Vec<f32>,
-        shift: Vec<f32>,
+        scale: Tensor<1>,
+        shift: Tensor<1>,
     },
     Relu,
     MaxPool(MaxPool2d),
@@ -116,7 +117,11 @@ impl Executor {
                     eps,
                 } => {
                     let (scale, shift) = batch_norm_affine(gamma, beta, mean, var, *eps);
-                    Prepared::Affine { scale, shift }
+                    let c = scale.len();
+                    Prepared::Affine {
+                        scale: host_tensor(scale, [c], device),
+                        shift: host_tensor(shift, [c], device),
+                    }
                 }
                 Op::Relu => Prepared::Relu,
                 Op::MaxPool2d { kernel, stride } => {
@@ -283,19 +288,15 @@ fn run(
             Value::Flat(linear(flat(x, device)?, weight.clone(), bias.clone()))
         }
         Prepared::Affine { scale, shift } => {
-            let c = scale.len();
+            let [c] = scale.dims();
             match x {
                 Value::Flat(t) => {
-                    let s = host_tensor(scale.clone(), [1, c], device);
-                    let b = host_tensor(shift.clone(), [1, c], device);
-                    Value::Flat(t * s + b)
+                    Value::Flat(t * scale.clone().reshape([1, c]) + shift.clone().reshape([1, c]))
                 }
-                other => {
-                    let t = image(other, device)?;
-                    let s = host_tensor(scale.clone(), [1, c, 1, 1], device);
-                    let b = host_tensor(shift.clone(), [1, c, 1, 1], device);
-                    Value::Image(t * s + b)
-                }
+                other => Value::Image(
+                    image(other, device)? * scale.clone().reshape([1, c, 1, 1])
+                        + shift.clone().reshape([1, c, 1, 1]),
+                ),
             }
         }
         Prepared::Relu => match x {
