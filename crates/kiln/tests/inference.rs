@@ -379,7 +379,6 @@ fn unsupported_layers_and_mismatched_checkpoints_are_clear_errors() {
         .unwrap_err()
         .to_string();
     assert!(msg.contains("do not fit") && msg.contains("stem"), "{msg}");
-    let _ = rgb.len();
 }
 
 /// Optimized graphs round-trip through the checksummed file; corruption is detected.
