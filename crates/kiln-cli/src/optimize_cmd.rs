@@ -128,7 +128,7 @@ fn time_batch(
     steps: usize,
 ) -> Result<f64> {
     let indices: Vec<usize> = (0..batch).map(|i| i % data.len()).collect();
-    let images = collate(data, &indices, &Device::flex()).images;
+    let images = collate(data, &indices, &Device::flex())?.images;
     let mut failure = None;
     let timing = measure(
         || {

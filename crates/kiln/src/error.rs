@@ -92,6 +92,26 @@ pub enum KilnError {
         /// What the user can do.
         fix: String,
     },
+    /// One sample of a dataset could not be produced (the dataset returned an error or its
+    /// code panicked); the loader stops the epoch and reports which sample.
+    #[error("data item {index}: {problem}")]
+    DataItem {
+        /// The sample index in the dataset.
+        index: usize,
+        /// What went wrong.
+        problem: String,
+    },
+    /// The data loader itself failed (a worker thread died, the loader was misconfigured).
+    #[error("data loader: {0}")]
+    Loader(String),
+    /// A disk-cache operation failed in a way that cannot be recovered by recomputing.
+    #[error("disk cache {path}: {problem}")]
+    Cache {
+        /// The cache directory or entry.
+        path: PathBuf,
+        /// What is wrong and how to fix it.
+        problem: String,
+    },
     /// An inference graph or session could not be built or run.
     #[error("inference: {0}")]
     Inference(String),

@@ -46,7 +46,7 @@ fn bundled_split_is_4000_train_and_1000_test_stratified() {
     assert_eq!(per_class, [100; 10]);
     // Normalized pixels: background is (0 - mean)/std, ink is positive.
     let mut buf = vec![0f32; 784];
-    train.fill(0, &mut buf);
+    train.fill(0, &mut buf).unwrap();
     let min = buf.iter().cloned().fold(f32::INFINITY, f32::min);
     let max = buf.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
     assert!((min + 0.4242).abs() < 1e-3, "min {min}");

@@ -199,7 +199,7 @@ fn int8_keeps_accuracy_on_real_data() {
         let (before, after) = q.reports()[0].weight_bytes;
         assert!(after * 3 < before, "{before} → {after} bytes");
         // The reference for "f32" is the zoo model itself.
-        let zoo = reference_logits(&model, &test, 250, &device);
+        let zoo = reference_logits(&model, &test, 250, &device).unwrap();
         assert!(rel(&a.logits, &zoo) < 1e-5);
     }
 }
@@ -269,7 +269,9 @@ fn onnx_runtime_reproduces_kiln_outputs() {
         onnx::export(session.graph(), &path).unwrap();
         // Real MNIST for the MNIST-shaped models, random inputs for the others.
         let input = if shape == [1, 28, 28] {
-            kiln::data::collate(&real, &(0..real.len()).collect::<Vec<_>>(), &device).images
+            kiln::data::collate(&real, &(0..real.len()).collect::<Vec<_>>(), &device)
+                .unwrap()
+                .images
         } else {
             random_images(shape, 6, &device)
         };

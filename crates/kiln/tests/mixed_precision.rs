@@ -120,7 +120,8 @@ fn low_precision_gradients_reach_f32_master_weights() {
         &bundled(Split::Train).unwrap().take(64),
         &(0..64).collect::<Vec<_>>(),
         &device,
-    );
+    )
+    .unwrap();
     for kind in [ModelKind::Cnn, ModelKind::Transformer] {
         let model = kind.init(&device);
         let grads_in = |p: Precision| -> Vec<f32> {
@@ -297,10 +298,10 @@ impl Dataset for Amplified {
     fn item_shape(&self) -> [usize; 3] {
         self.0.item_shape()
     }
-    fn fill(&self, index: usize, out: &mut [f32]) -> usize {
-        let label = self.0.fill(index, out);
+    fn fill(&self, index: usize, out: &mut [f32]) -> kiln::Result<usize> {
+        let label = self.0.fill(index, out)?;
         out.iter_mut().for_each(|v| *v *= 1e6);
-        label
+        Ok(label)
     }
 }
 

@@ -25,12 +25,12 @@ impl Dataset for Poisoned {
     fn item_shape(&self) -> [usize; 3] {
         self.inner.item_shape()
     }
-    fn fill(&self, index: usize, out: &mut [f32]) -> usize {
-        let label = self.inner.fill(index, out);
+    fn fill(&self, index: usize, out: &mut [f32]) -> kiln::Result<usize> {
+        let label = self.inner.fill(index, out)?;
         if self.bad.contains(&index) {
             out.fill(f32::NAN);
         }
-        label
+        Ok(label)
     }
 }
 

@@ -108,7 +108,7 @@ fn clipping_uses_the_global_norm_and_keeps_direction() {
     let model = Mlp::new(&device);
     let data = subset(32);
     let order: Vec<usize> = (0..32).collect();
-    let batch = collate(&data, &order, &device);
+    let batch = collate(&data, &order, &device).unwrap();
     let loss = CrossEntropyLossConfig::new()
         .init(&device)
         .forward(model.forward(batch.images), batch.labels);
@@ -153,7 +153,7 @@ fn clipping_below_threshold_is_identity() {
     let device = Device::flex().autodiff();
     let model = Mlp::new(&device);
     let data = subset(8);
-    let batch = collate(&data, &(0..8).collect::<Vec<_>>(), &device);
+    let batch = collate(&data, &(0..8).collect::<Vec<_>>(), &device).unwrap();
     let loss = CrossEntropyLossConfig::new()
         .init(&device)
         .forward(model.forward(batch.images), batch.labels);

@@ -27,6 +27,13 @@ pub enum Kind {
     Enum(&'static [&'static str]),
     /// Free text (paths).
     Text,
+    /// An integer in `[min, max]` or the string `"auto"` (measured at run time).
+    IntOrAuto {
+        /// Smallest allowed value.
+        min: i64,
+        /// Largest allowed value.
+        max: i64,
+    },
 }
 
 /// A default value in the static table.
@@ -325,6 +332,30 @@ pub static SETTINGS: &[SettingSpec] = &[
         levels: &[],
         doc: "shuffle the training set each epoch (seeded by train.seed and the epoch)",
     },
+    SettingSpec {
+        key: "data.workers",
+        kind: Kind::IntOrAuto { min: 0, max: 256 },
+        default: I(0),
+        levels: &[(Level::Advanced, S("auto")), (Level::Ultra, S("auto"))],
+        doc: "loader worker threads (0 = load on the training thread; auto = measure a few \
+              steps per count and take the fewest that keep data wait under 5% of step time)",
+    },
+    SettingSpec {
+        key: "data.prefetch_factor",
+        kind: Kind::Int { min: 1, max: 64 },
+        default: I(2),
+        levels: &[],
+        doc: "batches each worker may prepare ahead of the trainer (bounds loader memory)",
+    },
+    SettingSpec {
+        key: "data.augment",
+        kind: Kind::Enum(&["none", "crop", "crop-flip", "affine"]),
+        default: S("none"),
+        levels: &[],
+        doc: "per-sample augmentation in the workers, seeded by (seed, epoch, index): none, \
+              crop (random crop with padding), crop-flip (+ horizontal flip), affine (±10°, \
+              ±8% shift, 0.9–1.1 scale)",
+    },
 ];
 
 impl SettingSpec {
@@ -344,6 +375,7 @@ impl SettingSpec {
             Kind::Bool => "true or false".into(),
             Kind::Enum(opts) => format!("one of {}", opts.join(", ")),
             Kind::Text => "a string".into(),
+            Kind::IntOrAuto { min, max } => format!("\"auto\" or an integer in [{min}, {max}]"),
         }
     }
 
@@ -374,6 +406,10 @@ impl SettingSpec {
             (Kind::Enum(opts), toml::Value::String(s)) if opts.contains(&s.as_str()) => {
                 Ok(value.clone())
             }
+            (Kind::IntOrAuto { min, max }, toml::Value::Integer(v)) if (min..=max).contains(v) => {
+                Ok(value.clone())
+            }
+            (Kind::IntOrAuto { .. }, toml::Value::String(s)) if s == "auto" => Ok(value.clone()),
             _ => Err(bad()),
         }
     }
@@ -390,6 +426,8 @@ impl SettingSpec {
             Kind::Float { .. } => toml::Value::Float(raw.trim().parse().map_err(|_| bad())?),
             Kind::Bool => toml::Value::Boolean(raw.trim().parse().map_err(|_| bad())?),
             Kind::Enum(_) | Kind::Text => toml::Value::String(raw.to_string()),
+            Kind::IntOrAuto { .. } if raw.trim() == "auto" => toml::Value::String("auto".into()),
+            Kind::IntOrAuto { .. } => toml::Value::Integer(raw.trim().parse().map_err(|_| bad())?),
         };
         self.validate(&value)
     }

@@ -62,7 +62,7 @@ impl Dataset for ImageDataset {
         self.shape
     }
 
-    fn fill(&self, index: usize, out: &mut [f32]) -> usize {
+    fn fill(&self, index: usize, out: &mut [f32]) -> Result<usize> {
         let item = out.len();
         let src = &self.pixels[index * item..(index + 1) * item];
         let scale = 1.0 / (255.0 * self.std);
@@ -70,6 +70,6 @@ impl Dataset for ImageDataset {
         for (o, &p) in out.iter_mut().zip(src) {
             *o = p as f32 * scale - shift;
         }
-        self.labels[index] as usize
+        Ok(self.labels[index] as usize)
     }
 }

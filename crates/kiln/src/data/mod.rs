@@ -1,21 +1,47 @@
-//! Datasets and batching: the seam the data pipeline (issue #3) builds on.
+//! Datasets, transforms and the loader that feeds the trainer.
 //!
-//! A [`Dataset`] knows how to write one sample into a caller's buffer; [`epoch_order`] gives
-//! the seeded sample order of an epoch; [`collate`] turns a list of indices into device
-//! tensors. Order depends only on (seed, epoch), never on timing, so runs are reproducible
-//! and a resumed run sees exactly the batches an uninterrupted one would.
+//! A [`Dataset`] writes one sample into a caller's buffer; [`epoch_order`] gives the seeded
+//! sample order of an epoch; [`collate`] turns a list of indices into device tensors. The
+//! [`DataLoader`] runs that work on persistent worker threads ahead of the consumer, bounded
+//! by `prefetch_factor × workers` batches, and hands batches out in exactly the order a single
+//! thread would produce them. Order and augmentation depend only on (seed, epoch, index),
+//! never on timing or the worker count, so runs are reproducible and a resumed run sees exactly
+//! the batches an uninterrupted one would.
+//!
+//! Beyond in-memory data: [`NpyDataset`] and [`SafetensorsDataset`] read memory-mapped files
+//! without loading them, and [`CachedDataset`] keeps preprocessed samples in a size-bounded,
+//! checksummed disk cache ([`DiskCache`]).
 
+mod cache;
 mod image;
+mod loader;
+mod mmap;
 mod synthetic;
+mod transform;
+mod workers;
 
-pub use image::ImageDataset;
+pub use cache::{CacheStats, CachedDataset, DiskCache};
+pub use image::{ImageDataset, MNIST_MEAN_STD};
+pub use loader::{DataLoader, EpochBatches, LoaderOptions, LoaderStats};
+pub use mmap::{
+    DEFAULT_RELEASE_EVERY, ElementType, MappedImages, MmapArray, NpyDataset, PixelScaling,
+    SafetensorsDataset, write_npy,
+};
 pub use synthetic::SyntheticDataset;
+pub use transform::{
+    Augment, Compose, Normalize, RandomAffine, RandomCrop, RandomHorizontalFlip, SampleRng,
+    Transform,
+};
+pub use workers::{TARGET_WAIT_SHARE, WorkerChoice, WorkerTrial, choose_workers};
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
 
-/// A finite, indexable set of labelled samples.
+use crate::error::{KilnError, Result};
+
+/// A finite, indexable set of labelled samples. Implementations are shared by the loader's
+/// worker threads, hence `Send + Sync`; `fill` takes `&self` and may be called concurrently.
 pub trait Dataset: Send + Sync {
     /// Number of samples.
     fn len(&self) -> usize;
@@ -29,8 +55,9 @@ pub trait Dataset: Send + Sync {
     fn item_shape(&self) -> [usize; 3];
 
     /// Writes sample `index` (already normalized) into `out` (length = product of
-    /// [`Dataset::item_shape`]) and returns its class label.
-    fn fill(&self, index: usize, out: &mut [f32]) -> usize;
+    /// [`Dataset::item_shape`]) and returns its class label. An item that cannot be produced
+    /// (unreadable file, corrupt record) is an error naming the index, not a panic.
+    fn fill(&self, index: usize, out: &mut [f32]) -> Result<usize>;
 }
 
 /// A batch on a device.
@@ -45,20 +72,41 @@ pub struct Batch {
 }
 
 /// Gathers the samples at `indices` into one batch on `device`.
-pub fn collate(dataset: &dyn Dataset, indices: &[usize], device: &Device) -> Batch {
+pub fn collate(dataset: &dyn Dataset, indices: &[usize], device: &Device) -> Result<Batch> {
+    collate_with(dataset, indices, device, |i, slot| dataset.fill(i, slot))
+}
+
+/// Gathers the samples at `indices`, producing each with `sample(index, slot)` (the loader's
+/// hook: fill, augment, catch panics), and uploads the batch.
+pub(crate) fn collate_with(
+    dataset: &dyn Dataset,
+    indices: &[usize],
+    device: &Device,
+    mut sample: impl FnMut(usize, &mut [f32]) -> Result<usize>,
+) -> Result<Batch> {
     let [c, h, w] = dataset.item_shape();
     let item = c * h * w;
     let mut pixels = vec![0f32; indices.len() * item];
     let mut labels = Vec::with_capacity(indices.len());
     for (slot, &i) in pixels.chunks_exact_mut(item).zip(indices) {
-        labels.push(dataset.fill(i, slot) as i64);
+        if i >= dataset.len() {
+            return Err(KilnError::DataItem {
+                index: i,
+                problem: format!("index out of range (dataset has {} samples)", dataset.len()),
+            });
+        }
+        let label = sample(i, slot)?;
+        labels.push(label as i64);
     }
     let n = indices.len();
-    Batch {
+    // `from_data` takes the vector: on the CPU backend the batch is not copied again, on CUDA
+    // this is the host→device upload, done on the thread that collated (a loader worker), so
+    // it overlaps the consumer's compute.
+    Ok(Batch {
         images: Tensor::from_data(TensorData::new(pixels, [n, c, h, w]), device),
         labels: Tensor::from_data(TensorData::new(labels, [n]), device),
         len: n,
-    }
+    })
 }
 
 /// The sample order of one epoch: a permutation seeded by `(seed, epoch)`, or `0..n`.

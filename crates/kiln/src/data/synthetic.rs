@@ -27,7 +27,7 @@ impl SyntheticDataset {
 }
 
 /// SplitMix64: a tiny, high-quality mixer; enough for benchmark inputs.
-fn mix(mut z: u64) -> u64 {
+pub(crate) fn mix(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
@@ -43,13 +43,13 @@ impl Dataset for SyntheticDataset {
         self.shape
     }
 
-    fn fill(&self, index: usize, out: &mut [f32]) -> usize {
+    fn fill(&self, index: usize, out: &mut [f32]) -> crate::error::Result<usize> {
         let base = mix(self.seed ^ (index as u64).wrapping_mul(0xD1B5_4A32_D192_ED03));
         for (i, o) in out.iter_mut().enumerate() {
             // Uniform in [-sqrt(3), sqrt(3)): zero mean, unit variance.
             let u = (mix(base.wrapping_add(i as u64)) >> 40) as f32 / (1u64 << 24) as f32;
             *o = (u * 2.0 - 1.0) * 1.732_050_8;
         }
-        (mix(base) % self.classes as u64) as usize
+        Ok((mix(base) % self.classes as u64) as usize)
     }
 }

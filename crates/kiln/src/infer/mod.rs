@@ -86,7 +86,7 @@ impl InferenceSession {
         let mut logits = Vec::new();
         let mut correct = 0usize;
         for chunk in order.chunks(batch.max(1)) {
-            let b = collate(data, chunk, self.executor.device());
+            let b = collate(data, chunk, self.executor.device())?;
             let out = self.forward(b.images)?;
             let values = out
                 .into_data()
@@ -197,18 +197,18 @@ pub fn reference_logits(
     data: &dyn Dataset,
     batch: usize,
     device: &Device,
-) -> Vec<f32> {
+) -> Result<Vec<f32>> {
     let order: Vec<usize> = (0..data.len()).collect();
     let mut out = Vec::new();
     for chunk in order.chunks(batch.max(1)) {
-        let b = collate(data, chunk, device);
+        let b = collate(data, chunk, device)?;
         let logits = model.forward(b.images);
         out.extend(
             logits
                 .into_data()
                 .try_into_vec_as::<f32>()
-                .unwrap_or_default(),
+                .map_err(|e| KilnError::Inference(format!("reading logits: {e:?}")))?,
         );
     }
-    out
+    Ok(out)
 }

@@ -10,6 +10,7 @@ pub use hardware::{Backend, Hardware};
 
 use crate::config::schema::{self, SETTINGS};
 use crate::config::{KilnConfig, Level, Origin};
+use crate::data::Augment;
 use crate::error::{KilnError, Result};
 use crate::guard::{GuardOptions, GuardPolicy};
 use crate::precision::{Precision, ScalerOptions, ScalingMode};
@@ -248,6 +249,9 @@ fn build(config: &KilnConfig, settings: Vec<ResolvedSetting>, hw: &Hardware) -> 
         checkpoint_dir: dir("train.checkpoint_dir"),
         checkpoint_every_steps: Some(int("train.checkpoint_every_steps") as u64).filter(|s| *s > 0),
         shuffle: flag("data.shuffle"),
+        workers: get("data.workers").as_integer().map(|w| w as usize),
+        prefetch_factor: int("data.prefetch_factor") as usize,
+        augment: Augment::from_name(&text("data.augment"))?,
         precision: Precision::from_name(&text("precision.policy")).unwrap_or_default(),
         scaler: ScalerOptions {
             mode: ScalingMode::from_name(&text("precision.loss_scaling")),

@@ -4,6 +4,7 @@ use burn::nn::loss::CrossEntropyLossConfig;
 use burn::tensor::Device;
 
 use crate::data::{Dataset, collate};
+use crate::error::Result;
 use crate::zoo::Classifier;
 
 /// Accuracy and loss on a dataset.
@@ -23,12 +24,12 @@ pub fn evaluate<M: Classifier>(
     data: &dyn Dataset,
     batch_size: usize,
     device: &Device,
-) -> Evaluation {
+) -> Result<Evaluation> {
     let loss_fn = CrossEntropyLossConfig::new().init(device);
     let order: Vec<usize> = (0..data.len()).collect();
     let (mut correct, mut loss_sum) = (0i64, 0f64);
     for chunk in order.chunks(batch_size.max(1)) {
-        let batch = collate(data, chunk, device);
+        let batch = collate(data, chunk, device)?;
         let logits = model.forward(batch.images);
         let loss: f32 = loss_fn
             .forward(logits.clone(), batch.labels.clone())
@@ -39,9 +40,9 @@ pub fn evaluate<M: Classifier>(
         correct += hits;
     }
     let n = data.len().max(1);
-    Evaluation {
+    Ok(Evaluation {
         accuracy: correct as f64 / n as f64,
         loss: (loss_sum / n as f64) as f32,
         samples: data.len(),
-    }
+    })
 }

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use burn::module::Module;
-use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::loss::{CrossEntropyLoss, CrossEntropyLossConfig};
 use burn::optim::{GradientsAccumulator, GradientsParams, ModuleOptimizer};
 use burn::store::ModuleRecord;
 use burn::tensor::{Bytes, Device};
@@ -13,7 +13,7 @@ use super::{
     Checkpoint, CheckpointState, Evaluation, TrainOptions, build_optimizer, clip_global_norm,
     evaluate, learning_rate, scale_grads,
 };
-use crate::data::{Dataset, collate, epoch_order};
+use crate::data::{Batch, DataLoader, Dataset, LoaderOptions, Transform, choose_workers};
 use crate::error::{KilnError, Result};
 use crate::guard::{
     Guard, GuardAction, GuardEvent, GuardPolicy, Trouble, nonfinite_grad_names,
@@ -128,6 +128,22 @@ impl<'s> Trainer<'s> {
             snapshot = Some(take_snapshot(&model, &optim, pos.global_step)?);
         }
 
+        let loss_fn = CrossEntropyLossConfig::new().init(&device);
+        let augment = opts.augment.build(train.item_shape());
+        let transform = augment.as_ref().map(|t| t as &dyn Transform);
+        let workers = match opts.workers {
+            Some(w) => w,
+            None => self.choose_workers(&model, &loss_fn, train, transform, &device)?,
+        };
+        let loader_options = LoaderOptions {
+            batch_size: opts.batch_size,
+            workers,
+            prefetch_factor: opts.prefetch_factor,
+            shuffle: opts.shuffle,
+            drop_last: false,
+            seed: opts.seed,
+        };
+
         self.sink.emit(&Event::RunStarted {
             model: model_name.to_string(),
             train_samples: n,
@@ -136,7 +152,6 @@ impl<'s> Trainer<'s> {
             plan: self.plan.clone(),
         });
 
-        let loss_fn = CrossEntropyLossConfig::new().init(&device);
         let run_start = Instant::now();
         let (mut step_time, mut data_time, mut samples_done) = (0f64, 0f64, 0u64);
         let mut epochs_done = Vec::new();
@@ -144,235 +159,275 @@ impl<'s> Trainer<'s> {
         let mut last_eval = None;
         let mut last_train_loss = 0f32;
 
-        'epochs: for epoch in pos.epoch..opts.epochs {
-            let epoch_start = Instant::now();
-            let order = epoch_order(n, opts.seed, epoch, opts.shuffle);
-            // `pos` is always at the start of this epoch or, after a resume, inside it: each
-            // epoch's end resets it to the next epoch's first step.
-            for s in pos.step_in_epoch..steps_per_epoch {
-                if pos.global_step >= total_steps {
-                    // Stopped early by max_steps: leave a checkpoint to continue from.
-                    last_train_loss = pos.epoch_mean_loss();
-                    last_checkpoint = self.checkpoint(&model, &optim, model_name, &pos, &scaler)?;
-                    break 'epochs;
-                }
-                let micro = s * opts.grad_accum_steps
-                    ..((s + 1) * opts.grad_accum_steps).min(micro_per_epoch);
-                let slices: Vec<&[usize]> = micro
-                    .map(|m| &order[m * opts.batch_size..((m + 1) * opts.batch_size).min(n)])
-                    .collect();
-                let group: usize = slices.iter().map(|s| s.len()).sum();
+        // The loader's workers persist across epochs; its body is the whole epoch loop. The
+        // model and optimizer are moved through it (the step replaces them by value).
+        let mut carried = Some((model, optim));
+        let mut loader_stats = None;
+        DataLoader::run(
+            train,
+            transform,
+            &device,
+            loader_options,
+            |loader| -> Result<()> {
+                let (mut model, mut optim) = carried.take().ok_or_else(|| {
+                    KilnError::Loader("internal: the training state was already taken".into())
+                })?;
+                'epochs: for epoch in pos.epoch..opts.epochs {
+                    let epoch_start = Instant::now();
+                    // `pos` is always at the start of this epoch or, after a resume, inside it: each
+                    // epoch's end resets it to the next epoch's first step.
+                    let mut batches =
+                        loader.epoch(epoch, pos.step_in_epoch * opts.grad_accum_steps);
+                    for s in pos.step_in_epoch..steps_per_epoch {
+                        if pos.global_step >= total_steps {
+                            // Stopped early by max_steps: leave a checkpoint to continue from.
+                            last_train_loss = pos.epoch_mean_loss();
+                            last_checkpoint =
+                                self.checkpoint(&model, &optim, model_name, &pos, &scaler)?;
+                            break 'epochs;
+                        }
+                        let micro = s * opts.grad_accum_steps
+                            ..((s + 1) * opts.grad_accum_steps).min(micro_per_epoch);
+                        let sizes: Vec<usize> = micro
+                            .map(|m| ((m + 1) * opts.batch_size).min(n) - m * opts.batch_size)
+                            .collect();
+                        let group: usize = sizes.iter().sum();
 
-                let t0 = Instant::now();
-                let mut data_ms = 0f64;
-                let mut accum = GradientsAccumulator::<M>::new();
-                let mut loss_total: Option<burn::tensor::Tensor<1>> = None;
-                for indices in &slices {
-                    let td = Instant::now();
-                    let batch = collate(train, indices, &device);
-                    data_ms += td.elapsed().as_secs_f64() * 1e3;
-                    let logits = {
-                        let _amp = autocast(opts.precision);
-                        model.forward(batch.images)
-                    };
-                    // Logits come out of the autocast ops in f32: log-softmax and the loss
-                    // run in f32.
-                    let loss = loss_fn.forward(logits, batch.labels);
-                    // Kept on the device and read once per step: a read per micro-batch would
-                    // stall an asynchronous backend (CUDA) between micro-batches.
-                    let weighted = loss.clone().detach().mul_scalar(indices.len() as f64);
-                    loss_total = Some(match loss_total.take() {
-                        Some(t) => t + weighted,
-                        None => weighted,
-                    });
-                    // Weight each micro-batch's mean loss by its share of the group so that
-                    // N micro-batches give exactly the gradient of one batch of N·b samples.
-                    let weight = indices.len() as f64 / group as f64;
-                    let loss = if slices.len() == 1 {
-                        loss
-                    } else {
-                        loss.mul_scalar(weight)
-                    };
-                    let loss = if scaler.enabled() {
-                        loss.mul_scalar(scaler.scale())
-                    } else {
-                        loss
-                    };
-                    let grads = GradientsParams::from_grads(loss.backward(), &model);
-                    accum.accumulate(&model, grads);
-                }
-                let loss_sum = loss_total.map_or(f64::NAN, |t| t.into_scalar::<f32>() as f64);
-                let mean_loss = (loss_sum / group as f64) as f32;
-                let mut grads = accum.grads();
-                if scaler.enabled() {
-                    // Unscale once, before the guard's check and before clipping.
-                    grads = scale_grads(&model, grads, scaler.inverse_scale());
-                }
-                let step_no = pos.global_step + 1;
-                let loss_scale = scaler.scale();
-                // The guard's fused check: one scalar read for all gradients.
-                let trouble = if !mean_loss.is_finite() {
-                    Some(Trouble::Loss)
-                } else if probe_grads(&model, &grads).is_some_and(|p| !finite(p)) {
-                    Some(Trouble::Gradients)
-                } else {
-                    None
-                };
-                // An overflow in the gradients alone is the scaler's business (skip, halve the
-                // scale) while the scale is still >= 1; below that, scaling no longer explains
-                // it and the guard's policy applies.
-                let scaler_owns = trouble == Some(Trouble::Gradients)
-                    && scaler.enabled()
-                    && scaler.scale() >= 1.0;
-                scaler.update(trouble.is_some());
-                // The schedule spans the planned epochs, not max_steps: a run stopped early and resumed
-                // must see the same learning rates as one that never stopped.
-                let lr = learning_rate(&opts, pos.global_step, planned);
-                let mut grad_norm = None;
-                if let Some(trouble) = trouble {
-                    let tensors = match trouble {
-                        Trouble::Gradients => nonfinite_grad_names(&model, &grads),
-                        _ => Vec::new(),
-                    };
-                    let action = if scaler_owns {
-                        GuardAction::ScaleBackoff
-                    } else {
-                        guard.decide(trouble, snapshot.is_some())
-                    };
-                    self.guard_event(
-                        &mut guard,
-                        GuardEvent {
-                            step: step_no,
-                            trouble,
-                            tensors,
+                        let t0 = Instant::now();
+                        let mut data_ms = 0f64;
+                        let mut accum = GradientsAccumulator::<M>::new();
+                        let mut loss_total: Option<burn::tensor::Tensor<1>> = None;
+                        for &size in &sizes {
+                            let td = Instant::now();
+                            let batch = batches.next().ok_or_else(|| {
+                                KilnError::Loader("the epoch ended before its last step".into())
+                            })??;
+                            data_ms += td.elapsed().as_secs_f64() * 1e3;
+                            debug_assert_eq!(batch.len, size);
+                            let logits = {
+                                let _amp = autocast(opts.precision);
+                                model.forward(batch.images)
+                            };
+                            // Logits come out of the autocast ops in f32: log-softmax and the loss
+                            // run in f32.
+                            let loss = loss_fn.forward(logits, batch.labels);
+                            // Kept on the device and read once per step: a read per micro-batch would
+                            // stall an asynchronous backend (CUDA) between micro-batches.
+                            let weighted = loss.clone().detach().mul_scalar(size as f64);
+                            loss_total = Some(match loss_total.take() {
+                                Some(t) => t + weighted,
+                                None => weighted,
+                            });
+                            // Weight each micro-batch's mean loss by its share of the group so that
+                            // N micro-batches give exactly the gradient of one batch of N·b samples.
+                            let weight = size as f64 / group as f64;
+                            let loss = if sizes.len() == 1 {
+                                loss
+                            } else {
+                                loss.mul_scalar(weight)
+                            };
+                            let loss = if scaler.enabled() {
+                                loss.mul_scalar(scaler.scale())
+                            } else {
+                                loss
+                            };
+                            let grads = GradientsParams::from_grads(loss.backward(), &model);
+                            accum.accumulate(&model, grads);
+                        }
+                        let loss_sum =
+                            loss_total.map_or(f64::NAN, |t| t.into_scalar::<f32>() as f64);
+                        let mean_loss = (loss_sum / group as f64) as f32;
+                        let mut grads = accum.grads();
+                        if scaler.enabled() {
+                            // Unscale once, before the guard's check and before clipping.
+                            grads = scale_grads(&model, grads, scaler.inverse_scale());
+                        }
+                        let step_no = pos.global_step + 1;
+                        let loss_scale = scaler.scale();
+                        // The guard's fused check: one scalar read for all gradients.
+                        let trouble = if !mean_loss.is_finite() {
+                            Some(Trouble::Loss)
+                        } else if probe_grads(&model, &grads).is_some_and(|p| !finite(p)) {
+                            Some(Trouble::Gradients)
+                        } else {
+                            None
+                        };
+                        // An overflow in the gradients alone is the scaler's business (skip, halve the
+                        // scale) while the scale is still >= 1; below that, scaling no longer explains
+                        // it and the guard's policy applies.
+                        let scaler_owns = trouble == Some(Trouble::Gradients)
+                            && scaler.enabled()
+                            && scaler.scale() >= 1.0;
+                        scaler.update(trouble.is_some());
+                        // The schedule spans the planned epochs, not max_steps: a run stopped early and resumed
+                        // must see the same learning rates as one that never stopped.
+                        let lr = learning_rate(&opts, pos.global_step, planned);
+                        let mut grad_norm = None;
+                        if let Some(trouble) = trouble {
+                            let tensors = match trouble {
+                                Trouble::Gradients => nonfinite_grad_names(&model, &grads),
+                                _ => Vec::new(),
+                            };
+                            let action = if scaler_owns {
+                                GuardAction::ScaleBackoff
+                            } else {
+                                guard.decide(trouble, snapshot.is_some())
+                            };
+                            self.guard_event(
+                                &mut guard,
+                                GuardEvent {
+                                    step: step_no,
+                                    trouble,
+                                    tensors,
+                                    loss: mean_loss,
+                                    loss_scale,
+                                    action,
+                                    restored_step: None,
+                                },
+                            );
+                            if action == GuardAction::Aborted {
+                                return Err(diverged(&guard, step_no, mean_loss));
+                            }
+                        } else {
+                            if let Some(max_norm) = opts.grad_clip_norm {
+                                let (clipped, norm) = clip_global_norm(&model, grads, max_norm);
+                                grads = clipped;
+                                grad_norm = Some(norm);
+                            }
+                            model = optim.step(lr, model, grads);
+                            let params_bad = opts.guard.check_params
+                                && probe_params(&model).is_some_and(|p| !finite(p));
+                            if params_bad {
+                                let tensors = nonfinite_param_names(&model);
+                                let action = guard.decide(Trouble::Parameters, snapshot.is_some());
+                                let mut restored_step = None;
+                                if let (GuardAction::RolledBack, Some(snap)) = (action, &snapshot) {
+                                    model = snap.model.clone();
+                                    optim = build_optimizer(&opts)
+                                        .from_bytes(Bytes::from_bytes_vec(snap.optimizer.clone()))
+                                        .map_err(|e| KilnError::Record {
+                                            what: "optimizer snapshot",
+                                            message: e.to_string(),
+                                        })?;
+                                    restored_step = Some(snap.step);
+                                }
+                                self.guard_event(
+                                    &mut guard,
+                                    GuardEvent {
+                                        step: step_no,
+                                        trouble: Trouble::Parameters,
+                                        tensors,
+                                        loss: mean_loss,
+                                        loss_scale,
+                                        action,
+                                        restored_step,
+                                    },
+                                );
+                                if action == GuardAction::Aborted {
+                                    return Err(diverged(&guard, step_no, mean_loss));
+                                }
+                            } else {
+                                guard.clean_step();
+                                let due = snapshot
+                                    .as_ref()
+                                    .is_none_or(|s| step_no - s.step >= opts.guard.snapshot_every);
+                                if opts.guard.policy == GuardPolicy::Rollback && due {
+                                    snapshot = Some(take_snapshot(&model, &optim, step_no)?);
+                                }
+                            }
+                        }
+                        pos.global_step += 1;
+                        pos.step_in_epoch = s + 1;
+                        if mean_loss.is_finite() {
+                            // A non-finite loss would poison the epoch mean (and the checkpoint's
+                            // JSON): the mean is over finite ones.
+                            pos.epoch_loss_sum += loss_sum;
+                            pos.epoch_samples += group as u64;
+                        }
+
+                        let step_ms = t0.elapsed().as_secs_f64() * 1e3;
+                        step_time += step_ms / 1e3;
+                        data_time += data_ms / 1e3;
+                        samples_done += group as u64;
+                        self.sink.emit(&Event::Step(StepEvent {
+                            step: pos.global_step,
+                            epoch,
                             loss: mean_loss,
-                            loss_scale,
-                            action,
-                            restored_step: None,
-                        },
-                    );
-                    if action == GuardAction::Aborted {
-                        return Err(diverged(&guard, step_no, mean_loss));
-                    }
-                } else {
-                    if let Some(max_norm) = opts.grad_clip_norm {
-                        let (clipped, norm) = clip_global_norm(&model, grads, max_norm);
-                        grads = clipped;
-                        grad_norm = Some(norm);
-                    }
-                    model = optim.step(lr, model, grads);
-                    let params_bad =
-                        opts.guard.check_params && probe_params(&model).is_some_and(|p| !finite(p));
-                    if params_bad {
-                        let tensors = nonfinite_param_names(&model);
-                        let action = guard.decide(Trouble::Parameters, snapshot.is_some());
-                        let mut restored_step = None;
-                        if let (GuardAction::RolledBack, Some(snap)) = (action, &snapshot) {
-                            model = snap.model.clone();
-                            optim = build_optimizer(&opts)
-                                .from_bytes(Bytes::from_bytes_vec(snap.optimizer.clone()))
-                                .map_err(|e| KilnError::Record {
-                                    what: "optimizer snapshot",
-                                    message: e.to_string(),
-                                })?;
-                            restored_step = Some(snap.step);
-                        }
-                        self.guard_event(
-                            &mut guard,
-                            GuardEvent {
-                                step: step_no,
-                                trouble: Trouble::Parameters,
-                                tensors,
-                                loss: mean_loss,
-                                loss_scale,
-                                action,
-                                restored_step,
-                            },
-                        );
-                        if action == GuardAction::Aborted {
-                            return Err(diverged(&guard, step_no, mean_loss));
-                        }
-                    } else {
-                        guard.clean_step();
-                        let due = snapshot
-                            .as_ref()
-                            .is_none_or(|s| step_no - s.step >= opts.guard.snapshot_every);
-                        if opts.guard.policy == GuardPolicy::Rollback && due {
-                            snapshot = Some(take_snapshot(&model, &optim, step_no)?);
+                            lr,
+                            grad_norm,
+                            samples: group,
+                            step_ms,
+                            data_ms,
+                            compute_ms: step_ms - data_ms,
+                            samples_per_s: group as f64 / (step_ms / 1e3).max(1e-9),
+                            peak_rss_bytes: memory::peak_rss_bytes(),
+                            skipped: trouble.is_some(),
+                        }));
+                        if opts
+                            .checkpoint_every_steps
+                            .is_some_and(|k| pos.global_step % k == 0)
+                        {
+                            last_checkpoint =
+                                self.checkpoint(&model, &optim, model_name, &pos, &scaler)?;
                         }
                     }
-                }
-                pos.global_step += 1;
-                pos.step_in_epoch = s + 1;
-                if mean_loss.is_finite() {
-                    // A non-finite loss would poison the epoch mean (and the checkpoint's
-                    // JSON): the mean is over finite ones.
-                    pos.epoch_loss_sum += loss_sum;
-                    pos.epoch_samples += group as u64;
-                }
+                    // Release the epoch's prefetch window before evaluating.
+                    drop(batches);
 
-                let step_ms = t0.elapsed().as_secs_f64() * 1e3;
-                step_time += step_ms / 1e3;
-                data_time += data_ms / 1e3;
-                samples_done += group as u64;
-                self.sink.emit(&Event::Step(StepEvent {
-                    step: pos.global_step,
-                    epoch,
-                    loss: mean_loss,
-                    lr,
-                    grad_norm,
-                    samples: group,
-                    step_ms,
-                    data_ms,
-                    compute_ms: step_ms - data_ms,
-                    samples_per_s: group as f64 / (step_ms / 1e3).max(1e-9),
-                    peak_rss_bytes: memory::peak_rss_bytes(),
-                    skipped: trouble.is_some(),
-                }));
-                if opts
-                    .checkpoint_every_steps
-                    .is_some_and(|k| pos.global_step % k == 0)
-                {
-                    last_checkpoint = self.checkpoint(&model, &optim, model_name, &pos, &scaler)?;
+                    // Epoch finished.
+                    last_train_loss = pos.epoch_mean_loss();
+                    let is_last = epoch + 1 == opts.epochs;
+                    let due =
+                        opts.eval_every_epochs > 0 && (epoch + 1) % opts.eval_every_epochs == 0;
+                    let eval = match test {
+                        Some(t) if due || is_last => Some(self.evaluate(&model, t)?),
+                        _ => None,
+                    };
+                    if eval.is_some() {
+                        last_eval = eval;
+                    }
+                    let summary = EpochSummary {
+                        epoch,
+                        train_loss: last_train_loss,
+                        test_accuracy: eval.map(|e| e.accuracy),
+                        test_loss: eval.map(|e| e.loss),
+                        seconds: epoch_start.elapsed().as_secs_f64(),
+                    };
+                    self.sink.emit(&Event::EpochEnd(summary.clone()));
+                    epochs_done.push(summary);
+                    pos = Position {
+                        epoch: epoch + 1,
+                        step_in_epoch: 0,
+                        global_step: pos.global_step,
+                        epoch_loss_sum: 0.0,
+                        epoch_samples: 0,
+                    };
+                    last_checkpoint = self
+                        .checkpoint(&model, &optim, model_name, &pos, &scaler)?
+                        .or(last_checkpoint.take());
                 }
-            }
-
-            // Epoch finished.
-            last_train_loss = pos.epoch_mean_loss();
-            let is_last = epoch + 1 == opts.epochs;
-            let due = opts.eval_every_epochs > 0 && (epoch + 1) % opts.eval_every_epochs == 0;
-            let eval = match test {
-                Some(t) if due || is_last => Some(self.evaluate(&model, t)),
-                _ => None,
-            };
-            if eval.is_some() {
-                last_eval = eval;
-            }
-            let summary = EpochSummary {
-                epoch,
-                train_loss: last_train_loss,
-                test_accuracy: eval.map(|e| e.accuracy),
-                test_loss: eval.map(|e| e.loss),
-                seconds: epoch_start.elapsed().as_secs_f64(),
-            };
-            self.sink.emit(&Event::EpochEnd(summary.clone()));
-            epochs_done.push(summary);
-            pos = Position {
-                epoch: epoch + 1,
-                step_in_epoch: 0,
-                global_step: pos.global_step,
-                epoch_loss_sum: 0.0,
-                epoch_samples: 0,
-            };
-            last_checkpoint = self
-                .checkpoint(&model, &optim, model_name, &pos, &scaler)?
-                .or(last_checkpoint);
+                loader_stats = Some(loader.stats());
+                carried = Some((model, optim));
+                Ok(())
+            },
+        )??;
+        let (model, _optim) = carried.ok_or_else(|| {
+            KilnError::Loader("internal: the training state was not returned".into())
+        })?;
+        if let Some(stats) = loader_stats {
+            tracing::debug!(
+                workers,
+                batches = stats.batches,
+                wait_ms = stats.wait.as_secs_f64() * 1e3,
+                max_outstanding = stats.max_outstanding,
+                "data loader"
+            );
         }
 
         if last_eval.is_none()
             && let Some(t) = test
         {
-            last_eval = Some(self.evaluate(&model, t));
+            last_eval = Some(self.evaluate(&model, t)?);
         }
         let summary = RunSummary {
             model: model_name.to_string(),
@@ -395,9 +450,61 @@ impl<'s> Trainer<'s> {
         })
     }
 
+    /// Resolves `data.workers = auto`: a few forward+backward passes of a copy of the model
+    /// per candidate worker count (the real trajectory is untouched: no optimizer step), the
+    /// fewest workers that keep data wait under 5% of step time. The choice and every trial go
+    /// into the run's plan.
+    fn choose_workers<M: Classifier + 'static>(
+        &mut self,
+        model: &M,
+        loss_fn: &CrossEntropyLoss,
+        train: &dyn Dataset,
+        transform: Option<&dyn Transform>,
+        device: &Device,
+    ) -> Result<usize> {
+        let opts = &self.options;
+        let base = LoaderOptions {
+            batch_size: opts.batch_size,
+            workers: 0,
+            prefetch_factor: opts.prefetch_factor,
+            shuffle: opts.shuffle,
+            drop_last: false,
+            seed: opts.seed,
+        };
+        let max_workers = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let precision = opts.precision;
+        let mut step = |batch: Batch| -> Result<()> {
+            let logits = {
+                let _amp = autocast(precision);
+                model.forward(batch.images)
+            };
+            // The gradients are dropped: only the time matters here.
+            let _ = loss_fn.forward(logits, batch.labels).backward();
+            Ok(())
+        };
+        let choice = choose_workers(train, transform, device, &base, max_workers, 4, &mut step)?;
+        tracing::info!("data.workers = auto: {}", choice.reason);
+        if let Some(plan) = self.plan.as_mut().and_then(|p| p.as_object_mut()) {
+            if let Some(settings) = plan.get_mut("settings").and_then(|s| s.as_object_mut()) {
+                settings.insert(
+                    "data.workers".into(),
+                    serde_json::json!({
+                        "value": choice.workers,
+                        "source": format!("probe: {}", choice.reason),
+                    }),
+                );
+            }
+            plan.insert(
+                "data_workers_trials".into(),
+                serde_json::to_value(&choice.trials).unwrap_or_default(),
+            );
+        }
+        Ok(choice.workers)
+    }
+
     /// Evaluates the model in inference mode, in the run's precision (what it will be served
     /// in).
-    fn evaluate<M: Classifier>(&self, model: &M, data: &dyn Dataset) -> Evaluation {
+    fn evaluate<M: Classifier>(&self, model: &M, data: &dyn Dataset) -> Result<Evaluation> {
         let _amp = autocast(self.options.precision);
         evaluate(&model.valid(), data, EVAL_BATCH, &self.base)
     }

@@ -1,0 +1,403 @@
+//! The data loader: persistent worker threads that collate (and augment) batches ahead of
+//! the consumer into a bounded window, handed out strictly in order.
+//!
+//! Why this shape:
+//! - **Order never depends on timing.** Workers claim batch numbers in order and results are
+//!   re-sequenced before they are handed out, so batch `k` of an epoch is the same whatever the
+//!   worker count, and a sample's augmentation is seeded by `(seed, epoch, index)`.
+//! - **Back-pressure.** A worker may only claim batch `k` while `k < consumed + depth` with
+//!   `depth = prefetch_factor × workers`: at most `depth` batches exist ahead of the consumer
+//!   (being built or ready), however slow the consumer is.
+//! - **Persistent workers.** The threads live for the whole [`DataLoader::run`] body (all epochs
+//!   of a training run); an epoch is a new job for the same threads.
+//! - **Failures stop cleanly.** A sample that errors or panics becomes
+//!   [`KilnError::DataItem`] naming its index; the iterator yields that error and then ends, the
+//!   other workers abandon the epoch, and nothing hangs.
+//! - **Scoped threads.** Workers borrow the dataset (`std::thread::scope`), so any `&dyn
+//!   Dataset` works without `Arc` or `'static`.
+
+use std::collections::BTreeMap;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use burn::tensor::Device;
+use serde::{Deserialize, Serialize};
+
+use super::transform::{SampleRng, Transform};
+use super::{Batch, Dataset, collate_with, epoch_order};
+use crate::error::{KilnError, Result};
+
+/// How a [`DataLoader`] batches and prefetches.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoaderOptions {
+    /// Samples per batch.
+    pub batch_size: usize,
+    /// Worker threads; 0 builds batches on the consumer's thread when asked.
+    pub workers: usize,
+    /// Batches each worker may have ready or in progress ahead of the consumer.
+    pub prefetch_factor: usize,
+    /// Shuffle each epoch (seeded by `seed` and the epoch).
+    pub shuffle: bool,
+    /// Drop the last batch of an epoch when it is short.
+    pub drop_last: bool,
+    /// Seed for the order and the augmentation.
+    pub seed: u64,
+}
+
+impl Default for LoaderOptions {
+    fn default() -> Self {
+        LoaderOptions {
+            batch_size: 64,
+            workers: 0,
+            prefetch_factor: 2,
+            shuffle: true,
+            drop_last: false,
+            seed: 42,
+        }
+    }
+}
+
+impl LoaderOptions {
+    /// Batches ahead of the consumer the loader may hold (ready or being built).
+    pub fn depth(&self) -> usize {
+        (self.prefetch_factor * self.workers).max(1)
+    }
+
+    /// Batches in an epoch over `n` samples.
+    pub fn batches_per_epoch(&self, n: usize) -> usize {
+        let b = self.batch_size.max(1);
+        if self.drop_last { n / b } else { n.div_ceil(b) }
+    }
+}
+
+/// What the loader did so far, across epochs.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct LoaderStats {
+    /// Batches handed to the consumer.
+    pub batches: u64,
+    /// Samples handed to the consumer.
+    pub samples: u64,
+    /// Time the consumer spent blocked waiting for a batch (or, with 0 workers, building it).
+    pub wait: Duration,
+    /// The most batches that were ever ahead of the consumer (ready or being built): bounded
+    /// by [`LoaderOptions::depth`].
+    pub max_outstanding: usize,
+}
+
+/// The epoch job the workers share.
+struct State {
+    shutdown: bool,
+    /// Bumped at every epoch start and cancel: results of an older job are discarded.
+    generation: u64,
+    epoch: usize,
+    order: Arc<Vec<usize>>,
+    next_claim: usize,
+    end: usize,
+    consumed: usize,
+    ready: BTreeMap<usize, Result<Batch>>,
+    max_outstanding: usize,
+}
+
+struct Shared<'d> {
+    dataset: &'d dyn Dataset,
+    transform: Option<&'d dyn Transform>,
+    device: Device,
+    options: LoaderOptions,
+    state: Mutex<State>,
+    /// Workers wait here for claimable work.
+    work: Condvar,
+    /// The consumer waits here for the next batch.
+    done: Condvar,
+}
+
+impl Shared<'_> {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // Batch building runs outside the lock and under catch_unwind, so a poisoned lock can
+        // only come from a panic between two plain field updates: the state is still usable.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Builds batch `k` of `order`: fills, augments, uploads; panics become errors.
+    fn build(&self, epoch: usize, order: &[usize], k: usize) -> Result<Batch> {
+        let b = self.options.batch_size;
+        let indices = &order[k * b..((k + 1) * b).min(order.len())];
+        let seed = self.options.seed;
+        let shape = self.dataset.item_shape();
+        let sample = |i: usize, slot: &mut [f32]| -> Result<usize> {
+            let run = catch_unwind(AssertUnwindSafe(|| {
+                let label = self.dataset.fill(i, slot)?;
+                if let Some(t) = self.transform {
+                    t.apply(slot, shape, &mut SampleRng::new(seed, epoch, i));
+                }
+                Ok(label)
+            }));
+            match run {
+                Ok(Ok(label)) => Ok(label),
+                Ok(Err(e @ KilnError::DataItem { .. })) => Err(e),
+                Ok(Err(e)) => Err(KilnError::DataItem {
+                    index: i,
+                    problem: e.to_string(),
+                }),
+                Err(payload) => Err(KilnError::DataItem {
+                    index: i,
+                    problem: format!("the dataset panicked: {}", panic_text(&*payload)),
+                }),
+            }
+        };
+        catch_unwind(AssertUnwindSafe(|| {
+            collate_with(self.dataset, indices, &self.device, sample)
+        }))
+        .unwrap_or_else(|payload| {
+            Err(KilnError::Loader(format!(
+                "building batch {k} panicked: {}",
+                panic_text(&*payload)
+            )))
+        })
+    }
+
+    fn worker_loop(&self) {
+        let depth = self.options.depth();
+        let mut st = self.lock();
+        loop {
+            if st.shutdown {
+                return;
+            }
+            if st.next_claim < st.end && st.next_claim < st.consumed + depth {
+                let k = st.next_claim;
+                st.next_claim += 1;
+                st.max_outstanding = st.max_outstanding.max(st.next_claim - st.consumed);
+                let (generation, epoch, order) = (st.generation, st.epoch, st.order.clone());
+                drop(st);
+                let result = self.build(epoch, &order, k);
+                st = self.lock();
+                if st.generation == generation {
+                    st.ready.insert(k, result);
+                    self.done.notify_all();
+                }
+                continue;
+            }
+            st = self.work.wait(st).unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+
+    fn stop(&self) {
+        self.lock().shutdown = true;
+        self.work.notify_all();
+    }
+}
+
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic payload".into())
+}
+
+/// Stops the workers when the body returns or unwinds, so the scope can join them.
+struct StopOnDrop<'a, 'd>(&'a Shared<'d>);
+
+impl Drop for StopOnDrop<'_, '_> {
+    fn drop(&mut self) {
+        self.0.stop();
+    }
+}
+
+/// A running loader; see the module documentation. Obtain one with [`DataLoader::run`].
+pub struct DataLoader<'s> {
+    shared: &'s Shared<'s>,
+    stats: LoaderStats,
+}
+
+impl<'s> DataLoader<'s> {
+    /// Starts `options.workers` persistent workers over `dataset` (with an optional per-sample
+    /// `transform`), runs `body` with the loader, then stops and joins the workers. Batches are
+    /// uploaded to `device` by the worker that built them.
+    pub fn run<'d, R>(
+        dataset: &'d dyn Dataset,
+        transform: Option<&'d dyn Transform>,
+        device: &Device,
+        options: LoaderOptions,
+        body: impl FnOnce(&mut DataLoader<'_>) -> R,
+    ) -> Result<R> {
+        if options.batch_size == 0 || options.prefetch_factor == 0 {
+            return Err(KilnError::Loader(format!(
+                "batch_size ({}) and prefetch_factor ({}) must be at least 1",
+                options.batch_size, options.prefetch_factor
+            )));
+        }
+        let workers = options.workers;
+        let shared = Shared {
+            dataset,
+            transform,
+            device: device.clone(),
+            options,
+            state: Mutex::new(State {
+                shutdown: false,
+                generation: 0,
+                epoch: 0,
+                order: Arc::new(Vec::new()),
+                next_claim: 0,
+                end: 0,
+                consumed: 0,
+                ready: BTreeMap::new(),
+                max_outstanding: 0,
+            }),
+            work: Condvar::new(),
+            done: Condvar::new(),
+        };
+        std::thread::scope(|scope| {
+            // Created before any worker so that a failed spawn still stops the started ones.
+            let _stop = StopOnDrop(&shared);
+            for w in 0..workers {
+                std::thread::Builder::new()
+                    .name(format!("kiln-data-{w}"))
+                    .spawn_scoped(scope, || shared.worker_loop())
+                    .map_err(|e| KilnError::Loader(format!("cannot start worker {w}: {e}")))?;
+            }
+            let mut loader = DataLoader {
+                shared: &shared,
+                stats: LoaderStats::default(),
+            };
+            Ok(body(&mut loader))
+        })
+    }
+
+    /// The options the loader runs with.
+    pub fn options(&self) -> &LoaderOptions {
+        &self.shared.options
+    }
+
+    /// Batches per epoch.
+    pub fn batches_per_epoch(&self) -> usize {
+        self.shared
+            .options
+            .batches_per_epoch(self.shared.dataset.len())
+    }
+
+    /// What the loader did so far.
+    pub fn stats(&self) -> LoaderStats {
+        let mut s = self.stats;
+        s.max_outstanding = s.max_outstanding.max(self.shared.lock().max_outstanding);
+        s
+    }
+
+    /// The batches of `epoch`, starting at batch `start` (to resume inside an epoch). Dropping
+    /// the iterator early abandons the rest of the epoch.
+    pub fn epoch(&mut self, epoch: usize, start: usize) -> EpochBatches<'_, 's> {
+        let opts = &self.shared.options;
+        let n = self.shared.dataset.len();
+        let order = Arc::new(epoch_order(n, opts.seed, epoch, opts.shuffle));
+        let end = opts.batches_per_epoch(n);
+        let start = start.min(end);
+        if opts.workers > 0 {
+            let mut st = self.shared.lock();
+            st.generation += 1;
+            st.epoch = epoch;
+            st.order = order.clone();
+            st.next_claim = start;
+            st.consumed = start;
+            st.end = end;
+            st.ready.clear();
+            drop(st);
+            self.shared.work.notify_all();
+        }
+        EpochBatches {
+            loader: self,
+            epoch,
+            order,
+            next: start,
+            end,
+            finished: false,
+        }
+    }
+}
+
+/// The batches of one epoch, in order; see [`DataLoader::epoch`].
+pub struct EpochBatches<'l, 's> {
+    loader: &'l mut DataLoader<'s>,
+    epoch: usize,
+    order: Arc<Vec<usize>>,
+    next: usize,
+    end: usize,
+    finished: bool,
+}
+
+impl EpochBatches<'_, '_> {
+    /// Batches left in this epoch.
+    pub fn remaining(&self) -> usize {
+        if self.finished {
+            0
+        } else {
+            self.end - self.next
+        }
+    }
+
+    fn take_ready(&mut self) -> Result<Batch> {
+        let shared = self.loader.shared;
+        let mut st = shared.lock();
+        loop {
+            if let Some(result) = st.ready.remove(&self.next) {
+                st.consumed = self.next + 1;
+                drop(st);
+                shared.work.notify_all();
+                return result;
+            }
+            st = shared.done.wait(st).unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+
+    fn cancel(&mut self) {
+        if self.loader.shared.options.workers > 0 {
+            let mut st = self.loader.shared.lock();
+            st.generation += 1;
+            st.end = st.next_claim;
+            st.ready.clear();
+        }
+    }
+}
+
+impl Iterator for EpochBatches<'_, '_> {
+    type Item = Result<Batch>;
+
+    fn next(&mut self) -> Option<Result<Batch>> {
+        if self.finished || self.next >= self.end {
+            self.finished = true;
+            return None;
+        }
+        let t = Instant::now();
+        let result = if self.loader.shared.options.workers == 0 {
+            self.loader.shared.build(self.epoch, &self.order, self.next)
+        } else {
+            self.take_ready()
+        };
+        let stats = &mut self.loader.stats;
+        stats.wait += t.elapsed();
+        self.next += 1;
+        match &result {
+            Ok(batch) => {
+                stats.batches += 1;
+                stats.samples += batch.len as u64;
+            }
+            Err(_) => {
+                // Stop the epoch: the error is reported once, nothing after it is handed out.
+                self.finished = true;
+                self.cancel();
+            }
+        }
+        Some(result)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (0, Some(self.remaining()))
+    }
+}
+
+impl Drop for EpochBatches<'_, '_> {
+    fn drop(&mut self) {
+        if !self.finished && self.next < self.end {
+            self.cancel();
+        }
+    }
+}
