@@ -113,6 +113,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
     } else {
         args.threads
     };
+    if args.mode.as_deref() == Some("data") {
+        kiln::plan::set_cpu_threads(threads);
+        return crate::data_bench::run(threads, args.steps, args.json);
+    }
     if let Some(case) = &args.case {
         // Child mode: measure one case and print one JSON line.
         let workload = find(&args.workload)?;

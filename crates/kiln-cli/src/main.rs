@@ -2,6 +2,7 @@
 
 mod alloc;
 mod bench_cmd;
+mod data_bench;
 mod optimize_cmd;
 mod progress;
 mod train_cmd;
@@ -88,13 +89,16 @@ struct BenchArgs {
     /// W1..W5 or all.
     #[arg(long, default_value = "all")]
     workload: String,
-    /// train, infer, or precision (f32 vs bf16 vs f16; default: infer for W3, train otherwise).
-    #[arg(long, value_parser = ["train", "infer", "precision"])]
+    /// train, infer, precision (f32 vs bf16 vs f16), or data (the loader alone for 0..2x
+    /// threads workers vs PyTorch's DataLoader, and data wait in W2 training). Default: infer
+    /// for W3, train otherwise.
+    #[arg(long, value_parser = ["train", "infer", "precision", "data"])]
     mode: Option<String>,
     /// Batch size (default: the workload's standard batch; W3 measures 1 and 64).
     #[arg(long)]
     batch: Option<usize>,
-    /// Timed steps per repeat (3 repeats after 5 warm-up steps).
+    /// Timed steps per repeat (3 repeats after 5 warm-up steps); with --mode data, epochs per
+    /// repeat (default 4).
     #[arg(long)]
     steps: Option<usize>,
     /// CPU threads (0 = one per core).
@@ -153,6 +157,12 @@ struct ConfigArgs {
     /// Precision policy: f32, bf16 or f16 (mixed precision with f32 master weights).
     #[arg(long)]
     precision: Option<String>,
+    /// Data-loader worker threads, or `auto` (measured: the fewest that keep data wait < 5%).
+    #[arg(long)]
+    workers: Option<String>,
+    /// Augmentation in the loader workers: none, crop, crop-flip, affine.
+    #[arg(long)]
+    augment: Option<String>,
     /// Backend: auto, flex, cuda.
     #[arg(long)]
     device: Option<String>,
@@ -208,6 +218,8 @@ impl ConfigArgs {
             ("data.dir", &self.data),
             ("train.checkpoint_dir", &self.checkpoint_dir),
             ("precision.policy", &self.precision),
+            ("data.workers", &self.workers),
+            ("data.augment", &self.augment),
             ("device.backend", &self.device),
             ("device.threads", &self.threads),
         ];

@@ -33,6 +33,12 @@ impl ProgressSink {
 
 impl EventSink for ProgressSink {
     fn emit(&mut self, event: &Event) {
+        if let Event::RunStarted {
+            plan: Some(plan), ..
+        } = event
+        {
+            report_worker_choice(plan);
+        }
         match event {
             Event::RunStarted {
                 total_steps,
@@ -84,5 +90,29 @@ impl EventSink for ProgressSink {
             }
             _ => {}
         }
+    }
+}
+
+/// Prints the measured `data.workers = auto` choice (the trainer writes it into the plan).
+fn report_worker_choice(plan: &serde_json::Value) {
+    let Some(trials) = plan.get("data_workers_trials").and_then(|t| t.as_array()) else {
+        return;
+    };
+    let source = plan
+        .pointer("/settings/data.workers/source")
+        .and_then(|s| s.as_str())
+        .unwrap_or("");
+    eprintln!(
+        "kiln: data.workers = auto -> {}",
+        source.trim_start_matches("probe: ")
+    );
+    for t in trials {
+        eprintln!(
+            "  {} worker(s): step {:.1} ms, data wait {:.2} ms ({:.1}%)",
+            t["workers"],
+            t["step_ms"].as_f64().unwrap_or(f64::NAN),
+            t["wait_ms"].as_f64().unwrap_or(f64::NAN),
+            100.0 * t["wait_share"].as_f64().unwrap_or(f64::NAN)
+        );
     }
 }

@@ -124,3 +124,17 @@ fn cuda_without_the_feature_says_how_to_get_it() {
         "{msg}"
     );
 }
+
+#[test]
+fn bad_data_loader_values_name_what_is_allowed() {
+    let msg = message(parse("[data]\nworkers = \"many\"\n").unwrap_err());
+    assert!(msg.contains("data.workers"), "{msg}");
+    assert!(msg.contains("\"auto\" or an integer in [0, 256]"), "{msg}");
+    let msg = message(parse("[data]\nworkers = -1\n").unwrap_err());
+    assert!(msg.contains("data.workers"), "{msg}");
+    let msg = message(parse("[data]\naugment = \"mixup\"\n").unwrap_err());
+    assert!(msg.contains("crop-flip"), "{msg}");
+    let msg = message(parse("[data]\nprefetch_factor = 0\n").unwrap_err());
+    assert!(msg.contains("an integer in [1, 64]"), "{msg}");
+    assert!(parse("[data]\nworkers = \"auto\"\n").is_ok());
+}

@@ -130,3 +130,28 @@ fn plan_prints_every_key_with_its_source() {
         true
     );
 }
+
+#[test]
+fn data_loader_settings_resolve_per_level_and_from_the_file() {
+    use kiln::data::Augment;
+    let basic = plan_at(Level::Basic);
+    assert_eq!(basic.train.workers, Some(0));
+    assert_eq!(basic.train.prefetch_factor, 2);
+    assert_eq!(basic.train.augment, Augment::None);
+    // advanced measures the worker count at run time: `None` until the trainer probes it.
+    let advanced = plan_at(Level::Advanced);
+    assert_eq!(advanced.train.workers, None);
+    assert_eq!(
+        advanced.get("data.workers").unwrap().value.as_str(),
+        Some("auto")
+    );
+    let c = KilnConfig::from_toml_str(
+        "level = \"advanced\"\n[data]\nworkers = 3\nprefetch_factor = 4\naugment = \"crop-flip\"\n",
+        "kiln.toml",
+    )
+    .unwrap();
+    let p = resolve(&c, &hw()).unwrap();
+    assert_eq!(p.train.workers, Some(3));
+    assert_eq!(p.train.prefetch_factor, 4);
+    assert_eq!(p.train.augment, Augment::CropFlip);
+}

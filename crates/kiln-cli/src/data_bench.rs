@@ -1,0 +1,307 @@
+//! `kiln bench --mode data`: the data loader alone for worker counts 0..=2×threads, the data
+//! wait share of real W2 training per worker count, and — in the same run, on the same file
+//! with the same transform — PyTorch's DataLoader (`bench/peers/torch_dataloader.py`).
+//!
+//! The data is the bundled MNIST training subset written as memory-mapped `.npy` files; the
+//! transform is the CIFAR-style pipeline both sides implement identically: x/255, normalize,
+//! random crop with 2 px edge padding, horizontal flip (p = 0.5). Protocol: one warm-up epoch
+//! (worker start, page cache), then 3 repeats of `epochs` epochs, median samples/s.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use burn::tensor::Device;
+use kiln::burn;
+use kiln::data::{
+    Augment, DataLoader, Dataset, ElementType, LoaderOptions, MNIST_MEAN_STD, MappedImages,
+    Transform, write_npy,
+};
+use kiln::datasets::{Split, bundled};
+use kiln::observe::{Event, MemorySink};
+use kiln::train::TrainOptions;
+use kiln::zoo::ModelKind;
+use serde::Serialize;
+
+const REPEATS: usize = 3;
+const BATCH: usize = 64;
+
+/// One measurement of the loader alone.
+#[derive(Debug, Clone, Serialize)]
+struct LoaderResult {
+    mode: &'static str,
+    system: String,
+    workers: usize,
+    batch: usize,
+    threads: usize,
+    samples_per_s: f64,
+    min: f64,
+    max: f64,
+}
+
+/// The data-wait share of W2 training steps with a worker count.
+#[derive(Debug, Clone, Serialize)]
+struct TrainWait {
+    mode: &'static str,
+    workers: usize,
+    steps: usize,
+    step_ms: f64,
+    data_ms: f64,
+    wait_share: f64,
+}
+
+/// Writes the bundled training subset as `images.npy` (u8 `[N,1,28,28]`) and `labels.npy`.
+fn write_dataset(dir: &Path) -> Result<(PathBuf, PathBuf)> {
+    let data = bundled(Split::Train)?;
+    let n = data.len();
+    let (mean, std) = MNIST_MEAN_STD;
+    let mut pixels = Vec::with_capacity(n * 784);
+    let mut labels = Vec::with_capacity(n * 8);
+    let mut buf = vec![0f32; 784];
+    for i in 0..n {
+        let label = data.fill(i, &mut buf)? as i64;
+        labels.extend_from_slice(&label.to_le_bytes());
+        pixels.extend(
+            buf.iter()
+                .map(|v| ((v * std + mean) * 255.0).round().clamp(0.0, 255.0) as u8),
+        );
+    }
+    let (x, y) = (dir.join("images.npy"), dir.join("labels.npy"));
+    write_npy(&x, ElementType::U8, &[n, 1, 28, 28], &pixels)?;
+    write_npy(&y, ElementType::I64, &[n], &labels)?;
+    Ok((x, y))
+}
+
+fn loader_rate(
+    data: &dyn Dataset,
+    transform: &dyn Transform,
+    workers: usize,
+    epochs: usize,
+) -> Result<(f64, f64, f64)> {
+    let options = LoaderOptions {
+        batch_size: BATCH,
+        workers,
+        prefetch_factor: 2,
+        shuffle: true,
+        drop_last: false,
+        seed: 7,
+    };
+    let device = Device::flex();
+    let rates = DataLoader::run(data, Some(transform), &device, options, |loader| {
+        let mut run = |first: usize, epochs: usize| -> Result<f64> {
+            let t = Instant::now();
+            let mut n = 0usize;
+            for e in first..first + epochs {
+                for b in loader.epoch(e, 0) {
+                    n += b?.len;
+                }
+            }
+            Ok(n as f64 / t.elapsed().as_secs_f64())
+        };
+        run(0, 1)?;
+        let mut rates = Vec::new();
+        for r in 0..REPEATS {
+            rates.push(run(1 + r * epochs, epochs)?);
+        }
+        Ok::<_, anyhow::Error>(rates)
+    })??;
+    let mut sorted = rates.clone();
+    sorted.sort_by(f64::total_cmp);
+    Ok((sorted[REPEATS / 2], sorted[0], sorted[REPEATS - 1]))
+}
+
+fn train_wait(data: &dyn Dataset, workers: usize, steps: usize) -> Result<TrainWait> {
+    let mut sink = MemorySink::default();
+    kiln::Trainer::new(
+        TrainOptions {
+            batch_size: BATCH,
+            max_steps: Some(steps as u64 + 3),
+            eval_every_epochs: 0,
+            workers: Some(workers),
+            augment: Augment::CropFlip,
+            ..TrainOptions::default()
+        },
+        Device::flex(),
+        &mut sink,
+    )
+    .fit("cnn", |d| ModelKind::Cnn.init(d), data, None)?;
+    // The first steps pay for thread start and allocator warm-up: skip them, as the peers do.
+    let timed: Vec<(f64, f64)> = sink
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Step(s) => Some((s.step_ms, s.data_ms)),
+            _ => None,
+        })
+        .skip(3)
+        .collect();
+    let step_ms = timed.iter().map(|t| t.0).sum::<f64>() / timed.len().max(1) as f64;
+    let data_ms = timed.iter().map(|t| t.1).sum::<f64>() / timed.len().max(1) as f64;
+    Ok(TrainWait {
+        mode: "train-wait",
+        workers,
+        steps: timed.len(),
+        step_ms,
+        data_ms,
+        wait_share: data_ms / step_ms.max(1e-9),
+    })
+}
+
+fn peer_python() -> Option<PathBuf> {
+    let venv = std::env::var_os("PEERS_VENV")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/kiln-peers")))?;
+    let py = venv.join("bin/python");
+    let ok = Command::new(&py)
+        .args(["-c", "import torch, numpy"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    ok.then_some(py)
+}
+
+fn peer_script() -> PathBuf {
+    // The script ships in the repository; `kiln` run from its root (or via cargo) finds it.
+    let here = PathBuf::from("bench/peers/torch_dataloader.py");
+    if here.exists() {
+        return here;
+    }
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../bench/peers/torch_dataloader.py")
+}
+
+/// Runs the data benchmark; prints a table (or JSON lines with `json`).
+pub fn run(threads: usize, epochs: Option<usize>, json: bool) -> Result<()> {
+    let epochs = epochs.unwrap_or(4).max(1);
+    let dir = std::env::temp_dir().join(format!("kiln-bench-data-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let result = run_in(&dir, threads, epochs, json);
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+fn run_in(dir: &Path, threads: usize, epochs: usize, json: bool) -> Result<()> {
+    let (images, labels) = write_dataset(dir)?;
+    let (mean, std) = MNIST_MEAN_STD;
+    let data = MappedImages::open_npy(&images, &labels)?.with_scaling(mean, std);
+    let transform = Augment::CropFlip
+        .build(data.item_shape())
+        .context("crop-flip transform")?;
+    let max_workers = 2 * threads;
+    let mut kiln_rows = Vec::new();
+    for workers in 0..=max_workers {
+        if !json {
+            eprintln!("kiln bench data: kiln loader, {workers} worker(s) ...");
+        }
+        let (median, min, max) = loader_rate(&data, &transform, workers, epochs)?;
+        let r = LoaderResult {
+            mode: "loader",
+            system: "kiln".into(),
+            workers,
+            batch: BATCH,
+            threads,
+            samples_per_s: median,
+            min,
+            max,
+        };
+        if json {
+            println!("{}", serde_json::to_string(&r)?);
+        }
+        kiln_rows.push(r);
+    }
+    let mut peer_rows: Vec<LoaderResult> = Vec::new();
+    match peer_python() {
+        Some(py) => {
+            if !json {
+                eprintln!("kiln bench data: PyTorch DataLoader, 0..={max_workers} worker(s) ...");
+            }
+            let list: Vec<String> = (0..=max_workers).map(|w| w.to_string()).collect();
+            let out = Command::new(&py)
+                .arg(peer_script())
+                .args(["--images", &images.to_string_lossy()])
+                .args(["--labels", &labels.to_string_lossy()])
+                .args(["--workers", &list.join(",")])
+                .args(["--batch", &BATCH.to_string()])
+                .args(["--epochs", &epochs.to_string()])
+                .args(["--threads", &threads.to_string()])
+                .output()
+                .context("running the PyTorch DataLoader peer")?;
+            if !out.status.success() {
+                eprintln!(
+                    "kiln bench data: the PyTorch peer failed: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+            for line in String::from_utf8_lossy(&out.stdout).lines() {
+                let v: serde_json::Value = serde_json::from_str(line)
+                    .with_context(|| format!("parsing peer output {line:?}"))?;
+                let r = LoaderResult {
+                    mode: "loader",
+                    system: format!("pytorch {}", v["torch"].as_str().unwrap_or("?")),
+                    workers: v["workers"].as_u64().unwrap_or(0) as usize,
+                    batch: BATCH,
+                    threads,
+                    samples_per_s: v["samples_per_s"].as_f64().unwrap_or(f64::NAN),
+                    min: v["min"].as_f64().unwrap_or(f64::NAN),
+                    max: v["max"].as_f64().unwrap_or(f64::NAN),
+                };
+                if json {
+                    println!("{}", serde_json::to_string(&r)?);
+                }
+                peer_rows.push(r);
+            }
+        }
+        None => eprintln!(
+            "kiln bench data: PyTorch not found (set PEERS_VENV, or run ../shared/peers/setup.sh \
+             for a venv at ~/.cache/kiln-peers); reporting Kiln's numbers only"
+        ),
+    }
+    let mut waits = Vec::new();
+    for workers in 0..=threads {
+        if !json {
+            eprintln!("kiln bench data: W2 training, {workers} worker(s) ...");
+        }
+        let w = train_wait(&data, workers, 20)?;
+        if json {
+            println!("{}", serde_json::to_string(&w)?);
+        }
+        waits.push(w);
+    }
+    if !json {
+        println!(
+            "loader alone: MNIST 5k as mmap .npy, crop(2, edge)+flip+normalize, batch {BATCH}, \
+             {threads} threads, median of {REPEATS} x {epochs} epochs"
+        );
+        println!(
+            "{:>7}  {:>14}  {:>16}  {:>7}",
+            "workers", "kiln samples/s", "pytorch samples/s", "ratio"
+        );
+        for k in &kiln_rows {
+            let peer = peer_rows.iter().find(|p| p.workers == k.workers);
+            println!(
+                "{:>7}  {:>14.0}  {:>16}  {:>7}",
+                k.workers,
+                k.samples_per_s,
+                peer.map_or("-".into(), |p| format!("{:.0}", p.samples_per_s)),
+                peer.map_or("-".into(), |p| format!(
+                    "{:.2}x",
+                    k.samples_per_s / p.samples_per_s
+                ))
+            );
+        }
+        println!("\nW2 training (batch {BATCH}, crop-flip in the loader): data wait per step");
+        println!(
+            "{:>7}  {:>8}  {:>8}  {:>10}",
+            "workers", "step ms", "data ms", "wait share"
+        );
+        for w in &waits {
+            println!(
+                "{:>7}  {:>8.1}  {:>8.3}  {:>9.2}%",
+                w.workers,
+                w.step_ms,
+                w.data_ms,
+                100.0 * w.wait_share
+            );
+        }
+    }
+    Ok(())
+}
