@@ -3,8 +3,9 @@
 
 Reads the same memory-mapped .npy files Kiln reads (uint8 images [N,C,H,W], int64 labels [N])
 and applies the same per-sample transform in the workers: x/255, normalize with (mean, std),
-random crop of the original size from the image padded by `padding` with edge replication,
-horizontal flip with p = 0.5. Batches of `batch` are collated by the default collate_fn.
+then either (crop-flip) a random crop of the original size from the image padded by `padding`
+with edge replication and a horizontal flip with p = 0.5, or (affine) a random affine of
++-10 degrees, +-8% shift, scale 0.9-1.1 with bilinear sampling and edge replication. Batches of `batch` are collated by the default collate_fn.
 Workers are persistent, prefetch_factor 2, as Kiln's loader. Timing protocol: one warm-up
 epoch (worker start-up), then 3 repeats of `epochs` epochs, median samples/s.
 
@@ -22,11 +23,12 @@ from torch.utils.data import DataLoader, Dataset
 
 
 class MappedImages(Dataset):
-    def __init__(self, images, labels, mean, std, padding):
+    def __init__(self, images, labels, mean, std, padding, transform):
         self.images_path, self.labels_path = images, labels
         self.images = None
         self.labels = None
         self.mean, self.std, self.padding = mean, std, padding
+        self.transform = transform
         self.n = np.load(labels, mmap_mode="r").shape[0]
 
     def _open(self):
@@ -42,6 +44,8 @@ class MappedImages(Dataset):
         self._open()
         x = torch.from_numpy(np.array(self.images[i], dtype=np.float32))
         x = (x / 255.0 - self.mean) / self.std
+        if self.transform == "affine":
+            return self.affine(x), int(self.labels[i])
         p = self.padding
         if p:
             h, w = x.shape[-2:]
@@ -51,6 +55,21 @@ class MappedImages(Dataset):
         if np.random.rand() < 0.5:
             x = torch.flip(x, dims=[-1])
         return x, int(self.labels[i])
+
+    @staticmethod
+    def affine(x):
+        # Kiln's RandomAffine(10 deg, 8% shift, scale 0.9-1.1): bilinear, edge-replicated, the
+        # way torchvision's tensor RandomAffine samples (affine_grid + grid_sample).
+        angle = np.deg2rad(np.random.uniform(-10, 10))
+        tu, tv = np.random.uniform(-0.08, 0.08, size=2) * 2
+        s = np.random.uniform(0.9, 1.1)
+        c, sn = np.cos(angle), np.sin(angle)
+        theta = torch.tensor([[c / s, sn / s, -(c * tu + sn * tv) / s],
+                              [-sn / s, c / s, -(-sn * tu + c * tv) / s]],
+                             dtype=torch.float32).unsqueeze(0)
+        grid = F.affine_grid(theta, [1, *x.shape], align_corners=True)
+        return F.grid_sample(x.unsqueeze(0), grid, mode="bilinear", padding_mode="border",
+                             align_corners=True).squeeze(0)
 
 
 def seed_worker(worker_id):
@@ -68,9 +87,11 @@ def main():
     ap.add_argument("--mean", type=float, default=0.1307)
     ap.add_argument("--std", type=float, default=0.3081)
     ap.add_argument("--padding", type=int, default=2)
+    ap.add_argument("--transform", choices=["crop-flip", "affine"], default="crop-flip")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    data = MappedImages(args.images, args.labels, args.mean, args.std, args.padding)
+    data = MappedImages(args.images, args.labels, args.mean, args.std, args.padding,
+                        args.transform)
     for workers in [int(w) for w in args.workers.split(",")]:
         extra = {}
         if workers > 0:
@@ -90,6 +111,7 @@ def main():
         rates = [run(args.epochs) for _ in range(3)]
         print(json.dumps({
             "peer": "pytorch", "torch": torch.__version__, "workers": workers,
+            "transform": args.transform,
             "batch": args.batch, "threads": args.threads,
             "samples_per_s": statistics.median(rates), "min": min(rates), "max": max(rates),
         }), flush=True)

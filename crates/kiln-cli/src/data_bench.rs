@@ -32,6 +32,7 @@ const BATCH: usize = 64;
 struct LoaderResult {
     mode: &'static str,
     system: String,
+    transform: &'static str,
     workers: usize,
     batch: usize,
     threads: usize,
@@ -183,19 +184,53 @@ fn run_in(dir: &Path, threads: usize, epochs: usize, json: bool) -> Result<()> {
     let (images, labels) = write_dataset(dir)?;
     let (mean, std) = MNIST_MEAN_STD;
     let data = MappedImages::open_npy(&images, &labels)?.with_scaling(mean, std);
-    let transform = Augment::CropFlip
-        .build(data.item_shape())
-        .context("crop-flip transform")?;
-    let max_workers = 2 * threads;
     let mut kiln_rows = Vec::new();
-    for workers in 0..=max_workers {
+    let mut peer_rows: Vec<LoaderResult> = Vec::new();
+    for (name, augment) in [
+        ("crop-flip", Augment::CropFlip),
+        ("affine", Augment::Affine),
+    ] {
+        let transform = augment
+            .build(data.item_shape())
+            .context("building the transform")?;
+        kiln_rows.extend(kiln_loader(&data, &transform, name, threads, epochs, json)?);
+        peer_rows.extend(peer_loader(&images, &labels, name, threads, epochs, json)?);
+    }
+    let mut waits = Vec::new();
+    for workers in 0..=threads {
         if !json {
-            eprintln!("kiln bench data: kiln loader, {workers} worker(s) ...");
+            eprintln!("kiln bench data: W2 training, {workers} worker(s) ...");
         }
-        let (median, min, max) = loader_rate(&data, &transform, workers, epochs)?;
+        let w = train_wait(&data, workers, 20)?;
+        if json {
+            println!("{}", serde_json::to_string(&w)?);
+        }
+        waits.push(w);
+    }
+    if !json {
+        print_tables(&kiln_rows, &peer_rows, &waits, threads, epochs);
+    }
+    Ok(())
+}
+
+fn kiln_loader(
+    data: &dyn Dataset,
+    transform: &dyn Transform,
+    name: &'static str,
+    threads: usize,
+    epochs: usize,
+    json: bool,
+) -> Result<Vec<LoaderResult>> {
+    let mut rows = Vec::new();
+    for workers in 0..=2 * threads {
+        if !json {
+            eprintln!("kiln bench data: kiln loader, {name}, {workers} worker(s) ...");
+        }
+        let (median, min, max) = loader_rate(data, transform, workers, epochs)?;
         let r = LoaderResult {
             mode: "loader",
             system: "kiln".into(),
+            transform: name,
             workers,
             batch: BATCH,
             threads,
@@ -206,13 +241,27 @@ fn run_in(dir: &Path, threads: usize, epochs: usize, json: bool) -> Result<()> {
         if json {
             println!("{}", serde_json::to_string(&r)?);
         }
-        kiln_rows.push(r);
+        rows.push(r);
     }
-    let mut peer_rows: Vec<LoaderResult> = Vec::new();
+    Ok(rows)
+}
+
+fn peer_loader(
+    images: &Path,
+    labels: &Path,
+    name: &'static str,
+    threads: usize,
+    epochs: usize,
+    json: bool,
+) -> Result<Vec<LoaderResult>> {
+    let max_workers = 2 * threads;
+    let mut rows = Vec::new();
     match peer_python() {
         Some(py) => {
             if !json {
-                eprintln!("kiln bench data: PyTorch DataLoader, 0..={max_workers} worker(s) ...");
+                eprintln!(
+                    "kiln bench data: PyTorch DataLoader, {name}, 0..={max_workers} worker(s) ..."
+                );
             }
             let list: Vec<String> = (0..=max_workers).map(|w| w.to_string()).collect();
             let out = Command::new(&py)
@@ -223,6 +272,7 @@ fn run_in(dir: &Path, threads: usize, epochs: usize, json: bool) -> Result<()> {
                 .args(["--batch", &BATCH.to_string()])
                 .args(["--epochs", &epochs.to_string()])
                 .args(["--threads", &threads.to_string()])
+                .args(["--transform", name])
                 .output()
                 .context("running the PyTorch DataLoader peer")?;
             if !out.status.success() {
@@ -237,6 +287,7 @@ fn run_in(dir: &Path, threads: usize, epochs: usize, json: bool) -> Result<()> {
                 let r = LoaderResult {
                     mode: "loader",
                     system: format!("pytorch {}", v["torch"].as_str().unwrap_or("?")),
+                    transform: name,
                     workers: v["workers"].as_u64().unwrap_or(0) as usize,
                     batch: BATCH,
                     threads,
@@ -247,7 +298,7 @@ fn run_in(dir: &Path, threads: usize, epochs: usize, json: bool) -> Result<()> {
                 if json {
                     println!("{}", serde_json::to_string(&r)?);
                 }
-                peer_rows.push(r);
+                rows.push(r);
             }
         }
         None => eprintln!(
@@ -255,30 +306,32 @@ fn run_in(dir: &Path, threads: usize, epochs: usize, json: bool) -> Result<()> {
              for a venv at ~/.cache/kiln-peers); reporting Kiln's numbers only"
         ),
     }
-    let mut waits = Vec::new();
-    for workers in 0..=threads {
-        if !json {
-            eprintln!("kiln bench data: W2 training, {workers} worker(s) ...");
-        }
-        let w = train_wait(&data, workers, 20)?;
-        if json {
-            println!("{}", serde_json::to_string(&w)?);
-        }
-        waits.push(w);
-    }
-    if !json {
+    Ok(rows)
+}
+
+fn print_tables(
+    kiln_rows: &[LoaderResult],
+    peer_rows: &[LoaderResult],
+    waits: &[TrainWait],
+    threads: usize,
+    epochs: usize,
+) {
+    {
         println!(
-            "loader alone: MNIST 5k as mmap .npy, crop(2, edge)+flip+normalize, batch {BATCH}, \
-             {threads} threads, median of {REPEATS} x {epochs} epochs"
+            "loader alone: MNIST 5k as mmap .npy + normalize, batch {BATCH}, {threads} threads, \
+             median of {REPEATS} x {epochs} epochs"
         );
         println!(
-            "{:>7}  {:>14}  {:>16}  {:>7}",
-            "workers", "kiln samples/s", "pytorch samples/s", "ratio"
+            "{:>9}  {:>7}  {:>14}  {:>16}  {:>7}",
+            "transform", "workers", "kiln samples/s", "pytorch samples/s", "ratio"
         );
-        for k in &kiln_rows {
-            let peer = peer_rows.iter().find(|p| p.workers == k.workers);
+        for k in kiln_rows {
+            let peer = peer_rows
+                .iter()
+                .find(|p| p.workers == k.workers && p.transform == k.transform);
             println!(
-                "{:>7}  {:>14.0}  {:>16}  {:>7}",
+                "{:>9}  {:>7}  {:>14.0}  {:>16}  {:>7}",
+                k.transform,
                 k.workers,
                 k.samples_per_s,
                 peer.map_or("-".into(), |p| format!("{:.0}", p.samples_per_s)),
@@ -293,7 +346,7 @@ fn run_in(dir: &Path, threads: usize, epochs: usize, json: bool) -> Result<()> {
             "{:>7}  {:>8}  {:>8}  {:>10}",
             "workers", "step ms", "data ms", "wait share"
         );
-        for w in &waits {
+        for w in waits {
             println!(
                 "{:>7}  {:>8.1}  {:>8.3}  {:>9.2}%",
                 w.workers,
@@ -303,5 +356,4 @@ fn run_in(dir: &Path, threads: usize, epochs: usize, json: bool) -> Result<()> {
             );
         }
     }
-    Ok(())
 }
