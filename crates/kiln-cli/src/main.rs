@@ -148,7 +148,8 @@ struct ConfigArgs {
     /// Stop after this many optimizer steps.
     #[arg(long)]
     max_steps: Option<String>,
-    /// Directory of MNIST-format IDX files (default: the bundled subset).
+    /// Data directory: train/test .safetensors, *-images.npy/*-labels.npy (memory-mapped), or
+    /// MNIST-format IDX files (default: the bundled subset).
     #[arg(long, value_name = "DIR")]
     data: Option<String>,
     /// Directory for checkpoints.

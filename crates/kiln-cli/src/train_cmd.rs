@@ -13,14 +13,11 @@ use crate::progress::ProgressSink;
 pub fn run(args: TrainArgs) -> Result<()> {
     let plan = args.config.resolve()?;
     plan.apply_runtime();
-    let (train, test) = match &plan.data_dir {
-        Some(dir) => (
-            datasets::load_dir(dir, Split::Train)?,
-            datasets::load_dir(dir, Split::Test)?,
-        ),
+    let (train, test): datasets::DatasetPair = match &plan.data_dir {
+        Some(dir) => datasets::open_dir(dir)?,
         None => (
-            datasets::bundled(Split::Train)?,
-            datasets::bundled(Split::Test)?,
+            Box::new(datasets::bundled(Split::Train)?),
+            Box::new(datasets::bundled(Split::Test)?),
         ),
     };
     let resume = match args.resume.as_deref() {
@@ -48,7 +45,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
             "kiln: training {} ({}) on {} samples, level {}, backend {}, {} threads",
             plan.model.name(),
             plan.model.workload(),
-            train.len_samples(),
+            train.len(),
             plan.level,
             plan.backend.name(),
             plan.threads
@@ -62,7 +59,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
     if let Some(path) = resume {
         trainer = trainer.resume_from(path);
     }
-    let outcome = trainer.fit(model.name(), |d| model.init(d), &train, Some(&test))?;
+    let outcome = trainer.fit(model.name(), |d| model.init(d), &*train, Some(&*test))?;
     if !args.json {
         let s = &outcome.summary;
         println!(
@@ -80,15 +77,4 @@ pub fn run(args: TrainArgs) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// Sample count without importing the trait at every call site.
-trait LenSamples {
-    fn len_samples(&self) -> usize;
-}
-
-impl LenSamples for kiln::data::ImageDataset {
-    fn len_samples(&self) -> usize {
-        kiln::data::Dataset::len(self)
-    }
 }

@@ -350,3 +350,94 @@ fn optimize_reports_each_pass_and_writes_the_model() {
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("int4"), "{}", stderr(&o));
 }
+
+/// Writes the bundled data as `{split}-images.npy` / `{split}-labels.npy`.
+fn write_npy_dir(dir: &std::path::Path) {
+    use kiln::data::{Dataset, ElementType, MNIST_MEAN_STD, write_npy};
+    use kiln::datasets::{Split, bundled};
+    for (split, name) in [(Split::Train, "train"), (Split::Test, "test")] {
+        let data = bundled(split).unwrap();
+        let (mean, std) = MNIST_MEAN_STD;
+        let mut pixels = Vec::new();
+        let mut labels = Vec::new();
+        let mut buf = vec![0f32; 784];
+        for i in 0..data.len() {
+            labels.extend_from_slice(&(data.fill(i, &mut buf).unwrap() as i64).to_le_bytes());
+            pixels.extend(buf.iter().map(|v| ((v * std + mean) * 255.0).round() as u8));
+        }
+        let n = data.len();
+        write_npy(
+            dir.join(format!("{name}-images.npy")),
+            ElementType::U8,
+            &[n, 28, 28],
+            &pixels,
+        )
+        .unwrap();
+        write_npy(
+            dir.join(format!("{name}-labels.npy")),
+            ElementType::I64,
+            &[n],
+            &labels,
+        )
+        .unwrap();
+    }
+}
+
+#[test]
+fn train_from_memory_mapped_npy_with_measured_workers_and_augmentation() {
+    let dir = tempdir("npy");
+    write_npy_dir(&dir);
+    let o = kiln(&[
+        "train",
+        "--data",
+        dir.to_str().unwrap(),
+        "--model",
+        "mlp",
+        "--epochs",
+        "1",
+        "--workers",
+        "auto",
+        "--augment",
+        "crop",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let events: Vec<serde_json::Value> = stdout(&o)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let started = events
+        .iter()
+        .find(|e| e["event"] == "run_started")
+        .expect("run_started event");
+    // The measured worker choice is in the plan, with every trial.
+    let workers = &started["plan"]["settings"]["data.workers"];
+    assert!(workers["value"].is_u64(), "{workers}");
+    assert!(
+        workers["source"].as_str().unwrap().starts_with("probe: "),
+        "{workers}"
+    );
+    let trials = started["plan"]["data_workers_trials"].as_array().unwrap();
+    assert!(!trials.is_empty());
+    assert!(trials.iter().all(|t| t["wait_share"].as_f64().is_some()));
+    assert_eq!(started["train_samples"], 4000);
+    let finished = events
+        .iter()
+        .find(|e| e["event"] == "run_finished")
+        .expect("run_finished event");
+    let accuracy = finished["test_accuracy"].as_f64().unwrap();
+    assert!(
+        accuracy > 0.80,
+        "one epoch of W1 on mapped MNIST: {accuracy}"
+    );
+
+    // A broken directory is a clear error naming the file.
+    std::fs::write(dir.join("test-labels.npy"), b"garbage").unwrap();
+    let o = kiln(&["train", "--data", dir.to_str().unwrap(), "--epochs", "1"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("test-labels.npy") && stderr(&o).contains("not a .npy file"),
+        "{}",
+        stderr(&o)
+    );
+}

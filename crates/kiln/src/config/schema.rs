@@ -323,7 +323,8 @@ pub static SETTINGS: &[SettingSpec] = &[
         kind: Kind::Text,
         default: S(""),
         levels: &[],
-        doc: "directory with MNIST-format IDX files (empty = the bundled 5k subset)",
+        doc: "data directory: train/test .safetensors or *-images.npy + *-labels.npy \
+              (memory-mapped), or MNIST-format IDX files (empty = the bundled 5k subset)",
     },
     SettingSpec {
         key: "data.shuffle",
