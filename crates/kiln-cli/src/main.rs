@@ -4,6 +4,7 @@ mod alloc;
 mod bench_cmd;
 mod data_bench;
 mod optimize_cmd;
+mod profile_cmd;
 mod progress;
 mod train_cmd;
 
@@ -29,6 +30,9 @@ Examples:
   kiln plan --level ultra                    show every setting and where it came from
   kiln optimize --model cnn --checkpoint runs/cnn --passes fold,int8 --out opt/cnn
   kiln bench --workload W2                   plain Burn vs Kiln's levels, same protocol as the peers
+  kiln profile --model cnn --steps 20        Perfetto trace + phase table (profile/trace.json)
+  kiln train --tensorboard runs/tb           also write TensorBoard event files
+  kiln bench --mode data                     the data loader vs PyTorch's DataLoader
   bench/compare.sh                           Kiln and the PyTorch / ONNX Runtime peers side by side";
 
 /// Kiln: a performance optimization system for deep-learning training and inference.
@@ -54,6 +58,28 @@ enum Command {
     /// pass: latency, throughput, size, accuracy; writes model.kgraph (+ model.onnx).
     #[command(after_help = EXAMPLES)]
     Optimize(OptimizeArgs),
+    /// Profile N training steps: a Chrome/Perfetto trace (trace.json), a table of phases by
+    /// time and memory, and (with --overhead) the profiler's own cost.
+    #[command(after_help = EXAMPLES)]
+    Profile(ProfileArgs),
+}
+
+#[derive(Args, Debug)]
+struct ProfileArgs {
+    #[command(flatten)]
+    config: ConfigArgs,
+    /// Optimizer steps to profile (after 3 untraced warm-up steps).
+    #[arg(long, default_value_t = 20)]
+    steps: u64,
+    /// Output directory: trace.json, phases.txt, phases.json.
+    #[arg(long, default_value = "profile")]
+    out: PathBuf,
+    /// Also measure the profiler's overhead: the same steps with and without it, twice each.
+    #[arg(long)]
+    overhead: bool,
+    /// Print the table as JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args, Debug)]
@@ -185,6 +211,9 @@ struct TrainArgs {
     /// JSON-lines events on stdout instead of a progress bar.
     #[arg(long)]
     json: bool,
+    /// Also write TensorBoard event files (scalars + the plan as text) into this directory.
+    #[arg(long, value_name = "DIR")]
+    tensorboard: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -260,6 +289,7 @@ fn main() {
         Command::Plan(args) => plan(args),
         Command::Bench(args) => bench_cmd::run(args),
         Command::Optimize(args) => optimize_cmd::run(args),
+        Command::Profile(args) => profile_cmd::run(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -1,4 +1,6 @@
-//! The people-facing event sink: a progress bar on a terminal, plain lines otherwise.
+//! The people-facing event sink, a live monitor: on a terminal a progress bar with loss,
+//! throughput, data-wait share and memory; otherwise (pipes, CI logs) the same figures as a
+//! plain line every 10% of the run, plus one line per epoch.
 
 use std::io::IsTerminal;
 
@@ -11,6 +13,7 @@ pub struct ProgressSink {
     tty: bool,
     data_ms: f64,
     step_ms: f64,
+    total_steps: u64,
 }
 
 impl ProgressSink {
@@ -20,6 +23,7 @@ impl ProgressSink {
             tty: std::io::stderr().is_terminal(),
             data_ms: 0.0,
             step_ms: 0.0,
+            total_steps: 0,
         }
     }
 
@@ -38,6 +42,9 @@ impl EventSink for ProgressSink {
         } = event
         {
             report_worker_choice(plan);
+        }
+        if let Event::RunStarted { total_steps, .. } = event {
+            self.total_steps = *total_steps;
         }
         match event {
             Event::RunStarted {
@@ -58,15 +65,21 @@ impl EventSink for ProgressSink {
             Event::Step(s) => {
                 self.data_ms += s.data_ms;
                 self.step_ms += s.step_ms;
+                let status = format!(
+                    "loss {:.4} | {:.0} samples/s | data wait {:.1}% | RSS {}",
+                    s.loss,
+                    s.samples_per_s,
+                    100.0 * self.data_ms / self.step_ms.max(1e-9),
+                    s.peak_rss_bytes.map_or("n/a".into(), memory::human_bytes)
+                );
                 if let Some(bar) = &self.bar {
                     bar.set_position(s.step);
-                    bar.set_message(format!(
-                        "loss {:.4} | {:.0} samples/s | data wait {:.1}% | RSS {}",
-                        s.loss,
-                        s.samples_per_s,
-                        100.0 * self.data_ms / self.step_ms.max(1e-9),
-                        s.peak_rss_bytes.map_or("n/a".into(), memory::human_bytes)
-                    ));
+                    bar.set_message(status);
+                } else if !self.tty {
+                    let every = (self.total_steps / 10).max(1);
+                    if s.step.is_multiple_of(every) || s.step == self.total_steps {
+                        eprintln!("step {}/{}: {status}", s.step, self.total_steps);
+                    }
                 }
             }
             Event::EpochEnd(e) => self.line(format!(

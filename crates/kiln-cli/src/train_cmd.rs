@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use kiln::Trainer;
 use kiln::datasets::{self, Split};
-use kiln::observe::{EventSink, JsonLinesSink, memory};
+use kiln::observe::{EventSink, FanOut, JsonLinesSink, TensorBoardSink, memory};
 
 use crate::TrainArgs;
 use crate::progress::ProgressSink;
@@ -37,7 +37,11 @@ pub fn run(args: TrainArgs) -> Result<()> {
 
     let mut json_sink;
     let mut progress_sink;
-    let sink: &mut dyn EventSink = if args.json {
+    let mut tensorboard = match &args.tensorboard {
+        Some(dir) => Some(TensorBoardSink::create(dir)?),
+        None => None,
+    };
+    let people: &mut dyn EventSink = if args.json {
         json_sink = JsonLinesSink::new(std::io::stdout());
         &mut json_sink
     } else {
@@ -53,6 +57,14 @@ pub fn run(args: TrainArgs) -> Result<()> {
         progress_sink = ProgressSink::new();
         &mut progress_sink
     };
+    let mut fan = FanOut::new().with(people);
+    if let Some(tb) = tensorboard.as_mut() {
+        if let Some(path) = tb.path() {
+            tracing::info!("TensorBoard events: {}", path.display());
+        }
+        fan = fan.with(tb);
+    }
+    let sink: &mut dyn EventSink = &mut fan;
     let model = plan.model;
     let mut trainer =
         Trainer::new(plan.train.clone(), plan.backend.device(), sink).with_plan(plan.to_json());

@@ -441,3 +441,73 @@ fn train_from_memory_mapped_npy_with_measured_workers_and_augmentation() {
         stderr(&o)
     );
 }
+
+#[test]
+fn profile_writes_a_trace_and_train_writes_tensorboard_and_plain_monitor_lines() {
+    let dir = tempdir("profile");
+    let out = dir.join("prof");
+    let o = kiln(&[
+        "profile",
+        "--model",
+        "mlp",
+        "--steps",
+        "6",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let table = stdout(&o);
+    for phase in ["step", "forward", "backward", "optimizer", "data_wait"] {
+        assert!(table.contains(phase), "{table}");
+    }
+    let trace: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("trace.json")).unwrap()).unwrap();
+    let steps = trace["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["name"] == "step")
+        .count();
+    assert_eq!(steps, 6, "warm-up steps are left out of the trace");
+    let phases: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("phases.json")).unwrap()).unwrap();
+    assert!(
+        phases
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["name"] == "backward")
+    );
+
+    // Training with --tensorboard, stderr not a terminal: an event file and plain lines.
+    let tb = dir.join("tb");
+    let o = kiln(&[
+        "train",
+        "--model",
+        "mlp",
+        "--epochs",
+        "1",
+        "--max-steps",
+        "20",
+        "--tensorboard",
+        tb.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let files: Vec<_> = std::fs::read_dir(&tb)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .collect();
+    assert!(
+        files.iter().any(|f| f.starts_with("events.out.tfevents.")),
+        "{files:?}"
+    );
+    let err = stderr(&o);
+    let monitor: Vec<&str> = err.lines().filter(|l| l.starts_with("step ")).collect();
+    assert_eq!(monitor.len(), 10, "a line every 10% of 20 steps: {err}");
+    assert!(monitor[0].starts_with("step 2/20: loss "), "{err}");
+    assert!(monitor[0].contains("samples/s") && monitor[0].contains("data wait"));
+    assert!(
+        !err.contains('\u{1b}'),
+        "no terminal escapes when not a TTY"
+    );
+}

@@ -349,6 +349,16 @@ pub static SETTINGS: &[SettingSpec] = &[
         doc: "batches each worker may prepare ahead of the trainer (bounds loader memory)",
     },
     SettingSpec {
+        key: "observe.memory_watermark_mib",
+        kind: Kind::Int {
+            min: 0,
+            max: 1 << 30,
+        },
+        default: I(0),
+        levels: &[],
+        doc: "emit a memory_watermark event when resident memory reaches this many MiB (0 = off)",
+    },
+    SettingSpec {
         key: "data.augment",
         kind: Kind::Enum(&["none", "crop", "crop-flip", "affine"]),
         default: S("none"),

@@ -76,6 +76,20 @@ pub struct StepEvent {
     /// The stability guard skipped this step's update (non-finite loss or gradients).
     #[serde(default)]
     pub skipped: bool,
+    /// The loss scale the step ran with, when loss scaling is on.
+    #[serde(default)]
+    pub loss_scale: Option<f32>,
+}
+
+/// Resident memory crossed the configured watermark.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct WatermarkEvent {
+    /// Global optimizer step after which it was seen.
+    pub step: u64,
+    /// Resident set size at that moment, bytes.
+    pub rss_bytes: u64,
+    /// The watermark, bytes.
+    pub threshold_bytes: u64,
 }
 
 /// The end of an epoch.
@@ -152,6 +166,9 @@ pub enum Event {
         /// Size in bytes.
         bytes: u64,
     },
+    /// Resident memory crossed the watermark (`observe.memory_watermark_mib`); the tuner's
+    /// OOM-adaptive batching listens for it.
+    MemoryWatermark(WatermarkEvent),
     /// The run finished.
     RunFinished(RunSummary),
 }

@@ -28,3 +28,58 @@ pub fn human_bytes(bytes: u64) -> String {
     }
     format!("{value:.1} {}", UNITS[unit])
 }
+
+/// A resident-memory watermark: [`Watermark::check`] says when RSS first reaches the threshold
+/// and re-arms once it falls below 90% of it (so a run hovering at the line reports once per
+/// crossing, not every step).
+#[derive(Debug, Clone)]
+pub struct Watermark {
+    threshold: u64,
+    above: bool,
+}
+
+impl Watermark {
+    /// A watermark at `threshold` bytes.
+    pub fn new(threshold: u64) -> Self {
+        Watermark {
+            threshold,
+            above: false,
+        }
+    }
+
+    /// The threshold in bytes.
+    pub fn threshold(&self) -> u64 {
+        self.threshold
+    }
+
+    /// Feeds a reading; returns true when it is a new crossing.
+    pub fn check(&mut self, rss: u64) -> bool {
+        if rss >= self.threshold {
+            let new = !self.above;
+            self.above = true;
+            new
+        } else {
+            if rss < self.threshold / 10 * 9 {
+                self.above = false;
+            }
+            false
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn watermark_fires_once_per_crossing() {
+        let mut w = Watermark::new(1000);
+        assert!(!w.check(999));
+        assert!(w.check(1000));
+        assert!(!w.check(1500), "still above: no new event");
+        assert!(!w.check(950), "not re-armed above 90%");
+        assert!(!w.check(1001));
+        assert!(!w.check(800), "re-armed");
+        assert!(w.check(1200));
+    }
+}

@@ -252,6 +252,9 @@ fn build(config: &KilnConfig, settings: Vec<ResolvedSetting>, hw: &Hardware) -> 
         workers: get("data.workers").as_integer().map(|w| w as usize),
         prefetch_factor: int("data.prefetch_factor") as usize,
         augment: Augment::from_name(&text("data.augment"))?,
+        memory_watermark: Some(int("observe.memory_watermark_mib") as u64)
+            .filter(|m| *m > 0)
+            .map(|m| m << 20),
         precision: Precision::from_name(&text("precision.policy")).unwrap_or_default(),
         scaler: ScalerOptions {
             mode: ScalingMode::from_name(&text("precision.loss_scaling")),

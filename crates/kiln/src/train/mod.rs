@@ -91,6 +91,9 @@ pub struct TrainOptions {
     pub prefetch_factor: usize,
     /// Per-sample augmentation, run in the loader workers.
     pub augment: Augment,
+    /// Emit [`crate::observe::Event::MemoryWatermark`] when resident memory reaches this many
+    /// bytes.
+    pub memory_watermark: Option<u64>,
     /// Numeric precision of the step.
     pub precision: Precision,
     /// Loss scaling.
@@ -123,6 +126,7 @@ impl Default for TrainOptions {
             workers: Some(0),
             prefetch_factor: 2,
             augment: Augment::None,
+            memory_watermark: None,
             precision: Precision::F32,
             scaler: ScalerOptions::default(),
             guard: GuardOptions::default(),

@@ -19,7 +19,9 @@ use crate::guard::{
     Guard, GuardAction, GuardEvent, GuardPolicy, Trouble, nonfinite_grad_names,
     nonfinite_param_names, probe_grads, probe_params,
 };
-use crate::observe::{EpochSummary, Event, EventSink, RunSummary, StepEvent, memory};
+use crate::observe::{
+    EpochSummary, Event, EventSink, RunSummary, StepEvent, Watermark, WatermarkEvent, memory,
+};
 use crate::precision::{LossScaler, autocast};
 use crate::zoo::Classifier;
 
@@ -162,6 +164,7 @@ impl<'s> Trainer<'s> {
         // The loader's workers persist across epochs; its body is the whole epoch loop. The
         // model and optimizer are moved through it (the step replaces them by value).
         let mut carried = Some((model, optim));
+        let mut watermark = opts.memory_watermark.map(Watermark::new);
         let mut loader_stats = None;
         DataLoader::run(
             train,
@@ -194,16 +197,24 @@ impl<'s> Trainer<'s> {
                         let group: usize = sizes.iter().sum();
 
                         let t0 = Instant::now();
+                        // Spans around every phase: free without a subscriber, the profiler's
+                        // trace and table with one (`kiln profile`).
+                        let _step_span =
+                            tracing::info_span!("step", step = pos.global_step + 1).entered();
                         let mut data_ms = 0f64;
                         let mut accum = GradientsAccumulator::<M>::new();
                         let mut loss_total: Option<burn::tensor::Tensor<1>> = None;
                         for &size in &sizes {
                             let td = Instant::now();
-                            let batch = batches.next().ok_or_else(|| {
-                                KilnError::Loader("the epoch ended before its last step".into())
-                            })??;
+                            let batch = {
+                                let _s = tracing::info_span!("data_wait").entered();
+                                batches.next().ok_or_else(|| {
+                                    KilnError::Loader("the epoch ended before its last step".into())
+                                })??
+                            };
                             data_ms += td.elapsed().as_secs_f64() * 1e3;
                             debug_assert_eq!(batch.len, size);
+                            let forward_span = tracing::info_span!("forward").entered();
                             let logits = {
                                 let _amp = autocast(opts.precision);
                                 model.forward(batch.images)
@@ -231,20 +242,28 @@ impl<'s> Trainer<'s> {
                             } else {
                                 loss
                             };
+                            drop(forward_span);
+                            let _backward = tracing::info_span!("backward").entered();
                             let grads = GradientsParams::from_grads(loss.backward(), &model);
                             accum.accumulate(&model, grads);
                         }
-                        let loss_sum =
-                            loss_total.map_or(f64::NAN, |t| t.into_scalar::<f32>() as f64);
+                        let loss_sum = {
+                            // The one device→host read of the step: on an asynchronous backend
+                            // this is where the queued work is waited for.
+                            let _s = tracing::info_span!("sync").entered();
+                            loss_total.map_or(f64::NAN, |t| t.into_scalar::<f32>() as f64)
+                        };
                         let mean_loss = (loss_sum / group as f64) as f32;
                         let mut grads = accum.grads();
                         if scaler.enabled() {
                             // Unscale once, before the guard's check and before clipping.
+                            let _s = tracing::info_span!("unscale").entered();
                             grads = scale_grads(&model, grads, scaler.inverse_scale());
                         }
                         let step_no = pos.global_step + 1;
                         let loss_scale = scaler.scale();
                         // The guard's fused check: one scalar read for all gradients.
+                        let guard_span = tracing::info_span!("guard_check").entered();
                         let trouble = if !mean_loss.is_finite() {
                             Some(Trouble::Loss)
                         } else if probe_grads(&model, &grads).is_some_and(|p| !finite(p)) {
@@ -252,6 +271,7 @@ impl<'s> Trainer<'s> {
                         } else {
                             None
                         };
+                        drop(guard_span);
                         // An overflow in the gradients alone is the scaler's business (skip, halve the
                         // scale) while the scale is still >= 1; below that, scaling no longer explains
                         // it and the guard's policy applies.
@@ -290,13 +310,19 @@ impl<'s> Trainer<'s> {
                             }
                         } else {
                             if let Some(max_norm) = opts.grad_clip_norm {
+                                let _s = tracing::info_span!("clip").entered();
                                 let (clipped, norm) = clip_global_norm(&model, grads, max_norm);
                                 grads = clipped;
                                 grad_norm = Some(norm);
                             }
-                            model = optim.step(lr, model, grads);
-                            let params_bad = opts.guard.check_params
-                                && probe_params(&model).is_some_and(|p| !finite(p));
+                            model = {
+                                let _s = tracing::info_span!("optimizer").entered();
+                                optim.step(lr, model, grads)
+                            };
+                            let params_bad = opts.guard.check_params && {
+                                let _s = tracing::info_span!("guard_check").entered();
+                                probe_params(&model).is_some_and(|p| !finite(p))
+                            };
                             if params_bad {
                                 let tensors = nonfinite_param_names(&model);
                                 let action = guard.decide(Trouble::Parameters, snapshot.is_some());
@@ -349,6 +375,7 @@ impl<'s> Trainer<'s> {
                         step_time += step_ms / 1e3;
                         data_time += data_ms / 1e3;
                         samples_done += group as u64;
+                        let report_span = tracing::info_span!("report").entered();
                         self.sink.emit(&Event::Step(StepEvent {
                             step: pos.global_step,
                             epoch,
@@ -362,7 +389,25 @@ impl<'s> Trainer<'s> {
                             samples_per_s: group as f64 / (step_ms / 1e3).max(1e-9),
                             peak_rss_bytes: memory::peak_rss_bytes(),
                             skipped: trouble.is_some(),
+                            loss_scale: scaler.enabled().then_some(loss_scale),
                         }));
+                        if let Some(mark) = watermark.as_mut()
+                            && let Some(rss) = memory::current_rss_bytes()
+                            && mark.check(rss)
+                        {
+                            tracing::warn!(
+                                step = pos.global_step,
+                                "resident memory {} crossed the watermark {}",
+                                memory::human_bytes(rss),
+                                memory::human_bytes(mark.threshold())
+                            );
+                            self.sink.emit(&Event::MemoryWatermark(WatermarkEvent {
+                                step: pos.global_step,
+                                rss_bytes: rss,
+                                threshold_bytes: mark.threshold(),
+                            }));
+                        }
+                        drop(report_span);
                         if opts
                             .checkpoint_every_steps
                             .is_some_and(|k| pos.global_step % k == 0)
@@ -506,6 +551,7 @@ impl<'s> Trainer<'s> {
     /// in).
     fn evaluate<M: Classifier>(&self, model: &M, data: &dyn Dataset) -> Result<Evaluation> {
         let _amp = autocast(self.options.precision);
+        let _s = tracing::info_span!("eval", samples = data.len()).entered();
         evaluate(&model.valid(), data, EVAL_BATCH, &self.base)
     }
 
@@ -545,6 +591,7 @@ impl<'s> Trainer<'s> {
         let Some(dir) = &self.options.checkpoint_dir else {
             return Ok(None);
         };
+        let _s = tracing::info_span!("checkpoint", step = pos.global_step).entered();
         let record_err = |what| {
             move |e: burn::store::RecordError| KilnError::Record {
                 what,

@@ -1,0 +1,377 @@
+//! Observability end to end: the profiler's Chrome trace is valid Trace Event Format, its
+//! spans nest and cover the steps; TensorBoard event files hold the run's values (checked by
+//! decoding them here and, where installed, by TensorBoard's own reader); memory watermark
+//! events fire at the threshold; user timers show up in the trace.
+
+mod common;
+
+use burn::tensor::Device;
+use kiln::burn;
+use kiln::datasets::{Split, bundled};
+use kiln::observe::tensorboard::masked_crc;
+use kiln::observe::{
+    Event, EventSink, FanOut, MemorySink, Profiler, SpanRecord, TensorBoardSink, timed, timer,
+};
+use kiln::train::TrainOptions;
+use kiln::zoo::ModelKind;
+use kiln::{Trainer, observe};
+use tracing_subscriber::layer::SubscriberExt;
+
+/// Trains W1 for `steps` steps (batch 32) under a profiler; returns its spans and the events.
+fn profiled_run(steps: u64, options: TrainOptions) -> (Vec<SpanRecord>, MemorySink) {
+    let data = bundled(Split::Train).unwrap().take(640);
+    let profiler = Profiler::new();
+    let mut sink = MemorySink::default();
+    let subscriber = tracing_subscriber::registry().with(profiler.layer());
+    tracing::subscriber::with_default(subscriber, || {
+        Trainer::new(
+            TrainOptions {
+                batch_size: 32,
+                max_steps: Some(steps),
+                eval_every_epochs: 0,
+                ..options
+            },
+            Device::flex(),
+            &mut sink,
+        )
+        .fit("mlp", |d| ModelKind::Mlp.init(d), &data, None)
+        .unwrap();
+        timed("user-code", || {
+            std::thread::sleep(std::time::Duration::from_millis(2))
+        });
+    });
+    (profiler.spans(), sink)
+}
+
+#[test]
+fn the_trace_is_valid_trace_event_format_and_its_spans_nest_and_cover_the_steps() {
+    let (spans, _) = profiled_run(
+        12,
+        TrainOptions {
+            grad_clip_norm: Some(1.0),
+            grad_accum_steps: 2,
+            epochs: 2,
+            ..TrainOptions::default()
+        },
+    );
+    let trace = kiln::observe::profile::chrome_trace(&spans);
+    // Round-trip through text, as a viewer would read it.
+    let trace: serde_json::Value = serde_json::from_str(&trace.to_string()).unwrap();
+    let events = trace["traceEvents"].as_array().expect("traceEvents array");
+    let mut complete = Vec::new();
+    for e in events {
+        let ph = e["ph"].as_str().expect("ph");
+        assert!(
+            e["name"].is_string() && e["pid"].is_u64() && e["tid"].is_u64(),
+            "{e}"
+        );
+        match ph {
+            "M" => assert_eq!(e["name"], "thread_name"),
+            "X" => {
+                let (ts, dur) = (e["ts"].as_f64().unwrap(), e["dur"].as_f64().unwrap());
+                assert!(ts >= 0.0 && dur >= 0.0, "{e}");
+                assert!(e["args"].is_object());
+                complete.push((e["tid"].as_u64().unwrap(), ts, ts + dur, e["name"].clone()));
+            }
+            other => panic!("unexpected phase {other}"),
+        }
+    }
+    // Every phase of a step is there.
+    for phase in [
+        "step",
+        "data_wait",
+        "forward",
+        "backward",
+        "sync",
+        "guard_check",
+        "clip",
+        "optimizer",
+        "report",
+    ] {
+        assert!(
+            complete.iter().any(|c| c.3 == phase),
+            "no `{phase}` span in the trace"
+        );
+    }
+    assert_eq!(complete.iter().filter(|c| c.3 == "step").count(), 12);
+    // Proper nesting: on one thread, two spans are disjoint or one contains the other.
+    const EPS: f64 = 0.01;
+    for a in &complete {
+        for b in &complete {
+            if a.0 != b.0 || std::ptr::eq(a, b) {
+                continue;
+            }
+            let disjoint = a.2 <= b.1 + EPS || b.2 <= a.1 + EPS;
+            let a_in_b = a.1 + EPS >= b.1 && a.2 <= b.2 + EPS;
+            let b_in_a = b.1 + EPS >= a.1 && b.2 <= a.2 + EPS;
+            assert!(disjoint || a_in_b || b_in_a, "{a:?} and {b:?} overlap");
+        }
+    }
+    // The direct children of each step cover >= 95% of its wall time.
+    for step in spans.iter().filter(|s| s.name == "step") {
+        let end = step.start_us + step.dur_us;
+        let covered: f64 = spans
+            .iter()
+            .filter(|c| {
+                c.thread == step.thread
+                    && c.depth == step.depth + 1
+                    && c.start_us >= step.start_us
+                    && c.start_us + c.dur_us <= end + EPS
+            })
+            .map(|c| c.dur_us)
+            .sum();
+        assert!(
+            covered >= 0.95 * step.dur_us,
+            "step {:?}: children cover {covered:.0} of {:.0} us",
+            step.fields,
+            step.dur_us
+        );
+    }
+    // The user's timer is a span in the trace and has statistics.
+    assert!(
+        spans
+            .iter()
+            .any(|s| s.name == "timed" && s.fields.iter().any(|(_, v)| v == "user-code"))
+    );
+    // Other tests in this binary time the same name concurrently: at least this one call.
+    assert!(timer("user-code").is_some_and(|t| t.count >= 1 && t.p50_ms >= 2.0));
+    // The phase table accounts for the same spans.
+    let table = observe::phase_table(&spans);
+    let step_row = table.iter().find(|p| p.name == "step").unwrap();
+    assert_eq!(step_row.count, 12);
+    assert!(step_row.p95_ms >= step_row.p50_ms && step_row.total_ms > 0.0);
+}
+
+/// A tfevents record stream: (payload) per record, CRCs checked.
+fn records(bytes: &[u8]) -> Vec<&[u8]> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    while at < bytes.len() {
+        let len_bytes = &bytes[at..at + 8];
+        let len = u64::from_le_bytes(len_bytes.try_into().unwrap()) as usize;
+        let len_crc = u32::from_le_bytes(bytes[at + 8..at + 12].try_into().unwrap());
+        assert_eq!(len_crc, masked_crc(len_bytes), "length CRC");
+        let data = &bytes[at + 12..at + 12 + len];
+        let crc = u32::from_le_bytes(bytes[at + 12 + len..at + 16 + len].try_into().unwrap());
+        assert_eq!(crc, masked_crc(data), "data CRC");
+        out.push(data);
+        at += 16 + len;
+    }
+    out
+}
+
+/// Minimal protobuf reader: (field, wire type, value bytes or varint) for one message.
+fn fields(mut b: &[u8]) -> Vec<(u64, u8, Vec<u8>, u64)> {
+    fn varint(b: &mut &[u8]) -> u64 {
+        let mut v = 0u64;
+        let mut shift = 0;
+        loop {
+            let byte = b[0];
+            *b = &b[1..];
+            v |= ((byte & 0x7F) as u64) << shift;
+            if byte < 0x80 {
+                return v;
+            }
+            shift += 7;
+        }
+    }
+    let mut out = Vec::new();
+    while !b.is_empty() {
+        let key = varint(&mut b);
+        let (field, wire) = (key >> 3, (key & 7) as u8);
+        match wire {
+            0 => {
+                let v = varint(&mut b);
+                out.push((field, 0, Vec::new(), v));
+            }
+            1 => {
+                out.push((field, 1, b[..8].to_vec(), 0));
+                b = &b[8..];
+            }
+            2 => {
+                let n = varint(&mut b) as usize;
+                out.push((field, 2, b[..n].to_vec(), 0));
+                b = &b[n..];
+            }
+            5 => {
+                out.push((field, 5, b[..4].to_vec(), 0));
+                b = &b[4..];
+            }
+            w => panic!("unexpected wire type {w}"),
+        }
+    }
+    out
+}
+
+/// (step, tag, value) of every scalar in an event file.
+fn decoded_scalars(bytes: &[u8]) -> (Option<String>, Vec<(i64, String, f32)>) {
+    let mut version = None;
+    let mut out = Vec::new();
+    for rec in records(bytes) {
+        let event = fields(rec);
+        let step = event.iter().find(|f| f.0 == 2).map_or(0, |f| f.3 as i64);
+        for f in &event {
+            if f.0 == 3 {
+                version = Some(String::from_utf8(f.2.clone()).unwrap());
+            }
+            if f.0 == 5 {
+                for value in fields(&f.2).into_iter().filter(|v| v.0 == 1) {
+                    let v = fields(&value.2);
+                    let tag = v.iter().find(|x| x.0 == 1).map(|x| x.2.clone());
+                    let simple = v.iter().find(|x| x.0 == 2 && x.1 == 5);
+                    if let (Some(tag), Some(simple)) = (tag, simple) {
+                        let value = f32::from_le_bytes(simple.2[..4].try_into().unwrap());
+                        out.push((step, String::from_utf8(tag).unwrap(), value));
+                    }
+                }
+            }
+        }
+    }
+    (version, out)
+}
+
+#[test]
+fn tensorboard_event_files_hold_the_runs_values() {
+    let dir = common::tempdir("observe", "tensorboard");
+    let data = bundled(Split::Train).unwrap().take(192);
+    let test = bundled(Split::Test).unwrap().take(100);
+    let mut memory = MemorySink::default();
+    let mut tb = TensorBoardSink::create(&dir).unwrap();
+    let path = tb.path().unwrap().to_path_buf();
+    {
+        let mut fan = FanOut::new().with(&mut memory).with(&mut tb);
+        let sink: &mut dyn EventSink = &mut fan;
+        Trainer::new(
+            TrainOptions {
+                batch_size: 32,
+                epochs: 2,
+                ..TrainOptions::default()
+            },
+            Device::flex(),
+            sink,
+        )
+        .with_plan(serde_json::json!({
+            "level": "basic",
+            "settings": {"train.lr": {"value": 0.001, "source": "default"}},
+        }))
+        .fit("mlp", |d| ModelKind::Mlp.init(d), &data, Some(&test))
+        .unwrap();
+    }
+    drop(tb);
+    let bytes = std::fs::read(&path).unwrap();
+    let (version, scalars) = decoded_scalars(&bytes);
+    assert_eq!(version.as_deref(), Some("brain.Event:2"));
+    let steps: Vec<_> = memory
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Step(s) => Some(s.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(steps.len(), 12);
+    for s in &steps {
+        let loss = scalars
+            .iter()
+            .find(|(step, tag, _)| *step == s.step as i64 && tag == "train/loss")
+            .unwrap_or_else(|| panic!("no train/loss at step {}", s.step));
+        assert_eq!(loss.2, s.loss);
+    }
+    let accuracy: Vec<f32> = memory
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            Event::EpochEnd(e) => e.test_accuracy.map(|a| a as f32),
+            _ => None,
+        })
+        .collect();
+    let logged: Vec<f32> = scalars
+        .iter()
+        .filter(|(_, tag, _)| tag == "eval/accuracy")
+        .map(|s| s.2)
+        .collect();
+    assert_eq!(logged, accuracy);
+
+    // TensorBoard's own reader must see the same values and the plan text.
+    let python = std::env::var("KILN_PYTHON").unwrap_or_else(|_| "python3".into());
+    let has_tb = std::process::Command::new(&python)
+        .args(["-c", "import tensorboard"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_tb {
+        assert!(
+            std::env::var_os("KILN_REQUIRE_TENSORBOARD").is_none(),
+            "KILN_REQUIRE_TENSORBOARD is set but `{python} -c 'import tensorboard'` fails"
+        );
+        eprintln!(
+            "SKIPPED the TensorBoard reader check: tensorboard is not installed for `{python}` \
+             (pip install tensorboard, or set KILN_PYTHON)"
+        );
+        return;
+    }
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/tb_check.py");
+    let out = std::process::Command::new(&python)
+        .arg(script)
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let read: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(read["version"], "brain.Event:2");
+    let tb_scalars = read["scalars"].as_array().unwrap();
+    assert_eq!(
+        tb_scalars.len(),
+        scalars.len(),
+        "TensorBoard sees every scalar"
+    );
+    for (mine, theirs) in scalars.iter().zip(tb_scalars) {
+        assert_eq!(theirs[0].as_i64().unwrap(), mine.0);
+        assert_eq!(theirs[1].as_str().unwrap(), mine.1);
+        assert_eq!(theirs[2].as_f64().unwrap() as f32, mine.2);
+    }
+    let plan = read["texts"]["plan"].as_str().expect("plan text");
+    assert!(plan.contains("| train.lr | 0.001 | default |"), "{plan}");
+}
+
+#[test]
+fn memory_watermark_events_fire_at_the_threshold() {
+    let rss = observe::memory::current_rss_bytes().expect("Linux /proc");
+    // Below the current RSS: must fire after the first step, exactly once (RSS stays above).
+    let (_, sink) = profiled_run(
+        5,
+        TrainOptions {
+            memory_watermark: Some(rss / 2),
+            ..TrainOptions::default()
+        },
+    );
+    let marks: Vec<_> = sink
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            Event::MemoryWatermark(m) => Some(m.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(marks.len(), 1, "{marks:?}");
+    assert_eq!(marks[0].step, 1);
+    assert_eq!(marks[0].threshold_bytes, rss / 2);
+    assert!(marks[0].rss_bytes >= marks[0].threshold_bytes);
+    // Far above: never.
+    let (_, sink) = profiled_run(
+        5,
+        TrainOptions {
+            memory_watermark: Some(1 << 50),
+            ..TrainOptions::default()
+        },
+    );
+    assert!(
+        !sink
+            .events
+            .iter()
+            .any(|e| matches!(e, Event::MemoryWatermark(_)))
+    );
+}
