@@ -102,25 +102,68 @@ pub fn run(args: ProfileArgs) -> Result<()> {
         );
     }
     if args.overhead {
-        // Alternate off/on twice: the machine's drift hits both equally.
-        let mut off = Vec::new();
-        let mut on = Vec::new();
-        for _ in 0..2 {
-            off.push(run_steps(&plan, args.steps, None)?);
-            on.push(run_steps(&plan, args.steps, Some(&Profiler::new()))?);
-        }
-        let (off_ms, on_ms) = (
-            off.iter().sum::<f64>() / off.len() as f64,
-            on.iter().sum::<f64>() / on.len() as f64,
-        );
-        println!(
-            "profiler overhead: {:.2} ms/step without, {:.2} ms/step with ({:+.2}%; runs off {:?}, on {:?})",
-            off_ms,
-            on_ms,
-            100.0 * (on_ms / off_ms - 1.0),
-            off.iter().map(|v| format!("{v:.2}")).collect::<Vec<_>>(),
-            on.iter().map(|v| format!("{v:.2}")).collect::<Vec<_>>()
-        );
+        report_overhead(&plan, args.steps, &spans)?;
     }
+    Ok(())
+}
+
+/// The profiler's cost two ways: end to end (the same steps with and without the layer,
+/// alternated 4 times so drift hits both; the median of the pairwise ratios) and bottom-up
+/// (the measured cost of one recorded span times the spans per step, which is far below the
+/// machine's run-to-run noise and so the figure to trust when the two disagree).
+fn report_overhead(
+    plan: &kiln::plan::Plan,
+    steps: u64,
+    spans: &[kiln::observe::SpanRecord],
+) -> Result<()> {
+    let mut ratios = Vec::new();
+    let (mut off, mut on) = (Vec::new(), Vec::new());
+    for _ in 0..4 {
+        let a = run_steps(plan, steps, None)?;
+        let b = run_steps(plan, steps, Some(&Profiler::new()))?;
+        off.push(a);
+        on.push(b);
+        ratios.push(b / a);
+    }
+    ratios.sort_by(f64::total_cmp);
+    let median = (ratios[1] + ratios[2]) / 2.0;
+    let fmt = |v: &[f64]| {
+        v.iter()
+            .map(|x| format!("{x:.1}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    println!(
+        "end to end: ms/step without [{}], with [{}]; median ratio {:+.2}%",
+        fmt(&off),
+        fmt(&on),
+        100.0 * (median - 1.0)
+    );
+    // Bottom-up: N empty spans with the layer installed vs without.
+    const N: u32 = 20_000;
+    let empty = || {
+        let t = std::time::Instant::now();
+        for i in 0..N {
+            let _s = tracing::info_span!("probe", i).entered();
+        }
+        t.elapsed().as_secs_f64() * 1e6 / N as f64
+    };
+    let without = empty();
+    let profiler = Profiler::new();
+    let with = tracing::subscriber::with_default(
+        tracing_subscriber::registry().with(profiler.layer()),
+        empty,
+    );
+    let per_span = (with - without).max(0.0);
+    let n_steps = spans.iter().filter(|s| s.name == "step").count().max(1);
+    let spans_per_step = spans.len() as f64 / n_steps as f64;
+    let step_us = off.iter().sum::<f64>() / off.len() as f64 * 1e3;
+    println!(
+        "bottom up: {per_span:.2} us per recorded span x {spans_per_step:.1} spans per step = \
+         {:.1} us per {:.1} ms step = {:.3}%",
+        per_span * spans_per_step,
+        step_us / 1e3,
+        100.0 * per_span * spans_per_step / step_us
+    );
     Ok(())
 }
