@@ -59,6 +59,7 @@ fn the_trace_is_valid_trace_event_format_and_its_spans_nest_and_cover_the_steps(
     let trace: serde_json::Value = serde_json::from_str(&trace.to_string()).unwrap();
     let events = trace["traceEvents"].as_array().expect("traceEvents array");
     let mut complete = Vec::new();
+    let mut counters = 0;
     for e in events {
         let ph = e["ph"].as_str().expect("ph");
         assert!(
@@ -67,6 +68,11 @@ fn the_trace_is_valid_trace_event_format_and_its_spans_nest_and_cover_the_steps(
         );
         match ph {
             "M" => assert_eq!(e["name"], "thread_name"),
+            "C" => {
+                assert!(e["ts"].as_f64().unwrap() >= 0.0);
+                assert!(e["args"]["rss_mib"].as_f64().unwrap() > 0.0, "{e}");
+                counters += 1;
+            }
             "X" => {
                 let (ts, dur) = (e["ts"].as_f64().unwrap(), e["dur"].as_f64().unwrap());
                 assert!(ts >= 0.0 && dur >= 0.0, "{e}");
@@ -76,6 +82,7 @@ fn the_trace_is_valid_trace_event_format_and_its_spans_nest_and_cover_the_steps(
             other => panic!("unexpected phase {other}"),
         }
     }
+    assert!(counters >= 12, "a memory counter per step: {counters}");
     // Every phase of a step is there.
     for phase in [
         "step",

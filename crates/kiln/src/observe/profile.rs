@@ -253,6 +253,18 @@ pub fn chrome_trace(spans: &[SpanRecord]) -> serde_json::Value {
             "ts": s.start_us, "dur": s.dur_us, "args": args,
         }));
     }
+    // A memory track: resident memory at the end of every outermost span, as counter events
+    // (Perfetto and chrome://tracing draw them as a graph above the thread).
+    let mut roots: Vec<&SpanRecord> = spans.iter().filter(|s| s.depth == 0).collect();
+    roots.sort_by(|a, b| a.start_us.total_cmp(&b.start_us));
+    for s in roots {
+        if let Some(rss) = s.rss_end {
+            events.push(serde_json::json!({
+                "name": "resident memory", "ph": "C", "pid": 1, "tid": s.thread,
+                "ts": s.start_us + s.dur_us, "args": {"rss_mib": rss as f64 / 1048576.0},
+            }));
+        }
+    }
     serde_json::json!({"traceEvents": events, "displayTimeUnit": "ms"})
 }
 
