@@ -6,6 +6,7 @@ use anyhow::{Context, Result};
 use kiln::Trainer;
 use kiln::datasets::{self, Split};
 use kiln::observe::{Event, MemorySink, Profiler, phase_table, render_table};
+use kiln::tune::{RunContext, StepSplit, diagnose};
 use tracing_subscriber::layer::SubscriberExt;
 
 use crate::ProfileArgs;
@@ -85,14 +86,35 @@ pub fn run(args: ProfileArgs) -> Result<()> {
     let trace = kiln::observe::profile::chrome_trace(&spans);
     kiln::fsutil::write_atomic(&trace_path, serde_json::to_string(&trace)?.as_bytes())?;
     let table = phase_table(&spans);
-    let text = render_table(&table);
+    let verdict = StepSplit::from_phases(&table).map(|split| {
+        diagnose(
+            &split,
+            &RunContext {
+                workers: plan.train.workers.unwrap_or(0),
+                cores: plan.hardware.cores,
+                batch_size: plan.train.batch_size,
+                gpu: plan.backend != kiln::plan::Backend::Flex,
+            },
+        )
+    });
+    let mut text = render_table(&table);
+    if let Some(v) = &verdict {
+        text.push_str(&format!("\nverdict: {}\nnext: {}\n", v.summary, v.action));
+    }
     kiln::fsutil::write_atomic(&args.out.join("phases.txt"), text.as_bytes())?;
     kiln::fsutil::write_atomic(
         &args.out.join("phases.json"),
         serde_json::to_string_pretty(&table)?.as_bytes(),
     )?;
+    kiln::fsutil::write_atomic(
+        &args.out.join("verdict.json"),
+        serde_json::to_string_pretty(&verdict)?.as_bytes(),
+    )?;
     if args.json {
-        println!("{}", serde_json::to_string(&table)?);
+        println!(
+            "{}",
+            serde_json::to_string(&serde_json::json!({"phases": table, "verdict": verdict}))?
+        );
     } else {
         print!("{text}");
         println!(

@@ -511,3 +511,56 @@ fn profile_writes_a_trace_and_train_writes_tensorboard_and_plain_monitor_lines()
         "no terminal escapes when not a TTY"
     );
 }
+
+#[test]
+fn profile_names_the_bottleneck_data_bound_then_not() {
+    // W1 with the affine augmentation on the training thread: the data side dominates.
+    let dir = tempdir("bottleneck");
+    let run = |workers: &str, out: &str| {
+        let o = kiln(&[
+            "profile",
+            "--model",
+            "mlp",
+            "--steps",
+            "8",
+            "--augment",
+            "affine",
+            "--workers",
+            workers,
+            "--level",
+            "basic",
+            "--out",
+            dir.join(out).to_str().unwrap(),
+            "--json",
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+        v["verdict"].clone()
+    };
+    let slow = run("0", "w0");
+    assert_eq!(slow["kind"], "data-bound", "{slow}");
+    assert!(slow["split"]["data"].as_f64().unwrap() >= 0.10, "{slow}");
+    assert!(
+        slow["action"]
+            .as_str()
+            .unwrap()
+            .contains("data.workers 0 -> 1"),
+        "{slow}"
+    );
+    // The same step at level basic without augmentation is not data-bound.
+    let o = kiln(&[
+        "profile",
+        "--model",
+        "mlp",
+        "--steps",
+        "8",
+        "--level",
+        "basic",
+        "--out",
+        dir.join("plain").to_str().unwrap(),
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_ne!(v["verdict"]["kind"], "data-bound", "{v}");
+}

@@ -29,6 +29,7 @@ pub mod observe;
 pub mod plan;
 pub mod precision;
 pub mod train;
+pub mod tune;
 pub mod zoo;
 
 pub use burn;
