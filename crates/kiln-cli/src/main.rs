@@ -7,6 +7,7 @@ mod optimize_cmd;
 mod profile_cmd;
 mod progress;
 mod train_cmd;
+mod tune_cmd;
 
 use std::path::PathBuf;
 
@@ -62,6 +63,53 @@ enum Command {
     /// time and memory, and (with --overhead) the profiler's own cost.
     #[command(after_help = EXAMPLES)]
     Profile(ProfileArgs),
+    /// Tune settings by measurement on this machine.
+    #[command(subcommand)]
+    Tune(TuneCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum TuneCommand {
+    /// The largest batch that fits a memory budget, and the fastest one: power-of-two growth
+    /// then binary search, each trial a few real training steps in a child process.
+    Batch(TuneBatchArgs),
+}
+
+#[derive(Args, Debug)]
+struct TuneBatchArgs {
+    /// Zoo model: mlp (W1), cnn (W2), transformer (W4), resnet (W5).
+    #[arg(long, default_value = "cnn")]
+    model: String,
+    /// Memory budget (host RSS on CPU), e.g. 8GiB, 512MiB.
+    #[arg(long, default_value = "8GiB")]
+    memory_budget: String,
+    /// Candidate generation: power (double, then binary search) or binsearch.
+    #[arg(long, default_value = "power")]
+    mode: String,
+    /// Safety margin: a trial fits under budget x (1 - margin).
+    #[arg(long, default_value_t = 0.1)]
+    margin: f64,
+    /// First batch of the power-of-two growth.
+    #[arg(long, default_value_t = 8)]
+    start: usize,
+    /// Largest batch considered.
+    #[arg(long, default_value_t = 4096)]
+    max_batch: usize,
+    /// Timed training steps per trial (after 2 warm-up steps).
+    #[arg(long, default_value_t = 3)]
+    steps: u64,
+    /// Precision policy of the trials: f32, bf16, f16.
+    #[arg(long, default_value = "f32")]
+    precision: String,
+    /// CPU threads (0 = one per core).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// The result as JSON.
+    #[arg(long)]
+    json: bool,
+    /// Internal: run one trial at this batch and print its measurements.
+    #[arg(long, hide = true)]
+    trial: Option<usize>,
 }
 
 #[derive(Args, Debug)]
@@ -290,6 +338,7 @@ fn main() {
         Command::Bench(args) => bench_cmd::run(args),
         Command::Optimize(args) => optimize_cmd::run(args),
         Command::Profile(args) => profile_cmd::run(args),
+        Command::Tune(TuneCommand::Batch(args)) => tune_cmd::run(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

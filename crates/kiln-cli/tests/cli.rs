@@ -564,3 +564,64 @@ fn profile_names_the_bottleneck_data_bound_then_not() {
     let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
     assert_ne!(v["verdict"]["kind"], "data-bound", "{v}");
 }
+
+#[test]
+fn tune_batch_finds_the_largest_batch_under_a_small_budget() {
+    let search = |budget: &str| {
+        let o = kiln(&[
+            "tune",
+            "batch",
+            "--model",
+            "mlp",
+            "--memory-budget",
+            budget,
+            "--max-batch",
+            "8192",
+            "--steps",
+            "2",
+            "--json",
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        serde_json::from_str::<serde_json::Value>(stdout(&o).trim()).unwrap()
+    };
+    // Unbounded: every size fits; the memory it takes grows with the batch.
+    let free = search("64GiB");
+    assert_eq!(free["largest_safe"], 8192, "{free}");
+    let peak = |r: &serde_json::Value, b: u64| {
+        r["trials"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|t| t["batch"] == b)
+            .and_then(|t| t["outcome"]["peak_bytes"].as_u64())
+            .unwrap()
+    };
+    let (small, large) = (peak(&free, 8), peak(&free, 8192));
+    assert!(large > small + (16 << 20), "{small} vs {large}");
+    // A budget whose usable part lies halfway: the search must stop inside the range.
+    let budget = ((small + large) / 2) as f64 / 0.9;
+    let r = search(&format!("{}", budget as u64));
+    let lo = r["largest_safe"].as_u64().unwrap();
+    assert!(lo < 8192, "{r}");
+    let limit = r["limit"].as_u64().unwrap();
+    let trials = r["trials"].as_array().unwrap();
+    let chosen = trials.iter().find(|t| t["batch"] == lo).unwrap();
+    assert_eq!(chosen["fits"], true);
+    assert!(chosen["outcome"]["peak_bytes"].as_u64().unwrap() <= limit);
+    // The closest failure above it is within the search's resolution and over the limit.
+    let fail = trials
+        .iter()
+        .filter(|t| t["fits"] == false && t["batch"].as_u64().unwrap() > lo)
+        .min_by_key(|t| t["batch"].as_u64().unwrap())
+        .expect("a failing trial above the answer");
+    let hi = fail["batch"].as_u64().unwrap();
+    assert!(hi - lo <= (lo / 16).max(1), "gap {lo}..{hi}: {r}");
+    assert!(
+        fail["reason"].as_str().unwrap().contains("over the limit"),
+        "{fail}"
+    );
+    // An impossible budget is a clear error.
+    let o = kiln(&["tune", "batch", "--model", "mlp", "--memory-budget", "1MiB"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("no batch size fits"), "{}", stderr(&o));
+}

@@ -1,6 +1,8 @@
-//! Tuning: measurements turned into decisions. So far: bottleneck detection from the step's
-//! phase split ([`bottleneck`]). Batch-size search and the auto-optimizer build on it.
+//! Tuning: measurements turned into decisions. So far: batch-size search under a memory
+//! budget ([`batch`]) and bottleneck detection from the step's phase split ([`bottleneck`]).
 
+pub mod batch;
 pub mod bottleneck;
 
+pub use batch::{SearchMode, SearchOptions, SearchResult, Trial, TrialOutcome, parse_size, search};
 pub use bottleneck::{Bottleneck, RunContext, StepSplit, Verdict, diagnose};
