@@ -382,3 +382,58 @@ fn memory_watermark_events_fire_at_the_threshold() {
             .any(|e| matches!(e, Event::MemoryWatermark(_)))
     );
 }
+
+#[test]
+fn a_watermark_crossing_halves_the_micro_batch_and_keeps_the_effective_batch() {
+    use kiln::train::flatten_params;
+    let data = bundled(Split::Train).unwrap().take(320);
+    let train = |watermark: Option<u64>| {
+        let mut sink = MemorySink::default();
+        let out = Trainer::new(
+            TrainOptions {
+                batch_size: 32,
+                epochs: 2,
+                eval_every_epochs: 0,
+                workers: Some(2),
+                memory_watermark: watermark,
+                oom_adaptive: true,
+                ..TrainOptions::default()
+            },
+            Device::flex(),
+            &mut sink,
+        )
+        .fit("mlp", |d| ModelKind::Mlp.init(d), &data, None)
+        .unwrap();
+        (flatten_params(&out.model), sink)
+    };
+    // Forced: a watermark under the current RSS crosses after the first step.
+    let rss = observe::memory::current_rss_bytes().expect("Linux /proc");
+    let (adapted, sink) = train(Some(rss / 2));
+    let changes: Vec<_> = sink
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            Event::BatchAdapted(b) => Some(b.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(changes.len(), 1, "{changes:?}");
+    assert_eq!(
+        (changes[0].step, changes[0].micro_batch, changes[0].grad_accum_steps),
+        (1, 16, 2)
+    );
+    assert_eq!(changes[0].effective_batch, 32);
+    let samples: Vec<usize> = sink
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Step(s) => Some(s.samples),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(samples, vec![32; 20], "same steps, same samples per step");
+    // The same trajectory as without adaptation, up to summation order.
+    let (plain, _) = train(None);
+    let (_, max_diff) = common::bitwise_differences(&adapted, &plain);
+    assert!(max_diff < 1e-4, "adapted run drifted by {max_diff}");
+}

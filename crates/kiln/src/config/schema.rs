@@ -349,6 +349,14 @@ pub static SETTINGS: &[SettingSpec] = &[
         doc: "batches each worker may prepare ahead of the trainer (bounds loader memory)",
     },
     SettingSpec {
+        key: "train.oom_adaptive",
+        kind: Kind::Bool,
+        default: B(false),
+        levels: &[(Level::Advanced, B(true)), (Level::Ultra, B(true))],
+        doc: "on a memory watermark crossing, halve the micro-batch and double accumulation \
+              (effective batch unchanged) instead of running out of memory",
+    },
+    SettingSpec {
         key: "observe.memory_watermark_mib",
         kind: Kind::Int {
             min: 0,

@@ -92,6 +92,8 @@ struct State {
     generation: u64,
     epoch: usize,
     order: Arc<Vec<usize>>,
+    /// Batch size of the current epoch job (it can change between jobs).
+    batch_size: usize,
     next_claim: usize,
     end: usize,
     consumed: usize,
@@ -119,8 +121,7 @@ impl Shared<'_> {
     }
 
     /// Builds batch `k` of `order`: fills, augments, uploads; panics become errors.
-    fn build(&self, epoch: usize, order: &[usize], k: usize) -> Result<Batch> {
-        let b = self.options.batch_size;
+    fn build(&self, epoch: usize, order: &[usize], b: usize, k: usize) -> Result<Batch> {
         let indices = &order[k * b..((k + 1) * b).min(order.len())];
         let seed = self.options.seed;
         let shape = self.dataset.item_shape();
@@ -167,9 +168,10 @@ impl Shared<'_> {
                 let k = st.next_claim;
                 st.next_claim += 1;
                 st.max_outstanding = st.max_outstanding.max(st.next_claim - st.consumed);
-                let (generation, epoch, order) = (st.generation, st.epoch, st.order.clone());
+                let (generation, epoch, order, b) =
+                    (st.generation, st.epoch, st.order.clone(), st.batch_size);
                 drop(st);
-                let result = self.build(epoch, &order, k);
+                let result = self.build(epoch, &order, b, k);
                 st = self.lock();
                 if st.generation == generation {
                     st.ready.insert(k, result);
@@ -208,6 +210,8 @@ impl Drop for StopOnDrop<'_, '_> {
 pub struct DataLoader<'s> {
     shared: &'s Shared<'s>,
     stats: LoaderStats,
+    /// The batch size of the next epoch job (see [`DataLoader::set_batch_size`]).
+    batch_size: usize,
 }
 
 impl<'s> DataLoader<'s> {
@@ -228,6 +232,7 @@ impl<'s> DataLoader<'s> {
             )));
         }
         let workers = options.workers;
+        let first_batch = options.batch_size;
         let shared = Shared {
             dataset,
             transform,
@@ -238,6 +243,7 @@ impl<'s> DataLoader<'s> {
                 generation: 0,
                 epoch: 0,
                 order: Arc::new(Vec::new()),
+                batch_size: first_batch,
                 next_claim: 0,
                 end: 0,
                 consumed: 0,
@@ -259,6 +265,7 @@ impl<'s> DataLoader<'s> {
             let mut loader = DataLoader {
                 shared: &shared,
                 stats: LoaderStats::default(),
+                batch_size: shared.options.batch_size,
             };
             Ok(body(&mut loader))
         })
@@ -269,11 +276,24 @@ impl<'s> DataLoader<'s> {
         &self.shared.options
     }
 
-    /// Batches per epoch.
+    /// Batches per epoch at the current batch size.
     pub fn batches_per_epoch(&self) -> usize {
-        self.shared
-            .options
-            .batches_per_epoch(self.shared.dataset.len())
+        LoaderOptions {
+            batch_size: self.batch_size,
+            ..self.shared.options.clone()
+        }
+        .batches_per_epoch(self.shared.dataset.len())
+    }
+
+    /// The current batch size.
+    pub fn batch_size(&self) -> usize {
+        self.batch_size
+    }
+
+    /// Changes the batch size from the next [`DataLoader::epoch`] call on (OOM-adaptive
+    /// batching halves it mid-epoch and restarts the epoch at the same sample position).
+    pub fn set_batch_size(&mut self, batch_size: usize) {
+        self.batch_size = batch_size.max(1);
     }
 
     /// What the loader did so far.
@@ -289,13 +309,15 @@ impl<'s> DataLoader<'s> {
         let opts = &self.shared.options;
         let n = self.shared.dataset.len();
         let order = Arc::new(epoch_order(n, opts.seed, epoch, opts.shuffle));
-        let end = opts.batches_per_epoch(n);
+        let end = self.batches_per_epoch();
+        let batch_size = self.batch_size;
         let start = start.min(end);
         if opts.workers > 0 {
             let mut st = self.shared.lock();
             st.generation += 1;
             st.epoch = epoch;
             st.order = order.clone();
+            st.batch_size = batch_size;
             st.next_claim = start;
             st.consumed = start;
             st.end = end;
@@ -306,6 +328,7 @@ impl<'s> DataLoader<'s> {
         EpochBatches {
             loader: self,
             epoch,
+            batch_size,
             order,
             next: start,
             end,
@@ -318,6 +341,7 @@ impl<'s> DataLoader<'s> {
 pub struct EpochBatches<'l, 's> {
     loader: &'l mut DataLoader<'s>,
     epoch: usize,
+    batch_size: usize,
     order: Arc<Vec<usize>>,
     next: usize,
     end: usize,
@@ -368,7 +392,9 @@ impl Iterator for EpochBatches<'_, '_> {
         }
         let t = Instant::now();
         let result = if self.loader.shared.options.workers == 0 {
-            self.loader.shared.build(self.epoch, &self.order, self.next)
+            self.loader
+                .shared
+                .build(self.epoch, &self.order, self.batch_size, self.next)
         } else {
             self.take_ready()
         };

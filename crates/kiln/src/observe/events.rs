@@ -81,6 +81,19 @@ pub struct StepEvent {
     pub loss_scale: Option<f32>,
 }
 
+/// The micro-batch was halved after a memory watermark crossing.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct BatchAdaptedEvent {
+    /// Global optimizer step after which it changed.
+    pub step: u64,
+    /// The new micro-batch size.
+    pub micro_batch: usize,
+    /// The new number of accumulation steps.
+    pub grad_accum_steps: usize,
+    /// Their product: unchanged by the adaptation.
+    pub effective_batch: usize,
+}
+
 /// Resident memory crossed the configured watermark.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct WatermarkEvent {
@@ -169,6 +182,8 @@ pub enum Event {
     /// Resident memory crossed the watermark (`observe.memory_watermark_mib`); the tuner's
     /// OOM-adaptive batching listens for it.
     MemoryWatermark(WatermarkEvent),
+    /// OOM-adaptive batching changed the micro-batch (effective batch kept).
+    BatchAdapted(BatchAdaptedEvent),
     /// The run finished.
     RunFinished(RunSummary),
 }

@@ -13,7 +13,8 @@ mod timer;
 pub mod timing;
 
 pub use events::{
-    EpochSummary, Event, GuardAction, GuardEvent, RunSummary, StepEvent, Trouble, WatermarkEvent,
+    BatchAdaptedEvent, EpochSummary, Event, GuardAction, GuardEvent, RunSummary, StepEvent,
+    Trouble, WatermarkEvent,
 };
 pub use memory::Watermark;
 pub use profile::{PhaseStats, Profiler, SpanRecord, phase_table, render_table};

@@ -255,6 +255,7 @@ fn build(config: &KilnConfig, settings: Vec<ResolvedSetting>, hw: &Hardware) -> 
         memory_watermark: Some(int("observe.memory_watermark_mib") as u64)
             .filter(|m| *m > 0)
             .map(|m| m << 20),
+        oom_adaptive: flag("train.oom_adaptive"),
         precision: Precision::from_name(&text("precision.policy")).unwrap_or_default(),
         scaler: ScalerOptions {
             mode: ScalingMode::from_name(&text("precision.loss_scaling")),

@@ -94,6 +94,9 @@ pub struct TrainOptions {
     /// Emit [`crate::observe::Event::MemoryWatermark`] when resident memory reaches this many
     /// bytes.
     pub memory_watermark: Option<u64>,
+    /// On a watermark crossing, halve the micro-batch and double accumulation (same effective
+    /// batch) instead of risking an out-of-memory abort.
+    pub oom_adaptive: bool,
     /// Numeric precision of the step.
     pub precision: Precision,
     /// Loss scaling.
@@ -127,6 +130,7 @@ impl Default for TrainOptions {
             prefetch_factor: 2,
             augment: Augment::None,
             memory_watermark: None,
+            oom_adaptive: false,
             precision: Precision::F32,
             scaler: ScalerOptions::default(),
             guard: GuardOptions::default(),

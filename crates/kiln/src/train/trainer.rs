@@ -20,7 +20,8 @@ use crate::guard::{
     nonfinite_param_names, probe_grads, probe_params,
 };
 use crate::observe::{
-    EpochSummary, Event, EventSink, RunSummary, StepEvent, Watermark, WatermarkEvent, memory,
+    BatchAdaptedEvent, EpochSummary, Event, EventSink, RunSummary, StepEvent, Watermark,
+    WatermarkEvent, memory,
 };
 use crate::precision::{LossScaler, autocast};
 use crate::zoo::Classifier;
@@ -164,6 +165,9 @@ impl<'s> Trainer<'s> {
         // The loader's workers persist across epochs; its body is the whole epoch loop. The
         // model and optimizer are moved through it (the step replaces them by value).
         let mut carried = Some((model, optim));
+        // The micro-batch and accumulation the loop runs with: OOM-adaptive batching halves
+        // the one and doubles the other, keeping the effective batch.
+        let (mut micro_batch, mut accum_steps) = (opts.batch_size, opts.grad_accum_steps);
         let mut watermark = opts.memory_watermark.map(Watermark::new);
         let mut loader_stats = None;
         DataLoader::run(
@@ -179,245 +183,271 @@ impl<'s> Trainer<'s> {
                     let epoch_start = Instant::now();
                     // `pos` is always at the start of this epoch or, after a resume, inside it: each
                     // epoch's end resets it to the next epoch's first step.
-                    let mut batches =
-                        loader.epoch(epoch, pos.step_in_epoch * opts.grad_accum_steps);
-                    for s in pos.step_in_epoch..steps_per_epoch {
-                        if pos.global_step >= total_steps {
-                            // Stopped early by max_steps: leave a checkpoint to continue from.
-                            last_train_loss = pos.epoch_mean_loss();
-                            last_checkpoint =
-                                self.checkpoint(&model, &optim, model_name, &pos, &scaler)?;
-                            break 'epochs;
-                        }
-                        let micro = s * opts.grad_accum_steps
-                            ..((s + 1) * opts.grad_accum_steps).min(micro_per_epoch);
-                        let sizes: Vec<usize> = micro
-                            .map(|m| ((m + 1) * opts.batch_size).min(n) - m * opts.batch_size)
-                            .collect();
-                        let group: usize = sizes.iter().sum();
+                    // An OOM-adaptive halving restarts the epoch's batches at the same sample
+                    // position with the new micro-batch size.
+                    'restart: loop {
+                        let micro_per_epoch = n.div_ceil(micro_batch);
+                        loader.set_batch_size(micro_batch);
+                        let mut batches = loader.epoch(epoch, pos.step_in_epoch * accum_steps);
+                        let mut adapted = false;
+                        for s in pos.step_in_epoch..steps_per_epoch {
+                            if pos.global_step >= total_steps {
+                                // Stopped early by max_steps: leave a checkpoint to continue from.
+                                last_train_loss = pos.epoch_mean_loss();
+                                last_checkpoint =
+                                    self.checkpoint(&model, &optim, model_name, &pos, &scaler)?;
+                                break 'epochs;
+                            }
+                            let micro =
+                                s * accum_steps..((s + 1) * accum_steps).min(micro_per_epoch);
+                            let sizes: Vec<usize> = micro
+                                .map(|m| ((m + 1) * micro_batch).min(n) - m * micro_batch)
+                                .collect();
+                            let group: usize = sizes.iter().sum();
 
-                        let t0 = Instant::now();
-                        // Spans around every phase: free without a subscriber, the profiler's
-                        // trace and table with one (`kiln profile`).
-                        let _step_span =
-                            tracing::info_span!("step", step = pos.global_step + 1).entered();
-                        let mut data_ms = 0f64;
-                        let mut accum = GradientsAccumulator::<M>::new();
-                        let mut loss_total: Option<burn::tensor::Tensor<1>> = None;
-                        for &size in &sizes {
-                            let td = Instant::now();
-                            let batch = {
-                                let _s = tracing::info_span!("data_wait").entered();
-                                batches.next().ok_or_else(|| {
-                                    KilnError::Loader("the epoch ended before its last step".into())
-                                })??
-                            };
-                            data_ms += td.elapsed().as_secs_f64() * 1e3;
-                            debug_assert_eq!(batch.len, size);
-                            let forward_span = tracing::info_span!("forward").entered();
-                            let logits = {
-                                let _amp = autocast(opts.precision);
-                                model.forward(batch.images)
-                            };
-                            // Logits come out of the autocast ops in f32: log-softmax and the loss
-                            // run in f32.
-                            let loss = loss_fn.forward(logits, batch.labels);
-                            // Kept on the device and read once per step: a read per micro-batch would
-                            // stall an asynchronous backend (CUDA) between micro-batches.
-                            let weighted = loss.clone().detach().mul_scalar(size as f64);
-                            loss_total = Some(match loss_total.take() {
-                                Some(t) => t + weighted,
-                                None => weighted,
-                            });
-                            // Weight each micro-batch's mean loss by its share of the group so that
-                            // N micro-batches give exactly the gradient of one batch of N·b samples.
-                            let weight = size as f64 / group as f64;
-                            let loss = if sizes.len() == 1 {
-                                loss
-                            } else {
-                                loss.mul_scalar(weight)
-                            };
-                            let loss = if scaler.enabled() {
-                                loss.mul_scalar(scaler.scale())
-                            } else {
-                                loss
-                            };
-                            drop(forward_span);
-                            let _backward = tracing::info_span!("backward").entered();
-                            let grads = GradientsParams::from_grads(loss.backward(), &model);
-                            accum.accumulate(&model, grads);
-                        }
-                        let loss_sum = {
-                            // The one device→host read of the step: on an asynchronous backend
-                            // this is where the queued work is waited for.
-                            let _s = tracing::info_span!("sync").entered();
-                            loss_total.map_or(f64::NAN, |t| t.into_scalar::<f32>() as f64)
-                        };
-                        let mean_loss = (loss_sum / group as f64) as f32;
-                        let mut grads = accum.grads();
-                        if scaler.enabled() {
-                            // Unscale once, before the guard's check and before clipping.
-                            let _s = tracing::info_span!("unscale").entered();
-                            grads = scale_grads(&model, grads, scaler.inverse_scale());
-                        }
-                        let step_no = pos.global_step + 1;
-                        let loss_scale = scaler.scale();
-                        // The guard's fused check: one scalar read for all gradients.
-                        let guard_span = tracing::info_span!("guard_check").entered();
-                        let trouble = if !mean_loss.is_finite() {
-                            Some(Trouble::Loss)
-                        } else if probe_grads(&model, &grads).is_some_and(|p| !finite(p)) {
-                            Some(Trouble::Gradients)
-                        } else {
-                            None
-                        };
-                        drop(guard_span);
-                        // An overflow in the gradients alone is the scaler's business (skip, halve the
-                        // scale) while the scale is still >= 1; below that, scaling no longer explains
-                        // it and the guard's policy applies.
-                        let scaler_owns = trouble == Some(Trouble::Gradients)
-                            && scaler.enabled()
-                            && scaler.scale() >= 1.0;
-                        scaler.update(trouble.is_some());
-                        // The schedule spans the planned epochs, not max_steps: a run stopped early and resumed
-                        // must see the same learning rates as one that never stopped.
-                        let lr = learning_rate(&opts, pos.global_step, planned);
-                        let mut grad_norm = None;
-                        if let Some(trouble) = trouble {
-                            let tensors = match trouble {
-                                Trouble::Gradients => nonfinite_grad_names(&model, &grads),
-                                _ => Vec::new(),
-                            };
-                            let action = if scaler_owns {
-                                GuardAction::ScaleBackoff
-                            } else {
-                                guard.decide(trouble, snapshot.is_some())
-                            };
-                            self.guard_event(
-                                &mut guard,
-                                GuardEvent {
-                                    step: step_no,
-                                    trouble,
-                                    tensors,
-                                    loss: mean_loss,
-                                    loss_scale,
-                                    action,
-                                    restored_step: None,
-                                },
-                            );
-                            if action == GuardAction::Aborted {
-                                return Err(diverged(&guard, step_no, mean_loss));
+                            let t0 = Instant::now();
+                            // Spans around every phase: free without a subscriber, the profiler's
+                            // trace and table with one (`kiln profile`).
+                            let _step_span =
+                                tracing::info_span!("step", step = pos.global_step + 1).entered();
+                            let mut data_ms = 0f64;
+                            let mut accum = GradientsAccumulator::<M>::new();
+                            let mut loss_total: Option<burn::tensor::Tensor<1>> = None;
+                            for &size in &sizes {
+                                let td = Instant::now();
+                                let batch = {
+                                    let _s = tracing::info_span!("data_wait").entered();
+                                    batches.next().ok_or_else(|| {
+                                        KilnError::Loader(
+                                            "the epoch ended before its last step".into(),
+                                        )
+                                    })??
+                                };
+                                data_ms += td.elapsed().as_secs_f64() * 1e3;
+                                debug_assert_eq!(batch.len, size);
+                                let forward_span = tracing::info_span!("forward").entered();
+                                let logits = {
+                                    let _amp = autocast(opts.precision);
+                                    model.forward(batch.images)
+                                };
+                                // Logits come out of the autocast ops in f32: log-softmax and the loss
+                                // run in f32.
+                                let loss = loss_fn.forward(logits, batch.labels);
+                                // Kept on the device and read once per step: a read per micro-batch would
+                                // stall an asynchronous backend (CUDA) between micro-batches.
+                                let weighted = loss.clone().detach().mul_scalar(size as f64);
+                                loss_total = Some(match loss_total.take() {
+                                    Some(t) => t + weighted,
+                                    None => weighted,
+                                });
+                                // Weight each micro-batch's mean loss by its share of the group so that
+                                // N micro-batches give exactly the gradient of one batch of N·b samples.
+                                let weight = size as f64 / group as f64;
+                                let loss = if sizes.len() == 1 {
+                                    loss
+                                } else {
+                                    loss.mul_scalar(weight)
+                                };
+                                let loss = if scaler.enabled() {
+                                    loss.mul_scalar(scaler.scale())
+                                } else {
+                                    loss
+                                };
+                                drop(forward_span);
+                                let _backward = tracing::info_span!("backward").entered();
+                                let grads = GradientsParams::from_grads(loss.backward(), &model);
+                                accum.accumulate(&model, grads);
                             }
-                        } else {
-                            if let Some(max_norm) = opts.grad_clip_norm {
-                                let _s = tracing::info_span!("clip").entered();
-                                let (clipped, norm) = clip_global_norm(&model, grads, max_norm);
-                                grads = clipped;
-                                grad_norm = Some(norm);
+                            let loss_sum = {
+                                // The one device→host read of the step: on an asynchronous backend
+                                // this is where the queued work is waited for.
+                                let _s = tracing::info_span!("sync").entered();
+                                loss_total.map_or(f64::NAN, |t| t.into_scalar::<f32>() as f64)
+                            };
+                            let mean_loss = (loss_sum / group as f64) as f32;
+                            let mut grads = accum.grads();
+                            if scaler.enabled() {
+                                // Unscale once, before the guard's check and before clipping.
+                                let _s = tracing::info_span!("unscale").entered();
+                                grads = scale_grads(&model, grads, scaler.inverse_scale());
                             }
-                            model = {
-                                let _s = tracing::info_span!("optimizer").entered();
-                                optim.step(lr, model, grads)
+                            let step_no = pos.global_step + 1;
+                            let loss_scale = scaler.scale();
+                            // The guard's fused check: one scalar read for all gradients.
+                            let guard_span = tracing::info_span!("guard_check").entered();
+                            let trouble = if !mean_loss.is_finite() {
+                                Some(Trouble::Loss)
+                            } else if probe_grads(&model, &grads).is_some_and(|p| !finite(p)) {
+                                Some(Trouble::Gradients)
+                            } else {
+                                None
                             };
-                            let params_bad = opts.guard.check_params && {
-                                let _s = tracing::info_span!("guard_check").entered();
-                                probe_params(&model).is_some_and(|p| !finite(p))
-                            };
-                            if params_bad {
-                                let tensors = nonfinite_param_names(&model);
-                                let action = guard.decide(Trouble::Parameters, snapshot.is_some());
-                                let mut restored_step = None;
-                                if let (GuardAction::RolledBack, Some(snap)) = (action, &snapshot) {
-                                    model = snap.model.clone();
-                                    optim = build_optimizer(&opts)
-                                        .from_bytes(Bytes::from_bytes_vec(snap.optimizer.clone()))
-                                        .map_err(|e| KilnError::Record {
-                                            what: "optimizer snapshot",
-                                            message: e.to_string(),
-                                        })?;
-                                    restored_step = Some(snap.step);
-                                }
+                            drop(guard_span);
+                            // An overflow in the gradients alone is the scaler's business (skip, halve the
+                            // scale) while the scale is still >= 1; below that, scaling no longer explains
+                            // it and the guard's policy applies.
+                            let scaler_owns = trouble == Some(Trouble::Gradients)
+                                && scaler.enabled()
+                                && scaler.scale() >= 1.0;
+                            scaler.update(trouble.is_some());
+                            // The schedule spans the planned epochs, not max_steps: a run stopped early and resumed
+                            // must see the same learning rates as one that never stopped.
+                            let lr = learning_rate(&opts, pos.global_step, planned);
+                            let mut grad_norm = None;
+                            if let Some(trouble) = trouble {
+                                let tensors = match trouble {
+                                    Trouble::Gradients => nonfinite_grad_names(&model, &grads),
+                                    _ => Vec::new(),
+                                };
+                                let action = if scaler_owns {
+                                    GuardAction::ScaleBackoff
+                                } else {
+                                    guard.decide(trouble, snapshot.is_some())
+                                };
                                 self.guard_event(
                                     &mut guard,
                                     GuardEvent {
                                         step: step_no,
-                                        trouble: Trouble::Parameters,
+                                        trouble,
                                         tensors,
                                         loss: mean_loss,
                                         loss_scale,
                                         action,
-                                        restored_step,
+                                        restored_step: None,
                                     },
                                 );
                                 if action == GuardAction::Aborted {
                                     return Err(diverged(&guard, step_no, mean_loss));
                                 }
                             } else {
-                                guard.clean_step();
-                                let due = snapshot
-                                    .as_ref()
-                                    .is_none_or(|s| step_no - s.step >= opts.guard.snapshot_every);
-                                if opts.guard.policy == GuardPolicy::Rollback && due {
-                                    snapshot = Some(take_snapshot(&model, &optim, step_no)?);
+                                if let Some(max_norm) = opts.grad_clip_norm {
+                                    let _s = tracing::info_span!("clip").entered();
+                                    let (clipped, norm) = clip_global_norm(&model, grads, max_norm);
+                                    grads = clipped;
+                                    grad_norm = Some(norm);
+                                }
+                                model = {
+                                    let _s = tracing::info_span!("optimizer").entered();
+                                    optim.step(lr, model, grads)
+                                };
+                                let params_bad = opts.guard.check_params && {
+                                    let _s = tracing::info_span!("guard_check").entered();
+                                    probe_params(&model).is_some_and(|p| !finite(p))
+                                };
+                                if params_bad {
+                                    let tensors = nonfinite_param_names(&model);
+                                    let action =
+                                        guard.decide(Trouble::Parameters, snapshot.is_some());
+                                    let mut restored_step = None;
+                                    if let (GuardAction::RolledBack, Some(snap)) =
+                                        (action, &snapshot)
+                                    {
+                                        model = snap.model.clone();
+                                        optim = build_optimizer(&opts)
+                                            .from_bytes(Bytes::from_bytes_vec(
+                                                snap.optimizer.clone(),
+                                            ))
+                                            .map_err(|e| KilnError::Record {
+                                                what: "optimizer snapshot",
+                                                message: e.to_string(),
+                                            })?;
+                                        restored_step = Some(snap.step);
+                                    }
+                                    self.guard_event(
+                                        &mut guard,
+                                        GuardEvent {
+                                            step: step_no,
+                                            trouble: Trouble::Parameters,
+                                            tensors,
+                                            loss: mean_loss,
+                                            loss_scale,
+                                            action,
+                                            restored_step,
+                                        },
+                                    );
+                                    if action == GuardAction::Aborted {
+                                        return Err(diverged(&guard, step_no, mean_loss));
+                                    }
+                                } else {
+                                    guard.clean_step();
+                                    let due = snapshot.as_ref().is_none_or(|s| {
+                                        step_no - s.step >= opts.guard.snapshot_every
+                                    });
+                                    if opts.guard.policy == GuardPolicy::Rollback && due {
+                                        snapshot = Some(take_snapshot(&model, &optim, step_no)?);
+                                    }
                                 }
                             }
-                        }
-                        pos.global_step += 1;
-                        pos.step_in_epoch = s + 1;
-                        if mean_loss.is_finite() {
-                            // A non-finite loss would poison the epoch mean (and the checkpoint's
-                            // JSON): the mean is over finite ones.
-                            pos.epoch_loss_sum += loss_sum;
-                            pos.epoch_samples += group as u64;
-                        }
+                            pos.global_step += 1;
+                            pos.step_in_epoch = s + 1;
+                            if mean_loss.is_finite() {
+                                // A non-finite loss would poison the epoch mean (and the checkpoint's
+                                // JSON): the mean is over finite ones.
+                                pos.epoch_loss_sum += loss_sum;
+                                pos.epoch_samples += group as u64;
+                            }
 
-                        let step_ms = t0.elapsed().as_secs_f64() * 1e3;
-                        step_time += step_ms / 1e3;
-                        data_time += data_ms / 1e3;
-                        samples_done += group as u64;
-                        let report_span = tracing::info_span!("report").entered();
-                        self.sink.emit(&Event::Step(StepEvent {
-                            step: pos.global_step,
-                            epoch,
-                            loss: mean_loss,
-                            lr,
-                            grad_norm,
-                            samples: group,
-                            step_ms,
-                            data_ms,
-                            compute_ms: step_ms - data_ms,
-                            samples_per_s: group as f64 / (step_ms / 1e3).max(1e-9),
-                            peak_rss_bytes: memory::peak_rss_bytes(),
-                            skipped: trouble.is_some(),
-                            loss_scale: scaler.enabled().then_some(loss_scale),
-                        }));
-                        if let Some(mark) = watermark.as_mut()
-                            && let Some(rss) = memory::current_rss_bytes()
-                            && mark.check(rss)
-                        {
-                            tracing::warn!(
-                                step = pos.global_step,
-                                "resident memory {} crossed the watermark {}",
-                                memory::human_bytes(rss),
-                                memory::human_bytes(mark.threshold())
-                            );
-                            self.sink.emit(&Event::MemoryWatermark(WatermarkEvent {
+                            let step_ms = t0.elapsed().as_secs_f64() * 1e3;
+                            step_time += step_ms / 1e3;
+                            data_time += data_ms / 1e3;
+                            samples_done += group as u64;
+                            let report_span = tracing::info_span!("report").entered();
+                            self.sink.emit(&Event::Step(StepEvent {
                                 step: pos.global_step,
-                                rss_bytes: rss,
-                                threshold_bytes: mark.threshold(),
+                                epoch,
+                                loss: mean_loss,
+                                lr,
+                                grad_norm,
+                                samples: group,
+                                step_ms,
+                                data_ms,
+                                compute_ms: step_ms - data_ms,
+                                samples_per_s: group as f64 / (step_ms / 1e3).max(1e-9),
+                                peak_rss_bytes: memory::peak_rss_bytes(),
+                                skipped: trouble.is_some(),
+                                loss_scale: scaler.enabled().then_some(loss_scale),
                             }));
+                            if let Some(mark) = watermark.as_mut()
+                                && let Some(rss) = memory::current_rss_bytes()
+                                && mark.check(rss)
+                            {
+                                tracing::warn!(
+                                    step = pos.global_step,
+                                    "resident memory {} crossed the watermark {}",
+                                    memory::human_bytes(rss),
+                                    memory::human_bytes(mark.threshold())
+                                );
+                                self.sink.emit(&Event::MemoryWatermark(WatermarkEvent {
+                                    step: pos.global_step,
+                                    rss_bytes: rss,
+                                    threshold_bytes: mark.threshold(),
+                                }));
+                                if opts.oom_adaptive {
+                                    adapted = self.halve_micro_batch(
+                                        pos.global_step,
+                                        &mut micro_batch,
+                                        &mut accum_steps,
+                                    );
+                                }
+                            }
+                            drop(report_span);
+                            if opts
+                                .checkpoint_every_steps
+                                .is_some_and(|k| pos.global_step % k == 0)
+                            {
+                                last_checkpoint =
+                                    self.checkpoint(&model, &optim, model_name, &pos, &scaler)?;
+                            }
+                            if adapted {
+                                break;
+                            }
                         }
-                        drop(report_span);
-                        if opts
-                            .checkpoint_every_steps
-                            .is_some_and(|k| pos.global_step % k == 0)
-                        {
-                            last_checkpoint =
-                                self.checkpoint(&model, &optim, model_name, &pos, &scaler)?;
+                        // Release the epoch's prefetch window before evaluating.
+                        drop(batches);
+                        if !adapted {
+                            break 'restart;
                         }
                     }
-                    // Release the epoch's prefetch window before evaluating.
-                    drop(batches);
 
                     // Epoch finished.
                     last_train_loss = pos.epoch_mean_loss();
@@ -545,6 +575,37 @@ impl<'s> Trainer<'s> {
             );
         }
         Ok(choice.workers)
+    }
+
+    /// Halves the micro-batch and doubles accumulation (same effective batch, about half the
+    /// activation memory) after a memory watermark crossing; reports it. Returns whether it
+    /// changed anything: an odd micro-batch cannot be halved exactly, and 1 cannot be halved.
+    fn halve_micro_batch(&mut self, step: u64, micro: &mut usize, accum: &mut usize) -> bool {
+        if *micro < 2 || *micro % 2 != 0 {
+            tracing::warn!(
+                step,
+                micro_batch = *micro,
+                "memory watermark crossed but micro-batch {} cannot be halved exactly",
+                *micro
+            );
+            return false;
+        }
+        *micro /= 2;
+        *accum *= 2;
+        tracing::warn!(
+            step,
+            "memory watermark: micro-batch halved to {} with {} accumulation steps (effective \
+             batch unchanged)",
+            *micro,
+            *accum
+        );
+        self.sink.emit(&Event::BatchAdapted(BatchAdaptedEvent {
+            step,
+            micro_batch: *micro,
+            grad_accum_steps: *accum,
+            effective_batch: *micro * *accum,
+        }));
+        true
     }
 
     /// Evaluates the model in inference mode, in the run's precision (what it will be served
