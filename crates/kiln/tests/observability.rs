@@ -419,7 +419,11 @@ fn a_watermark_crossing_halves_the_micro_batch_and_keeps_the_effective_batch() {
         .collect();
     assert_eq!(changes.len(), 1, "{changes:?}");
     assert_eq!(
-        (changes[0].step, changes[0].micro_batch, changes[0].grad_accum_steps),
+        (
+            changes[0].step,
+            changes[0].micro_batch,
+            changes[0].grad_accum_steps
+        ),
         (1, 16, 2)
     );
     assert_eq!(changes[0].effective_batch, 32);

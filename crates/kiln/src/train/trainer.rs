@@ -581,7 +581,7 @@ impl<'s> Trainer<'s> {
     /// activation memory) after a memory watermark crossing; reports it. Returns whether it
     /// changed anything: an odd micro-batch cannot be halved exactly, and 1 cannot be halved.
     fn halve_micro_batch(&mut self, step: u64, micro: &mut usize, accum: &mut usize) -> bool {
-        if *micro < 2 || *micro % 2 != 0 {
+        if *micro < 2 || !(*micro).is_multiple_of(2) {
             tracing::warn!(
                 step,
                 micro_batch = *micro,
