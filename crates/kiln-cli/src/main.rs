@@ -7,6 +7,7 @@ mod optimize_cmd;
 mod profile_cmd;
 mod progress;
 mod train_cmd;
+mod tune_auto_cmd;
 mod tune_cmd;
 
 use std::path::PathBuf;
@@ -73,6 +74,34 @@ enum TuneCommand {
     /// The largest batch that fits a memory budget, and the fastest one: power-of-two growth
     /// then binary search, each trial a few real training steps in a child process.
     Batch(TuneBatchArgs),
+    /// The auto-optimizer: short measured trials over precision, micro-batch (effective batch
+    /// kept), activation checkpointing and loader workers; writes the winner as a kiln.toml.
+    Auto(TuneAutoArgs),
+}
+
+#[derive(Args, Debug)]
+struct TuneAutoArgs {
+    /// Zoo model: mlp (W1), cnn (W2), transformer (W4), resnet (W5).
+    #[arg(long, default_value = "cnn")]
+    model: String,
+    /// Effective batch to keep (default: the workload's standard batch).
+    #[arg(long)]
+    batch: Option<usize>,
+    /// Timed steps per trial (after 2 warm-up steps).
+    #[arg(long, default_value_t = 20)]
+    steps: u64,
+    /// Where to write the winning plan.
+    #[arg(long, default_value = "kiln.tuned.toml")]
+    out: PathBuf,
+    /// Also run the exhaustive grid over the same space and compare.
+    #[arg(long)]
+    grid: bool,
+    /// CPU threads (0 = one per core).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// The report as JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args, Debug)]
@@ -339,6 +368,7 @@ fn main() {
         Command::Optimize(args) => optimize_cmd::run(args),
         Command::Profile(args) => profile_cmd::run(args),
         Command::Tune(TuneCommand::Batch(args)) => tune_cmd::run(args),
+        Command::Tune(TuneCommand::Auto(args)) => tune_auto_cmd::run(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

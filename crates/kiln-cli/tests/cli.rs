@@ -625,3 +625,52 @@ fn tune_batch_finds_the_largest_batch_under_a_small_budget() {
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("no batch size fits"), "{}", stderr(&o));
 }
+
+#[test]
+fn tune_auto_writes_a_plan_that_kiln_accepts() {
+    let dir = tempdir("tune-auto");
+    let toml = dir.join("kiln.toml");
+    let o = kiln(&[
+        "tune",
+        "auto",
+        "--model",
+        "mlp",
+        "--steps",
+        "3",
+        "--out",
+        toml.to_str().unwrap(),
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    let report = &v["report"];
+    let decisions = report["decisions"].as_array().unwrap();
+    assert!(decisions.len() >= 3, "{report}");
+    assert_eq!(decisions[0]["reason"], "f32 baseline");
+    // Never worse than the baseline it measured: a change is kept only when it wins.
+    let best = report["best"]["samples_per_s"].as_f64().unwrap();
+    let base = report["baseline"]["samples_per_s"].as_f64().unwrap();
+    assert!(best >= base, "{best} < {base}");
+    // The written plan is a valid config that resolves to the winner.
+    let o = kiln(&["plan", "--config", toml.to_str().unwrap(), "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let plan: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    let c = &report["best"]["candidate"];
+    assert_eq!(
+        plan["settings"]["train.batch_size"]["value"],
+        c["micro_batch"]
+    );
+    assert_eq!(
+        plan["settings"]["train.grad_accum_steps"]["value"],
+        c["grad_accum_steps"]
+    );
+    assert_eq!(
+        plan["settings"]["precision.policy"]["value"]
+            .as_str()
+            .unwrap()
+            .to_uppercase(),
+        c["precision"].as_str().unwrap().to_uppercase()
+    );
+    let text = std::fs::read_to_string(&toml).unwrap();
+    assert!(text.contains("# Written by `kiln tune auto`"), "{text}");
+}

@@ -1,6 +1,8 @@
-//! Tuning: measurements turned into decisions. So far: batch-size search under a memory
-//! budget ([`batch`]) and bottleneck detection from the step's phase split ([`bottleneck`]).
+//! Tuning: measurements turned into decisions — the auto-optimizer ([`auto`]), batch-size
+//! search under a memory budget ([`batch`]) and bottleneck detection from the step's phase
+//! split ([`bottleneck`]).
 
+pub mod auto;
 pub mod batch;
 pub mod bottleneck;
 

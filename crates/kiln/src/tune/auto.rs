@@ -1,0 +1,345 @@
+//! The auto-optimizer: short measured trials over the plan space that matters on this
+//! machine — precision, micro-batch (with accumulation keeping the effective batch),
+//! activation checkpointing, loader workers — keeping what measurably wins.
+//!
+//! Strategy: coordinate descent from the f32 baseline, one dimension at a time, pruning with
+//! what the trials taught:
+//! 1. **precision** — bf16 first; where bf16 loses to f32 the device has no fast
+//!    low-precision path and f16 is skipped (on this CPU both are emulated). A low-precision
+//!    candidate must also pass a numerics check against the f32 baseline on the same
+//!    steps (mean loss within 5% + 0.02).
+//! 2. **micro-batch** — halve while it speeds up by more than the noise margin (accumulation
+//!    doubles, so the optimization is unchanged: the effective batch is the user's).
+//! 3. **activation checkpointing** — kept only if it is not slower (it trades compute for
+//!    memory; the batch search is the tool when memory is the limit).
+//! 4. **loader workers** — tried only when the baseline waited for data at all.
+//!
+//! A change is kept only when it beats the current best by [`MIN_GAIN`]: smaller differences
+//! are this machine's noise, and a "win" inside the noise is a coin flip that costs trials.
+
+use std::time::Instant;
+
+use burn::tensor::Device;
+use serde::Serialize;
+
+use crate::data::Dataset;
+use crate::error::Result;
+use crate::observe::{Event, MemorySink};
+use crate::precision::Precision;
+use crate::train::{TrainOptions, Trainer};
+use crate::zoo::ModelKind;
+
+/// Relative speed-up a change must show to be kept.
+pub const MIN_GAIN: f64 = 0.03;
+
+/// Untimed steps at the start of each trial.
+const WARMUP_STEPS: u64 = 2;
+
+/// One point of the plan space.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Candidate {
+    /// Precision policy.
+    pub precision: Precision,
+    /// Micro-batch size.
+    pub micro_batch: usize,
+    /// Accumulation steps (micro-batch × this = the effective batch).
+    pub grad_accum_steps: usize,
+    /// Activation checkpointing.
+    pub checkpointing: bool,
+    /// Loader worker threads.
+    pub workers: usize,
+}
+
+/// What a trial measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct Measured {
+    /// The candidate.
+    pub candidate: Candidate,
+    /// Median samples/s over the timed steps.
+    pub samples_per_s: f64,
+    /// Mean training loss over the timed steps.
+    pub mean_loss: f64,
+    /// Mean data-wait share of step time.
+    pub data_share: f64,
+    /// Wall seconds the trial took (model build and warm-up included).
+    pub seconds: f64,
+}
+
+/// One entry of the tuner's log.
+#[derive(Debug, Clone, Serialize)]
+pub struct Decision {
+    /// The trial.
+    pub measured: Measured,
+    /// Whether it became the new best.
+    pub kept: bool,
+    /// Why.
+    pub reason: String,
+}
+
+/// The tuner's result.
+#[derive(Debug, Clone, Serialize)]
+pub struct TuneReport {
+    /// The winner.
+    pub best: Measured,
+    /// The f32 baseline it started from.
+    pub baseline: Measured,
+    /// Every trial and decision, in order.
+    pub decisions: Vec<Decision>,
+    /// Dimensions not explored, and why.
+    pub skipped: Vec<String>,
+    /// Wall seconds of all trials.
+    pub seconds: f64,
+}
+
+/// Runs `steps` timed training steps of `model` on `data` with a candidate.
+pub fn run_trial(
+    model: ModelKind,
+    data: &dyn Dataset,
+    base: &TrainOptions,
+    candidate: &Candidate,
+    steps: u64,
+) -> Result<Measured> {
+    let start = Instant::now();
+    let options = TrainOptions {
+        precision: candidate.precision,
+        batch_size: candidate.micro_batch,
+        grad_accum_steps: candidate.grad_accum_steps,
+        activation_checkpointing: candidate.checkpointing,
+        workers: Some(candidate.workers),
+        max_steps: Some(WARMUP_STEPS + steps.max(1)),
+        epochs: 1000,
+        eval_every_epochs: 0,
+        checkpoint_dir: None,
+        checkpoint_every_steps: None,
+        scaler: crate::precision::ScalerOptions::default(),
+        ..base.clone()
+    };
+    let mut sink = MemorySink::default();
+    Trainer::new(options, Device::flex(), &mut sink).fit(
+        model.name(),
+        |d| model.init(d),
+        data,
+        None,
+    )?;
+    let timed: Vec<(f64, f64, f64, usize)> = sink
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Step(s) if s.step > WARMUP_STEPS => {
+                Some((s.step_ms, s.data_ms, s.loss as f64, s.samples))
+            }
+            _ => None,
+        })
+        .collect();
+    let mut rates: Vec<f64> = timed
+        .iter()
+        .map(|t| t.3 as f64 / (t.0 / 1e3).max(1e-9))
+        .collect();
+    rates.sort_by(f64::total_cmp);
+    let n = timed.len().max(1) as f64;
+    Ok(Measured {
+        candidate: *candidate,
+        samples_per_s: rates.get(rates.len() / 2).copied().unwrap_or(0.0),
+        mean_loss: timed.iter().map(|t| t.2).sum::<f64>() / n,
+        data_share: timed.iter().map(|t| t.1 / t.0.max(1e-9)).sum::<f64>() / n,
+        seconds: start.elapsed().as_secs_f64(),
+    })
+}
+
+/// Whether a low-precision trial's loss agrees with the f32 baseline's on the same steps.
+fn numerics_ok(m: &Measured, baseline: &Measured) -> bool {
+    m.mean_loss.is_finite()
+        && (m.mean_loss - baseline.mean_loss).abs() <= 0.05 * baseline.mean_loss.abs() + 0.02
+}
+
+/// Logs a trial and keeps it as the new best when it wins by more than [`MIN_GAIN`].
+fn consider(decisions: &mut Vec<Decision>, best: &mut Measured, m: Measured, why: &str) -> bool {
+    let gain = m.samples_per_s / best.samples_per_s.max(1e-9) - 1.0;
+    let kept = gain > MIN_GAIN;
+    let reason = format!(
+        "{why}: {:.0} samples/s, {:+.1}% vs best{}",
+        m.samples_per_s,
+        100.0 * gain,
+        if kept {
+            " — kept"
+        } else {
+            " — within noise or slower"
+        }
+    );
+    if kept {
+        *best = m.clone();
+    }
+    decisions.push(Decision {
+        measured: m,
+        kept,
+        reason,
+    });
+    kept
+}
+
+/// The auto-optimizer; see the module documentation. `trial` measures a candidate; `cores`
+/// bounds the worker counts tried; `gpu` says whether low precision can be fast.
+pub fn auto_tune(
+    effective_batch: usize,
+    cores: usize,
+    gpu: bool,
+    mut trial: impl FnMut(&Candidate) -> Result<Measured>,
+) -> Result<TuneReport> {
+    let start = Instant::now();
+    let base_candidate = Candidate {
+        precision: Precision::F32,
+        micro_batch: effective_batch,
+        grad_accum_steps: 1,
+        checkpointing: false,
+        workers: 0,
+    };
+    let baseline = trial(&base_candidate)?;
+    let mut best = baseline.clone();
+    let mut decisions = vec![Decision {
+        measured: baseline.clone(),
+        kept: true,
+        reason: "f32 baseline".into(),
+    }];
+    let mut skipped = Vec::new();
+    // 1. Precision.
+    let bf16 = trial(&Candidate {
+        precision: Precision::Bf16,
+        ..best.candidate
+    })?;
+    let bf16_ratio = bf16.samples_per_s / baseline.samples_per_s.max(1e-9);
+    if numerics_ok(&bf16, &baseline) {
+        consider(&mut decisions, &mut best, bf16, "bf16");
+    } else {
+        decisions.push(Decision {
+            reason: format!(
+                "bf16: mean loss {:.4} vs f32 {:.4} — fails the numerics check",
+                bf16.mean_loss, baseline.mean_loss
+            ),
+            measured: bf16,
+            kept: false,
+        });
+    }
+    if bf16_ratio < 1.0 && !gpu {
+        skipped.push(format!(
+            "f16: bf16 ran at {bf16_ratio:.2}x f32 — no fast low-precision path on this device"
+        ));
+    } else {
+        let f16 = trial(&Candidate {
+            precision: Precision::F16,
+            ..best.candidate
+        })?;
+        if numerics_ok(&f16, &baseline) {
+            consider(&mut decisions, &mut best, f16, "f16");
+        } else {
+            decisions.push(Decision {
+                reason: "f16: fails the numerics check".into(),
+                measured: f16,
+                kept: false,
+            });
+        }
+    }
+
+    // 2. Micro-batch (effective batch kept).
+    let mut micro = best.candidate.micro_batch;
+    while micro >= 2 && micro.is_multiple_of(2) {
+        let c = Candidate {
+            micro_batch: micro / 2,
+            grad_accum_steps: best.candidate.grad_accum_steps * 2,
+            ..best.candidate
+        };
+        let m = trial(&c)?;
+        let why = format!("micro-batch {} x {}", c.micro_batch, c.grad_accum_steps);
+        if !consider(&mut decisions, &mut best, m, &why) {
+            break;
+        }
+        micro /= 2;
+    }
+
+    // 3. Activation checkpointing.
+    let m = trial(&Candidate {
+        checkpointing: true,
+        ..best.candidate
+    })?;
+    consider(&mut decisions, &mut best, m, "activation checkpointing");
+
+    // 4. Loader workers, only where the baseline waited for data.
+    if best.data_share >= 0.02 {
+        for workers in 1..=cores.max(1) {
+            let m = trial(&Candidate {
+                workers,
+                ..best.candidate
+            })?;
+            let why = format!("{workers} loader worker(s)");
+            if !consider(&mut decisions, &mut best, m, &why) {
+                break;
+            }
+        }
+    } else {
+        skipped.push(format!(
+            "loader workers: data wait is {:.1}% of the step — workers cannot help",
+            100.0 * best.data_share
+        ));
+    }
+    Ok(TuneReport {
+        best,
+        baseline,
+        decisions,
+        skipped,
+        seconds: start.elapsed().as_secs_f64(),
+    })
+}
+
+/// The exhaustive grid over the same space (for measuring the tuner against it).
+pub fn grid_candidates(effective_batch: usize, cores: usize) -> Vec<Candidate> {
+    let mut out = Vec::new();
+    for precision in [Precision::F32, Precision::Bf16, Precision::F16] {
+        for div in [1usize, 2, 4] {
+            if !effective_batch.is_multiple_of(div) {
+                continue;
+            }
+            for checkpointing in [false, true] {
+                for workers in [0, cores.max(1)] {
+                    out.push(Candidate {
+                        precision,
+                        micro_batch: effective_batch / div,
+                        grad_accum_steps: div,
+                        checkpointing,
+                        workers,
+                    });
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The winner as a `kiln.toml` the user can commit, with the reasons as comments.
+pub fn to_toml(model: ModelKind, report: &TuneReport) -> String {
+    let c = &report.best.candidate;
+    let mut text = format!(
+        "# Written by `kiln tune auto` for {} ({}): {:.0} samples/s vs {:.0} for the f32 \
+         baseline ({:+.1}%).\n",
+        model.name(),
+        model.workload(),
+        report.best.samples_per_s,
+        report.baseline.samples_per_s,
+        100.0 * (report.best.samples_per_s / report.baseline.samples_per_s.max(1e-9) - 1.0)
+    );
+    for d in &report.decisions {
+        text.push_str(&format!("#   {}\n", d.reason));
+    }
+    for s in &report.skipped {
+        text.push_str(&format!("#   skipped {s}\n"));
+    }
+    text.push_str(&format!(
+        "level = \"advanced\"\n\n[train]\nmodel = \"{}\"\nbatch_size = {}\ngrad_accum_steps = {}\n\
+         activation_checkpointing = {}\n\n[precision]\npolicy = \"{}\"\n\n[data]\nworkers = {}\n",
+        model.name(),
+        c.micro_batch,
+        c.grad_accum_steps,
+        c.checkpointing,
+        c.precision.name(),
+        c.workers
+    ));
+    text
+}
