@@ -35,6 +35,9 @@ Examples:
   kiln profile --model cnn --steps 20        Perfetto trace + phase table (profile/trace.json)
   kiln train --tensorboard runs/tb           also write TensorBoard event files
   kiln bench --mode data                     the data loader vs PyTorch's DataLoader
+  kiln tune batch --model cnn --memory-budget 2GiB   largest and fastest batch under a budget
+  kiln tune auto --model cnn --out runs/cnn/kiln.toml  measured plan search, writes kiln.toml
+  kiln train --run-dir runs/cnn && kiln report runs/cnn   HTML report with plots
   bench/compare.sh                           Kiln and the PyTorch / ONNX Runtime peers side by side";
 
 /// Kiln: a performance optimization system for deep-learning training and inference.
@@ -67,6 +70,18 @@ enum Command {
     /// Tune settings by measurement on this machine.
     #[command(subcommand)]
     Tune(TuneCommand),
+    /// Render a run directory (kiln train --run-dir) as one self-contained HTML report.
+    #[command(after_help = EXAMPLES)]
+    Report(ReportArgs),
+}
+
+#[derive(Args, Debug)]
+struct ReportArgs {
+    /// The run directory (events.jsonl; optional tune.json and verdict.json).
+    run_dir: PathBuf,
+    /// Where to write the HTML (default RUN_DIR/report.html).
+    #[arg(long)]
+    out: Option<PathBuf>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -291,6 +306,9 @@ struct TrainArgs {
     /// Also write TensorBoard event files (scalars + the plan as text) into this directory.
     #[arg(long, value_name = "DIR")]
     tensorboard: Option<PathBuf>,
+    /// Record the run's events in DIR/events.jsonl for `kiln report DIR`.
+    #[arg(long, value_name = "DIR")]
+    run_dir: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -369,6 +387,9 @@ fn main() {
         Command::Profile(args) => profile_cmd::run(args),
         Command::Tune(TuneCommand::Batch(args)) => tune_cmd::run(args),
         Command::Tune(TuneCommand::Auto(args)) => tune_auto_cmd::run(args),
+        Command::Report(args) => kiln::report::write_report(&args.run_dir, args.out.as_deref())
+            .map(|p| println!("report: {}", p.display()))
+            .map_err(Into::into),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -57,7 +57,20 @@ pub fn run(args: TrainArgs) -> Result<()> {
         progress_sink = ProgressSink::new();
         &mut progress_sink
     };
+    let mut run_log = match &args.run_dir {
+        Some(dir) => {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+            let path = dir.join("events.jsonl");
+            let file = std::fs::File::create(&path)
+                .with_context(|| format!("creating {}", path.display()))?;
+            Some(JsonLinesSink::new(std::io::LineWriter::new(file)))
+        }
+        None => None,
+    };
     let mut fan = FanOut::new().with(people);
+    if let Some(log) = run_log.as_mut() {
+        fan = fan.with(log);
+    }
     if let Some(tb) = tensorboard.as_mut() {
         if let Some(path) = tb.path() {
             tracing::info!("TensorBoard events: {}", path.display());

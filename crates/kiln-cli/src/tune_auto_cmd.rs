@@ -47,6 +47,12 @@ pub fn run(args: TuneAutoArgs) -> Result<()> {
     let report = auto_tune(batch, threads, false, &mut trial)?;
     let toml = to_toml(model, &report);
     kiln::fsutil::write_atomic(&args.out, toml.as_bytes())?;
+    // The trials, next to the plan, for `kiln report`.
+    let json_path = args.out.with_file_name("tune.json");
+    kiln::fsutil::write_atomic(
+        &json_path,
+        serde_json::to_string_pretty(&report)?.as_bytes(),
+    )?;
 
     let grid = if args.grid {
         let start = Instant::now();

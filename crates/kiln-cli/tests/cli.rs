@@ -674,3 +674,100 @@ fn tune_auto_writes_a_plan_that_kiln_accepts() {
     let text = std::fs::read_to_string(&toml).unwrap();
     assert!(text.contains("# Written by `kiln tune auto`"), "{text}");
 }
+
+#[test]
+fn report_renders_a_self_contained_page_that_chromium_draws() {
+    let dir = tempdir("report");
+    let run = dir.join("run");
+    let o = kiln(&[
+        "train",
+        "--model",
+        "mlp",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "256",
+        "--run-dir",
+        run.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = kiln(&[
+        "tune",
+        "auto",
+        "--model",
+        "mlp",
+        "--steps",
+        "2",
+        "--out",
+        run.join("kiln.toml").to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = kiln(&["report", run.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let page = run.join("report.html");
+    let html = std::fs::read_to_string(&page).unwrap();
+    // Self-contained: inline SVG charts, no external resources.
+    assert_eq!(
+        html.matches("<svg class=\"chart\"").count(),
+        5,
+        "loss, throughput, memory, accuracy, tuner"
+    );
+    assert!(
+        !html.contains("src=") && !html.contains("<link"),
+        "no external resources"
+    );
+    assert!(
+        html.contains("compute-bound") || html.contains("data-bound"),
+        "a verdict"
+    );
+    assert!(html.contains("f32 baseline") && html.contains("train.batch_size"));
+
+    // A missing run directory is a clear error.
+    let o = kiln(&["report", dir.join("nope").to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("kiln train --run-dir"),
+        "{}",
+        stderr(&o)
+    );
+
+    // Rendered by a real browser: the page's own check counts the charts that drew.
+    let chromium = std::env::var("KILN_CHROMIUM").unwrap_or_else(|_| "chromium".into());
+    let profile = dir.join("chromium-profile");
+    let out = std::process::Command::new(&chromium)
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--enable-logging=stderr",
+            "--v=0",
+        ])
+        .arg(format!("--user-data-dir={}", profile.display()))
+        .arg("--dump-dom")
+        .arg(format!("file://{}", page.display()))
+        .output();
+    let Ok(out) = out else {
+        assert!(
+            std::env::var_os("KILN_REQUIRE_CHROMIUM").is_none(),
+            "KILN_REQUIRE_CHROMIUM is set but `{chromium}` does not run"
+        );
+        eprintln!("SKIPPED the browser check: `{chromium}` not found (apt install chromium)");
+        return;
+    };
+    let dom = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        dom.contains("data-plots=\"5\""),
+        "charts drawn in Chromium: {dom:.300}"
+    );
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !log.lines()
+            .any(|l| l.contains("CONSOLE") || l.contains("Uncaught")),
+        "page errors: {log}"
+    );
+}

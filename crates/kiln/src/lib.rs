@@ -28,6 +28,7 @@ pub mod infer;
 pub mod observe;
 pub mod plan;
 pub mod precision;
+pub mod report;
 pub mod train;
 pub mod tune;
 pub mod zoo;
