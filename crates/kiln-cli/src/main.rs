@@ -111,6 +111,9 @@ struct TuneAutoArgs {
     /// Also run the exhaustive grid over the same space and compare.
     #[arg(long)]
     grid: bool,
+    /// Stop exploring once this much time is spent (e.g. 90s, 5m); the trial in flight ends.
+    #[arg(long)]
+    time_budget: Option<String>,
     /// CPU threads (0 = one per core).
     #[arg(long, default_value_t = 0)]
     threads: usize,

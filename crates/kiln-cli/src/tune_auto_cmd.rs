@@ -44,7 +44,11 @@ pub fn run(args: TuneAutoArgs) -> Result<()> {
         }
         run_trial(model, &*data, &base, c, steps)
     };
-    let report = auto_tune(batch, threads, false, &mut trial)?;
+    let budget = match &args.time_budget {
+        Some(t) => Some(parse_duration(t)?),
+        None => None,
+    };
+    let report = auto_tune(batch, threads, false, budget, &mut trial)?;
     let toml = to_toml(model, &report);
     kiln::fsutil::write_atomic(&args.out, toml.as_bytes())?;
     // The trials, next to the plan, for `kiln report`.
@@ -126,4 +130,24 @@ pub fn run(args: TuneAutoArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Parses `90s`, `5m`, `1h` or a number of seconds.
+fn parse_duration(text: &str) -> Result<std::time::Duration> {
+    let t = text.trim();
+    let (num, scale) = match t.chars().last() {
+        Some('s') => (&t[..t.len() - 1], 1.0),
+        Some('m') => (&t[..t.len() - 1], 60.0),
+        Some('h') => (&t[..t.len() - 1], 3600.0),
+        _ => (t, 1.0),
+    };
+    let value: f64 = num
+        .trim()
+        .parse()
+        .ok()
+        .filter(|v: &f64| v.is_finite() && *v > 0.0)
+        .ok_or_else(|| {
+            anyhow::anyhow!("--time-budget {text:?}: expected a duration such as 90s, 5m or 1h")
+        })?;
+    Ok(std::time::Duration::from_secs_f64(value * scale))
 }

@@ -673,6 +673,26 @@ fn tune_auto_writes_a_plan_that_kiln_accepts() {
     );
     let text = std::fs::read_to_string(&toml).unwrap();
     assert!(text.contains("# Written by `kiln tune auto`"), "{text}");
+
+    // A spent time budget stops the search after the baseline, and says so.
+    let o = kiln(&[
+        "tune",
+        "auto",
+        "--model",
+        "mlp",
+        "--steps",
+        "2",
+        "--time-budget",
+        "0.001s",
+        "--out",
+        dir.join("quick.toml").to_str().unwrap(),
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(v["report"]["decisions"].as_array().unwrap().len(), 1);
+    let skipped = v["report"]["skipped"].to_string();
+    assert!(skipped.contains("time budget"), "{skipped}");
 }
 
 #[test]

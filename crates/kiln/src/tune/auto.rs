@@ -183,9 +183,13 @@ pub fn auto_tune(
     effective_batch: usize,
     cores: usize,
     gpu: bool,
+    time_budget: Option<std::time::Duration>,
     mut trial: impl FnMut(&Candidate) -> Result<Measured>,
 ) -> Result<TuneReport> {
     let start = Instant::now();
+    // Checked before each dimension and each trial of a loop: the budget bounds the search,
+    // the trial in flight always finishes.
+    let out_of_time = || time_budget.is_some_and(|b| start.elapsed() >= b);
     let base_candidate = Candidate {
         precision: Precision::F32,
         micro_batch: effective_batch,
@@ -201,47 +205,57 @@ pub fn auto_tune(
         reason: "f32 baseline".into(),
     }];
     let mut skipped = Vec::new();
+    let mut dimensions_left = true;
     // 1. Precision.
-    let bf16 = trial(&Candidate {
-        precision: Precision::Bf16,
-        ..best.candidate
-    })?;
-    let bf16_ratio = bf16.samples_per_s / baseline.samples_per_s.max(1e-9);
-    if numerics_ok(&bf16, &baseline) {
-        consider(&mut decisions, &mut best, bf16, "bf16");
-    } else {
-        decisions.push(Decision {
-            reason: format!(
-                "bf16: mean loss {:.4} vs f32 {:.4} — fails the numerics check",
-                bf16.mean_loss, baseline.mean_loss
-            ),
-            measured: bf16,
-            kept: false,
-        });
+    if out_of_time() {
+        dimensions_left = false;
     }
-    if bf16_ratio < 1.0 && !gpu {
-        skipped.push(format!(
-            "f16: bf16 ran at {bf16_ratio:.2}x f32 — no fast low-precision path on this device"
-        ));
-    } else {
-        let f16 = trial(&Candidate {
-            precision: Precision::F16,
+    if dimensions_left {
+        let bf16 = trial(&Candidate {
+            precision: Precision::Bf16,
             ..best.candidate
         })?;
-        if numerics_ok(&f16, &baseline) {
-            consider(&mut decisions, &mut best, f16, "f16");
+        let bf16_ratio = bf16.samples_per_s / baseline.samples_per_s.max(1e-9);
+        if numerics_ok(&bf16, &baseline) {
+            consider(&mut decisions, &mut best, bf16, "bf16");
         } else {
             decisions.push(Decision {
-                reason: "f16: fails the numerics check".into(),
-                measured: f16,
+                reason: format!(
+                    "bf16: mean loss {:.4} vs f32 {:.4} — fails the numerics check",
+                    bf16.mean_loss, baseline.mean_loss
+                ),
+                measured: bf16,
                 kept: false,
             });
+        }
+        if bf16_ratio < 1.0 && !gpu {
+            skipped.push(format!(
+                "f16: bf16 ran at {bf16_ratio:.2}x f32 — no fast low-precision path on this device"
+            ));
+        } else {
+            let f16 = trial(&Candidate {
+                precision: Precision::F16,
+                ..best.candidate
+            })?;
+            if numerics_ok(&f16, &baseline) {
+                consider(&mut decisions, &mut best, f16, "f16");
+            } else {
+                decisions.push(Decision {
+                    reason: "f16: fails the numerics check".into(),
+                    measured: f16,
+                    kept: false,
+                });
+            }
         }
     }
 
     // 2. Micro-batch (effective batch kept).
     let mut micro = best.candidate.micro_batch;
     while micro >= 2 && micro.is_multiple_of(2) {
+        if out_of_time() {
+            dimensions_left = false;
+            break;
+        }
         let c = Candidate {
             micro_batch: micro / 2,
             grad_accum_steps: best.candidate.grad_accum_steps * 2,
@@ -256,15 +270,27 @@ pub fn auto_tune(
     }
 
     // 3. Activation checkpointing.
-    let m = trial(&Candidate {
-        checkpointing: true,
-        ..best.candidate
-    })?;
-    consider(&mut decisions, &mut best, m, "activation checkpointing");
+    if dimensions_left && !out_of_time() {
+        let m = trial(&Candidate {
+            checkpointing: true,
+            ..best.candidate
+        })?;
+        consider(&mut decisions, &mut best, m, "activation checkpointing");
+    } else {
+        dimensions_left = false;
+    }
 
     // 4. Loader workers, only where the baseline waited for data.
-    if best.data_share >= 0.02 {
+    if !dimensions_left {
+        skipped.push(format!(
+            "the rest of the search: the time budget ({:.0} s) is spent",
+            time_budget.map_or(0.0, |b| b.as_secs_f64())
+        ));
+    } else if best.data_share >= 0.02 {
         for workers in 1..=cores.max(1) {
+            if out_of_time() {
+                break;
+            }
             let m = trial(&Candidate {
                 workers,
                 ..best.candidate
