@@ -412,3 +412,32 @@ fn graph_files_round_trip_and_detect_corruption() {
     let msg = infer::load_graph(&path).unwrap_err().to_string();
     assert!(msg.contains("not a Kiln graph"), "{msg}");
 }
+
+#[test]
+fn batch_inference_halves_its_batch_at_the_memory_watermark() {
+    let device = Device::flex();
+    let test = bundled(Split::Test).unwrap();
+    let model = ModelKind::Cnn.init(&device);
+    let session = InferenceSession::new(&model, "cnn", [1, 28, 28], &[], &device).unwrap();
+    let plain = session.evaluate(&test, 250).unwrap();
+    assert!(plain.batch_changes.is_empty());
+    // Forced: a watermark below the current RSS is crossed after the first batch.
+    let rss = kiln::observe::memory::current_rss_bytes().expect("Linux /proc");
+    let adapted = session.evaluate_with(&test, 250, Some(rss / 2)).unwrap();
+    assert_eq!(
+        adapted.batch_changes,
+        vec![kiln::infer::BatchChange {
+            after_samples: 250,
+            batch: 125
+        }]
+    );
+    assert_eq!(adapted.accuracy, plain.accuracy);
+    assert_eq!(adapted.logits.len(), plain.logits.len());
+    let worst = adapted
+        .logits
+        .iter()
+        .zip(&plain.logits)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(worst < 1e-4, "batch size changed the logits by {worst}");
+}

@@ -82,10 +82,29 @@ impl InferenceSession {
 
     /// Top-1 accuracy and logits over `data`, in batches of `batch`.
     pub fn evaluate(&self, data: &dyn Dataset, batch: usize) -> Result<Predictions> {
+        self.evaluate_with(data, batch, None)
+    }
+
+    /// [`InferenceSession::evaluate`] with OOM-adaptive batching: when resident memory
+    /// reaches `watermark` bytes after a batch, the following batches are half as large (the
+    /// results do not depend on the batch size); each change is reported in
+    /// [`Predictions::batch_changes`] and logged.
+    pub fn evaluate_with(
+        &self,
+        data: &dyn Dataset,
+        batch: usize,
+        watermark: Option<u64>,
+    ) -> Result<Predictions> {
         let order: Vec<usize> = (0..data.len()).collect();
         let mut logits = Vec::new();
         let mut correct = 0usize;
-        for chunk in order.chunks(batch.max(1)) {
+        let mut mark = watermark.map(crate::observe::Watermark::new);
+        let mut batch_changes = Vec::new();
+        let mut size = batch.max(1);
+        let mut at = 0;
+        while at < order.len() {
+            let chunk = &order[at..(at + size).min(order.len())];
+            at += chunk.len();
             let b = collate(data, chunk, self.executor.device())?;
             let out = self.forward(b.images)?;
             let values = out
@@ -109,10 +128,27 @@ impl InferenceSession {
                 correct += usize::from(arg as i64 == *label);
             }
             logits.extend(values);
+            if let Some(m) = mark.as_mut()
+                && let Some(rss) = crate::observe::memory::current_rss_bytes()
+                && m.check(rss)
+                && size >= 2
+            {
+                size /= 2;
+                tracing::warn!(
+                    "inference: resident memory {} reached the watermark {}; batch halved to {size}",
+                    crate::observe::memory::human_bytes(rss),
+                    crate::observe::memory::human_bytes(m.threshold())
+                );
+                batch_changes.push(BatchChange {
+                    after_samples: at,
+                    batch: size,
+                });
+            }
         }
         Ok(Predictions {
             accuracy: correct as f64 / data.len().max(1) as f64,
             logits,
+            batch_changes,
         })
     }
 }
@@ -124,6 +160,17 @@ pub struct Predictions {
     pub accuracy: f64,
     /// All logits, row-major `[samples, classes]`.
     pub logits: Vec<f32>,
+    /// OOM-adaptive batch changes, in order.
+    pub batch_changes: Vec<BatchChange>,
+}
+
+/// One OOM-adaptive change of the inference batch size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct BatchChange {
+    /// Samples done when the change was made.
+    pub after_samples: usize,
+    /// The new batch size.
+    pub batch: usize,
 }
 
 /// How far one set of logits is from a reference.
