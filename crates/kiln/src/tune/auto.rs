@@ -152,16 +152,49 @@ fn numerics_ok(m: &Measured, baseline: &Measured) -> bool {
         && (m.mean_loss - baseline.mean_loss).abs() <= 0.05 * baseline.mean_loss.abs() + 0.02
 }
 
-/// Logs a trial and keeps it as the new best when it wins by more than [`MIN_GAIN`].
-fn consider(decisions: &mut Vec<Decision>, best: &mut Measured, m: Measured, why: &str) -> bool {
+/// Logs a trial and keeps it as the new best when it wins by more than [`MIN_GAIN`] — twice:
+/// an apparent win is re-measured back to back with the current best (one more trial each)
+/// and kept only if the candidate also wins that second round and the sum of both. Short trials on a shared
+/// machine are noisy; confirming only the apparent wins costs few trials.
+fn consider(
+    decisions: &mut Vec<Decision>,
+    best: &mut Measured,
+    m: Measured,
+    why: &str,
+    trial: &mut dyn FnMut(&Candidate) -> Result<Measured>,
+) -> Result<bool> {
     let gain = m.samples_per_s / best.samples_per_s.max(1e-9) - 1.0;
-    let kept = gain > MIN_GAIN;
+    let mut kept = gain > MIN_GAIN;
+    let mut confirm = String::new();
+    let mut m = m;
+    let first = m.samples_per_s;
+    if kept {
+        let again_best = trial(&best.candidate)?;
+        let again = trial(&m.candidate)?;
+        let total_best = best.samples_per_s + again_best.samples_per_s;
+        let total = m.samples_per_s + again.samples_per_s;
+        let confirmed = total / total_best.max(1e-9) - 1.0;
+        // Both: the second round alone must not contradict the first.
+        kept = confirmed > MIN_GAIN && again.samples_per_s > again_best.samples_per_s;
+        // Both sides now have two measurements: keep their means, so a first measurement
+        // that was a fluke (high or low) does not steer the rest of the search.
+        best.samples_per_s = total_best / 2.0;
+        m.samples_per_s = total / 2.0;
+        confirm = format!(
+            "; re-measured back to back: {:.0} vs {:.0} ({:+.1}% over both rounds)",
+            again.samples_per_s,
+            again_best.samples_per_s,
+            100.0 * confirmed
+        );
+    }
     let reason = format!(
-        "{why}: {:.0} samples/s, {:+.1}% vs best{}",
-        m.samples_per_s,
+        "{why}: {:.0} samples/s, {:+.1}% vs best{confirm}{}",
+        first,
         100.0 * gain,
         if kept {
             " — kept"
+        } else if gain > MIN_GAIN {
+            " — not confirmed"
         } else {
             " — within noise or slower"
         }
@@ -174,7 +207,7 @@ fn consider(decisions: &mut Vec<Decision>, best: &mut Measured, m: Measured, why
         kept,
         reason,
     });
-    kept
+    Ok(kept)
 }
 
 /// The auto-optimizer; see the module documentation. `trial` measures a candidate; `cores`
@@ -217,7 +250,7 @@ pub fn auto_tune(
         })?;
         let bf16_ratio = bf16.samples_per_s / baseline.samples_per_s.max(1e-9);
         if numerics_ok(&bf16, &baseline) {
-            consider(&mut decisions, &mut best, bf16, "bf16");
+            consider(&mut decisions, &mut best, bf16, "bf16", &mut trial)?;
         } else {
             decisions.push(Decision {
                 reason: format!(
@@ -238,7 +271,7 @@ pub fn auto_tune(
                 ..best.candidate
             })?;
             if numerics_ok(&f16, &baseline) {
-                consider(&mut decisions, &mut best, f16, "f16");
+                consider(&mut decisions, &mut best, f16, "f16", &mut trial)?;
             } else {
                 decisions.push(Decision {
                     reason: "f16: fails the numerics check".into(),
@@ -263,7 +296,7 @@ pub fn auto_tune(
         };
         let m = trial(&c)?;
         let why = format!("micro-batch {} x {}", c.micro_batch, c.grad_accum_steps);
-        if !consider(&mut decisions, &mut best, m, &why) {
+        if !consider(&mut decisions, &mut best, m, &why, &mut trial)? {
             break;
         }
         micro /= 2;
@@ -275,7 +308,13 @@ pub fn auto_tune(
             checkpointing: true,
             ..best.candidate
         })?;
-        consider(&mut decisions, &mut best, m, "activation checkpointing");
+        consider(
+            &mut decisions,
+            &mut best,
+            m,
+            "activation checkpointing",
+            &mut trial,
+        )?;
     } else {
         dimensions_left = false;
     }
@@ -296,7 +335,7 @@ pub fn auto_tune(
                 ..best.candidate
             })?;
             let why = format!("{workers} loader worker(s)");
-            if !consider(&mut decisions, &mut best, m, &why) {
+            if !consider(&mut decisions, &mut best, m, &why, &mut trial)? {
                 break;
             }
         }
