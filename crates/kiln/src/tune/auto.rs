@@ -408,3 +408,83 @@ pub fn to_toml(model: ModelKind, report: &TuneReport) -> String {
     ));
     text
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A deterministic machine: f32 100 samples/s, bf16 90, halving the micro-batch once
+    /// gives 110, twice 95; checkpointing 100; no data wait.
+    fn fake(c: &Candidate) -> Measured {
+        let mut sps = match c.precision {
+            Precision::F32 => 100.0,
+            Precision::Bf16 => 90.0,
+            Precision::F16 => 50.0,
+        };
+        sps *= match c.grad_accum_steps {
+            1 => 1.0,
+            2 => 1.1,
+            _ => 0.95,
+        };
+        Measured {
+            candidate: *c,
+            samples_per_s: sps,
+            mean_loss: 2.0,
+            data_share: 0.0,
+            seconds: 0.0,
+        }
+    }
+
+    #[test]
+    fn keeps_confirmed_wins_and_prunes_with_what_it_learned() {
+        let r = auto_tune(128, 2, false, None, |c| Ok(fake(c))).unwrap();
+        assert_eq!(r.best.candidate.micro_batch, 64);
+        assert_eq!(r.best.candidate.grad_accum_steps, 2);
+        assert_eq!(r.best.candidate.precision, Precision::F32);
+        assert!(!r.best.candidate.checkpointing);
+        assert!(
+            r.skipped.iter().any(|s| s.starts_with("f16")),
+            "{:?}",
+            r.skipped
+        );
+        assert!(r.skipped.iter().any(|s| s.starts_with("loader workers")));
+        assert!(
+            r.decisions
+                .iter()
+                .any(|d| d.kept && d.reason.contains("re-measured")),
+            "a kept change is confirmed"
+        );
+    }
+
+    #[test]
+    fn a_fluke_win_is_not_confirmed_and_bad_numerics_are_refused() {
+        // Checkpointing measures +50% once, then like the baseline: not kept.
+        let mut ckpt_calls = 0;
+        let r = auto_tune(64, 2, false, None, |c| {
+            let mut m = fake(c);
+            m.samples_per_s = if c.grad_accum_steps > 1 { 80.0 } else { 100.0 };
+            if c.checkpointing {
+                ckpt_calls += 1;
+                m.samples_per_s = if ckpt_calls == 1 { 150.0 } else { 99.0 };
+            }
+            if c.precision == Precision::Bf16 {
+                m.samples_per_s = 200.0;
+                m.mean_loss = 3.0;
+            }
+            Ok(m)
+        })
+        .unwrap();
+        assert!(!r.best.candidate.checkpointing, "{:?}", r.decisions);
+        assert_eq!(
+            r.best.candidate.precision,
+            Precision::F32,
+            "bf16 fails numerics"
+        );
+        assert!(
+            r.decisions
+                .iter()
+                .any(|d| d.reason.contains("not confirmed"))
+        );
+        assert!(r.decisions.iter().any(|d| d.reason.contains("numerics")));
+    }
+}
