@@ -19,7 +19,7 @@ use kiln::data::{
     Transform, write_npy,
 };
 use kiln::datasets::{Split, bundled};
-use kiln::observe::{Event, MemorySink};
+use kiln::observe::MemorySink;
 use kiln::train::TrainOptions;
 use kiln::zoo::ModelKind;
 use serde::Serialize;
@@ -129,12 +129,8 @@ fn train_wait(data: &dyn Dataset, workers: usize, steps: usize) -> Result<TrainW
     .fit("cnn", |d| ModelKind::Cnn.init(d), data, None)?;
     // The first steps pay for thread start and allocator warm-up: skip them, as the peers do.
     let timed: Vec<(f64, f64)> = sink
-        .events
-        .iter()
-        .filter_map(|e| match e {
-            Event::Step(s) => Some((s.step_ms, s.data_ms)),
-            _ => None,
-        })
+        .steps()
+        .map(|s| (s.step_ms, s.data_ms))
         .skip(3)
         .collect();
     let step_ms = timed.iter().map(|t| t.0).sum::<f64>() / timed.len().max(1) as f64;

@@ -5,7 +5,7 @@
 use anyhow::{Context, Result};
 use kiln::Trainer;
 use kiln::datasets::{self, Split};
-use kiln::observe::{Event, MemorySink, Profiler, phase_table, render_table};
+use kiln::observe::{MemorySink, Profiler, phase_table, render_table};
 use kiln::tune::{RunContext, StepSplit, diagnose};
 use tracing_subscriber::layer::SubscriberExt;
 
@@ -43,12 +43,9 @@ fn run_steps(plan: &kiln::plan::Plan, steps: u64, profiler: Option<&Profiler>) -
         None => fit(&mut sink)?,
     }
     let times: Vec<f64> = sink
-        .events
-        .iter()
-        .filter_map(|e| match e {
-            Event::Step(s) if s.step > WARMUP_STEPS => Some(s.step_ms),
-            _ => None,
-        })
+        .steps()
+        .filter(|s| s.step > WARMUP_STEPS)
+        .map(|s| s.step_ms)
         .collect();
     Ok(times.iter().sum::<f64>() / times.len().max(1) as f64)
 }

@@ -10,7 +10,7 @@ use burn::tensor::Device;
 use kiln::Trainer;
 use kiln::burn;
 use kiln::data::SyntheticDataset;
-use kiln::observe::{Event, MemorySink, memory};
+use kiln::observe::{MemorySink, memory};
 use kiln::precision::Precision;
 use kiln::train::TrainOptions;
 use kiln::tune::{SearchMode, SearchOptions, TrialOutcome, parse_size, search};
@@ -156,12 +156,9 @@ fn trial(model: ModelKind, precision: Precision, batch: usize, steps: u64) -> Re
     )
     .fit(model.name(), |d| model.init(d), &data, None)?;
     let timed: Vec<f64> = sink
-        .events
-        .iter()
-        .filter_map(|e| match e {
-            Event::Step(s) if s.step > WARMUP => Some(s.step_ms),
-            _ => None,
-        })
+        .steps()
+        .filter(|s| s.step > WARMUP)
+        .map(|s| s.step_ms)
         .collect();
     if timed.is_empty() {
         bail!("the trial ran no timed steps");

@@ -268,14 +268,7 @@ fn tensorboard_event_files_hold_the_runs_values() {
     let bytes = std::fs::read(&path).unwrap();
     let (version, scalars) = decoded_scalars(&bytes);
     assert_eq!(version.as_deref(), Some("brain.Event:2"));
-    let steps: Vec<_> = memory
-        .events
-        .iter()
-        .filter_map(|e| match e {
-            Event::Step(s) => Some(s.clone()),
-            _ => None,
-        })
-        .collect();
+    let steps: Vec<_> = memory.steps().cloned().collect();
     assert_eq!(steps.len(), 12);
     for s in &steps {
         let loss = scalars
@@ -427,14 +420,7 @@ fn a_watermark_crossing_halves_the_micro_batch_and_keeps_the_effective_batch() {
         (1, 16, 2)
     );
     assert_eq!(changes[0].effective_batch, 32);
-    let samples: Vec<usize> = sink
-        .events
-        .iter()
-        .filter_map(|e| match e {
-            Event::Step(s) => Some(s.samples),
-            _ => None,
-        })
-        .collect();
+    let samples: Vec<usize> = sink.steps().map(|s| s.samples).collect();
     assert_eq!(samples, vec![32; 20], "same steps, same samples per step");
     // The same trajectory as without adaptation, up to summation order.
     let (plain, _) = train(None);

@@ -24,7 +24,7 @@ use serde::Serialize;
 
 use crate::data::Dataset;
 use crate::error::Result;
-use crate::observe::{Event, MemorySink};
+use crate::observe::MemorySink;
 use crate::precision::Precision;
 use crate::train::{TrainOptions, Trainer};
 use crate::zoo::ModelKind;
@@ -122,14 +122,9 @@ pub fn run_trial(
         None,
     )?;
     let timed: Vec<(f64, f64, f64, usize)> = sink
-        .events
-        .iter()
-        .filter_map(|e| match e {
-            Event::Step(s) if s.step > WARMUP_STEPS => {
-                Some((s.step_ms, s.data_ms, s.loss as f64, s.samples))
-            }
-            _ => None,
-        })
+        .steps()
+        .filter(|s| s.step > WARMUP_STEPS)
+        .map(|s| (s.step_ms, s.data_ms, s.loss as f64, s.samples))
         .collect();
     let mut rates: Vec<f64> = timed
         .iter()
