@@ -21,6 +21,7 @@ use memmap2::{Advice, Mmap, UncheckedAdvice};
 
 use super::Dataset;
 use crate::error::{KilnError, Result};
+use crate::observe::memory::Statm;
 
 /// The most a single page fault can map: one PMD-sized (2 MiB) page-cache folio.
 const MAX_FAULT_BYTES: u64 = 2 << 20;
@@ -61,8 +62,8 @@ pub struct MmapArray {
     served: AtomicU64,
     rows: AtomicU64,
     release_every: u64,
-    /// `/proc/self/statm`, kept open: re-reading it costs one `pread`.
-    statm: Option<File>,
+    /// Resident-memory readings for the bound.
+    statm: Statm,
     /// File-backed resident pages (statm's `shared`) when the array was opened, in bytes.
     baseline: u64,
 }
@@ -170,24 +171,14 @@ impl MmapArray {
             rows: AtomicU64::new(0),
             release_every: DEFAULT_RELEASE_EVERY,
             baseline: 0,
-            statm: File::open("/proc/self/statm").ok(),
+            statm: Statm::open(),
         }
         .with_baseline())
     }
 
     fn with_baseline(mut self) -> Self {
-        self.baseline = self.file_resident().unwrap_or(0);
+        self.baseline = self.statm.file_backed_bytes().unwrap_or(0);
         self
-    }
-
-    /// The process's file-backed resident bytes, from `/proc/self/statm`.
-    fn file_resident(&self) -> Option<u64> {
-        use std::os::unix::fs::FileExt;
-        let mut buf = [0u8; 128];
-        let n = self.statm.as_ref()?.read_at(&mut buf, 0).ok()?;
-        let text = std::str::from_utf8(&buf[..n]).ok()?;
-        let shared_pages: u64 = text.split_whitespace().nth(2)?.parse().ok()?;
-        Some(shared_pages * 4096)
     }
 
     /// Rows between two residency checks: a row can map up to [`MAX_FAULT_BYTES`], so check
@@ -231,11 +222,12 @@ impl MmapArray {
     /// Counts a read of `bytes` and drops the mapped pages when the bound is reached (see the
     /// module docs).
     fn account(&self, bytes: usize) {
-        let due = if self.statm.is_some() {
+        let due = if self.statm.available() {
             let row = self.rows.fetch_add(1, Ordering::Relaxed);
             row.is_multiple_of(self.check_every())
                 && self
-                    .file_resident()
+                    .statm
+                    .file_backed_bytes()
                     .is_some_and(|r| r > self.baseline + self.release_every)
         } else {
             let before = self.served.fetch_add(bytes as u64, Ordering::Relaxed);

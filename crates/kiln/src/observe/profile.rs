@@ -9,7 +9,6 @@
 //! file (about a microsecond), so the layer can afford it at every span boundary.
 
 use std::collections::BTreeMap;
-use std::fs::File;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -22,6 +21,8 @@ use tracing::span::{Attributes, Id};
 use tracing_subscriber::Layer;
 use tracing_subscriber::layer::Context;
 use tracing_subscriber::registry::LookupSpan;
+
+use super::memory::Statm;
 
 /// One finished span.
 #[derive(Debug, Clone, Serialize)]
@@ -47,7 +48,7 @@ pub struct SpanRecord {
 struct Recorder {
     origin: Instant,
     spans: Mutex<Vec<SpanRecord>>,
-    statm: Option<File>,
+    statm: Statm,
 }
 
 impl Recorder {
@@ -56,12 +57,7 @@ impl Recorder {
     }
 
     fn rss(&self) -> Option<u64> {
-        use std::os::unix::fs::FileExt;
-        let mut buf = [0u8; 128];
-        let n = self.statm.as_ref()?.read_at(&mut buf, 0).ok()?;
-        let text = std::str::from_utf8(&buf[..n]).ok()?;
-        let pages: u64 = text.split_whitespace().nth(1)?.parse().ok()?;
-        Some(pages * 4096)
+        self.statm.resident_bytes()
     }
 }
 
@@ -177,7 +173,7 @@ impl Profiler {
             recorder: Arc::new(Recorder {
                 origin: Instant::now(),
                 spans: Mutex::new(Vec::new()),
-                statm: File::open("/proc/self/statm").ok(),
+                statm: Statm::open(),
             }),
         }
     }
