@@ -15,8 +15,7 @@ use anyhow::{Context, Result};
 use burn::tensor::Device;
 use kiln::burn;
 use kiln::data::{
-    Augment, DataLoader, Dataset, ElementType, LoaderOptions, MNIST_MEAN_STD, MappedImages,
-    Transform, write_npy,
+    Augment, DataLoader, Dataset, LoaderOptions, MNIST_MEAN_STD, MappedImages, Transform,
 };
 use kiln::datasets::{Split, bundled};
 use kiln::observe::MemorySink;
@@ -54,23 +53,8 @@ struct TrainWait {
 
 /// Writes the bundled training subset as `images.npy` (u8 `[N,1,28,28]`) and `labels.npy`.
 fn write_dataset(dir: &Path) -> Result<(PathBuf, PathBuf)> {
-    let data = bundled(Split::Train)?;
-    let n = data.len();
-    let (mean, std) = MNIST_MEAN_STD;
-    let mut pixels = Vec::with_capacity(n * 784);
-    let mut labels = Vec::with_capacity(n * 8);
-    let mut buf = vec![0f32; 784];
-    for i in 0..n {
-        let label = data.fill(i, &mut buf)? as i64;
-        labels.extend_from_slice(&label.to_le_bytes());
-        pixels.extend(
-            buf.iter()
-                .map(|v| ((v * std + mean) * 255.0).round().clamp(0.0, 255.0) as u8),
-        );
-    }
     let (x, y) = (dir.join("images.npy"), dir.join("labels.npy"));
-    write_npy(&x, ElementType::U8, &[n, 1, 28, 28], &pixels)?;
-    write_npy(&y, ElementType::I64, &[n], &labels)?;
+    bundled(Split::Train)?.write_npy(&x, &y)?;
     Ok((x, y))
 }
 

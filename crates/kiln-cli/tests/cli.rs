@@ -353,33 +353,15 @@ fn optimize_reports_each_pass_and_writes_the_model() {
 
 /// Writes the bundled data as `{split}-images.npy` / `{split}-labels.npy`.
 fn write_npy_dir(dir: &std::path::Path) {
-    use kiln::data::{Dataset, ElementType, MNIST_MEAN_STD, write_npy};
     use kiln::datasets::{Split, bundled};
     for (split, name) in [(Split::Train, "train"), (Split::Test, "test")] {
-        let data = bundled(split).unwrap();
-        let (mean, std) = MNIST_MEAN_STD;
-        let mut pixels = Vec::new();
-        let mut labels = Vec::new();
-        let mut buf = vec![0f32; 784];
-        for i in 0..data.len() {
-            labels.extend_from_slice(&(data.fill(i, &mut buf).unwrap() as i64).to_le_bytes());
-            pixels.extend(buf.iter().map(|v| ((v * std + mean) * 255.0).round() as u8));
-        }
-        let n = data.len();
-        write_npy(
-            dir.join(format!("{name}-images.npy")),
-            ElementType::U8,
-            &[n, 28, 28],
-            &pixels,
-        )
-        .unwrap();
-        write_npy(
-            dir.join(format!("{name}-labels.npy")),
-            ElementType::I64,
-            &[n],
-            &labels,
-        )
-        .unwrap();
+        bundled(split)
+            .unwrap()
+            .write_npy(
+                &dir.join(format!("{name}-images.npy")),
+                &dir.join(format!("{name}-labels.npy")),
+            )
+            .unwrap();
     }
 }
 

@@ -16,18 +16,8 @@ use kiln::observe::memory::current_rss_bytes;
 /// The bundled training subset as raw bytes: images `[n, 28, 28]` u8 and labels `[n]` i64.
 fn raw_mnist(n: usize) -> (Vec<u8>, Vec<i64>) {
     let data = bundled(Split::Train).unwrap().take(n);
-    let mut pixels = Vec::with_capacity(n * 784);
-    let mut labels = Vec::with_capacity(n);
-    let mut buf = vec![0f32; 784];
-    let (mean, std) = kiln::data::MNIST_MEAN_STD;
-    for i in 0..n {
-        labels.push(data.fill(i, &mut buf).unwrap() as i64);
-        pixels.extend(
-            buf.iter()
-                .map(|v| ((v * std + mean) * 255.0).round().clamp(0.0, 255.0) as u8),
-        );
-    }
-    (pixels, labels)
+    let (pixels, labels) = data.raw();
+    (pixels.to_vec(), labels.iter().map(|&l| l as i64).collect())
 }
 
 fn i64_bytes(v: &[i64]) -> Vec<u8> {

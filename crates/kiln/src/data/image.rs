@@ -1,6 +1,9 @@
 //! An in-memory dataset of 8-bit images with integer labels (MNIST and the like).
 
+use std::path::Path;
+
 use super::Dataset;
+use super::mmap::{ElementType, write_npy};
 use crate::error::{KilnError, Result};
 
 /// 8-bit images held in memory, normalized to `(x/255 - mean) / std` on read.
@@ -45,6 +48,25 @@ impl ImageDataset {
         self.pixels.truncate(n * item);
         self.labels.truncate(n);
         self
+    }
+
+    /// The stored bytes: pixels (sample after sample, `[C, H, W]` each) and labels.
+    pub fn raw(&self) -> (&[u8], &[u8]) {
+        (&self.pixels, &self.labels)
+    }
+
+    /// Writes the dataset as memory-mappable `.npy` files: u8 images `[N, C, H, W]` and i64
+    /// labels `[N]` (what [`super::MappedImages::open_npy`] reads).
+    pub fn write_npy(&self, images: &Path, labels: &Path) -> Result<()> {
+        let [c, h, w] = self.shape;
+        let n = self.labels.len();
+        write_npy(images, ElementType::U8, &[n, c, h, w], &self.pixels)?;
+        let label_bytes: Vec<u8> = self
+            .labels
+            .iter()
+            .flat_map(|&l| (l as i64).to_le_bytes())
+            .collect();
+        write_npy(labels, ElementType::I64, &[n], &label_bytes)
     }
 
     /// The label of sample `index`.
