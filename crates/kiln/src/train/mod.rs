@@ -21,7 +21,7 @@ pub use params::flatten_params;
 pub use schedule::learning_rate;
 pub use trainer::{TrainOutcome, Trainer};
 
-use crate::data::Augment;
+use crate::data::{Augment, LoaderOptions};
 use crate::guard::GuardOptions;
 use crate::precision::{Precision, ScalerOptions};
 
@@ -139,6 +139,19 @@ impl Default for TrainOptions {
 }
 
 impl TrainOptions {
+    /// The data loader settings of a run with `workers` loader threads (never drops the
+    /// last, short batch: every sample is trained on every epoch).
+    pub fn loader_options(&self, workers: usize) -> LoaderOptions {
+        LoaderOptions {
+            batch_size: self.batch_size,
+            workers,
+            prefetch_factor: self.prefetch_factor,
+            shuffle: self.shuffle,
+            drop_last: false,
+            seed: self.seed,
+        }
+    }
+
     /// The settings that shape the trajectory: a resume with different values would not
     /// continue the same run, so [`Trainer`] refuses it.
     pub fn trajectory_fingerprint(&self) -> Vec<(&'static str, String)> {

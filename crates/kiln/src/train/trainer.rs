@@ -13,7 +13,7 @@ use super::{
     Checkpoint, CheckpointState, Evaluation, TrainOptions, build_optimizer, clip_global_norm,
     evaluate, learning_rate, scale_grads,
 };
-use crate::data::{Batch, DataLoader, Dataset, LoaderOptions, Transform, choose_workers};
+use crate::data::{Batch, DataLoader, Dataset, Transform, choose_workers};
 use crate::error::{KilnError, Result};
 use crate::guard::{
     Guard, GuardAction, GuardEvent, GuardPolicy, Trouble, nonfinite_grad_names,
@@ -138,14 +138,7 @@ impl<'s> Trainer<'s> {
             Some(w) => w,
             None => self.choose_workers(&model, &loss_fn, train, transform, &device)?,
         };
-        let loader_options = LoaderOptions {
-            batch_size: opts.batch_size,
-            workers,
-            prefetch_factor: opts.prefetch_factor,
-            shuffle: opts.shuffle,
-            drop_last: false,
-            seed: opts.seed,
-        };
+        let loader_options = opts.loader_options(workers);
 
         self.sink.emit(&Event::RunStarted {
             model: model_name.to_string(),
@@ -538,14 +531,7 @@ impl<'s> Trainer<'s> {
         device: &Device,
     ) -> Result<usize> {
         let opts = &self.options;
-        let base = LoaderOptions {
-            batch_size: opts.batch_size,
-            workers: 0,
-            prefetch_factor: opts.prefetch_factor,
-            shuffle: opts.shuffle,
-            drop_last: false,
-            seed: opts.seed,
-        };
+        let base = opts.loader_options(0);
         let max_workers = std::thread::available_parallelism().map_or(1, |n| n.get());
         let precision = opts.precision;
         let mut step = |batch: Batch| -> Result<()> {
