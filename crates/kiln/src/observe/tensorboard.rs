@@ -160,16 +160,13 @@ impl TfEventsWriter {
 
     fn record(&mut self, data: &[u8]) -> crate::error::Result<()> {
         let len = (data.len() as u64).to_le_bytes();
-        let io = |e| crate::error::KilnError::io(&self.path, e);
-        self.out.write_all(&len).map_err(io)?;
+        let mut frame = Vec::with_capacity(data.len() + 16);
+        frame.extend_from_slice(&len);
+        frame.extend_from_slice(&masked_crc(&len).to_le_bytes());
+        frame.extend_from_slice(data);
+        frame.extend_from_slice(&masked_crc(data).to_le_bytes());
         self.out
-            .write_all(&masked_crc(&len).to_le_bytes())
-            .map_err(|e| crate::error::KilnError::io(&self.path, e))?;
-        self.out
-            .write_all(data)
-            .map_err(|e| crate::error::KilnError::io(&self.path, e))?;
-        self.out
-            .write_all(&masked_crc(data).to_le_bytes())
+            .write_all(&frame)
             .map_err(|e| crate::error::KilnError::io(&self.path, e))
     }
 
