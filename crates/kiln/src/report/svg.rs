@@ -21,6 +21,15 @@ fn escape(s: &str) -> String {
         .replace('"', "&quot;")
 }
 
+/// The opening `<svg>` tag of a chart `W` wide and `height` high, with its title.
+fn open_svg(title: &str, height: f64) -> String {
+    format!(
+        r#"<svg class="chart" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {W} {height}" width="{W}" height="{height}" role="img" aria-label="{t}"><title>{t}</title><text x="{cx}" y="18" text-anchor="middle" font-size="14" font-weight="bold">{t}</text>"#,
+        t = escape(title),
+        cx = W / 2.0
+    )
+}
+
 /// "Nice" tick values covering `[lo, hi]` (1, 2 or 5 × a power of ten apart).
 fn ticks(lo: f64, hi: f64, target: usize) -> Vec<f64> {
     let span = (hi - lo).abs().max(1e-12);
@@ -66,13 +75,7 @@ pub fn line_chart(
         .flat_map(|(_, p)| p.iter().copied())
         .filter(|(x, y)| x.is_finite() && y.is_finite())
         .collect();
-    let mut svg = String::new();
-    let _ = write!(
-        svg,
-        r#"<svg class="chart" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {W} {H}" width="{W}" height="{H}" role="img" aria-label="{t}"><title>{t}</title><text x="{cx}" y="18" text-anchor="middle" font-size="14" font-weight="bold">{t}</text>"#,
-        t = escape(title),
-        cx = W / 2.0
-    );
+    let mut svg = open_svg(title, H);
     if points.is_empty() {
         let _ = write!(
             svg,
@@ -179,13 +182,7 @@ pub fn bar_chart(title: &str, value_label: &str, bars: &[(String, f64, bool)]) -
     let h = TOP + 22.0 * rows + BOTTOM;
     let max = bars.iter().map(|b| b.1).fold(0.0, f64::max).max(1e-9);
     let (left, pw) = (260.0, W - 260.0 - RIGHT - 60.0);
-    let mut svg = String::new();
-    let _ = write!(
-        svg,
-        r#"<svg class="chart" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {W} {h}" width="{W}" height="{h}" role="img" aria-label="{t}"><title>{t}</title><text x="{cx}" y="18" text-anchor="middle" font-size="14" font-weight="bold">{t}</text>"#,
-        t = escape(title),
-        cx = W / 2.0
-    );
+    let mut svg = open_svg(title, h);
     for (i, (name, value, highlight)) in bars.iter().enumerate() {
         let y = TOP + 22.0 * i as f64;
         let w = (value / max * pw).max(1.0);
