@@ -166,6 +166,14 @@ fn run_in(dir: &Path, threads: usize, epochs: usize, json: bool) -> Result<()> {
     let data = MappedImages::open_npy(&images, &labels)?.with_scaling(mean, std);
     let mut kiln_rows = Vec::new();
     let mut peer_rows: Vec<LoaderResult> = Vec::new();
+    // Probed once: the peer is optional and its absence is said once.
+    let py = peer_python();
+    if py.is_none() {
+        eprintln!(
+            "kiln bench data: PyTorch not found (set PEERS_VENV, or run ../shared/peers/setup.sh \
+             for a venv at ~/.cache/kiln-peers); reporting Kiln's numbers only"
+        );
+    }
     for (name, augment) in [
         ("crop-flip", Augment::CropFlip),
         ("affine", Augment::Affine),
@@ -174,7 +182,11 @@ fn run_in(dir: &Path, threads: usize, epochs: usize, json: bool) -> Result<()> {
             .build(data.item_shape())
             .context("building the transform")?;
         kiln_rows.extend(kiln_loader(&data, &transform, name, threads, epochs, json)?);
-        peer_rows.extend(peer_loader(&images, &labels, name, threads, epochs, json)?);
+        if let Some(py) = &py {
+            peer_rows.extend(peer_loader(
+                py, &images, &labels, name, threads, epochs, json,
+            )?);
+        }
     }
     let mut waits = Vec::new();
     for workers in 0..=threads {
@@ -227,6 +239,7 @@ fn kiln_loader(
 }
 
 fn peer_loader(
+    py: &Path,
     images: &Path,
     labels: &Path,
     name: &'static str,
@@ -235,56 +248,46 @@ fn peer_loader(
     json: bool,
 ) -> Result<Vec<LoaderResult>> {
     let max_workers = 2 * threads;
+    if !json {
+        eprintln!("kiln bench data: PyTorch DataLoader, {name}, 0..={max_workers} worker(s) ...");
+    }
+    let list: Vec<String> = (0..=max_workers).map(|w| w.to_string()).collect();
+    let out = Command::new(py)
+        .arg(peer_script())
+        .args(["--images", &images.to_string_lossy()])
+        .args(["--labels", &labels.to_string_lossy()])
+        .args(["--workers", &list.join(",")])
+        .args(["--batch", &BATCH.to_string()])
+        .args(["--epochs", &epochs.to_string()])
+        .args(["--threads", &threads.to_string()])
+        .args(["--transform", name])
+        .output()
+        .context("running the PyTorch DataLoader peer")?;
+    if !out.status.success() {
+        eprintln!(
+            "kiln bench data: the PyTorch peer failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
     let mut rows = Vec::new();
-    match peer_python() {
-        Some(py) => {
-            if !json {
-                eprintln!(
-                    "kiln bench data: PyTorch DataLoader, {name}, 0..={max_workers} worker(s) ..."
-                );
-            }
-            let list: Vec<String> = (0..=max_workers).map(|w| w.to_string()).collect();
-            let out = Command::new(&py)
-                .arg(peer_script())
-                .args(["--images", &images.to_string_lossy()])
-                .args(["--labels", &labels.to_string_lossy()])
-                .args(["--workers", &list.join(",")])
-                .args(["--batch", &BATCH.to_string()])
-                .args(["--epochs", &epochs.to_string()])
-                .args(["--threads", &threads.to_string()])
-                .args(["--transform", name])
-                .output()
-                .context("running the PyTorch DataLoader peer")?;
-            if !out.status.success() {
-                eprintln!(
-                    "kiln bench data: the PyTorch peer failed: {}",
-                    String::from_utf8_lossy(&out.stderr)
-                );
-            }
-            for line in String::from_utf8_lossy(&out.stdout).lines() {
-                let v: serde_json::Value = serde_json::from_str(line)
-                    .with_context(|| format!("parsing peer output {line:?}"))?;
-                let r = LoaderResult {
-                    mode: "loader",
-                    system: format!("pytorch {}", v["torch"].as_str().unwrap_or("?")),
-                    transform: name,
-                    workers: v["workers"].as_u64().unwrap_or(0) as usize,
-                    batch: BATCH,
-                    threads,
-                    samples_per_s: v["samples_per_s"].as_f64().unwrap_or(f64::NAN),
-                    min: v["min"].as_f64().unwrap_or(f64::NAN),
-                    max: v["max"].as_f64().unwrap_or(f64::NAN),
-                };
-                if json {
-                    println!("{}", serde_json::to_string(&r)?);
-                }
-                rows.push(r);
-            }
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let v: serde_json::Value =
+            serde_json::from_str(line).with_context(|| format!("parsing peer output {line:?}"))?;
+        let r = LoaderResult {
+            mode: "loader",
+            system: format!("pytorch {}", v["torch"].as_str().unwrap_or("?")),
+            transform: name,
+            workers: v["workers"].as_u64().unwrap_or(0) as usize,
+            batch: BATCH,
+            threads,
+            samples_per_s: v["samples_per_s"].as_f64().unwrap_or(f64::NAN),
+            min: v["min"].as_f64().unwrap_or(f64::NAN),
+            max: v["max"].as_f64().unwrap_or(f64::NAN),
+        };
+        if json {
+            println!("{}", serde_json::to_string(&r)?);
         }
-        None => eprintln!(
-            "kiln bench data: PyTorch not found (set PEERS_VENV, or run ../shared/peers/setup.sh \
-             for a venv at ~/.cache/kiln-peers); reporting Kiln's numbers only"
-        ),
+        rows.push(r);
     }
     Ok(rows)
 }
@@ -296,44 +299,42 @@ fn print_tables(
     threads: usize,
     epochs: usize,
 ) {
-    {
-        println!(
-            "loader alone: MNIST 5k as mmap .npy + normalize, batch {BATCH}, {threads} threads, \
+    println!(
+        "loader alone: MNIST 5k as mmap .npy + normalize, batch {BATCH}, {threads} threads, \
              median of {REPEATS} x {epochs} epochs"
-        );
+    );
+    println!(
+        "{:>9}  {:>7}  {:>14}  {:>16}  {:>7}",
+        "transform", "workers", "kiln samples/s", "pytorch samples/s", "ratio"
+    );
+    for k in kiln_rows {
+        let peer = peer_rows
+            .iter()
+            .find(|p| p.workers == k.workers && p.transform == k.transform);
         println!(
-            "{:>9}  {:>7}  {:>14}  {:>16}  {:>7}",
-            "transform", "workers", "kiln samples/s", "pytorch samples/s", "ratio"
+            "{:>9}  {:>7}  {:>14.0}  {:>16}  {:>7}",
+            k.transform,
+            k.workers,
+            k.samples_per_s,
+            peer.map_or("-".into(), |p| format!("{:.0}", p.samples_per_s)),
+            peer.map_or("-".into(), |p| format!(
+                "{:.2}x",
+                k.samples_per_s / p.samples_per_s
+            ))
         );
-        for k in kiln_rows {
-            let peer = peer_rows
-                .iter()
-                .find(|p| p.workers == k.workers && p.transform == k.transform);
-            println!(
-                "{:>9}  {:>7}  {:>14.0}  {:>16}  {:>7}",
-                k.transform,
-                k.workers,
-                k.samples_per_s,
-                peer.map_or("-".into(), |p| format!("{:.0}", p.samples_per_s)),
-                peer.map_or("-".into(), |p| format!(
-                    "{:.2}x",
-                    k.samples_per_s / p.samples_per_s
-                ))
-            );
-        }
-        println!("\nW2 training (batch {BATCH}, crop-flip in the loader): data wait per step");
+    }
+    println!("\nW2 training (batch {BATCH}, crop-flip in the loader): data wait per step");
+    println!(
+        "{:>7}  {:>8}  {:>8}  {:>10}",
+        "workers", "step ms", "data ms", "wait share"
+    );
+    for w in waits {
         println!(
-            "{:>7}  {:>8}  {:>8}  {:>10}",
-            "workers", "step ms", "data ms", "wait share"
+            "{:>7}  {:>8.1}  {:>8.3}  {:>9.2}%",
+            w.workers,
+            w.step_ms,
+            w.data_ms,
+            100.0 * w.wait_share
         );
-        for w in waits {
-            println!(
-                "{:>7}  {:>8.1}  {:>8.3}  {:>9.2}%",
-                w.workers,
-                w.step_ms,
-                w.data_ms,
-                100.0 * w.wait_share
-            );
-        }
     }
 }
