@@ -149,8 +149,8 @@ fn numerics_ok(m: &Measured, baseline: &Measured) -> bool {
 
 /// Logs a trial and keeps it as the new best when it wins by more than [`MIN_GAIN`] — twice:
 /// an apparent win is re-measured back to back with the current best (one more trial each)
-/// and kept only if the candidate also wins that second round and the sum of both. Short trials on a shared
-/// machine are noisy; confirming only the apparent wins costs few trials.
+/// and kept only if the candidate also wins that second round and the sum of both. Short
+/// trials on a shared machine are noisy; confirming only the apparent wins costs few trials.
 fn consider(
     decisions: &mut Vec<Decision>,
     best: &mut Measured,
@@ -161,8 +161,6 @@ fn consider(
     let gain = m.samples_per_s / best.samples_per_s.max(1e-9) - 1.0;
     let mut kept = gain > MIN_GAIN;
     let mut confirm = String::new();
-    let mut m = m;
-    let first = m.samples_per_s;
     if kept {
         let again_best = trial(&best.candidate)?;
         let again = trial(&m.candidate)?;
@@ -171,10 +169,8 @@ fn consider(
         let confirmed = total / total_best.max(1e-9) - 1.0;
         // Both: the second round alone must not contradict the first.
         kept = confirmed > MIN_GAIN && again.samples_per_s > again_best.samples_per_s;
-        // Both sides now have two measurements: keep their means, so a first measurement
-        // that was a fluke (high or low) does not steer the rest of the search.
-        best.samples_per_s = total_best / 2.0;
-        m.samples_per_s = total / 2.0;
+        // The best's figure is never rewritten (re-measurements only decide): it can then
+        // only rise, so the winner is never reported below the baseline it started from.
         confirm = format!(
             "; re-measured back to back: {:.0} vs {:.0} ({:+.1}% over both rounds)",
             again.samples_per_s,
@@ -184,7 +180,7 @@ fn consider(
     }
     let reason = format!(
         "{why}: {:.0} samples/s, {:+.1}% vs best{confirm}{}",
-        first,
+        m.samples_per_s,
         100.0 * gain,
         if kept {
             " — kept"
