@@ -16,6 +16,7 @@
 //!
 //! A change is kept only when it beats the current best by [`MIN_GAIN`]: smaller differences
 //! are this machine's noise, and a "win" inside the noise is a coin flip that costs trials.
+//! An apparent win must also win a back-to-back re-measurement against the current best.
 
 use std::time::Instant;
 

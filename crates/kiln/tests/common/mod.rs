@@ -1,9 +1,13 @@
 //! Helpers shared by the integration tests (each test binary uses a subset).
 #![allow(dead_code)]
 
+use kiln::burn::tensor::Device;
+use kiln::datasets::{Split, bundled};
 use kiln::guard::{GuardOptions, GuardPolicy};
-use kiln::observe::{Event, GuardEvent, MemorySink};
+use kiln::observe::{Event, GuardEvent, MemorySink, Profiler, SpanRecord, timed};
 use kiln::train::TrainOptions;
+use kiln::zoo::ModelKind;
+use tracing_subscriber::layer::SubscriberExt;
 
 /// A fresh, empty directory under the system temp dir, unique to this test process.
 pub fn tempdir(prefix: &str, name: &str) -> std::path::PathBuf {
@@ -57,4 +61,30 @@ pub fn guard_test_options(policy: GuardPolicy, dir: &std::path::Path) -> TrainOp
         },
         ..TrainOptions::default()
     }
+}
+
+/// Trains W1 for `steps` steps (batch 32) under a profiler; returns its spans and the events.
+pub fn profiled_run(steps: u64, options: TrainOptions) -> (Vec<SpanRecord>, MemorySink) {
+    let data = bundled(Split::Train).unwrap().take(640);
+    let profiler = Profiler::new();
+    let mut sink = MemorySink::default();
+    let subscriber = tracing_subscriber::registry().with(profiler.layer());
+    tracing::subscriber::with_default(subscriber, || {
+        kiln::Trainer::new(
+            TrainOptions {
+                batch_size: 32,
+                max_steps: Some(steps),
+                eval_every_epochs: 0,
+                ..options
+            },
+            Device::flex(),
+            &mut sink,
+        )
+        .fit("mlp", |d| ModelKind::Mlp.init(d), &data, None)
+        .unwrap();
+        timed("user-code", || {
+            std::thread::sleep(std::time::Duration::from_millis(2))
+        });
+    });
+    (profiler.spans(), sink)
 }
