@@ -1,4 +1,4 @@
-//! `kiln`: train, plan, bench and optimize (and, in later issues, tune, profile and serve).
+//! `kiln`: train, plan, bench, optimize, profile, tune, report and serve.
 
 mod alloc;
 mod bench_cmd;
@@ -6,6 +6,7 @@ mod data_bench;
 mod optimize_cmd;
 mod profile_cmd;
 mod progress;
+mod serve_cmd;
 mod train_cmd;
 mod tune_auto_cmd;
 mod tune_cmd;
@@ -38,6 +39,7 @@ Examples:
   kiln tune batch --model cnn --memory-budget 2GiB   largest and fastest batch under a budget
   kiln tune auto --model cnn --out runs/cnn/kiln.toml  measured plan search, writes kiln.toml
   kiln train --run-dir runs/cnn && kiln report runs/cnn   HTML report with plots
+  kiln serve --models opt                    KServe v2 server (HTTP :8000, gRPC :8001) over opt/*/config.toml
   bench/compare.sh                           Kiln and the PyTorch / ONNX Runtime peers side by side";
 
 /// Kiln: a performance optimization system for deep-learning training and inference.
@@ -73,6 +75,10 @@ enum Command {
     /// Render a run directory (kiln train --run-dir) as one self-contained HTML report.
     #[command(after_help = EXAMPLES)]
     Report(ReportArgs),
+    /// Serve a model repository over the KServe v2 protocol (HTTP + gRPC) with dynamic
+    /// batching; Triton's clients (tritonclient, perf_analyzer) work unmodified.
+    #[command(after_help = EXAMPLES)]
+    Serve(serve_cmd::ServeArgs),
 }
 
 #[derive(Args, Debug)]
@@ -393,6 +399,7 @@ fn main() {
         Command::Report(args) => kiln::report::write_report(&args.run_dir, args.out.as_deref())
             .map(|p| println!("report: {}", p.display()))
             .map_err(Into::into),
+        Command::Serve(args) => serve_cmd::run(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

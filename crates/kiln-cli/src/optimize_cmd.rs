@@ -105,6 +105,13 @@ pub fn run(args: OptimizeArgs) -> Result<()> {
         Ok(()) => "model.onnx (opset 17)".to_string(),
         Err(e) => format!("no ONNX file: {e}"),
     };
+    // The output directory doubles as a kiln-serve model directory; a config the user
+    // already edited is kept.
+    let serve_config = args.out.join("config.toml");
+    if !serve_config.exists() {
+        std::fs::write(&serve_config, SERVE_CONFIG)
+            .with_context(|| format!("writing {}", serve_config.display()))?;
+    }
     let table = render(kind, &stages, &onnx_note);
     std::fs::write(args.out.join("summary.md"), &table)?;
     std::fs::write(
@@ -119,6 +126,20 @@ pub fn run(args: OptimizeArgs) -> Result<()> {
     }
     Ok(())
 }
+
+/// The kiln-serve configuration written beside `model.kgraph`.
+const SERVE_CONFIG: &str = "\
+# kiln-serve model configuration (written by `kiln optimize`).
+# Serve every model directory under the parent: kiln serve --models <parent>
+backend = \"graph\"
+graph = \"model.kgraph\"
+max_batch_size = 64
+instances = 1
+max_queue_size = 1024
+
+[dynamic_batching]
+max_queue_delay_microseconds = 500
+";
 
 /// Median ms per forward of `batch` real test images (5 warm-up, 3 × `steps`).
 fn time_batch(

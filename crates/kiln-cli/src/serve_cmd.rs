@@ -1,0 +1,102 @@
+//! `kiln serve`: the KServe v2 inference server over a model repository.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use kiln_serve::{Repository, Server, ServerOptions};
+
+/// `kiln serve` arguments.
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// Model repository: one directory per model, each with a config.toml
+    /// (`kiln optimize --out DIR/NAME` writes a servable one).
+    #[arg(long)]
+    models: PathBuf,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: IpAddr,
+    /// HTTP/REST port (Triton's default is 8000; 0 picks a free one).
+    #[arg(long, default_value_t = 8000)]
+    http_port: u16,
+    /// gRPC port (Triton's default is 8001; 0 picks a free one).
+    #[arg(long, default_value_t = 8001)]
+    grpc_port: u16,
+    /// Serve HTTP only.
+    #[arg(long)]
+    no_grpc: bool,
+    /// Threads per model for each of the preprocess and postprocess stages.
+    #[arg(long, default_value_t = 2)]
+    stage_threads: usize,
+    /// Largest request body in bytes.
+    #[arg(long, default_value_t = kiln_serve::MAX_BODY_BYTES)]
+    max_body_bytes: usize,
+    /// CPU threads for tensor work (0 = all cores).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+}
+
+/// Loads the repository, serves until Ctrl-C / SIGTERM, then drains in-flight requests.
+pub fn run(args: ServeArgs) -> Result<()> {
+    if args.threads > 0 {
+        kiln::plan::set_cpu_threads(args.threads);
+    }
+    let repository = Arc::new(
+        Repository::load(&args.models, args.stage_threads)
+            .with_context(|| format!("loading models from {}", args.models.display()))?,
+    );
+    for m in repository.index() {
+        if m.reason.is_empty() {
+            eprintln!("model {}: {}", m.name, m.state);
+        } else {
+            eprintln!("model {}: {} — {}", m.name, m.state, m.reason);
+        }
+    }
+    let options = ServerOptions {
+        http: SocketAddr::new(args.host, args.http_port),
+        grpc: (!args.no_grpc).then(|| SocketAddr::new(args.host, args.grpc_port)),
+        max_body_bytes: args.max_body_bytes,
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async {
+        let server = Server::bind(Arc::clone(&repository), &options).await?;
+        // One line a script can wait for, with the ports actually bound.
+        println!(
+            "kiln-serve listening: http {} grpc {}",
+            server.http_addr()?,
+            server
+                .grpc_addr()?
+                .map_or_else(|| "off".to_string(), |a| a.to_string())
+        );
+        server.run(shutdown_signal()).await?;
+        anyhow::Ok(())
+    })
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = ctrl_c => {},
+            _ = term.recv() => {},
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}

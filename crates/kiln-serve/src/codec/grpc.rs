@@ -1,0 +1,96 @@
+//! The KServe v2 gRPC inference messages (`raw_input_contents` or typed `contents`).
+
+use super::{
+    Encoded, InferRequest, RequestedOutput, ResponseFormat, check_input, check_len, check_outputs,
+};
+use crate::error::{Result, ServeError};
+use crate::grpc::pb;
+use crate::model::ModelSpec;
+use crate::tensor::{DataType, NamedTensor, Values};
+
+fn bad(message: impl Into<String>) -> ServeError {
+    ServeError::InvalidRequest(message.into())
+}
+
+/// Decodes and validates a `ModelInferRequest`.
+pub fn decode(
+    request: pb::ModelInferRequest,
+    spec: &ModelSpec,
+    max_batch: usize,
+) -> Result<InferRequest> {
+    if !request.raw_input_contents.is_empty()
+        && request.raw_input_contents.len() != request.inputs.len()
+    {
+        return Err(bad(format!(
+            "raw_input_contents has {} entries for {} inputs; give one per input or none",
+            request.raw_input_contents.len(),
+            request.inputs.len()
+        )));
+    }
+    let mut decoded = None;
+    for (i, input) in request.inputs.iter().enumerate() {
+        let batch = check_input(spec, &input.name, &input.datatype, &input.shape, max_batch)?;
+        if decoded.is_some() {
+            return Err(bad(format!("input `{}` is given twice", input.name)));
+        }
+        let dt = spec.input.datatype;
+        let values = match request.raw_input_contents.get(i) {
+            Some(raw) => Values::from_le_bytes(dt, raw)?,
+            None => {
+                let contents = input.contents.as_ref().ok_or_else(|| {
+                    bad(format!(
+                        "input `{}` has neither contents nor raw_input_contents",
+                        input.name
+                    ))
+                })?;
+                match dt {
+                    DataType::Fp32 => Values::F32(contents.fp32_contents.clone()),
+                    DataType::Int64 => Values::I64(contents.int64_contents.clone()),
+                }
+            }
+        };
+        check_len(&input.name, &values, batch, spec)?;
+        decoded = Some((batch, values));
+    }
+    let Some((batch, input)) = decoded else {
+        return Err(bad(format!("missing input `{}`", spec.input.name)));
+    };
+    let outputs: Vec<RequestedOutput> = request
+        .outputs
+        .iter()
+        .map(|o| RequestedOutput {
+            name: o.name.clone(),
+            binary: None,
+        })
+        .collect();
+    check_outputs(spec, &outputs)?;
+    Ok(InferRequest {
+        id: request.id,
+        batch,
+        input,
+        outputs,
+        format: ResponseFormat::Grpc,
+    })
+}
+
+/// Encodes outputs as a `ModelInferResponse` with `raw_output_contents`, as Triton does.
+pub fn encode(model: &str, id: String, outputs: Vec<(NamedTensor, Option<bool>)>) -> Encoded {
+    let mut response = pb::ModelInferResponse {
+        model_name: model.to_string(),
+        model_version: "1".into(),
+        id,
+        ..Default::default()
+    };
+    for (t, _) in outputs {
+        response
+            .outputs
+            .push(pb::model_infer_response::InferOutputTensor {
+                name: t.name,
+                datatype: t.values.datatype().wire_name().into(),
+                shape: t.shape.iter().map(|&d| d as i64).collect(),
+                ..Default::default()
+            });
+        response.raw_output_contents.push(t.values.to_le_bytes());
+    }
+    Encoded::Grpc(Box::new(response))
+}

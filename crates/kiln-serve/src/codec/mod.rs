@@ -1,0 +1,190 @@
+//! Requests and responses between the wire (HTTP/JSON, gRPC/protobuf) and the pipeline.
+//!
+//! Decoding and encoding run on the pipeline's pre- and postprocess threads, not on the
+//! async runtime: the handlers only move bytes.
+
+pub mod grpc;
+pub mod http;
+
+use crate::error::{Result, ServeError};
+use crate::grpc::pb;
+use crate::model::ModelSpec;
+use crate::tensor::{DataType, NamedTensor, Values};
+
+/// A request as it arrived, not yet decoded.
+#[derive(Debug)]
+pub enum WireRequest {
+    /// HTTP/REST: the body and the `Inference-Header-Content-Length` header (binary extension).
+    Http {
+        /// Request body.
+        body: axum::body::Bytes,
+        /// Length of the JSON header when binary tensor data follows it.
+        header_len: Option<usize>,
+    },
+    /// gRPC `ModelInfer`.
+    Grpc(Box<pb::ModelInferRequest>),
+}
+
+/// A response ready for the wire.
+#[derive(Debug)]
+pub enum Encoded {
+    /// HTTP body (JSON, then binary outputs when `header_len` is set).
+    Http {
+        /// Response body.
+        body: Vec<u8>,
+        /// Length of the JSON part when binary data follows.
+        header_len: Option<usize>,
+    },
+    /// gRPC `ModelInferResponse`.
+    Grpc(Box<pb::ModelInferResponse>),
+}
+
+/// How the response is to be encoded.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ResponseFormat {
+    /// HTTP; `binary_default` is the request's `binary_data_output` parameter.
+    Http {
+        /// Outputs without their own `binary_data` parameter use this.
+        binary_default: bool,
+    },
+    /// gRPC (outputs always in `raw_output_contents`).
+    Grpc,
+}
+
+/// An output the client asked for.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RequestedOutput {
+    /// Output name (checked against the model).
+    pub name: String,
+    /// HTTP `binary_data` parameter, if given.
+    pub binary: Option<bool>,
+}
+
+/// A decoded, validated inference request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InferRequest {
+    /// Client's request id, echoed back.
+    pub id: String,
+    /// Samples in this request (its first dimension).
+    pub batch: usize,
+    /// The input, row-major `[batch, ..dims]`.
+    pub input: Values,
+    /// Outputs to return, in order; empty = all.
+    pub outputs: Vec<RequestedOutput>,
+    /// Response encoding.
+    pub format: ResponseFormat,
+}
+
+/// Decodes and validates a request for a model with signature `spec`.
+pub fn decode(wire: WireRequest, spec: &ModelSpec, max_batch: usize) -> Result<InferRequest> {
+    match wire {
+        WireRequest::Http { body, header_len } => http::decode(&body, header_len, spec, max_batch),
+        WireRequest::Grpc(request) => grpc::decode(*request, spec, max_batch),
+    }
+}
+
+/// Encodes a response in the format the request asked for.
+pub fn encode(model: &str, request: InferRequest, outputs: Vec<NamedTensor>) -> Result<Encoded> {
+    let selected = select_outputs(outputs, &request.outputs);
+    Ok(match request.format {
+        ResponseFormat::Http { binary_default } => {
+            http::encode(model, &request.id, selected, binary_default)?
+        }
+        ResponseFormat::Grpc => grpc::encode(model, request.id, selected),
+    })
+}
+
+/// The requested outputs in request order with their `binary_data` choice (all, in model
+/// order, when none were named).
+fn select_outputs(
+    outputs: Vec<NamedTensor>,
+    requested: &[RequestedOutput],
+) -> Vec<(NamedTensor, Option<bool>)> {
+    if requested.is_empty() {
+        return outputs.into_iter().map(|t| (t, None)).collect();
+    }
+    requested
+        .iter()
+        .filter_map(|r| {
+            outputs
+                .iter()
+                .find(|t| t.name == r.name)
+                .map(|t| (t.clone(), r.binary))
+        })
+        .collect()
+}
+
+/// Checks one input's name, datatype and shape against the model; returns the batch size.
+pub(crate) fn check_input(
+    spec: &ModelSpec,
+    name: &str,
+    datatype: &str,
+    shape: &[i64],
+    max_batch: usize,
+) -> Result<usize> {
+    let want = &spec.input;
+    if name != want.name {
+        return Err(ServeError::InvalidRequest(format!(
+            "unexpected input `{name}`; the model takes one input, `{}`",
+            want.name
+        )));
+    }
+    let dt = DataType::parse(datatype)?;
+    if dt != want.datatype {
+        return Err(ServeError::InvalidRequest(format!(
+            "input `{name}` has datatype {datatype}, the model expects {}",
+            want.datatype.wire_name()
+        )));
+    }
+    let expected = format!(
+        "[-1, {}]",
+        want.dims
+            .iter()
+            .map(|d| d.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let fits = shape.len() == want.dims.len() + 1
+        && shape[1..]
+            .iter()
+            .zip(&want.dims)
+            .all(|(&s, &d)| s == d as i64);
+    if !fits {
+        return Err(ServeError::InvalidRequest(format!(
+            "input `{name}` has shape {shape:?}, the model expects {expected} (batch first)"
+        )));
+    }
+    let batch = shape[0];
+    if batch < 1 || batch as usize > max_batch {
+        return Err(ServeError::InvalidRequest(format!(
+            "input `{name}` has batch {batch}; this model takes 1..={max_batch} per request"
+        )));
+    }
+    Ok(batch as usize)
+}
+
+/// Checks that every requested output exists.
+pub(crate) fn check_outputs(spec: &ModelSpec, requested: &[RequestedOutput]) -> Result<()> {
+    for r in requested {
+        if !spec.outputs.iter().any(|o| o.name == r.name) {
+            let names: Vec<&str> = spec.outputs.iter().map(|o| o.name.as_str()).collect();
+            return Err(ServeError::InvalidRequest(format!(
+                "unknown output `{}`; the model has {names:?}",
+                r.name
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Checks the element count against the shape.
+pub(crate) fn check_len(name: &str, values: &Values, batch: usize, spec: &ModelSpec) -> Result<()> {
+    let want = batch * spec.input.sample_len();
+    if values.len() != want {
+        return Err(ServeError::InvalidRequest(format!(
+            "input `{name}` carries {} elements but its shape needs {want}",
+            values.len()
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,352 @@
+//! Per-model configuration: `<repository>/<model>/config.toml`.
+//!
+//! ```toml
+//! backend = "zoo"                 # zoo | graph | identity
+//! model = "cnn"                   # zoo: which zoo model
+//! checkpoint = "step-1000.kiln"   # zoo: a Kiln checkpoint, relative to this directory
+//! passes = "strip,fold,int8"      # zoo: inference passes applied at load
+//! input_shape = [1, 28, 28]       # zoo: per-sample [C, H, W] (default: MNIST's)
+//! max_batch_size = 64
+//! instances = 2                   # model copies running batches in parallel
+//! max_queue_size = 1024           # requests waiting; more are rejected (429 / RESOURCE_EXHAUSTED)
+//! timeout_microseconds = 0        # a request still queued after this is rejected; 0 = none
+//!
+//! [dynamic_batching]              # absent: every request runs on its own
+//! max_queue_delay_microseconds = 200
+//! preferred_batch_size = [32, 64]
+//! ```
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::error::{Result, ServeError};
+
+/// Where a model's weights come from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum BackendConfig {
+    /// A zoo model with a Kiln checkpoint, optimized at load by inference passes.
+    Zoo {
+        /// Zoo model name (`cnn`, `mlp`, `resnet`, or a workload id).
+        model: String,
+        /// Checkpoint file (absolute, resolved against the model directory).
+        checkpoint: PathBuf,
+        /// Pass list as `kiln optimize` takes it (`strip,fold,int8`); empty = none.
+        passes: String,
+        /// Per-sample input `[C, H, W]` the checkpoint was trained on.
+        input_shape: [usize; 3],
+    },
+    /// An inference graph saved by `kiln optimize` (`model.kgraph`).
+    Graph {
+        /// Graph file (absolute, resolved against the model directory).
+        path: PathBuf,
+    },
+    /// Returns its input unchanged (Triton's identity backend): measures the server itself.
+    Identity {
+        /// Per-sample shape.
+        dims: Vec<usize>,
+        /// `FP32` or `INT64`.
+        datatype: String,
+        /// Simulated compute time per batch.
+        execute_delay: Duration,
+    },
+}
+
+/// Dynamic batching: Triton's `dynamic_batching` block.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DynamicBatching {
+    /// How long the oldest request may wait for a fuller batch.
+    pub max_queue_delay: Duration,
+    /// Batch sizes that run at once without waiting for more (ascending).
+    pub preferred_batch_sizes: Vec<usize>,
+}
+
+/// A validated model configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    /// What runs.
+    pub backend: BackendConfig,
+    /// Largest batch one execution takes (requests are concatenated up to it).
+    pub max_batch_size: usize,
+    /// Model copies executing batches in parallel.
+    pub instances: usize,
+    /// Requests waiting for execution before new ones are rejected.
+    pub max_queue_size: usize,
+    /// Queue time after which a request is rejected instead of run.
+    pub timeout: Option<Duration>,
+    /// `None`: each request runs alone, as it arrived.
+    pub dynamic_batching: Option<DynamicBatching>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    backend: String,
+    model: Option<String>,
+    checkpoint: Option<PathBuf>,
+    passes: Option<String>,
+    input_shape: Option<[usize; 3]>,
+    graph: Option<PathBuf>,
+    dims: Option<Vec<usize>>,
+    datatype: Option<String>,
+    execute_delay_microseconds: Option<u64>,
+    #[serde(default = "default_max_batch")]
+    max_batch_size: usize,
+    #[serde(default = "one")]
+    instances: usize,
+    #[serde(default = "default_queue")]
+    max_queue_size: usize,
+    #[serde(default)]
+    timeout_microseconds: u64,
+    dynamic_batching: Option<RawBatching>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawBatching {
+    #[serde(default)]
+    max_queue_delay_microseconds: u64,
+    #[serde(default)]
+    preferred_batch_size: Vec<usize>,
+}
+
+fn default_max_batch() -> usize {
+    64
+}
+fn one() -> usize {
+    1
+}
+fn default_queue() -> usize {
+    1024
+}
+
+impl ModelConfig {
+    /// Reads and validates `dir/config.toml`.
+    pub fn load(dir: &Path) -> Result<Self> {
+        let path = dir.join("config.toml");
+        let text = std::fs::read_to_string(&path).map_err(|e| ServeError::Config {
+            path: path.display().to_string(),
+            message: format!("cannot read it ({e}); every model directory needs a config.toml"),
+        })?;
+        Self::parse(&text, dir).map_err(|message| ServeError::Config {
+            path: path.display().to_string(),
+            message,
+        })
+    }
+
+    /// Parses a configuration whose relative paths resolve against `dir`.
+    pub fn parse(text: &str, dir: &Path) -> std::result::Result<Self, String> {
+        let raw: RawConfig = toml::from_str(text).map_err(|e| e.message().to_string())?;
+        let need = |v: Option<String>, key: &str| {
+            v.ok_or_else(|| format!("backend `{}` needs `{key}`", raw.backend))
+        };
+        let backend = match raw.backend.as_str() {
+            "zoo" => BackendConfig::Zoo {
+                model: need(raw.model.clone(), "model")?,
+                checkpoint: dir.join(
+                    raw.checkpoint
+                        .clone()
+                        .ok_or("backend `zoo` needs `checkpoint` (a Kiln checkpoint file)")?,
+                ),
+                passes: raw.passes.clone().unwrap_or_default(),
+                input_shape: raw.input_shape.unwrap_or([1, 28, 28]),
+            },
+            "graph" => BackendConfig::Graph {
+                path: dir.join(
+                    raw.graph
+                        .clone()
+                        .ok_or("backend `graph` needs `graph` (a model.kgraph file)")?,
+                ),
+            },
+            "identity" => {
+                let datatype = raw.datatype.clone().unwrap_or_else(|| "FP32".into());
+                if datatype != "FP32" && datatype != "INT64" {
+                    return Err(format!(
+                        "identity datatype `{datatype}` is not supported; use FP32 or INT64"
+                    ));
+                }
+                let dims = raw.dims.clone().ok_or("backend `identity` needs `dims`")?;
+                if dims.is_empty() || dims.contains(&0) {
+                    return Err(format!(
+                        "identity dims {dims:?} must be non-empty and positive"
+                    ));
+                }
+                BackendConfig::Identity {
+                    dims,
+                    datatype,
+                    execute_delay: Duration::from_micros(
+                        raw.execute_delay_microseconds.unwrap_or(0),
+                    ),
+                }
+            }
+            other => {
+                return Err(format!(
+                    "unknown backend `{other}`; use zoo, graph or identity"
+                ));
+            }
+        };
+        let stray: Vec<&str> = match &backend {
+            BackendConfig::Zoo { .. } => vec![
+                ("graph", raw.graph.is_some()),
+                ("dims", raw.dims.is_some()),
+                ("datatype", raw.datatype.is_some()),
+                (
+                    "execute_delay_microseconds",
+                    raw.execute_delay_microseconds.is_some(),
+                ),
+            ],
+            BackendConfig::Graph { .. } => vec![
+                ("input_shape", raw.input_shape.is_some()),
+                ("model", raw.model.is_some()),
+                ("checkpoint", raw.checkpoint.is_some()),
+                ("passes", raw.passes.is_some()),
+                ("dims", raw.dims.is_some()),
+                ("datatype", raw.datatype.is_some()),
+                (
+                    "execute_delay_microseconds",
+                    raw.execute_delay_microseconds.is_some(),
+                ),
+            ],
+            BackendConfig::Identity { .. } => vec![
+                ("input_shape", raw.input_shape.is_some()),
+                ("model", raw.model.is_some()),
+                ("checkpoint", raw.checkpoint.is_some()),
+                ("passes", raw.passes.is_some()),
+                ("graph", raw.graph.is_some()),
+            ],
+        }
+        .into_iter()
+        .filter_map(|(k, set)| set.then_some(k))
+        .collect();
+        if !stray.is_empty() {
+            return Err(format!(
+                "key(s) {} do not apply to backend `{}`; remove them",
+                stray.join(", "),
+                raw.backend
+            ));
+        }
+        if raw.max_batch_size == 0 {
+            return Err("max_batch_size must be at least 1".into());
+        }
+        if raw.instances == 0 || raw.instances > 64 {
+            return Err(format!("instances = {} must be 1..=64", raw.instances));
+        }
+        if raw.max_queue_size == 0 {
+            return Err("max_queue_size must be at least 1".into());
+        }
+        let dynamic_batching = match raw.dynamic_batching {
+            None => None,
+            Some(b) => {
+                let mut preferred = b.preferred_batch_size;
+                preferred.sort_unstable();
+                preferred.dedup();
+                if let Some(bad) = preferred
+                    .iter()
+                    .find(|&&p| p == 0 || p > raw.max_batch_size)
+                {
+                    return Err(format!(
+                        "preferred_batch_size {bad} must be 1..=max_batch_size ({})",
+                        raw.max_batch_size
+                    ));
+                }
+                Some(DynamicBatching {
+                    max_queue_delay: Duration::from_micros(b.max_queue_delay_microseconds),
+                    preferred_batch_sizes: preferred,
+                })
+            }
+        };
+        Ok(ModelConfig {
+            backend,
+            max_batch_size: raw.max_batch_size,
+            instances: raw.instances,
+            max_queue_size: raw.max_queue_size,
+            timeout: (raw.timeout_microseconds > 0)
+                .then(|| Duration::from_micros(raw.timeout_microseconds)),
+            dynamic_batching,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> std::result::Result<ModelConfig, String> {
+        ModelConfig::parse(text, Path::new("/models/m"))
+    }
+
+    #[test]
+    fn a_full_zoo_config_parses_with_paths_resolved() {
+        let c = parse(
+            r#"
+backend = "zoo"
+model = "cnn"
+checkpoint = "ckpt/step-10.kiln"
+passes = "strip,int8"
+max_batch_size = 32
+instances = 2
+max_queue_size = 100
+timeout_microseconds = 5000
+[dynamic_batching]
+max_queue_delay_microseconds = 250
+preferred_batch_size = [32, 8]
+"#,
+        )
+        .unwrap();
+        assert_eq!(
+            c.backend,
+            BackendConfig::Zoo {
+                model: "cnn".into(),
+                checkpoint: PathBuf::from("/models/m/ckpt/step-10.kiln"),
+                passes: "strip,int8".into(),
+                input_shape: [1, 28, 28],
+            }
+        );
+        assert_eq!(c.max_batch_size, 32);
+        assert_eq!(c.instances, 2);
+        assert_eq!(c.timeout, Some(Duration::from_micros(5000)));
+        let b = c.dynamic_batching.unwrap();
+        assert_eq!(b.preferred_batch_sizes, vec![8, 32]);
+        assert_eq!(b.max_queue_delay, Duration::from_micros(250));
+    }
+
+    #[test]
+    fn bad_configs_name_the_problem() {
+        let cases = [
+            (
+                "backend = \"zoo\"\nmodel = \"cnn\"\ncheckpint = \"x\"",
+                "unknown field `checkpint`",
+            ),
+            ("backend = \"tensorrt\"", "unknown backend `tensorrt`"),
+            ("backend = \"zoo\"\nmodel = \"cnn\"", "needs `checkpoint`"),
+            (
+                "backend = \"identity\"\ndims = [4]\nmax_batch_size = 0",
+                "max_batch_size",
+            ),
+            (
+                "backend = \"identity\"\ndims = [4]\ndatatype = \"FP16\"",
+                "FP16",
+            ),
+            (
+                "backend = \"identity\"\ndims = [4]\nmax_batch_size = 8\n[dynamic_batching]\npreferred_batch_size = [16]",
+                "preferred_batch_size 16",
+            ),
+            (
+                "backend = \"identity\"\ndims = [4]\nmodel = \"cnn\"",
+                "do not apply",
+            ),
+            (
+                "backend = \"identity\"\ndims = [4]\ninstances = 0",
+                "instances",
+            ),
+        ];
+        for (text, expected) in cases {
+            let err = parse(text).expect_err(text);
+            assert!(
+                err.contains(expected),
+                "{text:?} → {err:?}, wanted {expected:?}"
+            );
+        }
+    }
+}

@@ -1,0 +1,50 @@
+//! kiln-serve: a dynamic-batching inference server for Kiln models that speaks the KServe v2
+//! protocol (the one NVIDIA Triton implements) over HTTP/REST and gRPC, so Triton's own
+//! clients — `tritonclient`, `perf_analyzer` — drive it unmodified.
+//!
+//! ```text
+//! model repository (dir/<model>/config.toml)
+//!        │ load: zoo checkpoint + passes | kiln graph | identity
+//!        ▼
+//! HTTP (axum) ─┐                 ┌─ per model: preprocess → dynamic batcher → N instances
+//! gRPC (tonic) ┴─▶ Repository ──▶┤              → postprocess, bounded queues between
+//!              /metrics (Prometheus)
+//! ```
+//!
+//! Start it with `kiln serve --models DIR` or [`Server::bind`] + [`Server::run`].
+
+pub mod codec;
+pub mod config;
+pub mod error;
+pub mod grpc;
+pub mod http;
+pub mod metrics;
+pub mod model;
+pub mod pipeline;
+pub mod queue;
+pub mod repository;
+pub mod server;
+pub mod tensor;
+pub mod triton_config;
+
+pub use config::{BackendConfig, DynamicBatching, ModelConfig};
+pub use error::{Result, ServeError};
+pub use repository::Repository;
+pub use server::{Server, ServerOptions};
+
+/// Largest request or response body accepted on either protocol by default.
+pub const MAX_BODY_BYTES: usize = 64 << 20;
+
+/// Server name, version and the protocol extensions it implements.
+pub fn server_metadata() -> (&'static str, &'static str, &'static [&'static str]) {
+    (
+        "kiln-serve",
+        env!("CARGO_PKG_VERSION"),
+        &[
+            "binary_tensor_data",
+            "statistics",
+            "model_configuration",
+            "model_repository",
+        ],
+    )
+}

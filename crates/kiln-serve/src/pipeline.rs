@@ -1,0 +1,413 @@
+//! One model's serving pipeline: preprocess → dynamic batcher → instances → postprocess,
+//! each a set of threads joined by bounded queues.
+//!
+//! ```text
+//! handler ──try_push──▶ [pre queue] ──▶ preprocess threads (decode, validate)
+//!                                          │ try_push (full → 429 / RESOURCE_EXHAUSTED)
+//!                                          ▼
+//!                                    [batch queue] ──▶ instance threads (form batch, execute)
+//!                                                          │ push (blocks: back-pressure)
+//!                                                          ▼
+//! handler ◀──oneshot── postprocess threads (split, arg-max, encode) ◀── [post queue]
+//! ```
+//!
+//! Decoding and encoding run on their own threads, so a model instance goes from one batch
+//! to the next without waiting for JSON work, and the async runtime never runs model code.
+
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use tokio::sync::oneshot;
+
+use crate::codec::{self, Encoded, InferRequest, WireRequest};
+use crate::config::{DynamicBatching, ModelConfig};
+use crate::error::{Result, ServeError};
+use crate::metrics::ModelMetrics;
+use crate::model::{Backend, ModelSpec, build_backend, postprocess};
+use crate::queue::{BoundedQueue, PushError};
+use crate::tensor::Values;
+
+type Reply = oneshot::Sender<Result<Encoded>>;
+
+struct PreJob {
+    wire: WireRequest,
+    reply: Reply,
+}
+
+struct Pending {
+    request: InferRequest,
+    enqueued: Instant,
+    reply: Reply,
+}
+
+struct PostJob {
+    request: InferRequest,
+    outputs: Vec<Values>,
+    reply: Reply,
+}
+
+/// A loaded model serving requests.
+pub struct ModelRuntime {
+    /// Model name.
+    pub name: String,
+    /// Its configuration.
+    pub config: ModelConfig,
+    /// Its wire signature.
+    pub spec: ModelSpec,
+    /// Its counters.
+    pub metrics: Arc<ModelMetrics>,
+    pre: Arc<BoundedQueue<PreJob>>,
+    batch: Arc<BoundedQueue<Pending>>,
+    post: Arc<BoundedQueue<PostJob>>,
+    threads: Mutex<Vec<Vec<JoinHandle<()>>>>,
+}
+
+impl std::fmt::Debug for ModelRuntime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelRuntime")
+            .field("name", &self.name)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ModelRuntime {
+    /// Builds `config.instances` backends and starts the stage threads (`stage_threads` each
+    /// for pre- and postprocessing).
+    pub fn start(name: &str, config: ModelConfig, stage_threads: usize) -> Result<Arc<Self>> {
+        let mut backends = Vec::with_capacity(config.instances);
+        let mut spec = None;
+        for _ in 0..config.instances {
+            let (backend, s) = build_backend(name, &config.backend)?;
+            backends.push(backend);
+            spec = Some(s);
+        }
+        let spec = spec.ok_or_else(|| ServeError::Config {
+            path: name.into(),
+            message: "instances must be at least 1".into(),
+        })?;
+        let capacity = config.max_queue_size;
+        let runtime = Arc::new(ModelRuntime {
+            name: name.to_string(),
+            metrics: Arc::new(ModelMetrics::new(config.max_batch_size)),
+            pre: Arc::new(BoundedQueue::new(capacity)),
+            batch: Arc::new(BoundedQueue::new(capacity)),
+            post: Arc::new(BoundedQueue::new(capacity)),
+            threads: Mutex::new(Vec::new()),
+            config,
+            spec,
+        });
+        let spawn = |what: &str, i: usize, f: Box<dyn FnOnce() + Send>| {
+            std::thread::Builder::new()
+                .name(format!("{name}-{what}-{i}"))
+                .spawn(f)
+                .map_err(ServeError::Io)
+        };
+        let stage_threads = stage_threads.max(1);
+        let mut pre = Vec::new();
+        for i in 0..stage_threads {
+            let rt = Arc::clone(&runtime);
+            pre.push(spawn("pre", i, Box::new(move || rt.preprocess_loop()))?);
+        }
+        let mut instances = Vec::new();
+        for (i, backend) in backends.into_iter().enumerate() {
+            let rt = Arc::clone(&runtime);
+            instances.push(spawn(
+                "instance",
+                i,
+                Box::new(move || rt.instance_loop(backend)),
+            )?);
+        }
+        let mut post = Vec::new();
+        for i in 0..stage_threads {
+            let rt = Arc::clone(&runtime);
+            post.push(spawn("post", i, Box::new(move || rt.postprocess_loop()))?);
+        }
+        *runtime.threads.lock().unwrap_or_else(|e| e.into_inner()) = vec![pre, instances, post];
+        Ok(runtime)
+    }
+
+    /// Runs one request through the pipeline and returns its encoded response; overload,
+    /// timeout and shutdown come back as errors, never as a hang.
+    pub async fn infer(&self, wire: WireRequest) -> Result<Encoded> {
+        let started = Instant::now();
+        // A guard, so a request whose client hung up (future dropped) is still uncounted.
+        let _inflight = Inflight::enter(&self.metrics.inflight);
+        let (reply, answer) = oneshot::channel();
+        let result = match self.pre.try_push(PreJob { wire, reply }) {
+            Ok(()) => answer.await.unwrap_or_else(|_| {
+                Err(ServeError::Inference {
+                    model: self.name.clone(),
+                    message: "the pipeline dropped the request (a stage thread stopped)".into(),
+                })
+            }),
+            Err((PushError::Full, _)) => Err(self.queue_full()),
+            Err((PushError::Closed, _)) => Err(ServeError::ShuttingDown),
+        };
+        match &result {
+            Ok(_) => {
+                self.metrics
+                    .success
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.metrics
+                    .request_seconds
+                    .observe(started.elapsed().as_secs_f64());
+            }
+            Err(e) => self.metrics.fail(e.metric_reason()),
+        }
+        result
+    }
+
+    /// Stops taking requests, lets every queued one finish, and joins the stage threads.
+    pub fn shutdown(&self) {
+        let stages = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|e| e.into_inner()));
+        let queues: [&dyn Fn(); 3] = [&|| self.pre.close(), &|| self.batch.close(), &|| {
+            self.post.close()
+        }];
+        // Close each queue only after the stage feeding it has drained and stopped.
+        for (close, threads) in queues.iter().zip(stages) {
+            close();
+            for t in threads {
+                let _ = t.join();
+            }
+        }
+    }
+
+    fn queue_full(&self) -> ServeError {
+        ServeError::QueueFull {
+            model: self.name.clone(),
+            limit: self.config.max_queue_size,
+        }
+    }
+
+    fn preprocess_loop(&self) {
+        while let Some(job) = self.pre.pop() {
+            let started = Instant::now();
+            let decoded = codec::decode(job.wire, &self.spec, self.config.max_batch_size);
+            ModelMetrics::add_time(&self.metrics.pre_ns, started.elapsed());
+            let request = match decoded {
+                Ok(r) => r,
+                Err(e) => {
+                    let _ = job.reply.send(Err(e));
+                    continue;
+                }
+            };
+            let pending = Pending {
+                request,
+                enqueued: Instant::now(),
+                reply: job.reply,
+            };
+            if let Err((why, p)) = self.batch.try_push(pending) {
+                let _ = p.reply.send(Err(match why {
+                    PushError::Full => self.queue_full(),
+                    PushError::Closed => ServeError::ShuttingDown,
+                }));
+            }
+        }
+    }
+
+    fn instance_loop(&self, mut backend: Box<dyn Backend>) {
+        let sample = self.spec.input.sample_len();
+        let out_lens: Vec<usize> = self.spec.outputs.iter().map(|o| o.sample_len()).collect();
+        while let Some(batch) = self.next_batch() {
+            let rows: usize = batch.iter().map(|p| p.request.batch).sum();
+            let input = if batch.len() == 1 {
+                // One request: run its buffer as is, no concatenation copy.
+                None
+            } else {
+                let mut all = Values::with_capacity(self.spec.input.datatype, rows * sample);
+                for p in &batch {
+                    all.extend_from(&p.request.input);
+                }
+                Some(all)
+            };
+            let started = Instant::now();
+            let result = backend.execute(input.as_ref().unwrap_or(&batch[0].request.input), rows);
+            self.metrics.record_batch(rows, started.elapsed());
+            match result {
+                Ok(outputs) => {
+                    let mut row = 0;
+                    for p in batch {
+                        let n = p.request.batch;
+                        let mine = outputs
+                            .iter()
+                            .zip(&out_lens)
+                            .map(|(o, &len)| o.slice(row * len, (row + n) * len))
+                            .collect();
+                        row += n;
+                        let job = PostJob {
+                            request: p.request,
+                            outputs: mine,
+                            reply: p.reply,
+                        };
+                        if let Err(job) = self.post.push(job) {
+                            let _ = job.reply.send(Err(ServeError::ShuttingDown));
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::error!(model = %self.name, error = %e, "batch failed");
+                    for p in batch {
+                        let _ = p.reply.send(Err(ServeError::Inference {
+                            model: self.name.clone(),
+                            message: e.to_string(),
+                        }));
+                    }
+                }
+            }
+        }
+    }
+
+    fn postprocess_loop(&self) {
+        while let Some(job) = self.post.pop() {
+            let started = Instant::now();
+            let outputs = postprocess(&self.spec, job.request.batch, job.outputs);
+            let encoded = codec::encode(&self.name, job.request, outputs);
+            ModelMetrics::add_time(&self.metrics.post_ns, started.elapsed());
+            let _ = job.reply.send(encoded);
+        }
+    }
+
+    /// Waits for the next batch by Triton's dynamic-batcher rules; `None` at shutdown.
+    fn next_batch(&self) -> Option<Vec<Pending>> {
+        let max = self.config.max_batch_size;
+        let mut state = self.batch.lock();
+        loop {
+            if let Some(timeout) = self.config.timeout {
+                let now = Instant::now();
+                let mut kept = std::collections::VecDeque::with_capacity(state.items.len());
+                for p in state.items.drain(..) {
+                    let waited = now.duration_since(p.enqueued);
+                    if waited > timeout {
+                        let _ = p.reply.send(Err(ServeError::Timeout {
+                            model: self.name.clone(),
+                            waited_us: waited.as_micros() as u64,
+                            timeout_us: timeout.as_micros() as u64,
+                        }));
+                    } else {
+                        kept.push_back(p);
+                    }
+                }
+                state.items = kept;
+            }
+            if state.items.is_empty() {
+                if state.closed {
+                    return None;
+                }
+                state = self.batch.wait(state, None);
+                continue;
+            }
+            let take = match &self.config.dynamic_batching {
+                None => Some(1),
+                Some(rules) => batch_cut(&state.items, max, rules, state.closed),
+            };
+            if let Some(take) = take {
+                let batch: Vec<Pending> = state.items.drain(..take).collect();
+                drop(state);
+                let now = Instant::now();
+                for p in &batch {
+                    self.metrics.record_queue(now.duration_since(p.enqueued));
+                }
+                return Some(batch);
+            }
+            let oldest = state.items[0].enqueued;
+            let mut deadline = oldest
+                + self
+                    .config
+                    .dynamic_batching
+                    .as_ref()
+                    .map_or_else(Default::default, |b| b.max_queue_delay);
+            if let Some(t) = self.config.timeout {
+                deadline = deadline.min(oldest + t);
+            }
+            state = self.batch.wait(state, Some(deadline));
+        }
+    }
+}
+
+/// Counts a request in flight for as long as it lives.
+struct Inflight<'a>(&'a std::sync::atomic::AtomicU64);
+
+impl<'a> Inflight<'a> {
+    fn enter(counter: &'a std::sync::atomic::AtomicU64) -> Self {
+        counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Inflight(counter)
+    }
+}
+
+impl Drop for Inflight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// How many queued requests (oldest first) form the next batch now, or `None` to wait for
+/// more. Triton's rules: a batch that is full (the next request would not fit) or whose
+/// oldest request has waited `max_queue_delay` runs at once; otherwise the largest cut that
+/// lands exactly on a preferred batch size runs; otherwise wait.
+fn batch_cut(
+    items: &std::collections::VecDeque<Pending>,
+    max: usize,
+    rules: &DynamicBatching,
+    closing: bool,
+) -> Option<usize> {
+    let sizes: Vec<usize> = items.iter().map(|p| p.request.batch).collect();
+    let oldest_wait = items
+        .front()
+        .map(|p| p.enqueued.elapsed())
+        .unwrap_or_default();
+    cut_for_sizes(
+        &sizes,
+        max,
+        &rules.preferred_batch_sizes,
+        closing || oldest_wait >= rules.max_queue_delay,
+    )
+}
+
+/// [`batch_cut`] over plain request sizes: `expired` is true when the oldest has waited long
+/// enough (or the queue is closing).
+fn cut_for_sizes(sizes: &[usize], max: usize, preferred: &[usize], expired: bool) -> Option<usize> {
+    let mut rows = 0;
+    let mut take = 0;
+    let mut preferred_cut = 0;
+    for &n in sizes {
+        if rows + n > max {
+            break;
+        }
+        rows += n;
+        take += 1;
+        if preferred.contains(&rows) {
+            preferred_cut = take;
+        }
+    }
+    let full = rows == max || take < sizes.len();
+    if take > 0 && (full || expired) {
+        Some(take)
+    } else if preferred_cut > 0 {
+        Some(preferred_cut)
+    } else {
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cut_for_sizes;
+
+    #[test]
+    fn batches_follow_tritons_rules() {
+        // Not full, not preferred, not expired: wait.
+        assert_eq!(cut_for_sizes(&[1, 1, 1], 8, &[], false), None);
+        // Delay expired: run what is there.
+        assert_eq!(cut_for_sizes(&[1, 1, 1], 8, &[], true), Some(3));
+        // Exactly full.
+        assert_eq!(cut_for_sizes(&[4, 4], 8, &[], false), Some(2));
+        // The next request would not fit: the batch is as full as it gets.
+        assert_eq!(cut_for_sizes(&[4, 3, 2], 8, &[], false), Some(2));
+        // The largest preferred cut runs without waiting.
+        assert_eq!(cut_for_sizes(&[2, 2, 2, 1], 16, &[2, 4], false), Some(2));
+        assert_eq!(cut_for_sizes(&[1, 2, 2], 16, &[4], false), None);
+        assert_eq!(cut_for_sizes(&[2, 2, 1], 16, &[4], false), Some(2));
+    }
+}

@@ -1,0 +1,168 @@
+//! A running model described in Triton's model-configuration and statistics schemas (JSON
+//! for HTTP, protobuf for gRPC): `perf_analyzer` reads these to plan its load.
+
+use std::sync::atomic::Ordering;
+
+use serde_json::{Value, json};
+
+use crate::grpc::pb;
+use crate::pipeline::ModelRuntime;
+use crate::tensor::TensorSpec;
+
+fn dims(s: &TensorSpec) -> Vec<i64> {
+    s.dims.iter().map(|&d| d as i64).collect()
+}
+
+fn type_name(s: &TensorSpec) -> String {
+    format!("TYPE_{}", s.datatype.wire_name())
+}
+
+/// The model's configuration as Triton's JSON (`GET /v2/models/{m}/config`).
+pub fn to_json(rt: &ModelRuntime) -> Value {
+    let c = &rt.config;
+    let mut config = json!({
+        "name": rt.name,
+        "platform": rt.spec.platform,
+        "backend": rt.spec.platform,
+        "max_batch_size": c.max_batch_size,
+        "input": [{
+            "name": rt.spec.input.name,
+            "data_type": type_name(&rt.spec.input),
+            "dims": dims(&rt.spec.input),
+        }],
+        "output": rt.spec.outputs.iter().map(|o| json!({
+            "name": o.name,
+            "data_type": type_name(o),
+            "dims": dims(o),
+        })).collect::<Vec<_>>(),
+        "instance_group": [{"name": rt.name, "kind": "KIND_CPU", "count": c.instances}],
+    });
+    if let Some(b) = &c.dynamic_batching {
+        config["dynamic_batching"] = json!({
+            "preferred_batch_size": b.preferred_batch_sizes,
+            "max_queue_delay_microseconds": b.max_queue_delay.as_micros() as u64,
+            "default_queue_policy": {
+                "default_timeout_microseconds": c.timeout.map_or(0, |t| t.as_micros() as u64),
+                "max_queue_size": c.max_queue_size,
+            },
+        });
+    }
+    config
+}
+
+/// The model's configuration as Triton's protobuf (`ModelConfig` RPC).
+pub fn to_proto(rt: &ModelRuntime) -> pb::ModelConfig {
+    let c = &rt.config;
+    pb::ModelConfig {
+        name: rt.name.clone(),
+        platform: rt.spec.platform.clone(),
+        backend: rt.spec.platform.clone(),
+        max_batch_size: c.max_batch_size as i32,
+        input: vec![pb::ModelInput {
+            name: rt.spec.input.name.clone(),
+            data_type: rt.spec.input.datatype.config_enum(),
+            dims: dims(&rt.spec.input),
+        }],
+        output: rt
+            .spec
+            .outputs
+            .iter()
+            .map(|o| pb::ModelOutput {
+                name: o.name.clone(),
+                data_type: o.datatype.config_enum(),
+                dims: dims(o),
+            })
+            .collect(),
+        instance_group: vec![pb::ModelInstanceGroup {
+            name: rt.name.clone(),
+            count: c.instances as i32,
+            kind: pb::model_instance_group::Kind::Cpu as i32,
+        }],
+        scheduling_choice: c.dynamic_batching.as_ref().map(|b| {
+            pb::model_config::SchedulingChoice::DynamicBatching(pb::ModelDynamicBatching {
+                preferred_batch_size: b.preferred_batch_sizes.iter().map(|&p| p as i32).collect(),
+                max_queue_delay_microseconds: b.max_queue_delay.as_micros() as u64,
+                default_queue_policy: Some(pb::ModelQueuePolicy {
+                    default_timeout_microseconds: c.timeout.map_or(0, |t| t.as_micros() as u64),
+                    max_queue_size: c.max_queue_size as u32,
+                }),
+            })
+        }),
+    }
+}
+
+/// Cumulative statistics in Triton's schema: (count, ns) for success, fail, queue,
+/// compute_input (decode), compute_infer (batches), compute_output (encode).
+struct Stats {
+    success: u64,
+    success_ns: u64,
+    fail: u64,
+    executions: u64,
+    inferences: u64,
+    last_ms: u64,
+    queue_ns: u64,
+    pre_ns: u64,
+    infer_ns: u64,
+    post_ns: u64,
+}
+
+fn stats(rt: &ModelRuntime) -> Stats {
+    let m = &rt.metrics;
+    let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    Stats {
+        success: get(&m.success),
+        success_ns: (m.request_seconds.sum() * 1e9) as u64,
+        fail: m.failure.iter().map(get).sum(),
+        executions: get(&m.execution_count),
+        inferences: get(&m.inference_count),
+        last_ms: get(&m.last_inference_ms),
+        queue_ns: get(&m.queue_ns),
+        pre_ns: get(&m.pre_ns),
+        infer_ns: get(&m.compute_ns),
+        post_ns: get(&m.post_ns),
+    }
+}
+
+/// Statistics as Triton's JSON (`GET /v2/models/{m}/stats`).
+pub fn statistics_json(rt: &ModelRuntime) -> Value {
+    let s = stats(rt);
+    let d = |count: u64, ns: u64| json!({"count": count, "ns": ns});
+    json!({
+        "name": rt.name,
+        "version": "1",
+        "last_inference": s.last_ms,
+        "inference_count": s.inferences,
+        "execution_count": s.executions,
+        "inference_stats": {
+            "success": d(s.success, s.success_ns),
+            "fail": d(s.fail, 0),
+            "queue": d(s.success, s.queue_ns),
+            "compute_input": d(s.success, s.pre_ns),
+            "compute_infer": d(s.success, s.infer_ns),
+            "compute_output": d(s.success, s.post_ns),
+        },
+        "batch_stats": [],
+    })
+}
+
+/// Statistics as Triton's protobuf (`ModelStatistics` RPC).
+pub fn statistics_proto(rt: &ModelRuntime) -> pb::ModelStatistics {
+    let s = stats(rt);
+    let d = |count: u64, ns: u64| Some(pb::StatisticDuration { count, ns });
+    pb::ModelStatistics {
+        name: rt.name.clone(),
+        version: "1".into(),
+        last_inference: s.last_ms,
+        inference_count: s.inferences,
+        execution_count: s.executions,
+        inference_stats: Some(pb::InferStatistics {
+            success: d(s.success, s.success_ns),
+            fail: d(s.fail, 0),
+            queue: d(s.success, s.queue_ns),
+            compute_input: d(s.success, s.pre_ns),
+            compute_infer: d(s.success, s.infer_ns),
+            compute_output: d(s.success, s.post_ns),
+        }),
+        batch_stats: Vec::new(),
+    }
+}

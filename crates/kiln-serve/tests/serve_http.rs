@@ -1,0 +1,432 @@
+//! kiln-serve over HTTP, end to end on loopback: dynamic batching returns every request
+//! exactly its own single-request answer, malformed requests get 400 with a message while the
+//! server keeps serving, overload and timeouts get explicit statuses whose counts add up,
+//! and shutdown drains in-flight requests.
+
+mod common;
+
+use std::sync::atomic::Ordering;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use common::{TestServer, http, images, post_json, tempdir, write_cnn_graph, write_model};
+use serde_json::{Value, json};
+
+fn infer_body(name: &str, shape: &[usize], data: &[f32]) -> Value {
+    json!({ "inputs": [{ "name": name, "datatype": "FP32", "shape": shape, "data": data }] })
+}
+
+#[test]
+fn dynamic_batching_answers_each_request_as_if_alone() {
+    let repo = tempdir("batching");
+    let graph = write_model(
+        &repo,
+        "w3",
+        "backend = \"graph\"\ngraph = \"model.kgraph\"\nmax_batch_size = 16\n\
+         [dynamic_batching]\nmax_queue_delay_microseconds = 5000\n",
+    )
+    .join("model.kgraph");
+    write_cnn_graph(&graph);
+    write_model(
+        &repo,
+        "w3_unbatched",
+        "backend = \"graph\"\ngraph = \"../w3/model.kgraph\"\nmax_batch_size = 16\n",
+    );
+    let server = TestServer::start(&repo);
+    let (clients, per_client) = (8usize, 5usize);
+    for model in ["w3", "w3_unbatched"] {
+        let answers: Vec<(u64, usize, Value)> = thread::scope(|s| {
+            let handles: Vec<_> = (0..clients)
+                .map(|c| {
+                    let addr = server.http;
+                    s.spawn(move || {
+                        (0..per_client)
+                            .map(|r| {
+                                let seed = (c * 100 + r) as u64;
+                                let batch = 1 + (c + r) % 3;
+                                let resp = post_json(
+                                    addr,
+                                    &format!("/v2/models/{model}/infer"),
+                                    &infer_body(
+                                        "images",
+                                        &[batch, 1, 28, 28],
+                                        &images(seed, batch),
+                                    ),
+                                );
+                                assert_eq!(
+                                    resp.status,
+                                    200,
+                                    "{}",
+                                    String::from_utf8_lossy(&resp.body)
+                                );
+                                (seed, batch, resp.json())
+                            })
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .flat_map(|h| h.join().unwrap())
+                .collect()
+        });
+        assert_eq!(answers.len(), clients * per_client);
+        let mut worst = 0f32;
+        for (seed, batch, resp) in &answers {
+            let reference = common::reference_logits(&graph, &images(*seed, *batch), *batch);
+            let outputs = resp["outputs"].as_array().unwrap();
+            let logits: Vec<f32> = outputs[0]["data"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_f64().unwrap() as f32)
+                .collect();
+            assert_eq!(outputs[0]["name"], "logits");
+            assert_eq!(outputs[0]["shape"], json!([batch, 10]));
+            assert_eq!(logits.len(), reference.len());
+            for (a, b) in logits.iter().zip(&reference) {
+                worst = worst.max((a - b).abs() / b.abs().max(1.0));
+            }
+            // The label output is the arg-max of this request's own logits.
+            let labels: Vec<i64> = outputs[1]["data"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_i64().unwrap())
+                .collect();
+            for (row, label) in reference.chunks(10).zip(&labels) {
+                let best = row
+                    .iter()
+                    .enumerate()
+                    .max_by(|a, b| a.1.total_cmp(b.1))
+                    .unwrap()
+                    .0;
+                assert_eq!(*label, best as i64);
+            }
+        }
+        assert!(
+            worst <= 1e-5,
+            "{model}: batched logits differ from single-request by {worst}"
+        );
+        let m = &server.model(model).metrics;
+        let requests = (clients * per_client) as u64;
+        let executions = m.execution_count.load(Ordering::Relaxed);
+        let samples: usize = answers.iter().map(|a| a.1).sum();
+        assert_eq!(m.inference_count.load(Ordering::Relaxed), samples as u64);
+        if model == "w3" {
+            assert!(
+                executions < requests,
+                "dynamic batching ran {executions} batches for {requests} concurrent requests"
+            );
+        } else {
+            assert_eq!(
+                executions, requests,
+                "without dynamic batching each request runs alone"
+            );
+        }
+    }
+    // The batch-size histogram and counters are in /metrics.
+    let metrics = http(server.http, "GET", "/metrics", &[], b"");
+    let text = String::from_utf8(metrics.body).unwrap();
+    assert!(text.contains("# TYPE kiln_batch_size histogram"), "{text}");
+    assert!(text.contains(&format!(
+        "kiln_request_success_total{{model=\"w3\"}} {}",
+        clients * per_client
+    )));
+    assert!(text.contains("kiln_batch_size_bucket{model=\"w3_unbatched\",le=\"1\"}"));
+}
+
+/// What is sent (name, body, extra headers) and a phrase the 400's message must contain.
+type MalformedCase<'a> = (&'a str, Vec<u8>, Vec<(&'a str, String)>, &'a str);
+
+#[test]
+fn malformed_requests_get_400_with_a_message_and_the_server_keeps_serving() {
+    let repo = tempdir("malformed");
+    write_model(
+        &repo,
+        "id",
+        "backend = \"identity\"\ndims = [4]\nmax_batch_size = 8\n",
+    );
+    write_model(
+        &repo,
+        "broken",
+        "backend = \"identity\"\ndims = [4]\ncolour = \"red\"\n",
+    );
+    let server = TestServer::start_with(&repo, 4096);
+    let path = "/v2/models/id/infer";
+    let ok = || infer_body("INPUT0", &[1, 4], &[1.0, 2.0, 3.0, 4.0]);
+    let binary_header = json!({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 4],
+        "parameters": {"binary_data_size": 16}}]})
+    .to_string();
+    let cases: Vec<MalformedCase> = vec![
+        ("bad JSON", b"{\"inputs\": [".to_vec(), vec![], "not valid JSON"),
+        ("not an object", b"[1,2]".to_vec(), vec![], "JSON object"),
+        ("no inputs", b"{}".to_vec(), vec![], "no `inputs`"),
+        (
+            "wrong shape",
+            infer_body("INPUT0", &[1, 5], &[0.0; 5]).to_string().into_bytes(),
+            vec![],
+            "expects [-1, 4]",
+        ),
+        (
+            "wrong datatype",
+            json!({"inputs": [{"name": "INPUT0", "datatype": "INT64", "shape": [1, 4], "data": [1, 2, 3, 4]}]})
+                .to_string()
+                .into_bytes(),
+            vec![],
+            "datatype INT64",
+        ),
+        (
+            "unsupported datatype",
+            json!({"inputs": [{"name": "INPUT0", "datatype": "FP16", "shape": [1, 4], "data": [1, 2, 3, 4]}]})
+                .to_string()
+                .into_bytes(),
+            vec![],
+            "FP16",
+        ),
+        ("missing input", json!({"inputs": []}).to_string().into_bytes(), vec![], "missing input `INPUT0`"),
+        (
+            "unknown input",
+            infer_body("pixels", &[1, 4], &[0.0; 4]).to_string().into_bytes(),
+            vec![],
+            "unexpected input `pixels`",
+        ),
+        (
+            "too few elements",
+            infer_body("INPUT0", &[2, 4], &[0.0; 5]).to_string().into_bytes(),
+            vec![],
+            "carries 5 elements",
+        ),
+        (
+            "batch too large",
+            infer_body("INPUT0", &[9, 4], &[0.0; 36]).to_string().into_bytes(),
+            vec![],
+            "1..=8",
+        ),
+        (
+            "non-numeric data",
+            json!({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 4], "data": [1, "x", 3, 4]}]})
+                .to_string()
+                .into_bytes(),
+            vec![],
+            "arrays of FP32 numbers",
+        ),
+        (
+            "unknown output",
+            json!({"inputs": ok()["inputs"], "outputs": [{"name": "nope"}]}).to_string().into_bytes(),
+            vec![],
+            "unknown output `nope`",
+        ),
+        ("oversized body", vec![b' '; 10_000], vec![], "exceeds the server's limit of 4096 bytes"),
+        (
+            "header length past the body",
+            ok().to_string().into_bytes(),
+            vec![("Inference-Header-Content-Length", "999".into())],
+            "only",
+        ),
+        (
+            "binary size mismatch",
+            [binary_header.as_bytes(), &[0u8; 12]].concat(),
+            vec![("Inference-Header-Content-Length", binary_header.len().to_string())],
+            "declares 16 bytes of binary data but only 12",
+        ),
+    ];
+    for (what, body, headers, expected) in cases {
+        let resp = http(server.http, "POST", path, &headers, &body);
+        assert_eq!(
+            resp.status,
+            400,
+            "{what}: {}",
+            String::from_utf8_lossy(&resp.body)
+        );
+        let message = resp.error();
+        assert!(
+            message.contains(expected),
+            "{what}: {message:?} lacks {expected:?}"
+        );
+        // Still serving.
+        let good = post_json(server.http, path, &ok());
+        assert_eq!(good.status, 200, "after {what}");
+    }
+    let unknown = post_json(server.http, "/v2/models/nope/infer", &ok());
+    assert_eq!(unknown.status, 404);
+    assert!(unknown.error().contains("unknown model `nope`"));
+    // A model with a bad config is not loaded; its ready endpoint says why; others serve.
+    let ready = http(server.http, "GET", "/v2/models/broken/ready", &[], b"");
+    assert_eq!(ready.status, 400);
+    assert!(
+        ready.error().contains("unknown field `colour`"),
+        "{}",
+        ready.error()
+    );
+    let index = http(server.http, "POST", "/v2/repository/index", &[], b"").json();
+    assert_eq!(index[0]["name"], "broken");
+    assert_eq!(index[0]["state"], "UNAVAILABLE");
+    assert_eq!(index[1]["state"], "READY");
+    assert_eq!(
+        http(server.http, "GET", "/v2/health/ready", &[], b"").status,
+        200
+    );
+    let invalid = server.model("id").metrics.failures("invalid");
+    assert_eq!(
+        invalid, 14,
+        "every malformed request that reached the model counted as invalid"
+    );
+}
+
+#[test]
+fn binary_tensor_extension_round_trips() {
+    let repo = tempdir("binary");
+    write_model(
+        &repo,
+        "id64",
+        "backend = \"identity\"\ndims = [3]\ndatatype = \"INT64\"\n",
+    );
+    let server = TestServer::start(&repo);
+    let values: Vec<i64> = vec![1, -2, i64::MAX, 4, 5, i64::MIN];
+    let header = json!({
+        "id": "r1",
+        "inputs": [{"name": "INPUT0", "datatype": "INT64", "shape": [2, 3],
+                    "parameters": {"binary_data_size": 48}}],
+        "outputs": [{"name": "OUTPUT0", "parameters": {"binary_data": true}}]
+    })
+    .to_string();
+    let mut body = header.clone().into_bytes();
+    body.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+    let resp = http(
+        server.http,
+        "POST",
+        "/v2/models/id64/infer",
+        &[("Inference-Header-Content-Length", header.len().to_string())],
+        &body,
+    );
+    assert_eq!(resp.status, 200, "{}", String::from_utf8_lossy(&resp.body));
+    let n: usize = resp
+        .header("inference-header-content-length")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let json: Value = serde_json::from_slice(&resp.body[..n]).unwrap();
+    assert_eq!(json["id"], "r1");
+    assert_eq!(json["outputs"][0]["parameters"]["binary_data_size"], 48);
+    let back: Vec<i64> = resp.body[n..]
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert_eq!(back, values);
+    // JSON in, JSON out for INT64 too.
+    let resp = post_json(
+        server.http,
+        "/v2/models/id64/infer",
+        &json!({"inputs": [{"name": "INPUT0", "datatype": "INT64", "shape": [1, 3], "data": [[7, 8, 9]]}]}),
+    );
+    assert_eq!(resp.json()["outputs"][0]["data"], json!([7, 8, 9]));
+}
+
+#[test]
+fn overload_is_rejected_explicitly_and_counts_add_up() {
+    let repo = tempdir("overload");
+    write_model(
+        &repo,
+        "slow",
+        "backend = \"identity\"\ndims = [1]\nexecute_delay_microseconds = 20000\nmax_queue_size = 2\n",
+    );
+    write_model(
+        &repo,
+        "timeout",
+        "backend = \"identity\"\ndims = [1]\nexecute_delay_microseconds = 40000\n\
+         timeout_microseconds = 10000\n",
+    );
+    let server = TestServer::start(&repo);
+    for (model, n, rejected_status) in [("slow", 30, 429u16), ("timeout", 8, 503)] {
+        let statuses: Vec<(u16, String)> = thread::scope(|s| {
+            let handles: Vec<_> = (0..n)
+                .map(|i| {
+                    let addr = server.http;
+                    s.spawn(move || {
+                        let r = post_json(
+                            addr,
+                            &format!("/v2/models/{model}/infer"),
+                            &infer_body("INPUT0", &[1, 1], &[i as f32]),
+                        );
+                        let message = if r.status == 200 {
+                            String::new()
+                        } else {
+                            r.error()
+                        };
+                        (r.status, message)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let ok = statuses.iter().filter(|s| s.0 == 200).count();
+        let rejected: Vec<_> = statuses.iter().filter(|s| s.0 == rejected_status).collect();
+        assert_eq!(
+            ok + rejected.len(),
+            n,
+            "{model}: every request answered 200 or {rejected_status}: {statuses:?}"
+        );
+        assert!(
+            ok >= 1 && !rejected.is_empty(),
+            "{model}: {ok} ok, {} rejected",
+            rejected.len()
+        );
+        let m = &server.model(model).metrics;
+        let reason = if model == "slow" {
+            "queue_full"
+        } else {
+            "timeout"
+        };
+        assert!(rejected[0].1.contains(if model == "slow" {
+            "queue is full"
+        } else {
+            "timed out"
+        }));
+        assert_eq!(m.failures(reason), rejected.len() as u64);
+        assert_eq!(m.success.load(Ordering::Relaxed), ok as u64);
+        assert_eq!(m.inflight.load(Ordering::Relaxed), 0);
+    }
+}
+
+#[test]
+fn graceful_shutdown_finishes_in_flight_requests() {
+    let repo = tempdir("shutdown");
+    write_model(
+        &repo,
+        "slow",
+        "backend = \"identity\"\ndims = [1]\nexecute_delay_microseconds = 100000\n",
+    );
+    let mut server = TestServer::start(&repo);
+    let addr = server.http;
+    let rt = server.model("slow");
+    let clients: Vec<_> = (0..4)
+        .map(|i| {
+            thread::spawn(move || {
+                post_json(
+                    addr,
+                    "/v2/models/slow/infer",
+                    &infer_body("INPUT0", &[1, 1], &[i as f32]),
+                )
+            })
+        })
+        .collect();
+    let start = Instant::now();
+    while rt.metrics.inflight.load(Ordering::Relaxed) < 4 {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "requests never arrived"
+        );
+        thread::sleep(Duration::from_millis(2));
+    }
+    server.stop();
+    for (i, c) in clients.into_iter().enumerate() {
+        let r = c.join().unwrap();
+        assert_eq!(r.status, 200, "request {i} in flight at shutdown");
+        assert_eq!(r.json()["outputs"][0]["data"], json!([i as f32]));
+    }
+    assert!(
+        std::net::TcpStream::connect(addr).is_err(),
+        "still accepting after shutdown"
+    );
+}
