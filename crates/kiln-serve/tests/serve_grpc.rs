@@ -1,0 +1,253 @@
+//! kiln-serve over gRPC (tonic client from the same proto): metadata, config, raw and typed
+//! tensor contents, error codes for malformed requests and overload.
+
+mod common;
+
+use common::{TestServer, images, tempdir, write_cnn_graph, write_model};
+use kiln_serve::grpc::pb;
+use pb::grpc_inference_service_client::GrpcInferenceServiceClient;
+use tonic::Code;
+
+type Client = GrpcInferenceServiceClient<tonic::transport::Channel>;
+
+fn request(model: &str, name: &str, shape: Vec<i64>, raw: Vec<u8>) -> pb::ModelInferRequest {
+    pb::ModelInferRequest {
+        model_name: model.into(),
+        id: "req".into(),
+        inputs: vec![pb::model_infer_request::InferInputTensor {
+            name: name.into(),
+            datatype: "FP32".into(),
+            shape,
+            ..Default::default()
+        }],
+        raw_input_contents: vec![raw],
+        ..Default::default()
+    }
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+#[test]
+fn grpc_serves_metadata_config_and_inference() {
+    let repo = tempdir("grpc");
+    let graph = write_model(
+        &repo,
+        "w3",
+        "backend = \"graph\"\ngraph = \"model.kgraph\"\nmax_batch_size = 8\ninstances = 2\n\
+         [dynamic_batching]\nmax_queue_delay_microseconds = 100\npreferred_batch_size = [4, 8]\n",
+    )
+    .join("model.kgraph");
+    write_cnn_graph(&graph);
+    write_model(&repo, "broken", "backend = \"zoo\"\nmodel = \"cnn\"\n");
+    let server = TestServer::start(&repo);
+    let addr = format!("http://{}", server.grpc);
+    server.runtime.block_on(async {
+        let mut c: Client = GrpcInferenceServiceClient::connect(addr).await.unwrap();
+        assert!(
+            c.server_live(pb::ServerLiveRequest {})
+                .await
+                .unwrap()
+                .into_inner()
+                .live
+        );
+        assert!(
+            c.server_ready(pb::ServerReadyRequest {})
+                .await
+                .unwrap()
+                .into_inner()
+                .ready
+        );
+        let ready = |name: &str| pb::ModelReadyRequest {
+            name: name.into(),
+            version: String::new(),
+        };
+        assert!(c.model_ready(ready("w3")).await.unwrap().into_inner().ready);
+        assert!(
+            !c.model_ready(ready("broken"))
+                .await
+                .unwrap()
+                .into_inner()
+                .ready
+        );
+        assert_eq!(
+            c.model_ready(ready("nope")).await.unwrap_err().code(),
+            Code::NotFound
+        );
+
+        let meta = c
+            .model_metadata(pb::ModelMetadataRequest {
+                name: "w3".into(),
+                version: String::new(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(meta.inputs[0].shape, vec![-1, 1, 28, 28]);
+        assert_eq!(meta.outputs[0].name, "logits");
+        let config = c
+            .model_config(pb::ModelConfigRequest {
+                name: "w3".into(),
+                version: String::new(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .config
+            .unwrap();
+        assert_eq!(config.max_batch_size, 8);
+        assert_eq!(config.instance_group[0].count, 2);
+        match config.scheduling_choice {
+            Some(pb::model_config::SchedulingChoice::DynamicBatching(b)) => {
+                assert_eq!(b.preferred_batch_size, vec![4, 8]);
+                assert_eq!(b.max_queue_delay_microseconds, 100);
+            }
+            other => panic!("no dynamic batching in {other:?}"),
+        }
+
+        // Raw contents, batch of 3: logits match the graph run alone.
+        let x = images(7, 3);
+        let resp = c
+            .model_infer(request("w3", "images", vec![3, 1, 28, 28], f32_bytes(&x)))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(resp.id, "req");
+        assert_eq!(resp.outputs[0].shape, vec![3, 10]);
+        assert_eq!(resp.outputs[1].datatype, "INT64");
+        let logits: Vec<f32> = resp.raw_output_contents[0]
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        let reference = common::reference_logits(&graph, &x, 3);
+        for (a, b) in logits.iter().zip(&reference) {
+            assert!((a - b).abs() <= 1e-5 * b.abs().max(1.0), "{a} vs {b}");
+        }
+
+        // Typed contents, one requested output.
+        let mut typed = request("w3", "images", vec![1, 1, 28, 28], Vec::new());
+        typed.raw_input_contents.clear();
+        typed.inputs[0].contents = Some(pb::InferTensorContents {
+            fp32_contents: images(8, 1),
+            ..Default::default()
+        });
+        typed.outputs = vec![pb::model_infer_request::InferRequestedOutputTensor {
+            name: "label".into(),
+            ..Default::default()
+        }];
+        let resp = c.model_infer(typed).await.unwrap().into_inner();
+        assert_eq!(resp.outputs.len(), 1);
+        assert_eq!(resp.outputs[0].name, "label");
+        assert_eq!(resp.raw_output_contents[0].len(), 8);
+
+        // Errors carry codes and messages.
+        let cases = [
+            (
+                request("w3", "images", vec![1, 1, 28], vec![0; 3136]),
+                Code::InvalidArgument,
+                "expects",
+            ),
+            (
+                request("w3", "images", vec![1, 1, 28, 28], vec![0; 10]),
+                Code::InvalidArgument,
+                "whole number",
+            ),
+            (
+                request("w3", "x", vec![1, 1, 28, 28], vec![0; 3136]),
+                Code::InvalidArgument,
+                "unexpected input",
+            ),
+            (
+                request("nope", "images", vec![1, 1, 28, 28], vec![0; 3136]),
+                Code::NotFound,
+                "unknown model",
+            ),
+            (
+                request("broken", "images", vec![1, 1, 28, 28], vec![0; 3136]),
+                Code::FailedPrecondition,
+                "needs `checkpoint`",
+            ),
+        ];
+        for (req, code, phrase) in cases {
+            let e = c.model_infer(req).await.unwrap_err();
+            assert_eq!(e.code(), code, "{}", e.message());
+            assert!(
+                e.message().contains(phrase),
+                "{:?} lacks {phrase:?}",
+                e.message()
+            );
+        }
+        let stats = c
+            .model_statistics(pb::ModelStatisticsRequest {
+                name: "w3".into(),
+                version: String::new(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let s = &stats.model_stats[0];
+        assert_eq!(s.inference_count, 4);
+        let inference = s.inference_stats.as_ref().unwrap();
+        assert_eq!(inference.success.as_ref().unwrap().count, 2);
+        assert_eq!(inference.fail.as_ref().unwrap().count, 3);
+        let index = c
+            .repository_index(pb::RepositoryIndexRequest::default())
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(index.models[0].state, "UNAVAILABLE");
+        assert!(index.models[0].reason.contains("checkpoint"));
+    });
+}
+
+#[test]
+fn grpc_overload_is_resource_exhausted_and_counts_add_up() {
+    let repo = tempdir("grpc-overload");
+    write_model(
+        &repo,
+        "slow",
+        "backend = \"identity\"\ndims = [1]\nexecute_delay_microseconds = 20000\nmax_queue_size = 2\n",
+    );
+    let server = TestServer::start(&repo);
+    let addr = format!("http://{}", server.grpc);
+    let n = 30;
+    let codes: Vec<Code> = server.runtime.block_on(async {
+        let c: Client = GrpcInferenceServiceClient::connect(addr).await.unwrap();
+        let calls: Vec<_> = (0..n)
+            .map(|i| {
+                let mut c = c.clone();
+                tokio::spawn(async move {
+                    c.model_infer(request(
+                        "slow",
+                        "INPUT0",
+                        vec![1, 1],
+                        f32_bytes(&[i as f32]),
+                    ))
+                    .await
+                    .map_or_else(|e| e.code(), |_| Code::Ok)
+                })
+            })
+            .collect();
+        let mut codes = Vec::new();
+        for call in calls {
+            codes.push(call.await.unwrap());
+        }
+        codes
+    });
+    let ok = codes.iter().filter(|&&c| c == Code::Ok).count();
+    let exhausted = codes
+        .iter()
+        .filter(|&&c| c == Code::ResourceExhausted)
+        .count();
+    assert_eq!(
+        ok + exhausted,
+        n,
+        "every call answered OK or RESOURCE_EXHAUSTED: {codes:?}"
+    );
+    assert!(ok >= 1 && exhausted >= 1, "{ok} ok, {exhausted} rejected");
+    assert_eq!(
+        server.model("slow").metrics.failures("queue_full"),
+        exhausted as u64
+    );
+}
