@@ -60,6 +60,8 @@ pub struct ModelRuntime {
     pre: Arc<BoundedQueue<PreJob>>,
     batch: Arc<BoundedQueue<Pending>>,
     post: Arc<BoundedQueue<PostJob>>,
+    /// False: decode runs in the request handler and encode on the instance thread.
+    staged: bool,
     threads: Mutex<Vec<Vec<JoinHandle<()>>>>,
 }
 
@@ -73,8 +75,11 @@ impl std::fmt::Debug for ModelRuntime {
 }
 
 impl ModelRuntime {
-    /// Builds `config.instances` backends and starts the stage threads (`stage_threads` each
-    /// for pre- and postprocessing).
+    /// Builds `config.instances` backends and starts the stage threads: `stage_threads` each
+    /// for pre- and postprocessing, or, with 0, none — decoding then runs in the request
+    /// handler and encoding on the instance thread, two thread hand-offs fewer per request
+    /// (lower latency when decode/encode are cheap, e.g. binary tensors; JSON-heavy traffic
+    /// is better served staged, where that work overlaps inference).
     pub fn start(name: &str, config: ModelConfig, stage_threads: usize) -> Result<Arc<Self>> {
         let mut backends = Vec::with_capacity(config.instances);
         let mut spec = None;
@@ -95,6 +100,7 @@ impl ModelRuntime {
             batch: Arc::new(BoundedQueue::new(capacity)),
             post: Arc::new(BoundedQueue::new(capacity)),
             threads: Mutex::new(Vec::new()),
+            staged: stage_threads > 0,
             config,
             spec,
         });
@@ -104,7 +110,6 @@ impl ModelRuntime {
                 .spawn(f)
                 .map_err(ServeError::Io)
         };
-        let stage_threads = stage_threads.max(1);
         let mut pre = Vec::new();
         for i in 0..stage_threads {
             let rt = Arc::clone(&runtime);
@@ -135,15 +140,25 @@ impl ModelRuntime {
         // A guard, so a request whose client hung up (future dropped) is still uncounted.
         let _inflight = Inflight::enter(&self.metrics.inflight);
         let (reply, answer) = oneshot::channel();
-        let result = match self.pre.try_push(PreJob { wire, reply }) {
+        let queued = if self.staged {
+            self.pre
+                .try_push(PreJob { wire, reply })
+                .map_err(|(why, _)| why)
+        } else if self.pre.lock().closed {
+            Err(PushError::Closed)
+        } else {
+            self.admit(wire, reply);
+            Ok(())
+        };
+        let result = match queued {
             Ok(()) => answer.await.unwrap_or_else(|_| {
                 Err(ServeError::Inference {
                     model: self.name.clone(),
                     message: "the pipeline dropped the request (a stage thread stopped)".into(),
                 })
             }),
-            Err((PushError::Full, _)) => Err(self.queue_full()),
-            Err((PushError::Closed, _)) => Err(ServeError::ShuttingDown),
+            Err(PushError::Full) => Err(self.queue_full()),
+            Err(PushError::Closed) => Err(ServeError::ShuttingDown),
         };
         match &result {
             Ok(_) => {
@@ -183,27 +198,33 @@ impl ModelRuntime {
 
     fn preprocess_loop(&self) {
         while let Some(job) = self.pre.pop() {
-            let started = Instant::now();
-            let decoded = codec::decode(job.wire, &self.spec, self.config.max_batch_size);
-            ModelMetrics::add_time(&self.metrics.pre_ns, started.elapsed());
-            let request = match decoded {
-                Ok(r) => r,
-                Err(e) => {
-                    let _ = job.reply.send(Err(e));
-                    continue;
-                }
-            };
-            let pending = Pending {
-                request,
-                enqueued: Instant::now(),
-                reply: job.reply,
-            };
-            if let Err((why, p)) = self.batch.try_push(pending) {
-                let _ = p.reply.send(Err(match why {
-                    PushError::Full => self.queue_full(),
-                    PushError::Closed => ServeError::ShuttingDown,
-                }));
+            self.admit(job.wire, job.reply);
+        }
+    }
+
+    /// Decodes a request and queues it for batching; a bad request or a full queue is
+    /// answered at once.
+    fn admit(&self, wire: WireRequest, reply: Reply) {
+        let started = Instant::now();
+        let decoded = codec::decode(wire, &self.spec, self.config.max_batch_size);
+        ModelMetrics::add_time(&self.metrics.pre_ns, started.elapsed());
+        let request = match decoded {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = reply.send(Err(e));
+                return;
             }
+        };
+        let pending = Pending {
+            request,
+            enqueued: Instant::now(),
+            reply,
+        };
+        if let Err((why, p)) = self.batch.try_push(pending) {
+            let _ = p.reply.send(Err(match why {
+                PushError::Full => self.queue_full(),
+                PushError::Closed => ServeError::ShuttingDown,
+            }));
         }
     }
 
@@ -241,7 +262,9 @@ impl ModelRuntime {
                             outputs: mine,
                             reply: p.reply,
                         };
-                        if let Err(job) = self.post.push(job) {
+                        if !self.staged {
+                            self.finish(job);
+                        } else if let Err(job) = self.post.push(job) {
                             let _ = job.reply.send(Err(ServeError::ShuttingDown));
                         }
                     }
@@ -261,12 +284,17 @@ impl ModelRuntime {
 
     fn postprocess_loop(&self) {
         while let Some(job) = self.post.pop() {
-            let started = Instant::now();
-            let outputs = postprocess(&self.spec, job.request.batch, job.outputs);
-            let encoded = codec::encode(&self.name, job.request, outputs);
-            ModelMetrics::add_time(&self.metrics.post_ns, started.elapsed());
-            let _ = job.reply.send(encoded);
+            self.finish(job);
         }
+    }
+
+    /// Postprocesses and encodes one request's outputs and sends the response.
+    fn finish(&self, job: PostJob) {
+        let started = Instant::now();
+        let outputs = postprocess(&self.spec, job.request.batch, job.outputs);
+        let encoded = codec::encode(&self.name, job.request, outputs);
+        ModelMetrics::add_time(&self.metrics.post_ns, started.elapsed());
+        let _ = job.reply.send(encoded);
     }
 
     /// Waits for the next batch by Triton's dynamic-batcher rules; `None` at shutdown.

@@ -18,7 +18,18 @@ fn infer_body(name: &str, shape: &[usize], data: &[f32]) -> Value {
 
 #[test]
 fn dynamic_batching_answers_each_request_as_if_alone() {
-    let repo = tempdir("batching");
+    check_batching("batching", 1);
+}
+
+#[test]
+fn inline_stages_batch_and_answer_the_same() {
+    check_batching("batching-inline", 0);
+}
+
+/// Concurrent clients with mixed batch sizes against a batched and an unbatched model, with
+/// `stage_threads` pre/post threads (0 = inline).
+fn check_batching(name: &str, stage_threads: usize) {
+    let repo = tempdir(name);
     let graph = write_model(
         &repo,
         "w3",
@@ -32,7 +43,7 @@ fn dynamic_batching_answers_each_request_as_if_alone() {
         "w3_unbatched",
         "backend = \"graph\"\ngraph = \"../w3/model.kgraph\"\nmax_batch_size = 16\n",
     );
-    let server = TestServer::start(&repo);
+    let server = TestServer::start_staged(&repo, kiln_serve::MAX_BODY_BYTES, stage_threads);
     let (clients, per_client) = (8usize, 5usize);
     for model in ["w3", "w3_unbatched"] {
         let answers: Vec<(u64, usize, Value)> = thread::scope(|s| {

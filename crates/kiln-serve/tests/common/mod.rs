@@ -70,12 +70,17 @@ pub struct TestServer {
 impl TestServer {
     /// Loads `repo` and serves it on free loopback ports, with `max_body_bytes`.
     pub fn start_with(repo: &Path, max_body_bytes: usize) -> Self {
+        Self::start_staged(repo, max_body_bytes, 1)
+    }
+
+    /// [`TestServer::start_with`] with `stage_threads` pre/post threads per model (0 = inline).
+    pub fn start_staged(repo: &Path, max_body_bytes: usize, stage_threads: usize) -> Self {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .build()
             .unwrap();
-        let repository = Arc::new(Repository::load(repo, 1).unwrap());
+        let repository = Arc::new(Repository::load(repo, stage_threads).unwrap());
         let options = ServerOptions {
             http: "127.0.0.1:0".parse().unwrap(),
             grpc: Some("127.0.0.1:0".parse().unwrap()),
