@@ -1,7 +1,7 @@
 //! Per-model configuration: `<repository>/<model>/config.toml`.
 //!
 //! ```toml
-//! backend = "zoo"                 # zoo | graph | identity
+//! backend = "zoo"                 # zoo | graph | onnx | identity
 //! model = "cnn"                   # zoo: which zoo model
 //! checkpoint = "step-1000.kiln"   # zoo: a Kiln checkpoint, relative to this directory
 //! passes = "strip,fold,int8"      # zoo: inference passes applied at load
@@ -41,6 +41,13 @@ pub enum BackendConfig {
     Graph {
         /// Graph file (absolute, resolved against the model directory).
         path: PathBuf,
+    },
+    /// An ONNX file of the operators Kiln's graph has, imported at load, then the passes.
+    Onnx {
+        /// ONNX file (absolute, resolved against the model directory).
+        path: PathBuf,
+        /// Pass list (`fold,int8`); empty = none.
+        passes: String,
     },
     /// Returns its input unchanged (Triton's identity backend): measures the server itself.
     Identity {
@@ -88,6 +95,7 @@ struct RawConfig {
     passes: Option<String>,
     input_shape: Option<[usize; 3]>,
     graph: Option<PathBuf>,
+    file: Option<PathBuf>,
     dims: Option<Vec<usize>>,
     datatype: Option<String>,
     execute_delay_microseconds: Option<u64>,
@@ -159,6 +167,14 @@ impl ModelConfig {
                         .ok_or("backend `graph` needs `graph` (a model.kgraph file)")?,
                 ),
             },
+            "onnx" => BackendConfig::Onnx {
+                path: dir.join(
+                    raw.file
+                        .clone()
+                        .ok_or("backend `onnx` needs `file` (an .onnx model)")?,
+                ),
+                passes: raw.passes.clone().unwrap_or_default(),
+            },
             "identity" => {
                 let datatype = raw.datatype.clone().unwrap_or_else(|| "FP32".into());
                 if datatype != "FP32" && datatype != "INT64" {
@@ -182,43 +198,35 @@ impl ModelConfig {
             }
             other => {
                 return Err(format!(
-                    "unknown backend `{other}`; use zoo, graph or identity"
+                    "unknown backend `{other}`; use zoo, graph, onnx or identity"
                 ));
             }
         };
-        let stray: Vec<&str> = match &backend {
-            BackendConfig::Zoo { .. } => vec![
-                ("graph", raw.graph.is_some()),
-                ("dims", raw.dims.is_some()),
-                ("datatype", raw.datatype.is_some()),
-                (
-                    "execute_delay_microseconds",
-                    raw.execute_delay_microseconds.is_some(),
-                ),
-            ],
-            BackendConfig::Graph { .. } => vec![
-                ("input_shape", raw.input_shape.is_some()),
-                ("model", raw.model.is_some()),
-                ("checkpoint", raw.checkpoint.is_some()),
-                ("passes", raw.passes.is_some()),
-                ("dims", raw.dims.is_some()),
-                ("datatype", raw.datatype.is_some()),
-                (
-                    "execute_delay_microseconds",
-                    raw.execute_delay_microseconds.is_some(),
-                ),
-            ],
-            BackendConfig::Identity { .. } => vec![
-                ("input_shape", raw.input_shape.is_some()),
-                ("model", raw.model.is_some()),
-                ("checkpoint", raw.checkpoint.is_some()),
-                ("passes", raw.passes.is_some()),
-                ("graph", raw.graph.is_some()),
-            ],
-        }
-        .into_iter()
-        .filter_map(|(k, set)| set.then_some(k))
-        .collect();
+        let set = [
+            ("model", raw.model.is_some()),
+            ("checkpoint", raw.checkpoint.is_some()),
+            ("passes", raw.passes.is_some()),
+            ("input_shape", raw.input_shape.is_some()),
+            ("graph", raw.graph.is_some()),
+            ("file", raw.file.is_some()),
+            ("dims", raw.dims.is_some()),
+            ("datatype", raw.datatype.is_some()),
+            (
+                "execute_delay_microseconds",
+                raw.execute_delay_microseconds.is_some(),
+            ),
+        ];
+        let allowed: &[&str] = match &backend {
+            BackendConfig::Zoo { .. } => &["model", "checkpoint", "passes", "input_shape"],
+            BackendConfig::Graph { .. } => &["graph"],
+            BackendConfig::Onnx { .. } => &["file", "passes"],
+            BackendConfig::Identity { .. } => &["dims", "datatype", "execute_delay_microseconds"],
+        };
+        let stray: Vec<&str> = set
+            .iter()
+            .filter(|(key, is_set)| *is_set && !allowed.contains(key))
+            .map(|(key, _)| *key)
+            .collect();
         if !stray.is_empty() {
             return Err(format!(
                 "key(s) {} do not apply to backend `{}`; remove them",

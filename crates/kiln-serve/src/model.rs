@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use burn::tensor::{Device, Tensor, TensorData};
-use kiln::infer::{InferenceSession, Pass, load_graph, load_model};
+use kiln::infer::{InferenceSession, Pass, import_onnx, load_graph, load_model, run_passes};
 use kiln::zoo::ModelKind;
 
 use crate::config::BackendConfig;
@@ -86,6 +86,17 @@ pub fn build_backend(name: &str, config: &BackendConfig) -> Result<(Box<dyn Back
                 .map_err(|e| fail(e.to_string()))?;
             let session = InferenceSession::new(&zoo, kind.name(), *input_shape, &passes, &device)
                 .map_err(|e| fail(e.to_string()))?;
+            classifier(name, session, device)
+        }
+        BackendConfig::Onnx { path, passes } => {
+            let device = Device::flex();
+            let passes = Pass::parse_list(passes).map_err(|e| fail(e.to_string()))?;
+            let bytes = std::fs::read(path)
+                .map_err(|e| fail(format!("cannot read {}: {e}", path.display())))?;
+            let mut graph = import_onnx(&bytes, name).map_err(|e| fail(e.to_string()))?;
+            run_passes(&mut graph, &passes).map_err(|e| fail(e.to_string()))?;
+            let session =
+                InferenceSession::from_graph(graph, &device).map_err(|e| fail(e.to_string()))?;
             classifier(name, session, device)
         }
         BackendConfig::Graph { path } => {

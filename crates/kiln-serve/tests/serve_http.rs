@@ -441,3 +441,52 @@ fn graceful_shutdown_finishes_in_flight_requests() {
         "still accepting after shutdown"
     );
 }
+
+#[test]
+fn onnx_files_serve_the_same_answers_as_the_graph_they_were_exported_from() {
+    let repo = tempdir("onnx");
+    let graph_path = write_model(
+        &repo,
+        "w3",
+        "backend = \"graph\"\ngraph = \"model.kgraph\"\n",
+    )
+    .join("model.kgraph");
+    write_cnn_graph(&graph_path);
+    let graph = kiln::infer::load_graph(&graph_path).unwrap();
+    let onnx_dir = write_model(
+        &repo,
+        "w3_onnx",
+        "backend = \"onnx\"\nfile = \"model.onnx\"\n",
+    );
+    kiln::infer::onnx::export(&graph, &onnx_dir.join("model.onnx")).unwrap();
+    let bad_dir = write_model(
+        &repo,
+        "bad_onnx",
+        "backend = \"onnx\"\nfile = \"model.onnx\"\n",
+    );
+    std::fs::write(bad_dir.join("model.onnx"), b"not a protobuf").unwrap();
+    let server = TestServer::start(&repo);
+    let x = images(3, 2);
+    let answer = |model: &str| {
+        let r = post_json(
+            server.http,
+            &format!("/v2/models/{model}/infer"),
+            &infer_body("images", &[2, 1, 28, 28], &x),
+        );
+        assert_eq!(
+            r.status,
+            200,
+            "{model}: {}",
+            String::from_utf8_lossy(&r.body)
+        );
+        r.json()["outputs"][0]["data"].clone()
+    };
+    assert_eq!(answer("w3"), answer("w3_onnx"));
+    let ready = http(server.http, "GET", "/v2/models/bad_onnx/ready", &[], b"");
+    assert_eq!(ready.status, 400);
+    assert!(
+        ready.error().contains("not an ONNX model"),
+        "{}",
+        ready.error()
+    );
+}

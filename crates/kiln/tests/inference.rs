@@ -222,6 +222,91 @@ fn onnx_export_round_trips_structurally() {
     assert!(onnx::parse(b"not onnx at all").is_err());
 }
 
+/// ONNX import inverts export: W1, W2 and W5 (with BatchNorm) come back as graphs whose
+/// logits equal the original's bit for bit; a Gemm stored the common way (`transB = 1`,
+/// weight `[out, in]`) imports to the same model; an operator Kiln lacks is refused by name.
+#[test]
+fn onnx_import_reproduces_exported_models() {
+    use kiln::infer::import_onnx;
+    use onnx_protobuf::Message;
+    let device = Device::flex();
+    let cases = [
+        ("mlp", ModelKind::Mlp.init(&device), [1, 28, 28]),
+        ("cnn", ModelKind::Cnn.init(&device), [1, 28, 28]),
+        ("resnet", resnet_with_real_statistics(&device), [3, 16, 16]),
+    ];
+    for (name, model, shape) in cases {
+        let original = InferenceSession::new(&model, name, shape, &[], &device).unwrap();
+        let bytes = onnx::to_bytes(original.graph()).unwrap();
+        let imported = import_onnx(&bytes, name).unwrap();
+        assert_eq!(imported.nodes.len(), original.graph().nodes.len(), "{name}");
+        let session = InferenceSession::from_graph(imported, &device).unwrap();
+        let x = random_images(shape, 3, &device);
+        let a = values(original.forward(x.clone()).unwrap());
+        let b = values(session.forward(x).unwrap());
+        assert_eq!(a, b, "{name}: imported graph differs from the exported one");
+    }
+
+    // transB = 1: transpose every Gemm weight in the file and mark it.
+    let mlp = ModelKind::Mlp.init(&device);
+    let mlp = InferenceSession::new(&mlp, "mlp", [1, 28, 28], &[], &device).unwrap();
+    let mut proto = onnx::parse(&onnx::to_bytes(mlp.graph()).unwrap()).unwrap();
+    let graph = proto.graph.as_mut().unwrap();
+    let gemm_weights: Vec<String> = graph
+        .node
+        .iter()
+        .filter(|n| n.op_type == "Gemm")
+        .map(|n| n.input[1].clone())
+        .collect();
+    for node in graph.node.iter_mut().filter(|n| n.op_type == "Gemm") {
+        let mut a = onnx_protobuf::AttributeProto::new();
+        a.name = "transB".into();
+        a.type_ = onnx_protobuf::attribute_proto::AttributeType::INT.into();
+        a.i = 1;
+        node.attribute.push(a);
+    }
+    for t in graph
+        .initializer
+        .iter_mut()
+        .filter(|t| gemm_weights.contains(&t.name))
+    {
+        let (inn, out) = (t.dims[0] as usize, t.dims[1] as usize);
+        let v: Vec<f32> = t
+            .raw_data
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        let mut transposed = vec![0f32; v.len()];
+        for i in 0..inn {
+            for o in 0..out {
+                transposed[o * inn + i] = v[i * out + o];
+            }
+        }
+        t.dims = vec![out as i64, inn as i64];
+        t.raw_data = transposed.iter().flat_map(|x| x.to_le_bytes()).collect();
+    }
+    let trans = import_onnx(&proto.write_to_bytes().unwrap(), "mlp").unwrap();
+    let session = InferenceSession::from_graph(trans, &device).unwrap();
+    let x = random_images([1, 28, 28], 2, &device);
+    assert_eq!(
+        values(mlp.forward(x.clone()).unwrap()),
+        values(session.forward(x).unwrap())
+    );
+
+    // An operator Kiln does not have.
+    let mut proto = onnx::parse(&onnx::to_bytes(mlp.graph()).unwrap()).unwrap();
+    let node = &mut proto.graph.as_mut().unwrap().node[1];
+    node.op_type = "Softmax".into();
+    let err = import_onnx(&proto.write_to_bytes().unwrap(), "mlp")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("Softmax") && err.contains("onnx import"),
+        "{err}"
+    );
+    assert!(import_onnx(b"garbage", "x").is_err());
+}
+
 /// Exports W1, W2 (plain and folded W5 too) and runs them in ONNX Runtime through
 /// `tests/onnx_check.py`: outputs must match Kiln's to 1e-4 relative. Skips with a message
 /// only when onnxruntime is not importable and `KILN_REQUIRE_ONNXRUNTIME` is unset (CI sets

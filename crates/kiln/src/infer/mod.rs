@@ -11,6 +11,7 @@ mod graph;
 pub mod int8;
 mod lower;
 pub mod onnx;
+mod onnx_import;
 mod passes;
 mod store;
 
@@ -24,6 +25,7 @@ use serde::Serialize;
 pub use exec::Executor;
 pub use graph::{ConvGeometry, Graph, Node, Op, QuantWeight, ValueId, Weight};
 pub use lower::lower;
+pub use onnx_import::import as import_onnx;
 pub use passes::{Pass, PassReport, fold_batch_norm, quantize_int8, run_passes, strip_train_only};
 pub use store::{graph_to_bytes, load_graph, save_graph};
 
