@@ -1,5 +1,6 @@
 //! The KServe v2 HTTP/REST front end (axum) and `/metrics`.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use axum::Router;
@@ -12,6 +13,7 @@ use serde_json::{Value, json};
 
 use crate::codec::{Encoded, WireRequest};
 use crate::error::ServeError;
+use crate::pipeline::ModelRuntime;
 use crate::repository::Repository;
 
 /// Shared state of the HTTP handlers.
@@ -37,24 +39,15 @@ pub fn router(repository: Arc<Repository>, max_body: usize) -> Router {
         .route("/v2/health/ready", get(server_ready))
         .route("/v2/repository/index", post(repository_index))
         .route("/v2/models/stats", get(all_stats))
-        .route("/v2/models/{model}", get(model_metadata))
-        .route(
-            "/v2/models/{model}/versions/{version}",
-            get(model_metadata_v),
-        )
-        .route("/v2/models/{model}/ready", get(model_ready))
-        .route(
-            "/v2/models/{model}/versions/{version}/ready",
-            get(model_ready_v),
-        )
-        .route("/v2/models/{model}/config", get(model_config))
-        .route(
-            "/v2/models/{model}/versions/{version}/config",
-            get(model_config_v),
-        )
+        .route("/v2/models/{model}", get(metadata))
+        .route("/v2/models/{model}/versions/{version}", get(metadata))
+        .route("/v2/models/{model}/ready", get(ready))
+        .route("/v2/models/{model}/versions/{version}/ready", get(ready))
+        .route("/v2/models/{model}/config", get(config))
+        .route("/v2/models/{model}/versions/{version}/config", get(config))
         .route("/v2/models/{model}/stats", get(model_stats))
         .route("/v2/models/{model}/infer", post(infer))
-        .route("/v2/models/{model}/versions/{version}/infer", post(infer_v))
+        .route("/v2/models/{model}/versions/{version}/infer", post(infer))
         .route("/metrics", get(metrics))
         .fallback(|| async {
             error_response(
@@ -131,73 +124,50 @@ async fn repository_index(State(s): State<Http>) -> Response {
     json_response(Value::Array(index))
 }
 
-async fn model_metadata(state: State<Http>, Path(model): Path<String>) -> Response {
-    metadata(state, &model, "").into_response()
-}
+/// A route's `{model}` and optional `{version}`.
+type ModelPath = Path<HashMap<String, String>>;
 
-async fn model_metadata_v(
-    state: State<Http>,
-    Path((model, version)): Path<(String, String)>,
-) -> Response {
-    metadata(state, &model, &version).into_response()
-}
-
-fn metadata(State(s): State<Http>, model: &str, version: &str) -> Result<Response, ServeError> {
+/// The running model a route names, after checking its version.
+fn runtime(s: &Http, path: &HashMap<String, String>) -> Result<Arc<ModelRuntime>, ServeError> {
+    let model = path.get("model").map_or("", String::as_str);
+    let version = path.get("version").map_or("", String::as_str);
     check_version(model, version)?;
-    let rt = s.repository.runtime(model)?;
-    let tensor = |t: &crate::tensor::TensorSpec| {
-        let mut shape = vec![-1i64];
-        shape.extend(t.dims.iter().map(|&d| d as i64));
-        json!({ "name": t.name, "datatype": t.datatype.wire_name(), "shape": shape })
-    };
-    Ok(json_response(json!({
-        "name": rt.name,
-        "versions": ["1"],
-        "platform": rt.spec.platform,
-        "inputs": [tensor(&rt.spec.input)],
-        "outputs": rt.spec.outputs.iter().map(tensor).collect::<Vec<_>>(),
-    })))
+    s.repository.runtime(model)
 }
 
-async fn model_ready(state: State<Http>, Path(model): Path<String>) -> Response {
-    ready(state, &model, "")
-}
-
-async fn model_ready_v(
-    state: State<Http>,
-    Path((model, version)): Path<(String, String)>,
-) -> Response {
-    ready(state, &model, &version)
+async fn metadata(State(s): State<Http>, Path(path): ModelPath) -> Response {
+    match runtime(&s, &path) {
+        Ok(rt) => {
+            let tensor = |t: &crate::tensor::TensorSpec| json!({ "name": t.name, "datatype": t.datatype.wire_name(), "shape": t.batched_shape() });
+            json_response(json!({
+                "name": rt.name,
+                "versions": ["1"],
+                "platform": rt.spec.platform,
+                "inputs": [tensor(&rt.spec.input)],
+                "outputs": rt.spec.outputs.iter().map(tensor).collect::<Vec<_>>(),
+            }))
+        }
+        Err(e) => e.into_response(),
+    }
 }
 
 /// 200 when ready; otherwise the status and the reason the model did not load.
-fn ready(State(s): State<Http>, model: &str, version: &str) -> Response {
-    match check_version(model, version).and_then(|_| s.repository.runtime(model)) {
+async fn ready(State(s): State<Http>, Path(path): ModelPath) -> Response {
+    match runtime(&s, &path) {
         Ok(_) => StatusCode::OK.into_response(),
         Err(e) => e.into_response(),
     }
 }
 
-async fn model_config(state: State<Http>, Path(model): Path<String>) -> Response {
-    config(state, &model, "").into_response()
+async fn config(State(s): State<Http>, Path(path): ModelPath) -> Response {
+    match runtime(&s, &path) {
+        Ok(rt) => json_response(crate::triton_config::to_json(&rt)),
+        Err(e) => e.into_response(),
+    }
 }
 
-async fn model_config_v(
-    state: State<Http>,
-    Path((model, version)): Path<(String, String)>,
-) -> Response {
-    config(state, &model, &version).into_response()
-}
-
-fn config(State(s): State<Http>, model: &str, version: &str) -> Result<Response, ServeError> {
-    check_version(model, version)?;
-    Ok(json_response(crate::triton_config::to_json(
-        &*s.repository.runtime(model)?,
-    )))
-}
-
-async fn model_stats(State(s): State<Http>, Path(model): Path<String>) -> Response {
-    match s.repository.runtime(&model) {
+async fn model_stats(State(s): State<Http>, Path(path): ModelPath) -> Response {
+    match runtime(&s, &path) {
         Ok(rt) => json_response(json!({
             "model_stats": [crate::triton_config::statistics_json(&rt)]
         })),
@@ -215,25 +185,8 @@ async fn all_stats(State(s): State<Http>) -> Response {
     json_response(json!({ "model_stats": stats }))
 }
 
-async fn infer(state: State<Http>, Path(model): Path<String>, request: Request) -> Response {
-    run_infer(state, &model, "", request).await
-}
-
-async fn infer_v(
-    state: State<Http>,
-    Path((model, version)): Path<(String, String)>,
-    request: Request,
-) -> Response {
-    run_infer(state, &model, &version, request).await
-}
-
-async fn run_infer(
-    State(s): State<Http>,
-    model: &str,
-    version: &str,
-    request: Request,
-) -> Response {
-    match infer_body(&s, model, version, request).await {
+async fn infer(State(s): State<Http>, Path(path): ModelPath, request: Request) -> Response {
+    match infer_body(&s, &path, request).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
     }
@@ -241,12 +194,10 @@ async fn run_infer(
 
 async fn infer_body(
     s: &Http,
-    model: &str,
-    version: &str,
+    path: &HashMap<String, String>,
     request: Request,
 ) -> Result<Response, ServeError> {
-    check_version(model, version)?;
-    let rt = s.repository.runtime(model)?;
+    let rt = runtime(s, path)?;
     let (parts, body) = request.into_parts();
     if let Some(enc) = parts.headers.get(header::CONTENT_ENCODING)
         && enc.as_bytes() != b"identity"
@@ -284,7 +235,7 @@ async fn infer_body(
             Ok(response)
         }
         Encoded::Grpc(_) => Err(ServeError::Inference {
-            model: model.into(),
+            model: rt.name.clone(),
             message: "gRPC encoding for an HTTP request".into(),
         }),
     }

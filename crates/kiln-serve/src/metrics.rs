@@ -190,19 +190,21 @@ impl ModelMetrics {
     /// Appends this model's series to a Prometheus exposition.
     pub fn render(&self, out: &mut String, model: &str) {
         let l = format!("model=\"{}\"", model.replace(['"', '\\', '\n'], "_"));
-        let counter = |out: &mut String, name: &str, v: u64| {
-            let _ = writeln!(out, "{name}{{{l}}} {v}");
-        };
-        counter(
-            out,
-            "kiln_inflight_requests",
-            self.inflight.load(Ordering::Relaxed),
-        );
-        counter(
-            out,
-            "kiln_request_success_total",
-            self.success.load(Ordering::Relaxed),
-        );
+        let count = |a: &AtomicU64| a.load(Ordering::Relaxed).to_string();
+        let secs = |a: &AtomicU64| (a.load(Ordering::Relaxed) as f64 / 1e9).to_string();
+        let series = [
+            ("kiln_inflight_requests", count(&self.inflight)),
+            ("kiln_request_success_total", count(&self.success)),
+            ("kiln_inference_count_total", count(&self.inference_count)),
+            ("kiln_execution_count_total", count(&self.execution_count)),
+            ("kiln_queue_seconds_total", secs(&self.queue_ns)),
+            ("kiln_compute_seconds_total", secs(&self.compute_ns)),
+            ("kiln_preprocess_seconds_total", secs(&self.pre_ns)),
+            ("kiln_postprocess_seconds_total", secs(&self.post_ns)),
+        ];
+        for (name, value) in series {
+            let _ = writeln!(out, "{name}{{{l}}} {value}");
+        }
         for (reason, c) in FAILURE_REASONS.iter().zip(&self.failure) {
             let _ = writeln!(
                 out,
@@ -210,37 +212,6 @@ impl ModelMetrics {
                 c.load(Ordering::Relaxed)
             );
         }
-        counter(
-            out,
-            "kiln_inference_count_total",
-            self.inference_count.load(Ordering::Relaxed),
-        );
-        counter(
-            out,
-            "kiln_execution_count_total",
-            self.execution_count.load(Ordering::Relaxed),
-        );
-        let secs = |ns: &AtomicU64| ns.load(Ordering::Relaxed) as f64 / 1e9;
-        let _ = writeln!(
-            out,
-            "kiln_queue_seconds_total{{{l}}} {}",
-            secs(&self.queue_ns)
-        );
-        let _ = writeln!(
-            out,
-            "kiln_compute_seconds_total{{{l}}} {}",
-            secs(&self.compute_ns)
-        );
-        let _ = writeln!(
-            out,
-            "kiln_preprocess_seconds_total{{{l}}} {}",
-            secs(&self.pre_ns)
-        );
-        let _ = writeln!(
-            out,
-            "kiln_postprocess_seconds_total{{{l}}} {}",
-            secs(&self.post_ns)
-        );
         self.batch_size.render(out, "kiln_batch_size", &l);
         self.queue_seconds
             .render(out, "kiln_queue_duration_seconds", &l);

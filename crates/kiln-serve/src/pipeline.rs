@@ -303,21 +303,21 @@ impl ModelRuntime {
         let mut state = self.batch.lock();
         loop {
             if let Some(timeout) = self.config.timeout {
+                // The queue is in arrival order, so the expired requests are a prefix.
                 let now = Instant::now();
-                let mut kept = std::collections::VecDeque::with_capacity(state.items.len());
-                for p in state.items.drain(..) {
+                while let Some(p) = state.items.front()
+                    && now.duration_since(p.enqueued) > timeout
+                {
+                    let Some(p) = state.items.pop_front() else {
+                        break;
+                    };
                     let waited = now.duration_since(p.enqueued);
-                    if waited > timeout {
-                        let _ = p.reply.send(Err(ServeError::Timeout {
-                            model: self.name.clone(),
-                            waited_us: waited.as_micros() as u64,
-                            timeout_us: timeout.as_micros() as u64,
-                        }));
-                    } else {
-                        kept.push_back(p);
-                    }
+                    let _ = p.reply.send(Err(ServeError::Timeout {
+                        model: self.name.clone(),
+                        waited_us: waited.as_micros() as u64,
+                        timeout_us: timeout.as_micros() as u64,
+                    }));
                 }
-                state.items = kept;
             }
             if state.items.is_empty() {
                 if state.closed {

@@ -156,6 +156,13 @@ impl TensorSpec {
     pub fn sample_len(&self) -> usize {
         self.dims.iter().product()
     }
+
+    /// The protocol's shape: a variable batch dimension (-1) then the per-sample dims.
+    pub fn batched_shape(&self) -> Vec<i64> {
+        std::iter::once(-1)
+            .chain(self.dims.iter().map(|&d| d as i64))
+            .collect()
+    }
 }
 
 /// A named tensor with a batch dimension: what a request carries in and gets back.

@@ -207,8 +207,10 @@ pub fn encode(
     if !id.is_empty() {
         response["id"] = json!(id);
     }
-    let mut body = serde_json::to_vec(&response)
-        .map_err(|e| ServeError::InvalidRequest(format!("encoding the response: {e}")))?;
+    let mut body = serde_json::to_vec(&response).map_err(|e| ServeError::Inference {
+        model: model.to_string(),
+        message: format!("encoding the response: {e}"),
+    })?;
     let header_len = (!binary.is_empty()).then_some(body.len());
     body.extend_from_slice(&binary);
     Ok(super::Encoded::Http { body, header_len })

@@ -85,9 +85,7 @@ impl GrpcInferenceService for GrpcFrontend {
         let meta = |s: &crate::tensor::TensorSpec| pb::model_metadata_response::TensorMetadata {
             name: s.name.clone(),
             datatype: s.datatype.wire_name().into(),
-            shape: std::iter::once(-1)
-                .chain(s.dims.iter().map(|&d| d as i64))
-                .collect(),
+            shape: s.batched_shape(),
         };
         Ok(Response::new(pb::ModelMetadataResponse {
             name: rt.name.clone(),
