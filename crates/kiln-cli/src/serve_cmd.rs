@@ -27,11 +27,14 @@ pub struct ServeArgs {
     /// Serve HTTP only.
     #[arg(long)]
     no_grpc: bool,
-    /// Threads per model for each of the preprocess and postprocess stages; 0 runs decoding
-    /// in the request handler and encoding on the instance thread (fewer thread hand-offs:
-    /// lower latency for binary tensors, less overlap for JSON-heavy traffic).
+    /// Threads per model for each of the preprocess and postprocess stages (0 = none: all
+    /// decoding in the request handler, all encoding on the instance thread).
     #[arg(long, default_value_t = 1)]
     stage_threads: usize,
+    /// Requests and responses up to this many bytes are decoded / encoded in place instead of
+    /// on a stage thread (a hand-off costs more than the work); 0 = always staged.
+    #[arg(long, default_value_t = 16384)]
+    inline_bytes: usize,
     /// Largest request body in bytes.
     #[arg(long, default_value_t = kiln_serve::MAX_BODY_BYTES)]
     max_body_bytes: usize,
@@ -46,8 +49,14 @@ pub fn run(args: ServeArgs) -> Result<()> {
         kiln::plan::set_cpu_threads(args.threads);
     }
     let repository = Arc::new(
-        Repository::load(&args.models, args.stage_threads)
-            .with_context(|| format!("loading models from {}", args.models.display()))?,
+        Repository::load(
+            &args.models,
+            kiln_serve::Stages {
+                threads: args.stage_threads,
+                inline_bytes: args.inline_bytes,
+            },
+        )
+        .with_context(|| format!("loading models from {}", args.models.display()))?,
     );
     for m in repository.index() {
         if m.reason.is_empty() {

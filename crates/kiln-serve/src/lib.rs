@@ -29,6 +29,7 @@ pub mod triton_config;
 
 pub use config::{BackendConfig, DynamicBatching, ModelConfig};
 pub use error::{Result, ServeError};
+pub use pipeline::Stages;
 pub use repository::Repository;
 pub use server::{Server, ServerOptions};
 

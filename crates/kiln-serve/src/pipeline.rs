@@ -30,6 +30,55 @@ use crate::tensor::Values;
 
 type Reply = oneshot::Sender<Result<Encoded>>;
 
+/// Where a model's decoding and encoding run.
+///
+/// A thread hand-off costs tens of microseconds of wake-up latency (measured ~25 µs on a
+/// busy 2-core machine, BENCHMARKS.md run 11), more than decoding a binary tensor or encoding
+/// ten logits. So work on payloads up to `inline_bytes` runs in place — decoding in the
+/// request handler, encoding on the instance thread — and only larger payloads (big JSON
+/// bodies, whose parsing takes milliseconds) go to the stage threads, where that work
+/// overlaps inference.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stages {
+    /// Preprocess and postprocess threads per model; 0 = everything in place.
+    pub threads: usize,
+    /// Payloads up to this many bytes are decoded / encoded in place.
+    pub inline_bytes: usize,
+}
+
+impl Stages {
+    /// Every request through the stage threads (`threads` of each).
+    pub fn staged(threads: usize) -> Self {
+        Stages {
+            threads: threads.max(1),
+            inline_bytes: 0,
+        }
+    }
+
+    /// No stage threads: decoding and encoding always in place.
+    pub fn inline() -> Self {
+        Stages {
+            threads: 0,
+            inline_bytes: usize::MAX,
+        }
+    }
+
+    /// True when a payload of `bytes` goes to a stage thread.
+    fn hand_off(&self, bytes: usize) -> bool {
+        self.threads > 0 && bytes > self.inline_bytes
+    }
+}
+
+impl Default for Stages {
+    /// One thread per stage; payloads up to 16 KiB in place.
+    fn default() -> Self {
+        Stages {
+            threads: 1,
+            inline_bytes: 16 << 10,
+        }
+    }
+}
+
 struct PreJob {
     wire: WireRequest,
     reply: Reply,
@@ -60,8 +109,8 @@ pub struct ModelRuntime {
     pre: Arc<BoundedQueue<PreJob>>,
     batch: Arc<BoundedQueue<Pending>>,
     post: Arc<BoundedQueue<PostJob>>,
-    /// False: decode runs in the request handler and encode on the instance thread.
-    staged: bool,
+    /// Where decoding and encoding run.
+    stages: Stages,
     threads: Mutex<Vec<Vec<JoinHandle<()>>>>,
 }
 
@@ -75,12 +124,10 @@ impl std::fmt::Debug for ModelRuntime {
 }
 
 impl ModelRuntime {
-    /// Builds `config.instances` backends and starts the stage threads: `stage_threads` each
-    /// for pre- and postprocessing, or, with 0, none — decoding then runs in the request
-    /// handler and encoding on the instance thread, two thread hand-offs fewer per request
-    /// (lower latency when decode/encode are cheap, e.g. binary tensors; JSON-heavy traffic
-    /// is better served staged, where that work overlaps inference).
-    pub fn start(name: &str, config: ModelConfig, stage_threads: usize) -> Result<Arc<Self>> {
+    /// Builds `config.instances` backends and starts `stages.threads` pre- and postprocess
+    /// threads each.
+    pub fn start(name: &str, config: ModelConfig, stages: Stages) -> Result<Arc<Self>> {
+        let stage_threads = stages.threads;
         let mut backends = Vec::with_capacity(config.instances);
         let mut spec = None;
         for _ in 0..config.instances {
@@ -100,7 +147,7 @@ impl ModelRuntime {
             batch: Arc::new(BoundedQueue::new(capacity)),
             post: Arc::new(BoundedQueue::new(capacity)),
             threads: Mutex::new(Vec::new()),
-            staged: stage_threads > 0,
+            stages,
             config,
             spec,
         });
@@ -140,7 +187,7 @@ impl ModelRuntime {
         // A guard, so a request whose client hung up (future dropped) is still uncounted.
         let _inflight = Inflight::enter(&self.metrics.inflight);
         let (reply, answer) = oneshot::channel();
-        let queued = if self.staged {
+        let queued = if self.stages.hand_off(wire.size()) {
             self.pre
                 .try_push(PreJob { wire, reply })
                 .map_err(|(why, _)| why)
@@ -262,7 +309,8 @@ impl ModelRuntime {
                             outputs: mine,
                             reply: p.reply,
                         };
-                        if !self.staged {
+                        let bytes: usize = job.outputs.iter().map(Values::byte_len).sum();
+                        if !self.stages.hand_off(bytes) {
                             self.finish(job);
                         } else if let Err(job) = self.post.push(job) {
                             let _ = job.reply.send(Err(ServeError::ShuttingDown));

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use crate::config::ModelConfig;
 use crate::error::{Result, ServeError};
-use crate::pipeline::ModelRuntime;
+use crate::pipeline::{ModelRuntime, Stages};
 
 /// A model's state in the repository.
 #[derive(Debug)]
@@ -38,7 +38,7 @@ impl Repository {
     /// Loads every model directory under `dir` (hidden ones skipped). A model whose config
     /// or weights are bad is kept as [`Entry::Unavailable`] with the reason; the others
     /// serve. Only an unreadable `dir` is an error.
-    pub fn load(dir: &Path, stage_threads: usize) -> Result<Self> {
+    pub fn load(dir: &Path, stages: Stages) -> Result<Self> {
         let listing = std::fs::read_dir(dir).map_err(|e| ServeError::Config {
             path: dir.display().to_string(),
             message: format!("cannot read the model repository ({e}); pass an existing directory"),
@@ -60,7 +60,7 @@ impl Repository {
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_default();
             let entry = ModelConfig::load(&path)
-                .and_then(|config| ModelRuntime::start(&name, config, stage_threads));
+                .and_then(|config| ModelRuntime::start(&name, config, stages));
             repo.insert(&name, entry);
         }
         Ok(repo)

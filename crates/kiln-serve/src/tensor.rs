@@ -74,6 +74,11 @@ impl Values {
         }
     }
 
+    /// Bytes of the elements.
+    pub fn byte_len(&self) -> usize {
+        self.len() * self.datatype().size()
+    }
+
     /// True when there are no elements.
     pub fn is_empty(&self) -> bool {
         self.len() == 0

@@ -10,6 +10,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use common::{TestServer, http, images, post_json, tempdir, write_cnn_graph, write_model};
+use kiln_serve::Stages;
 use serde_json::{Value, json};
 
 fn infer_body(name: &str, shape: &[usize], data: &[f32]) -> Value {
@@ -18,17 +19,23 @@ fn infer_body(name: &str, shape: &[usize], data: &[f32]) -> Value {
 
 #[test]
 fn dynamic_batching_answers_each_request_as_if_alone() {
-    check_batching("batching", 1);
+    check_batching("batching", Stages::staged(1));
 }
 
 #[test]
 fn inline_stages_batch_and_answer_the_same() {
-    check_batching("batching-inline", 0);
+    check_batching("batching-inline", Stages::inline());
+}
+
+/// The default: batch-1 JSON requests (~10 KB) decode in place, larger ones on the stage.
+#[test]
+fn mixed_stage_placement_batches_and_answers_the_same() {
+    check_batching("batching-mixed", Stages::default());
 }
 
 /// Concurrent clients with mixed batch sizes against a batched and an unbatched model, with
-/// `stage_threads` pre/post threads (0 = inline).
-fn check_batching(name: &str, stage_threads: usize) {
+/// decoding and encoding placed by `stages`.
+fn check_batching(name: &str, stages: Stages) {
     let repo = tempdir(name);
     let graph = write_model(
         &repo,
@@ -43,7 +50,7 @@ fn check_batching(name: &str, stage_threads: usize) {
         "w3_unbatched",
         "backend = \"graph\"\ngraph = \"../w3/model.kgraph\"\nmax_batch_size = 16\n",
     );
-    let server = TestServer::start_staged(&repo, kiln_serve::MAX_BODY_BYTES, stage_threads);
+    let server = TestServer::start_staged(&repo, kiln_serve::MAX_BODY_BYTES, stages);
     let (clients, per_client) = (8usize, 5usize);
     for model in ["w3", "w3_unbatched"] {
         let answers: Vec<(u64, usize, Value)> = thread::scope(|s| {

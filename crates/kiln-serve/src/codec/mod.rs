@@ -25,6 +25,25 @@ pub enum WireRequest {
     Grpc(Box<pb::ModelInferRequest>),
 }
 
+impl WireRequest {
+    /// Bytes of payload to decode (decides whether decoding is worth a thread hand-off).
+    pub fn size(&self) -> usize {
+        match self {
+            WireRequest::Http { body, .. } => body.len(),
+            WireRequest::Grpc(r) => {
+                let raw: usize = r.raw_input_contents.iter().map(Vec::len).sum();
+                let typed: usize = r
+                    .inputs
+                    .iter()
+                    .filter_map(|i| i.contents.as_ref())
+                    .map(|c| 4 * c.fp32_contents.len() + 8 * c.int64_contents.len())
+                    .sum();
+                raw + typed
+            }
+        }
+    }
+}
+
 /// A response ready for the wire.
 #[derive(Debug)]
 pub enum Encoded {

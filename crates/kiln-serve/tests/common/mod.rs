@@ -10,7 +10,7 @@ use std::sync::Arc;
 use burn::tensor::{Device, Tensor, TensorData};
 use kiln::infer::{InferenceSession, load_graph, lower, save_graph};
 use kiln::zoo::ModelKind;
-use kiln_serve::{Repository, Server, ServerOptions};
+use kiln_serve::{Repository, Server, ServerOptions, Stages};
 
 /// A fresh, empty directory under the system temp dir.
 pub fn tempdir(name: &str) -> PathBuf {
@@ -70,17 +70,17 @@ pub struct TestServer {
 impl TestServer {
     /// Loads `repo` and serves it on free loopback ports, with `max_body_bytes`.
     pub fn start_with(repo: &Path, max_body_bytes: usize) -> Self {
-        Self::start_staged(repo, max_body_bytes, 1)
+        Self::start_staged(repo, max_body_bytes, Stages::staged(1))
     }
 
-    /// [`TestServer::start_with`] with `stage_threads` pre/post threads per model (0 = inline).
-    pub fn start_staged(repo: &Path, max_body_bytes: usize, stage_threads: usize) -> Self {
+    /// [`TestServer::start_with`] with the given stage placement.
+    pub fn start_staged(repo: &Path, max_body_bytes: usize, stages: Stages) -> Self {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .build()
             .unwrap();
-        let repository = Arc::new(Repository::load(repo, stage_threads).unwrap());
+        let repository = Arc::new(Repository::load(repo, stages).unwrap());
         let options = ServerOptions {
             http: "127.0.0.1:0".parse().unwrap(),
             grpc: Some("127.0.0.1:0".parse().unwrap()),
