@@ -4,7 +4,7 @@
 # on a trivial (identity) model. One invocation measures everything back to back.
 #
 # usage: bench/serve_perf.sh [--protocol grpc|http] [--concurrency "1 4 16 64"] [--interval MS]
-#                            [--threads N] [--stage-threads N] [--delay US] [--setup]
+#                            [--threads N] [--stage-threads N] [--inline-bytes N] [--delay US] [--setup]
 # perf_analyzer: $PERF_ANALYZER, or `perf_analyzer` on PATH, or --setup installs it into
 # ${TMPDIR:-/tmp}/kiln-perf-venv (tritonclient 2.50.0 is the last PyPI wheel that ships the
 # binary; it needs Debian's libb64-0d and PyPI's nvidia-cuda-runtime-cu12, nothing else of CUDA).
@@ -12,7 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-protocol=grpc concurrency="1 4 16 64" interval=3000 threads=2 stage_threads=1 delay=100 setup=0
+protocol=grpc concurrency="1 4 16 64" interval=3000 threads=2 stage_threads=1 inline_bytes=16384 delay=100 setup=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --protocol) protocol=$2; shift 2 ;;
@@ -20,6 +20,7 @@ while [ $# -gt 0 ]; do
     --interval) interval=$2; shift 2 ;;
     --threads) threads=$2; shift 2 ;;
     --stage-threads) stage_threads=$2; shift 2 ;;
+    --inline-bytes) inline_bytes=$2; shift 2 ;;
     --delay) delay=$2; shift 2 ;;
     --setup) setup=1; shift ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
@@ -75,14 +76,14 @@ max_batch_size = 1
 TOML
 
 $kiln serve --models "$work/models" --http-port 0 --grpc-port 0 --threads "$threads" \
-  --stage-threads "$stage_threads" \
+  --stage-threads "$stage_threads" --inline-bytes "$inline_bytes" \
   >"$work/serve.out" 2>"$work/serve.log" &
 server=$!
 trap 'kill $server 2>/dev/null || true' EXIT
 for _ in $(seq 200); do grep -q listening "$work/serve.out" 2>/dev/null && break; sleep 0.1; done
 read -r http_addr grpc_addr < <(awk '/listening/ {print $4, $6}' "$work/serve.out")
 if [ "$protocol" = grpc ]; then url=$grpc_addr; else url=$http_addr; fi
-echo "== kiln serve (stage threads $stage_threads, batching delay $delay us): http $http_addr grpc $grpc_addr; perf_analyzer over $protocol" >&2
+echo "== kiln serve (stage threads $stage_threads, inline up to $inline_bytes bytes, batching delay $delay us): http $http_addr grpc $grpc_addr; perf_analyzer over $protocol" >&2
 
 results="$work/results.jsonl"
 : >"$results"
