@@ -36,7 +36,7 @@ pub enum Postprocess {
 pub trait Backend: Send {
     /// Runs `batch` samples (`input` is row-major `[batch, ..input dims]`) and returns the
     /// backend's outputs, each row-major with `batch` rows.
-    fn execute(&mut self, input: &Values, batch: usize) -> Result<Vec<Values>>;
+    fn execute(&mut self, input: Values, batch: usize) -> Result<Vec<Values>>;
 }
 
 /// Builds one instance of the configured backend and reports the model's signature.
@@ -123,7 +123,7 @@ fn classifier(
         device,
         shape,
     };
-    let probe = backend.execute(&Values::F32(vec![0.0; shape.iter().product()]), 1)?;
+    let probe = backend.execute(Values::F32(vec![0.0; shape.iter().product()]), 1)?;
     let classes = probe[0].len();
     let spec = ModelSpec {
         platform: "kiln".into(),
@@ -154,11 +154,11 @@ struct Identity {
 }
 
 impl Backend for Identity {
-    fn execute(&mut self, input: &Values, _batch: usize) -> Result<Vec<Values>> {
+    fn execute(&mut self, input: Values, _batch: usize) -> Result<Vec<Values>> {
         if !self.delay.is_zero() {
             std::thread::sleep(self.delay);
         }
-        Ok(vec![input.clone()])
+        Ok(vec![input])
     }
 }
 
@@ -170,7 +170,7 @@ struct Classifier {
 }
 
 impl Backend for Classifier {
-    fn execute(&mut self, input: &Values, batch: usize) -> Result<Vec<Values>> {
+    fn execute(&mut self, input: Values, batch: usize) -> Result<Vec<Values>> {
         let fail = |message: String| ServeError::Inference {
             model: self.name.clone(),
             message,

@@ -278,20 +278,22 @@ impl ModelRuntime {
     fn instance_loop(&self, mut backend: Box<dyn Backend>) {
         let sample = self.spec.input.sample_len();
         let out_lens: Vec<usize> = self.spec.outputs.iter().map(|o| o.sample_len()).collect();
-        while let Some(batch) = self.next_batch() {
+        while let Some(mut batch) = self.next_batch() {
             let rows: usize = batch.iter().map(|p| p.request.batch).sum();
+            // The inputs move into the batch (a lone request's buffer runs as is, no copy);
+            // what stays in each request is what the response needs.
+            let empty = || Values::with_capacity(self.spec.input.datatype, 0);
             let input = if batch.len() == 1 {
-                // One request: run its buffer as is, no concatenation copy.
-                None
+                std::mem::replace(&mut batch[0].request.input, empty())
             } else {
                 let mut all = Values::with_capacity(self.spec.input.datatype, rows * sample);
-                for p in &batch {
-                    all.extend_from(&p.request.input);
+                for p in &mut batch {
+                    all.extend_from(&std::mem::replace(&mut p.request.input, empty()));
                 }
-                Some(all)
+                all
             };
             let started = Instant::now();
-            let result = backend.execute(input.as_ref().unwrap_or(&batch[0].request.input), rows);
+            let result = backend.execute(input, rows);
             self.metrics.record_batch(rows, started.elapsed());
             match result {
                 Ok(outputs) => {

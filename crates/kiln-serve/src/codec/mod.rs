@@ -122,13 +122,15 @@ fn select_outputs(
     if requested.is_empty() {
         return outputs.into_iter().map(|t| (t, None)).collect();
     }
+    let mut outputs: Vec<Option<NamedTensor>> = outputs.into_iter().map(Some).collect();
     requested
         .iter()
         .filter_map(|r| {
             outputs
-                .iter()
-                .find(|t| t.name == r.name)
-                .map(|t| (t.clone(), r.binary))
+                .iter_mut()
+                .find(|t| t.as_ref().is_some_and(|t| t.name == r.name))
+                .and_then(Option::take)
+                .map(|t| (t, r.binary))
         })
         .collect()
 }
