@@ -349,6 +349,87 @@ fn optimize_reports_each_pass_and_writes_the_model() {
     ]);
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("int4"), "{}", stderr(&o));
+
+    // The output directory is a servable model (optimize wrote its config.toml), and so is
+    // its ONNX file: `kiln serve` answers both alike and stops cleanly on SIGTERM.
+    let models = dir.join("models");
+    std::fs::create_dir_all(models.join("mlp_onnx")).unwrap();
+    std::fs::rename(&out2, models.join("mlp")).unwrap();
+    std::fs::write(
+        models.join("mlp_onnx/config.toml"),
+        "backend = \"onnx\"\nfile = \"../mlp/model.onnx\"\n",
+    )
+    .unwrap();
+    serve_answers_then_stops_on_sigterm(&models);
+}
+
+/// Starts `kiln serve` on free ports over `models` (holding `mlp` and `mlp_onnx`), checks
+/// readiness and that both models give the same logits, then SIGTERM → exit status 0.
+fn serve_answers_then_stops_on_sigterm(models: &std::path::Path) {
+    use std::io::{BufRead, Read, Write};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["serve", "--models", models.to_str().unwrap()])
+        .args(["--http-port", "0", "--grpc-port", "0"])
+        .env("KILN_LOG", "error")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    // "kiln-serve listening: http ADDR grpc ADDR"
+    let http: std::net::SocketAddr = line
+        .split_whitespace()
+        .nth(3)
+        .unwrap_or_else(|| panic!("no listening line: {line:?}"))
+        .parse()
+        .unwrap();
+    let request = |method: &str, path: &str, body: &str| {
+        let mut s = std::net::TcpStream::connect(http).unwrap();
+        write!(
+            s,
+            "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut raw = String::new();
+        s.read_to_string(&mut raw).unwrap();
+        let (head, body) = raw.split_once("\r\n\r\n").unwrap();
+        (
+            head.split_whitespace().nth(1).unwrap().to_string(),
+            body.to_string(),
+        )
+    };
+    assert_eq!(request("GET", "/v2/health/ready", "").0, "200");
+    let pixels: Vec<f32> = (0..784).map(|i| (i % 17) as f32 / 17.0).collect();
+    let body = serde_json::json!({"inputs": [{"name": "images", "datatype": "FP32",
+        "shape": [1, 1, 28, 28], "data": pixels}]})
+    .to_string();
+    let logits = |model: &str| {
+        let (status, text) = request("POST", &format!("/v2/models/{model}/infer"), &body);
+        assert_eq!(status, "200", "{model}: {text}");
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        v["outputs"][0]["data"].clone()
+    };
+    assert_eq!(logits("mlp"), logits("mlp_onnx"));
+    // SIGTERM: graceful shutdown, exit 0.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            start.elapsed().as_secs() < 30,
+            "kiln serve did not stop on SIGTERM"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    let _ = child.stderr.take().unwrap().read_to_string(&mut err);
+    assert!(status.success(), "{status:?}: {err}");
 }
 
 /// Writes the bundled data as `{split}-images.npy` / `{split}-labels.npy`.
