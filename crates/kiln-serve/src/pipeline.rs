@@ -87,7 +87,15 @@ struct PreJob {
 struct Pending {
     request: InferRequest,
     enqueued: Instant,
+    /// The tighter of the model's `timeout_microseconds` and the request's own `timeout`.
+    timeout: Option<std::time::Duration>,
     reply: Reply,
+}
+
+impl Pending {
+    fn deadline(&self) -> Option<Instant> {
+        self.timeout.map(|t| self.enqueued + t)
+    }
 }
 
 struct PostJob {
@@ -262,9 +270,14 @@ impl ModelRuntime {
                 return;
             }
         };
+        let timeout = match (self.config.timeout, request.timeout) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         let pending = Pending {
             request,
             enqueued: Instant::now(),
+            timeout,
             reply,
         };
         if let Err((why, p)) = self.batch.try_push(pending) {
@@ -352,21 +365,25 @@ impl ModelRuntime {
         let max = self.config.max_batch_size;
         let mut state = self.batch.lock();
         loop {
-            if let Some(timeout) = self.config.timeout {
-                // The queue is in arrival order, so the expired requests are a prefix.
-                let now = Instant::now();
-                while let Some(p) = state.items.front()
-                    && now.duration_since(p.enqueued) > timeout
-                {
-                    let Some(p) = state.items.pop_front() else {
-                        break;
-                    };
-                    let waited = now.duration_since(p.enqueued);
-                    let _ = p.reply.send(Err(ServeError::Timeout {
-                        model: self.name.clone(),
-                        waited_us: waited.as_micros() as u64,
-                        timeout_us: timeout.as_micros() as u64,
-                    }));
+            // Requests carry their own timeouts, so expired ones can be anywhere in the
+            // queue: one comparison pass, and a rebuild only when something expired.
+            let now = Instant::now();
+            if state
+                .items
+                .iter()
+                .any(|p| p.deadline().is_some_and(|d| d <= now))
+            {
+                for p in std::mem::take(&mut state.items) {
+                    match (p.deadline(), p.timeout) {
+                        (Some(d), Some(timeout)) if d <= now => {
+                            let _ = p.reply.send(Err(ServeError::Timeout {
+                                model: self.name.clone(),
+                                waited_us: now.duration_since(p.enqueued).as_micros() as u64,
+                                timeout_us: timeout.as_micros() as u64,
+                            }));
+                        }
+                        _ => state.items.push_back(p),
+                    }
                 }
             }
             if state.items.is_empty() {
@@ -396,8 +413,8 @@ impl ModelRuntime {
                     .dynamic_batching
                     .as_ref()
                     .map_or_else(Default::default, |b| b.max_queue_delay);
-            if let Some(t) = self.config.timeout {
-                deadline = deadline.min(oldest + t);
+            if let Some(expiry) = state.items.iter().filter_map(Pending::deadline).min() {
+                deadline = deadline.min(expiry);
             }
             state = self.batch.wait(state, Some(deadline));
         }

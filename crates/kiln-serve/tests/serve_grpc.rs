@@ -169,6 +169,18 @@ fn grpc_serves_metadata_config_and_inference() {
                 "needs `checkpoint`",
             ),
         ];
+        let mut negative_timeout = request("w3", "images", vec![1, 1, 28, 28], vec![0; 3136]);
+        negative_timeout.parameters.insert(
+            "timeout".into(),
+            pb::InferParameter {
+                parameter_choice: Some(pb::infer_parameter::ParameterChoice::Int64Param(-5)),
+            },
+        );
+        let cases = cases.into_iter().chain([(
+            negative_timeout,
+            Code::InvalidArgument,
+            "parameter `timeout`",
+        )]);
         for (req, code, phrase) in cases {
             let e = c.model_infer(req).await.unwrap_err();
             assert_eq!(e.code(), code, "{}", e.message());
@@ -190,7 +202,7 @@ fn grpc_serves_metadata_config_and_inference() {
         assert_eq!(s.inference_count, 4);
         let inference = s.inference_stats.as_ref().unwrap();
         assert_eq!(inference.success.as_ref().unwrap().count, 2);
-        assert_eq!(inference.fail.as_ref().unwrap().count, 3);
+        assert_eq!(inference.fail.as_ref().unwrap().count, 4);
         let index = c
             .repository_index(pb::RepositoryIndexRequest::default())
             .await

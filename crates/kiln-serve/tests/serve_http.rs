@@ -237,6 +237,14 @@ fn malformed_requests_get_400_with_a_message_and_the_server_keeps_serving() {
         ),
         ("oversized body", vec![b' '; 10_000], vec![], "exceeds the server's limit of 4096 bytes"),
         (
+            "negative timeout",
+            json!({"parameters": {"timeout": -1}, "inputs": ok()["inputs"]})
+                .to_string()
+                .into_bytes(),
+            vec![],
+            "parameter `timeout` must be microseconds",
+        ),
+        (
             "header length past the body",
             ok().to_string().into_bytes(),
             vec![("Inference-Header-Content-Length", "999".into())],
@@ -287,7 +295,7 @@ fn malformed_requests_get_400_with_a_message_and_the_server_keeps_serving() {
     );
     let invalid = server.model("id").metrics.failures("invalid");
     assert_eq!(
-        invalid, 14,
+        invalid, 15,
         "every malformed request that reached the model counted as invalid"
     );
 }
@@ -405,6 +413,61 @@ fn overload_is_rejected_explicitly_and_counts_add_up() {
         assert_eq!(m.success.load(Ordering::Relaxed), ok as u64);
         assert_eq!(m.inflight.load(Ordering::Relaxed), 0);
     }
+}
+
+#[test]
+fn a_requests_own_timeout_parameter_applies() {
+    let repo = tempdir("request-timeout");
+    write_model(
+        &repo,
+        "slow",
+        "backend = \"identity\"\ndims = [1]\nexecute_delay_microseconds = 40000\n",
+    );
+    let server = TestServer::start(&repo);
+    let body = |i: usize, timeout: Option<u64>| {
+        let mut b = infer_body("INPUT0", &[1, 1], &[i as f32]);
+        if let Some(t) = timeout {
+            b["parameters"] = json!({ "timeout": t });
+        }
+        b
+    };
+    let statuses: Vec<(u16, String)> = thread::scope(|s| {
+        let handles: Vec<_> = (0..6)
+            .map(|i| {
+                let addr = server.http;
+                s.spawn(move || {
+                    let r = post_json(addr, "/v2/models/slow/infer", &body(i, Some(10_000)));
+                    let message = if r.status == 200 {
+                        String::new()
+                    } else {
+                        r.error()
+                    };
+                    (r.status, message)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let timed_out: Vec<_> = statuses.iter().filter(|s| s.0 == 503).collect();
+    let ok = statuses.iter().filter(|s| s.0 == 200).count();
+    assert_eq!(ok + timed_out.len(), 6, "{statuses:?}");
+    assert!(!timed_out.is_empty(), "{statuses:?}");
+    assert!(
+        timed_out[0].1.contains("timeout 10000 µs"),
+        "{}",
+        timed_out[0].1
+    );
+    // Without the parameter the model has no timeout: queued requests wait and succeed.
+    let statuses: Vec<u16> = thread::scope(|s| {
+        let handles: Vec<_> = (0..4)
+            .map(|i| {
+                let addr = server.http;
+                s.spawn(move || post_json(addr, "/v2/models/slow/infer", &body(i, None)).status)
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(statuses, vec![200; 4]);
 }
 
 #[test]

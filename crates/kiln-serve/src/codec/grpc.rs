@@ -64,12 +64,28 @@ pub fn decode(
         })
         .collect();
     check_outputs(spec, &outputs)?;
+    let timeout = match request
+        .parameters
+        .get("timeout")
+        .and_then(|p| p.parameter_choice.as_ref())
+    {
+        None => None,
+        Some(pb::infer_parameter::ParameterChoice::Int64Param(us)) if *us >= 0 => {
+            Some(std::time::Duration::from_micros(*us as u64))
+        }
+        Some(other) => {
+            return Err(bad(format!(
+                "parameter `timeout` must be microseconds (a non-negative int64), got {other:?}"
+            )));
+        }
+    };
     Ok(InferRequest {
         id: request.id,
         batch,
         input,
         outputs,
         format: ResponseFormat::Grpc,
+        timeout,
     })
 }
 

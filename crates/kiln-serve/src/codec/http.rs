@@ -38,6 +38,16 @@ pub fn decode(
         Some(other) => return Err(bad(format!("`id` must be a string, got {other}"))),
     };
     let params = obj.get("parameters").and_then(Value::as_object);
+    let timeout = match params.and_then(|p| p.get("timeout")) {
+        None => None,
+        Some(t) => Some(std::time::Duration::from_micros(t.as_u64().ok_or_else(
+            || {
+                bad(format!(
+                    "parameter `timeout` must be microseconds (a non-negative integer), got {t}"
+                ))
+            },
+        )?)),
+    };
     let binary_default = params
         .and_then(|p| p.get("binary_data_output"))
         .and_then(Value::as_bool)
@@ -136,6 +146,7 @@ pub fn decode(
         input,
         outputs,
         format: ResponseFormat::Http { binary_default },
+        timeout,
     })
 }
 

@@ -92,6 +92,8 @@ pub struct InferRequest {
     pub outputs: Vec<RequestedOutput>,
     /// Response encoding.
     pub format: ResponseFormat,
+    /// The request's own queue timeout (protocol parameter `timeout`, microseconds).
+    pub timeout: Option<std::time::Duration>,
 }
 
 /// Decodes and validates a request for a model with signature `spec`.
