@@ -17,6 +17,30 @@ fn infer_body(name: &str, shape: &[usize], data: &[f32]) -> Value {
     json!({ "inputs": [{ "name": name, "datatype": "FP32", "shape": shape, "data": data }] })
 }
 
+/// POSTs every body at once, one thread each; (status, error message or "") per body.
+fn concurrent_posts(
+    addr: std::net::SocketAddr,
+    path: &str,
+    bodies: impl Iterator<Item = Value>,
+) -> Vec<(u16, String)> {
+    thread::scope(|s| {
+        let handles: Vec<_> = bodies
+            .map(|body| {
+                s.spawn(move || {
+                    let r = post_json(addr, path, &body);
+                    let message = if r.status == 200 {
+                        String::new()
+                    } else {
+                        r.error()
+                    };
+                    (r.status, message)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
 #[test]
 fn dynamic_batching_answers_each_request_as_if_alone() {
     check_batching("batching", Stages::staged(1));
@@ -365,27 +389,8 @@ fn overload_is_rejected_explicitly_and_counts_add_up() {
     );
     let server = TestServer::start(&repo);
     for (model, n, rejected_status) in [("slow", 30, 429u16), ("timeout", 8, 503)] {
-        let statuses: Vec<(u16, String)> = thread::scope(|s| {
-            let handles: Vec<_> = (0..n)
-                .map(|i| {
-                    let addr = server.http;
-                    s.spawn(move || {
-                        let r = post_json(
-                            addr,
-                            &format!("/v2/models/{model}/infer"),
-                            &infer_body("INPUT0", &[1, 1], &[i as f32]),
-                        );
-                        let message = if r.status == 200 {
-                            String::new()
-                        } else {
-                            r.error()
-                        };
-                        (r.status, message)
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
-        });
+        let bodies = (0..n).map(|i| infer_body("INPUT0", &[1, 1], &[i as f32]));
+        let statuses = concurrent_posts(server.http, &format!("/v2/models/{model}/infer"), bodies);
         let ok = statuses.iter().filter(|s| s.0 == 200).count();
         let rejected: Vec<_> = statuses.iter().filter(|s| s.0 == rejected_status).collect();
         assert_eq!(
@@ -431,23 +436,8 @@ fn a_requests_own_timeout_parameter_applies() {
         }
         b
     };
-    let statuses: Vec<(u16, String)> = thread::scope(|s| {
-        let handles: Vec<_> = (0..6)
-            .map(|i| {
-                let addr = server.http;
-                s.spawn(move || {
-                    let r = post_json(addr, "/v2/models/slow/infer", &body(i, Some(10_000)));
-                    let message = if r.status == 200 {
-                        String::new()
-                    } else {
-                        r.error()
-                    };
-                    (r.status, message)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    let path = "/v2/models/slow/infer";
+    let statuses = concurrent_posts(server.http, path, (0..6).map(|i| body(i, Some(10_000))));
     let timed_out: Vec<_> = statuses.iter().filter(|s| s.0 == 503).collect();
     let ok = statuses.iter().filter(|s| s.0 == 200).count();
     assert_eq!(ok + timed_out.len(), 6, "{statuses:?}");
@@ -458,15 +448,10 @@ fn a_requests_own_timeout_parameter_applies() {
         timed_out[0].1
     );
     // Without the parameter the model has no timeout: queued requests wait and succeed.
-    let statuses: Vec<u16> = thread::scope(|s| {
-        let handles: Vec<_> = (0..4)
-            .map(|i| {
-                let addr = server.http;
-                s.spawn(move || post_json(addr, "/v2/models/slow/infer", &body(i, None)).status)
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    let statuses: Vec<u16> = concurrent_posts(server.http, path, (0..4).map(|i| body(i, None)))
+        .into_iter()
+        .map(|(status, _)| status)
+        .collect();
     assert_eq!(statuses, vec![200; 4]);
 }
 
