@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{TestServer, images, tempdir, write_cnn_graph, write_model};
+use common::{TestServer, images, tempdir, write_cnn_model, write_model};
 use kiln_serve::grpc::pb;
 use pb::grpc_inference_service_client::GrpcInferenceServiceClient;
 use tonic::Code;
@@ -32,14 +32,12 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
 #[test]
 fn grpc_serves_metadata_config_and_inference() {
     let repo = tempdir("grpc");
-    let graph = write_model(
+    let graph = write_cnn_model(
         &repo,
         "w3",
-        "backend = \"graph\"\ngraph = \"model.kgraph\"\nmax_batch_size = 8\ninstances = 2\n\
+        "max_batch_size = 8\ninstances = 2\n\
          [dynamic_batching]\nmax_queue_delay_microseconds = 100\npreferred_batch_size = [4, 8]\n",
-    )
-    .join("model.kgraph");
-    write_cnn_graph(&graph);
+    );
     write_model(&repo, "broken", "backend = \"zoo\"\nmodel = \"cnn\"\n");
     let server = TestServer::start(&repo);
     let addr = format!("http://{}", server.grpc);

@@ -9,7 +9,7 @@ use std::sync::atomic::Ordering;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use common::{TestServer, http, images, post_json, tempdir, write_cnn_graph, write_model};
+use common::{TestServer, http, images, post_json, tempdir, write_cnn_model, write_model};
 use kiln_serve::Stages;
 use serde_json::{Value, json};
 
@@ -61,14 +61,11 @@ fn mixed_stage_placement_batches_and_answers_the_same() {
 /// decoding and encoding placed by `stages`.
 fn check_batching(name: &str, stages: Stages) {
     let repo = tempdir(name);
-    let graph = write_model(
+    let graph = write_cnn_model(
         &repo,
         "w3",
-        "backend = \"graph\"\ngraph = \"model.kgraph\"\nmax_batch_size = 16\n\
-         [dynamic_batching]\nmax_queue_delay_microseconds = 5000\n",
-    )
-    .join("model.kgraph");
-    write_cnn_graph(&graph);
+        "max_batch_size = 16\n[dynamic_batching]\nmax_queue_delay_microseconds = 5000\n",
+    );
     write_model(
         &repo,
         "w3_unbatched",
@@ -500,13 +497,7 @@ fn graceful_shutdown_finishes_in_flight_requests() {
 #[test]
 fn onnx_files_serve_the_same_answers_as_the_graph_they_were_exported_from() {
     let repo = tempdir("onnx");
-    let graph_path = write_model(
-        &repo,
-        "w3",
-        "backend = \"graph\"\ngraph = \"model.kgraph\"\n",
-    )
-    .join("model.kgraph");
-    write_cnn_graph(&graph_path);
+    let graph_path = write_cnn_model(&repo, "w3", "");
     let graph = kiln::infer::load_graph(&graph_path).unwrap();
     let onnx_dir = write_model(
         &repo,

@@ -7,7 +7,7 @@ mod common;
 
 use std::process::Command;
 
-use common::{TestServer, tempdir, write_cnn_graph, write_model};
+use common::{TestServer, tempdir, write_cnn_model, write_model};
 
 #[test]
 fn tritonclient_http_and_grpc_drive_kiln_serve() {
@@ -28,14 +28,11 @@ fn tritonclient_http_and_grpc_drive_kiln_serve() {
         return;
     }
     let repo = tempdir("tritonclient");
-    let graph = write_model(
+    write_cnn_model(
         &repo,
         "w3",
-        "backend = \"graph\"\ngraph = \"model.kgraph\"\nmax_batch_size = 16\n\
-         [dynamic_batching]\nmax_queue_delay_microseconds = 2000\n",
-    )
-    .join("model.kgraph");
-    write_cnn_graph(&graph);
+        "max_batch_size = 16\n[dynamic_batching]\nmax_queue_delay_microseconds = 2000\n",
+    );
     write_model(
         &repo,
         "id64",

@@ -28,6 +28,15 @@ pub fn write_model(repo: &Path, name: &str, config: &str) -> PathBuf {
     dir
 }
 
+/// Writes model `name` serving a freshly initialized W3 CNN graph (`model.kgraph`), with
+/// `settings` appended to its config; returns the graph's path.
+pub fn write_cnn_model(repo: &Path, name: &str, settings: &str) -> PathBuf {
+    let config = format!("backend = \"graph\"\ngraph = \"model.kgraph\"\n{settings}");
+    let graph = write_model(repo, name, &config).join("model.kgraph");
+    write_cnn_graph(&graph);
+    graph
+}
+
 /// Saves a freshly initialized W3 CNN's f32 inference graph as `path`.
 pub fn write_cnn_graph(path: &Path) {
     let device = Device::flex();
