@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use burn::tensor::{Device, Tensor, TensorData};
-use kiln::infer::{InferenceSession, Pass, import_onnx, load_graph, load_model, run_passes};
+use kiln::infer::{InferenceSession, Pass, import_onnx, load_graph, load_model, lower, run_passes};
 use kiln::zoo::ModelKind;
 
 use crate::config::BackendConfig;
@@ -39,39 +39,44 @@ pub trait Backend: Send {
     fn execute(&mut self, input: Values, batch: usize) -> Result<Vec<Values>>;
 }
 
-/// Builds one instance of the configured backend and reports the model's signature.
-pub fn build_backend(name: &str, config: &BackendConfig) -> Result<(Box<dyn Backend>, ModelSpec)> {
-    let fail = |message: String| ServeError::Load {
+/// Builds `instances` copies of the configured backend and reports the model's signature.
+/// Weights are read, lowered and optimized once; each instance gets its own session over a
+/// copy of the resulting graph.
+pub fn build_backends(
+    name: &str,
+    config: &BackendConfig,
+    instances: usize,
+) -> Result<(Vec<Box<dyn Backend>>, ModelSpec)> {
+    let fail = |e: kiln::KilnError| ServeError::Load {
         model: name.to_string(),
-        message,
+        message: e.to_string(),
     };
-    match config {
+    let graph = match config {
         BackendConfig::Identity {
             dims,
             datatype,
             execute_delay,
         } => {
             let datatype = DataType::parse(datatype)?;
+            let tensor = |name: &str| TensorSpec {
+                name: name.into(),
+                datatype,
+                dims: dims.clone(),
+            };
             let spec = ModelSpec {
                 platform: "kiln_identity".into(),
-                input: TensorSpec {
-                    name: "INPUT0".into(),
-                    datatype,
-                    dims: dims.clone(),
-                },
-                outputs: vec![TensorSpec {
-                    name: "OUTPUT0".into(),
-                    datatype,
-                    dims: dims.clone(),
-                }],
+                input: tensor("INPUT0"),
+                outputs: vec![tensor("OUTPUT0")],
                 postprocess: Postprocess::None,
             };
-            Ok((
-                Box::new(Identity {
-                    delay: *execute_delay,
-                }),
-                spec,
-            ))
+            let backends = (0..instances)
+                .map(|_| {
+                    Box::new(Identity {
+                        delay: *execute_delay,
+                    }) as Box<dyn Backend>
+                })
+                .collect();
+            return Ok((backends, spec));
         }
         BackendConfig::Zoo {
             model,
@@ -79,34 +84,40 @@ pub fn build_backend(name: &str, config: &BackendConfig) -> Result<(Box<dyn Back
             passes,
             input_shape,
         } => {
-            let device = Device::flex();
-            let kind = ModelKind::from_name(model).map_err(|e| fail(e.to_string()))?;
-            let passes = Pass::parse_list(passes).map_err(|e| fail(e.to_string()))?;
-            let zoo = load_model(kind, input_shape[0], checkpoint, &device)
-                .map_err(|e| fail(e.to_string()))?;
-            let session = InferenceSession::new(&zoo, kind.name(), *input_shape, &passes, &device)
-                .map_err(|e| fail(e.to_string()))?;
-            classifier(name, session, device)
+            let kind = ModelKind::from_name(model).map_err(fail)?;
+            let passes = Pass::parse_list(passes).map_err(fail)?;
+            let zoo =
+                load_model(kind, input_shape[0], checkpoint, &Device::flex()).map_err(fail)?;
+            let mut graph = lower(&zoo, kind.name(), *input_shape).map_err(fail)?;
+            run_passes(&mut graph, &passes).map_err(fail)?;
+            graph
         }
         BackendConfig::Onnx { path, passes } => {
-            let device = Device::flex();
-            let passes = Pass::parse_list(passes).map_err(|e| fail(e.to_string()))?;
-            let bytes = std::fs::read(path)
-                .map_err(|e| fail(format!("cannot read {}: {e}", path.display())))?;
-            let mut graph = import_onnx(&bytes, name).map_err(|e| fail(e.to_string()))?;
-            run_passes(&mut graph, &passes).map_err(|e| fail(e.to_string()))?;
-            let session =
-                InferenceSession::from_graph(graph, &device).map_err(|e| fail(e.to_string()))?;
-            classifier(name, session, device)
+            let passes = Pass::parse_list(passes).map_err(fail)?;
+            let bytes = std::fs::read(path).map_err(|e| ServeError::Load {
+                model: name.to_string(),
+                message: format!("cannot read {}: {e}", path.display()),
+            })?;
+            let mut graph = import_onnx(&bytes, name).map_err(fail)?;
+            run_passes(&mut graph, &passes).map_err(fail)?;
+            graph
         }
-        BackendConfig::Graph { path } => {
-            let device = Device::flex();
-            let graph = load_graph(path).map_err(|e| fail(e.to_string()))?;
-            let session =
-                InferenceSession::from_graph(graph, &device).map_err(|e| fail(e.to_string()))?;
-            classifier(name, session, device)
-        }
+        BackendConfig::Graph { path } => load_graph(path).map_err(fail)?,
+    };
+    let mut backends = Vec::with_capacity(instances);
+    let mut spec = None;
+    for _ in 0..instances {
+        let device = Device::flex();
+        let session = InferenceSession::from_graph(graph.clone(), &device).map_err(fail)?;
+        let (backend, s) = classifier(name, session, device)?;
+        backends.push(backend);
+        spec = Some(s);
     }
+    let spec = spec.ok_or_else(|| ServeError::Config {
+        path: name.into(),
+        message: "instances must be at least 1".into(),
+    })?;
+    Ok((backends, spec))
 }
 
 /// A Kiln inference session serving `images` → `logits` + `label`. One warm-up batch finds

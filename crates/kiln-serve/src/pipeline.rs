@@ -24,7 +24,7 @@ use crate::codec::{self, Encoded, InferRequest, WireRequest};
 use crate::config::{DynamicBatching, ModelConfig};
 use crate::error::{Result, ServeError};
 use crate::metrics::ModelMetrics;
-use crate::model::{Backend, ModelSpec, build_backend, postprocess};
+use crate::model::{Backend, ModelSpec, build_backends, postprocess};
 use crate::queue::{BoundedQueue, PushError};
 use crate::tensor::Values;
 
@@ -136,17 +136,7 @@ impl ModelRuntime {
     /// threads each.
     pub fn start(name: &str, config: ModelConfig, stages: Stages) -> Result<Arc<Self>> {
         let stage_threads = stages.threads;
-        let mut backends = Vec::with_capacity(config.instances);
-        let mut spec = None;
-        for _ in 0..config.instances {
-            let (backend, s) = build_backend(name, &config.backend)?;
-            backends.push(backend);
-            spec = Some(s);
-        }
-        let spec = spec.ok_or_else(|| ServeError::Config {
-            path: name.into(),
-            message: "instances must be at least 1".into(),
-        })?;
+        let (backends, spec) = build_backends(name, &config.backend, config.instances)?;
         let capacity = config.max_queue_size;
         let runtime = Arc::new(ModelRuntime {
             name: name.to_string(),
