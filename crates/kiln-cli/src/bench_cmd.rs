@@ -213,8 +213,16 @@ fn measure_case(
     let batch = batch.unwrap_or(default_batch);
     let steps = steps.unwrap_or_else(|| default_steps(w.model, mode));
     let timing = match (mode, case) {
-        ("train", "burn") => plain_burn_train(w.model, batch, shape, steps),
-        ("infer", "burn") => plain_burn_infer(w.model, batch, shape, steps),
+        // The baseline is Burn as a Burn user runs it: Burn's own ops, not Kiln's kernels
+        // (each case runs in its own process, so the switch does not leak into other cases).
+        ("train", "burn") => {
+            kiln::kernels::set_enabled(false);
+            plain_burn_train(w.model, batch, shape, steps)
+        }
+        ("infer", "burn") => {
+            kiln::kernels::set_enabled(false);
+            plain_burn_infer(w.model, batch, shape, steps)
+        }
         ("infer", "kiln") => session_infer(w.model, &[], batch, shape, steps)?,
         ("infer", "kiln-fold") => {
             session_infer(w.model, &[Pass::Strip, Pass::Fold], batch, shape, steps)?

@@ -16,6 +16,7 @@
 //! - [`observe`]: run events, sinks and memory readings.
 //! - [`infer`]: inference graphs, passes (BN folding, int8), the executor and ONNX export.
 //! - [`guard`]: the numerical-stability guard.
+//! - [`kernels`]: Kiln's CPU kernels (f32 convolution) as a Burn backend extension.
 //! - [`fsutil`]: atomic file writes.
 
 pub mod config;
@@ -25,6 +26,7 @@ pub mod error;
 pub mod fsutil;
 pub mod guard;
 pub mod infer;
+pub mod kernels;
 pub mod observe;
 pub mod plan;
 pub mod precision;

@@ -319,6 +319,14 @@ pub static SETTINGS: &[SettingSpec] = &[
         doc: "CPU worker threads for the flex backend (0 = one per core, probed)",
     },
     SettingSpec {
+        key: "device.kiln_kernels",
+        kind: Kind::Bool,
+        default: B(true),
+        levels: &[],
+        doc: "Kiln's CPU kernels (f32 convolution forward and gradients as one GEMM per image) \
+              in place of Burn's flex ops; false = Burn's own",
+    },
+    SettingSpec {
         key: "data.dir",
         kind: Kind::Text,
         default: S(""),

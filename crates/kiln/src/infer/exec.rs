@@ -1,8 +1,9 @@
-//! Runs an inference [`Graph`] on a device: f32 ops through Burn, int8 ops through Kiln's
-//! integer kernel on the host.
+//! Runs an inference [`Graph`] on a device: f32 ops through Burn (convolutions through
+//! [`crate::kernels::conv2d`], Kiln's GEMM kernel on the CPU), int8 ops through Kiln's integer
+//! kernel on the host.
 
 use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
-use burn::tensor::module::{adaptive_avg_pool2d, conv2d, linear};
+use burn::tensor::module::{adaptive_avg_pool2d, linear};
 use burn::tensor::ops::ConvOptions;
 use burn::tensor::{Device, Tensor, TensorData};
 use rayon::prelude::*;
@@ -278,7 +279,7 @@ fn run(
             weight,
             bias,
             options,
-        } => Value::Image(conv2d(
+        } => Value::Image(crate::kernels::conv2d(
             image(x, device)?,
             weight.clone(),
             bias.clone(),

@@ -74,6 +74,8 @@ pub struct Plan {
     pub backend: Backend,
     /// Threads for the CPU backend.
     pub threads: usize,
+    /// Whether Kiln's CPU kernels replace Burn's ops where they apply.
+    pub kiln_kernels: bool,
     /// IDX data directory, or `None` for the bundled subset.
     pub data_dir: Option<PathBuf>,
     /// The hardware the plan was resolved against.
@@ -289,6 +291,7 @@ fn build(config: &KilnConfig, settings: Vec<ResolvedSetting>, hw: &Hardware) -> 
         train,
         backend,
         threads: int("device.threads") as usize,
+        kiln_kernels: flag("device.kiln_kernels"),
         data_dir: dir("data.dir"),
         hardware: hw.clone(),
         settings,
@@ -312,10 +315,11 @@ pub fn known_keys() -> impl Iterator<Item = &'static str> {
 }
 
 impl Plan {
-    /// Applies the process-wide runtime settings of the plan (CPU thread count). Call once,
-    /// before any tensor work; later calls keep the first setting.
+    /// Applies the process-wide runtime settings of the plan (CPU thread count, Kiln's
+    /// kernels). Call once, before any tensor work; later calls keep the first thread count.
     pub fn apply_runtime(&self) {
         set_cpu_threads(self.threads);
+        crate::kernels::set_enabled(self.kiln_kernels);
     }
 }
 

@@ -74,10 +74,8 @@ pub fn linear<const D: usize>(layer: &Linear, x: Tensor<D>) -> Tensor<D> {
 }
 
 /// `layer.forward(x)`, computed in the scope's precision.
+/// In f32 it runs through [`crate::kernels::conv2d`] (Kiln's kernel on the CPU).
 pub fn conv2d(layer: &Conv2d, x: Tensor<4>) -> Tensor<4> {
-    let Some(dt) = compute_dtype() else {
-        return layer.forward(x);
-    };
     let [_, _, height, width] = x.dims();
     let pads = [
         padding_pair(
@@ -96,6 +94,10 @@ pub fn conv2d(layer: &Conv2d, x: Tensor<4>) -> Tensor<4> {
         ),
     ];
     let options = ConvOptions::new_with_padding(layer.stride, pads, layer.dilation, layer.groups);
+    let Some(dt) = compute_dtype() else {
+        let bias = layer.bias.as_ref().map(|b| b.val());
+        return crate::kernels::conv2d(x, layer.weight.val(), bias, options);
+    };
     let weight = layer.weight.val().cast(dt);
     let bias = layer.bias.as_ref().map(|b| b.val().cast(dt));
     plain_conv2d(x.cast(dt), weight, bias, options).cast(FloatDType::F32)

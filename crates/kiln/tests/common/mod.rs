@@ -17,6 +17,16 @@ pub fn tempdir(prefix: &str, name: &str) -> std::path::PathBuf {
     dir
 }
 
+/// Removes a directory when dropped, so a test's large files do not outlive it (even when an
+/// assertion fails first).
+pub struct RemoveOnDrop(pub std::path::PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// The guard events a run reported, in order.
 pub fn guard_events(sink: &MemorySink) -> Vec<GuardEvent> {
     sink.events

@@ -1,0 +1,108 @@
+//! Kiln's convolution extension against Burn's own `conv2d` through the public `Tensor` API:
+//! forward values and the gradients of input, weight and bias on the `flex` device with
+//! autodiff, plus the routes that must fall back to Burn (groups, low precision).
+
+use burn::tensor::module::conv2d as burn_conv2d;
+use burn::tensor::ops::ConvOptions;
+use burn::tensor::{Device, Distribution, FloatDType, Tensor};
+use kiln::burn;
+use kiln::kernels;
+
+fn max_relative(a: Tensor<4>, b: Tensor<4>) -> f32 {
+    let scale = b.clone().abs().max().into_scalar::<f32>().max(1e-12);
+    (a - b).abs().max().into_scalar::<f32>() / scale
+}
+
+fn max_relative_1d(a: Tensor<1>, b: Tensor<1>) -> f32 {
+    let scale = b.clone().abs().max().into_scalar::<f32>().max(1e-12);
+    (a - b).abs().max().into_scalar::<f32>() / scale
+}
+
+/// Forward and all three gradients of `sum(conv(x) · g)`, through `conv`.
+fn run(
+    conv: impl Fn(Tensor<4>, Tensor<4>, Option<Tensor<1>>) -> Tensor<4>,
+    (x, w, b, g): (&Tensor<4>, &Tensor<4>, &Tensor<1>, &Tensor<4>),
+) -> (Tensor<4>, Tensor<4>, Tensor<4>, Tensor<1>) {
+    let x = x.clone().require_grad();
+    let w = w.clone().require_grad();
+    let b = b.clone().require_grad();
+    let out = conv(x.clone(), w.clone(), Some(b.clone()));
+    let grads = (out.clone() * g.clone()).sum().backward();
+    let dx = x.grad(&grads).expect("x gradient");
+    let dw = w.grad(&grads).expect("weight gradient");
+    let db = b.grad(&grads).expect("bias gradient");
+    (out.detach(), dx, dw, db)
+}
+
+#[test]
+fn kiln_conv_matches_burn_forward_and_gradients_under_autodiff() {
+    let device = Device::flex().autodiff();
+    for (stride, padding, dilation, batch) in [
+        ([1, 1], [(0, 0), (0, 0)], [1, 1], 4),
+        ([2, 2], [(1, 1), (1, 1)], [1, 1], 3),
+        ([1, 2], [(0, 1), (2, 0)], [2, 1], 1),
+    ] {
+        let options = ConvOptions::new_with_padding(stride, padding, dilation, 1);
+        let x = Tensor::<4>::random([batch, 3, 11, 10], Distribution::Normal(0.0, 1.0), &device);
+        let w = Tensor::<4>::random([6, 3, 3, 3], Distribution::Normal(0.0, 0.3), &device);
+        let b = Tensor::<1>::random([6], Distribution::Normal(0.0, 0.3), &device);
+        let out_shape = burn_conv2d(x.clone(), w.clone(), Some(b.clone()), options.clone()).dims();
+        let g = Tensor::<4>::random(out_shape, Distribution::Normal(0.0, 1.0), &device);
+
+        let inputs = (&x, &w, &b, &g);
+        let want = run(|x, w, b| burn_conv2d(x, w, b, options.clone()), inputs);
+        let got = run(|x, w, b| kernels::conv2d(x, w, b, options.clone()), inputs);
+        let case = format!("stride {stride:?} padding {padding:?} dilation {dilation:?}");
+        assert!(max_relative(got.0, want.0) <= 1e-5, "{case}: forward");
+        assert!(
+            max_relative(got.1, want.1) <= 1e-5,
+            "{case}: input gradient"
+        );
+        assert!(
+            max_relative(got.2, want.2) <= 1e-5,
+            "{case}: weight gradient"
+        );
+        assert!(
+            max_relative_1d(got.3, want.3) <= 1e-5,
+            "{case}: bias gradient"
+        );
+    }
+}
+
+#[test]
+fn kiln_conv_without_bias_or_autodiff_matches_burn() {
+    let device = Device::flex();
+    assert!(kernels::serves(&device) && kernels::serves(&device.clone().autodiff()));
+    let options = ConvOptions::new([1, 1], [1, 1], [1, 1], 1);
+    let x = Tensor::<4>::random([2, 4, 7, 7], Distribution::Normal(0.0, 1.0), &device);
+    let w = Tensor::<4>::random([5, 4, 3, 3], Distribution::Normal(0.0, 0.3), &device);
+    let want = burn_conv2d(x.clone(), w.clone(), None, options.clone());
+    let got = kernels::conv2d(x, w, None, options);
+    assert!(max_relative(got, want) <= 1e-5);
+}
+
+#[test]
+fn grouped_and_low_precision_convolutions_fall_back_to_burn() {
+    let device = Device::flex();
+    // Groups: Kiln's kernel has none, Burn's op runs (same result by construction).
+    let options = ConvOptions::new([1, 1], [0, 0], [1, 1], 2);
+    let x = Tensor::<4>::random([2, 4, 6, 6], Distribution::Normal(0.0, 1.0), &device);
+    let w = Tensor::<4>::random([4, 2, 3, 3], Distribution::Normal(0.0, 0.3), &device);
+    let got = kernels::conv2d(x.clone(), w.clone(), None, options.clone());
+    assert_eq!(got.dims(), [2, 4, 4, 4]);
+    let want = burn_conv2d(x.clone(), w.clone(), None, options);
+    assert!(max_relative(got, want) <= 1e-6);
+
+    // bf16 inputs: Burn's op in bf16, compared with f32 at bf16's tolerance.
+    let options = ConvOptions::new([1, 1], [0, 0], [1, 1], 1);
+    let w = Tensor::<4>::random([3, 4, 3, 3], Distribution::Normal(0.0, 0.3), &device);
+    let want = burn_conv2d(x.clone(), w.clone(), None, options.clone());
+    let got = kernels::conv2d(
+        x.cast(FloatDType::BF16),
+        w.cast(FloatDType::BF16),
+        None,
+        options,
+    )
+    .cast(FloatDType::F32);
+    assert!(max_relative(got, want) <= 2e-2);
+}
