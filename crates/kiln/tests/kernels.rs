@@ -106,3 +106,32 @@ fn grouped_and_low_precision_convolutions_fall_back_to_burn() {
     .cast(FloatDType::F32);
     assert!(max_relative(got, want) <= 2e-2);
 }
+
+#[test]
+fn kiln_max_pool_matches_burn_forward_and_gradient_under_autodiff() {
+    use burn::tensor::module::max_pool2d;
+    use burn::tensor::ops::MaxPoolOptions;
+    let device = Device::flex().autodiff();
+    for (kernel, stride) in [([2, 2], [2, 2]), ([3, 2], [1, 2])] {
+        let x = Tensor::<4>::random([3, 4, 9, 8], Distribution::Normal(0.0, 1.0), &device);
+        let options = MaxPoolOptions::new(kernel).with_stride(stride);
+        let out_shape = max_pool2d(x.clone(), options.clone()).dims();
+        let g = Tensor::<4>::random(out_shape, Distribution::Normal(0.0, 1.0), &device);
+        let grad_of = |pool: &dyn Fn(Tensor<4>) -> Tensor<4>| {
+            let x = x.clone().require_grad();
+            let out = pool(x.clone());
+            let grads = (out.clone() * g.clone()).sum().backward();
+            (out.detach(), x.grad(&grads).expect("x gradient"))
+        };
+        let want = grad_of(&|x| max_pool2d(x, options.clone()));
+        let got = grad_of(&|x| kernels::max_pool2d(x, kernel, stride));
+        assert!(
+            max_relative(got.0, want.0) == 0.0,
+            "{kernel:?}/{stride:?}: forward"
+        );
+        assert!(
+            max_relative(got.1, want.1) <= 1e-6,
+            "{kernel:?}/{stride:?}: gradient"
+        );
+    }
+}

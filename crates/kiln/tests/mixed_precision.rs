@@ -93,6 +93,9 @@ fn autocast_ops_match_f32_within_the_precision_tolerance() {
                 "{p:?} conv {i}: padding differs"
             );
             let err = rel_err(&values(out), &values(reference));
+            // In f32 the convolution runs Kiln's GEMM kernel (kiln::kernels), which sums in a
+            // different order than Burn's: equal to f32 rounding, not bit for bit.
+            let tol = if p == Precision::F32 { 1e-6 } else { tol };
             assert!(err <= tol, "{p:?} conv {i}: relative error {err} > {tol}");
         }
     }

@@ -14,6 +14,7 @@ use super::int8::{
     matmul_dequantized, pack_conv_weights,
 };
 use crate::error::{KilnError, Result};
+use crate::kernels::pool::{PoolShape, max_pool2d_forward};
 
 /// A value flowing through the graph: on the device, or on the host between int8 ops (so a
 /// chain of quantized layers never round-trips through the device).
@@ -313,7 +314,10 @@ fn run(
                 let (y, out) = host_max_pool(&data, &dims, pool.kernel_size, pool.stride);
                 Value::Host(y, out)
             }
-            other => Value::Image(pool.forward(image(other, device)?)),
+            other => Value::Image(crate::kernels::max_pool2d_layer(
+                pool,
+                image(other, device)?,
+            )),
         },
         Prepared::GlobalAvgPool => Value::Image(adaptive_avg_pool2d(image(x, device)?, [1, 1])),
         Prepared::Flatten => match x {
@@ -360,46 +364,24 @@ fn run(
     })
 }
 
-/// Max pooling without padding on host values `[B, C, H, W]`, one plane per task.
+/// Max pooling without padding on host values `[B, C, H, W]` (Kiln's pooling kernel).
 fn host_max_pool(
     x: &[f32],
     dims: &[usize],
-    [kh, kw]: [usize; 2],
-    [sh, sw]: [usize; 2],
+    kernel: [usize; 2],
+    stride: [usize; 2],
 ) -> (Vec<f32>, Vec<usize>) {
-    let (b, c, h, w) = (dims[0], dims[1], dims[2], dims[3]);
-    let (ho, wo) = ((h - kh) / sh + 1, (w - kw) / sw + 1);
-    let mut y = vec![0f32; b * c * ho * wo];
-    y.par_chunks_mut(ho * wo)
-        .zip(x.par_chunks(h * w))
-        .for_each(|(out, plane)| {
-            if (kh, kw, sh, sw) == (2, 2, 2, 2) {
-                // The common 2×2/2 pool: two input rows per output row, pairs along x.
-                for (oy, o_row) in out.chunks_exact_mut(wo).enumerate() {
-                    let r0 = &plane[2 * oy * w..][..2 * wo];
-                    let r1 = &plane[(2 * oy + 1) * w..][..2 * wo];
-                    for ((o, a), b) in o_row
-                        .iter_mut()
-                        .zip(r0.chunks_exact(2))
-                        .zip(r1.chunks_exact(2))
-                    {
-                        *o = a[0].max(a[1]).max(b[0].max(b[1]));
-                    }
-                }
-                return;
-            }
-            for oy in 0..ho {
-                for ox in 0..wo {
-                    let mut m = f32::NEG_INFINITY;
-                    for ky in 0..kh {
-                        let row = &plane[(oy * sh + ky) * w + ox * sw..][..kw];
-                        m = row.iter().fold(m, |m, v| m.max(*v));
-                    }
-                    out[oy * wo + ox] = m;
-                }
-            }
-        });
-    (y, vec![b, c, ho, wo])
+    let s = PoolShape {
+        planes: dims[0] * dims[1],
+        h: dims[2],
+        w: dims[3],
+        kh: kernel[0],
+        kw: kernel[1],
+        stride,
+    };
+    let mut y = vec![0f32; s.planes * s.out_h() * s.out_w()];
+    max_pool2d_forward(&s, x, &mut y, None);
+    (y, vec![dims[0], dims[1], s.out_h(), s.out_w()])
 }
 
 /// `x [m × k] → [m × n]`: quantize x per batch, integer matmul, dequantize, add the bias.

@@ -1,6 +1,6 @@
-//! Kiln's convolution as a Burn backend extension: implemented for `Flex` with the kernels of
-//! [`super::conv`], and for `Autodiff<B>` with a backward pass that calls the same kernels, so
-//! training on the CPU runs forward and both gradients through them.
+//! Kiln's kernels as a Burn backend extension: implemented for `Flex` with the kernels of
+//! [`super::conv`] and [`super::pool`], and for `Autodiff<B>` with backward passes that call the
+//! same kernels, so training on the CPU runs forward and gradients through them.
 
 use burn::backend::autodiff::NodeId;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
@@ -8,17 +8,18 @@ use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::ops::ModuleOps;
-use burn::backend::tensor::FloatTensor;
+use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{Autodiff, Backend, Flex, TensorMetadata, backend_extension};
 use burn::tensor::ops::ConvOptions;
-use burn::tensor::{DType, TensorData};
+use burn::tensor::{DType, IntDType, TensorData};
 
 use super::conv::{ConvShape, conv2d_forward, conv2d_input_grad, conv2d_weight_grad};
+use super::pool::{PoolShape, max_pool2d_backward, max_pool2d_forward};
 
-/// The convolution ops Kiln supplies. Inputs are NCHW; `options.groups` must be 1 (callers
-/// route grouped convolutions to Burn).
+/// The ops Kiln supplies. Inputs are NCHW f32; convolutions without groups, pooling without
+/// padding or dilation (callers route everything else to Burn).
 #[backend_extension(Flex, Autodiff)]
-pub trait KilnConv: Backend {
+pub trait KilnKernels: Backend {
     /// Forward convolution plus bias.
     fn kiln_conv2d(
         x: FloatTensor<Self>,
@@ -41,6 +42,29 @@ pub trait KilnConv: Backend {
         weight: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
         options: ConvOptions<2>,
+    ) -> FloatTensor<Self>;
+
+    /// Max pooling (differentiable under autodiff).
+    fn kiln_max_pool2d(
+        x: FloatTensor<Self>,
+        kernel: [usize; 2],
+        stride: [usize; 2],
+    ) -> FloatTensor<Self>;
+
+    /// Max pooling and the arg-max of each window (flat index into its input plane).
+    fn kiln_max_pool2d_with_indices(
+        x: FloatTensor<Self>,
+        kernel: [usize; 2],
+        stride: [usize; 2],
+    ) -> (FloatTensor<Self>, IntTensor<Self>);
+
+    /// Gradient of the pooling's input from the output gradient and the forward's indices.
+    fn kiln_max_pool2d_backward(
+        x: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+        indices: IntTensor<Self>,
+        kernel: [usize; 2],
+        stride: [usize; 2],
     ) -> FloatTensor<Self>;
 }
 
@@ -75,6 +99,22 @@ fn conv_shape(
     })
 }
 
+/// The kernel's shape for pooling `x`, or `None` when it does not apply (not f32 or not 4-D).
+fn pool_shape(x: &FloatTensor<Flex>, kernel: [usize; 2], stride: [usize; 2]) -> Option<PoolShape> {
+    let dims = x.shape();
+    if x.dtype() != DType::F32 || dims.num_dims() != 4 {
+        return None;
+    }
+    Some(PoolShape {
+        planes: dims[0] * dims[1],
+        h: dims[2],
+        w: dims[3],
+        kh: kernel[0],
+        kw: kernel[1],
+        stride,
+    })
+}
+
 /// The tensor's f32 values in row-major order (a view when it is already contiguous).
 fn values(t: &FloatTensor<Flex>) -> std::borrow::Cow<'_, [f32]> {
     match t.as_slice::<f32>() {
@@ -89,7 +129,7 @@ fn flex_tensor(values: Vec<f32>, shape: [usize; 4]) -> FloatTensor<Flex> {
     <FloatTensor<Flex>>::from_data(TensorData::new(values, shape))
 }
 
-impl KilnConv for Flex {
+impl KilnKernels for Flex {
     fn kiln_conv2d(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
@@ -142,14 +182,84 @@ impl KilnConv for Flex {
         conv2d_weight_grad(&s, &values(&x), &values(&output_grad), &mut dw);
         flex_tensor(dw, [s.cout, s.cin, s.kh, s.kw])
     }
+
+    fn kiln_max_pool2d(
+        x: FloatTensor<Self>,
+        kernel: [usize; 2],
+        stride: [usize; 2],
+    ) -> FloatTensor<Self> {
+        let Some(s) = pool_shape(&x, kernel, stride) else {
+            return Flex::max_pool2d(x, kernel, stride, [0, 0], [1, 1], false);
+        };
+        let dims = x.shape();
+        let mut out = vec![0f32; s.planes * s.out_h() * s.out_w()];
+        max_pool2d_forward(&s, &values(&x), &mut out, None);
+        flex_tensor(out, [dims[0], dims[1], s.out_h(), s.out_w()])
+    }
+
+    fn kiln_max_pool2d_with_indices(
+        x: FloatTensor<Self>,
+        kernel: [usize; 2],
+        stride: [usize; 2],
+    ) -> (FloatTensor<Self>, IntTensor<Self>) {
+        let Some(s) = pool_shape(&x, kernel, stride) else {
+            let r = Flex::max_pool2d_with_indices(
+                x,
+                kernel,
+                stride,
+                [0, 0],
+                [1, 1],
+                false,
+                IntDType::I64,
+            );
+            return (r.output, r.indices);
+        };
+        let dims = x.shape();
+        let shape = [dims[0], dims[1], s.out_h(), s.out_w()];
+        let mut out = vec![0f32; s.planes * s.out_h() * s.out_w()];
+        let mut indices = vec![0i64; out.len()];
+        max_pool2d_forward(&s, &values(&x), &mut out, Some(&mut indices));
+        let indices = <IntTensor<Flex>>::from_data(TensorData::new(indices, shape));
+        (flex_tensor(out, shape), indices)
+    }
+
+    fn kiln_max_pool2d_backward(
+        x: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+        indices: IntTensor<Self>,
+        kernel: [usize; 2],
+        stride: [usize; 2],
+    ) -> FloatTensor<Self> {
+        let s = pool_shape(&x, kernel, stride)
+            .filter(|_| output_grad.dtype() == DType::F32 && indices.dtype() == DType::I64);
+        let Some(s) = s else {
+            return Flex::max_pool2d_with_indices_backward(
+                x,
+                kernel,
+                stride,
+                [0, 0],
+                [1, 1],
+                false,
+                output_grad,
+                indices,
+            )
+            .x_grad;
+        };
+        let dims = x.shape();
+        let idx = indices.to_contiguous();
+        let idx = idx.as_slice::<i64>().unwrap_or(&[]);
+        let mut dx = vec![0f32; s.planes * s.h * s.w];
+        max_pool2d_backward(&s, &values(&output_grad), idx, &mut dx);
+        flex_tensor(dx, [dims[0], dims[1], s.h, s.w])
+    }
 }
 
-/// Backward of [`KilnConv::kiln_conv2d`]: parents x, weight, bias.
+/// Backward of [`KilnKernels::kiln_conv2d`]: parents x, weight, bias.
 #[derive(Debug)]
 struct KilnConv2dWithBias;
 
 /// Registers the gradients of x and weight (for the parents that want one).
-fn register_conv_grads<B: Backend + KilnConv>(
+fn register_conv_grads<B: Backend + KilnKernels>(
     grads: &mut Gradients,
     (node_x, node_weight): (Option<NodeId>, Option<NodeId>),
     (x, weight, grad): (
@@ -170,7 +280,7 @@ fn register_conv_grads<B: Backend + KilnConv>(
     }
 }
 
-impl<B: Backend + KilnConv> Backward<B, 3> for KilnConv2dWithBias {
+impl<B: Backend + KilnKernels> Backward<B, 3> for KilnConv2dWithBias {
     type State = (NodeId, NodeId, NodeId, ConvOptions<2>);
 
     fn backward(
@@ -200,7 +310,7 @@ impl<B: Backend + KilnConv> Backward<B, 3> for KilnConv2dWithBias {
     }
 }
 
-impl<B: Backend + KilnConv, C: CheckpointStrategy> KilnConv for Autodiff<B, C> {
+impl<B: Backend + KilnKernels, C: CheckpointStrategy> KilnKernels for Autodiff<B, C> {
     fn kiln_conv2d(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
@@ -238,6 +348,28 @@ impl<B: Backend + KilnConv, C: CheckpointStrategy> KilnConv for Autodiff<B, C> {
         }
     }
 
+    fn kiln_max_pool2d(
+        x: FloatTensor<Self>,
+        kernel: [usize; 2],
+        stride: [usize; 2],
+    ) -> FloatTensor<Self> {
+        match KilnMaxPool2dBackward
+            .prepare::<C>([x.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                let x_state = prep.checkpoint(&x);
+                let (out, indices) =
+                    B::kiln_max_pool2d_with_indices(x.into_primitive(), kernel, stride);
+                prep.finish((x_state, indices, kernel, stride), out)
+            }
+            OpsKind::UnTracked(prep) => {
+                prep.finish(B::kiln_max_pool2d(x.into_primitive(), kernel, stride))
+            }
+        }
+    }
+
     // Second derivatives are not Kiln's business: these fall back to Burn's differentiable ops.
     fn kiln_conv2d_x_backward(
         x: FloatTensor<Self>,
@@ -255,5 +387,67 @@ impl<B: Backend + KilnConv, C: CheckpointStrategy> KilnConv for Autodiff<B, C> {
         options: ConvOptions<2>,
     ) -> FloatTensor<Self> {
         <Self as ModuleOps<Self>>::conv2d_weight_backward(x, weight, output_grad, options)
+    }
+
+    fn kiln_max_pool2d_with_indices(
+        x: FloatTensor<Self>,
+        kernel: [usize; 2],
+        stride: [usize; 2],
+    ) -> (FloatTensor<Self>, IntTensor<Self>) {
+        let r = <Self as ModuleOps<Self>>::max_pool2d_with_indices(
+            x,
+            kernel,
+            stride,
+            [0, 0],
+            [1, 1],
+            false,
+            IntDType::I64,
+        );
+        (r.output, r.indices)
+    }
+
+    fn kiln_max_pool2d_backward(
+        x: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+        indices: IntTensor<Self>,
+        kernel: [usize; 2],
+        stride: [usize; 2],
+    ) -> FloatTensor<Self> {
+        <Self as ModuleOps<Self>>::max_pool2d_with_indices_backward(
+            x,
+            kernel,
+            stride,
+            [0, 0],
+            [1, 1],
+            false,
+            output_grad,
+            indices,
+        )
+        .x_grad
+    }
+}
+
+/// Backward of [`KilnKernels::kiln_max_pool2d`]: the gradient goes to each window's arg-max.
+#[derive(Debug)]
+struct KilnMaxPool2dBackward;
+
+impl<B: Backend + KilnKernels> Backward<B, 1> for KilnMaxPool2dBackward {
+    /// Checkpointed input (for its shape), the forward's indices, kernel and stride.
+    type State = (NodeId, B::IntTensorPrimitive, [usize; 2], [usize; 2]);
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 1>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        let [node_x] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (x_state, indices, kernel, stride) = ops.state;
+        let x = checkpointer.retrieve_node_output::<B::FloatTensorPrimitive>(x_state);
+        if let Some(node) = node_x {
+            let dx = B::kiln_max_pool2d_backward(x, grad, indices, kernel, stride);
+            grads.register::<B>(node.id, dx);
+        }
     }
 }

@@ -2,20 +2,24 @@
 //! as a Burn backend extension so models keep using ordinary `Tensor`s and autodiff.
 //!
 //! - [`conv`]: f32 convolution (forward, input and weight gradients) as one GEMM per image.
-//! - [`conv2d`]: the entry point models call; it runs Kiln's kernel on the `flex` device (with
-//!   or without autodiff) and Burn's own op on every other device.
+//! - [`pool`]: f32 max pooling with arg-max indices and its backward scatter.
+//! - [`conv2d`], [`max_pool2d`]: the entry points models call; they run Kiln's kernel on the
+//!   `flex` device (with or without autodiff) and Burn's own op on every other device.
 
 pub mod conv;
 mod extension;
+pub mod pool;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn::backend::{Dispatch, DispatchDevice};
-use burn::tensor::module::conv2d as burn_conv2d;
-use burn::tensor::ops::ConvOptions;
+use burn::nn::PaddingConfig2d;
+use burn::nn::pool::MaxPool2d;
+use burn::tensor::module::{conv2d as burn_conv2d, max_pool2d as burn_max_pool2d};
+use burn::tensor::ops::{ConvOptions, MaxPoolOptions};
 use burn::tensor::{DType, Device, Tensor};
 
-pub use extension::KilnConv;
+pub use extension::KilnKernels;
 
 /// Process-wide switch (the plan's `device.kiln_kernels`); on unless turned off.
 static ENABLED: AtomicBool = AtomicBool::new(true);
@@ -59,11 +63,30 @@ pub fn conv2d(
     // The extension takes a bias tensor always (its dispatch glue routes plain tensors only);
     // a constant zero bias costs one fill of the output, which the GEMM then accumulates onto.
     let bias = bias.unwrap_or_else(|| Tensor::zeros([weight.dims()[0]], &x.device()));
-    let out = <Dispatch as KilnConv>::kiln_conv2d(
+    let out = <Dispatch as KilnKernels>::kiln_conv2d(
         x.into_dispatch(),
         weight.into_dispatch(),
         bias.into_dispatch(),
         options,
     );
     Tensor::from_dispatch(out)
+}
+
+/// 2-D max pooling without padding or dilation (floor rounding): Kiln's kernel on `flex` for
+/// f32, Burn's `max_pool2d` otherwise. Differentiable either way.
+pub fn max_pool2d(x: Tensor<4>, kernel: [usize; 2], stride: [usize; 2]) -> Tensor<4> {
+    if x.dtype() != DType::F32 || !serves(&x.device()) {
+        return burn_max_pool2d(x, MaxPoolOptions::new(kernel).with_stride(stride));
+    }
+    let out = <Dispatch as KilnKernels>::kiln_max_pool2d(x.into_dispatch(), kernel, stride);
+    Tensor::from_dispatch(out)
+}
+
+/// `pool.forward(x)`, through [`max_pool2d`] when the layer has no padding, dilation or ceil
+/// rounding (Burn's layer otherwise).
+pub fn max_pool2d_layer(pool: &MaxPool2d, x: Tensor<4>) -> Tensor<4> {
+    if pool.padding != PaddingConfig2d::Valid || pool.dilation != [1, 1] || pool.ceil_mode {
+        return pool.forward(x);
+    }
+    max_pool2d(x, pool.kernel_size, pool.stride)
 }
