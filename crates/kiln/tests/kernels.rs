@@ -135,3 +135,41 @@ fn kiln_max_pool_matches_burn_forward_and_gradient_under_autodiff() {
         );
     }
 }
+
+#[test]
+fn kiln_linear_matches_burn_forward_and_gradients_under_autodiff() {
+    use burn::tensor::module::linear;
+    let device = Device::flex().autodiff();
+    let x = Tensor::<3>::random([4, 6, 20], Distribution::Normal(0.0, 1.0), &device);
+    let w = Tensor::<2>::random([20, 9], Distribution::Normal(0.0, 0.3), &device);
+    let b = Tensor::<1>::random([9], Distribution::Normal(0.0, 0.3), &device);
+    let g = Tensor::<3>::random([4, 6, 9], Distribution::Normal(0.0, 1.0), &device);
+    for with_bias in [true, false] {
+        let run = |f: &dyn Fn(Tensor<3>, Tensor<2>, Option<Tensor<1>>) -> Tensor<3>| {
+            let (x, w, b) = (
+                x.clone().require_grad(),
+                w.clone().require_grad(),
+                b.clone().require_grad(),
+            );
+            let y = f(x.clone(), w.clone(), with_bias.then(|| b.clone()));
+            let grads = (y.clone() * g.clone()).sum().backward();
+            let db = with_bias.then(|| b.grad(&grads).expect("bias gradient"));
+            let dx = x.grad(&grads).expect("x gradient");
+            let dw = w.grad(&grads).expect("weight gradient");
+            (y.detach(), dx, dw, db)
+        };
+        let want = run(&|x, w, b| linear(x, w, b));
+        let got = run(&|x, w, b| kernels::linear(x, w, b));
+        let rel = |a: Tensor<3>, b: Tensor<3>| max_relative(a.unsqueeze(), b.unsqueeze());
+        assert!(rel(got.0, want.0) <= 1e-5, "bias {with_bias}: forward");
+        assert!(
+            rel(got.1, want.1) <= 1e-5,
+            "bias {with_bias}: input gradient"
+        );
+        let dw = max_relative(got.2.unsqueeze(), want.2.unsqueeze());
+        assert!(dw <= 1e-5, "bias {with_bias}: weight gradient");
+        if let (Some(a), Some(b)) = (got.3, want.3) {
+            assert!(max_relative_1d(a, b) <= 1e-5, "bias gradient");
+        }
+    }
+}

@@ -3,7 +3,7 @@
 //! kernel on the host.
 
 use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
-use burn::tensor::module::{adaptive_avg_pool2d, linear};
+use burn::tensor::module::adaptive_avg_pool2d;
 use burn::tensor::ops::ConvOptions;
 use burn::tensor::{Device, Tensor, TensorData};
 use rayon::prelude::*;
@@ -286,9 +286,11 @@ fn run(
             bias.clone(),
             options.clone(),
         )),
-        Prepared::Linear { weight, bias } => {
-            Value::Flat(linear(flat(x, device)?, weight.clone(), bias.clone()))
-        }
+        Prepared::Linear { weight, bias } => Value::Flat(crate::kernels::linear(
+            flat(x, device)?,
+            weight.clone(),
+            bias.clone(),
+        )),
         Prepared::Affine { scale, shift } => {
             let [c] = scale.dims();
             match x {

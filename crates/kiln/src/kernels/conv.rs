@@ -198,7 +198,7 @@ fn valid_range(ow: usize, stride: usize, offset: isize, w: usize) -> (usize, usi
 /// Row-major `dst[m×n] (+)= lhs · rhs`, with `lhs` element `(i, j)` at `lhs[i·lrs + j·lcs]` and
 /// `rhs` element `(i, j)` at `rhs[i·rrs + j·rcs]`.
 #[allow(clippy::too_many_arguments)]
-fn matmul(
+pub(super) fn matmul(
     (m, n, k): (usize, usize, usize),
     dst: &mut [f32],
     accumulate: bool,

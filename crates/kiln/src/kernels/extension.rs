@@ -14,6 +14,7 @@ use burn::tensor::ops::ConvOptions;
 use burn::tensor::{DType, IntDType, TensorData};
 
 use super::conv::{ConvShape, conv2d_forward, conv2d_input_grad, conv2d_weight_grad};
+use super::linear::{LinearShape, linear_forward, linear_input_grad, linear_weight_grad};
 use super::pool::{PoolShape, max_pool2d_backward, max_pool2d_forward};
 
 /// The ops Kiln supplies. Inputs are NCHW f32; convolutions without groups, pooling without
@@ -42,6 +43,25 @@ pub trait KilnKernels: Backend {
         weight: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
         options: ConvOptions<2>,
+    ) -> FloatTensor<Self>;
+
+    /// `x · weight + bias` for `x` `[rows, inputs]` and `weight` `[inputs, outputs]`.
+    fn kiln_linear(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+    ) -> FloatTensor<Self>;
+
+    /// Gradient of the linear layer's input: `output_grad · weightᵀ`.
+    fn kiln_linear_x_backward(
+        weight: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self>;
+
+    /// Gradient of the linear layer's weight: `xᵀ · output_grad`.
+    fn kiln_linear_weight_backward(
+        x: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self>;
 
     /// Max pooling (differentiable under autodiff).
@@ -115,6 +135,49 @@ fn pool_shape(x: &FloatTensor<Flex>, kernel: [usize; 2], stride: [usize; 2]) -> 
     })
 }
 
+/// The kernel's shape for `x` `[rows, inputs]` and `weight` `[inputs, outputs]`, or `None`
+/// when it does not apply (not f32, not 2-D, or inner sizes differ).
+fn linear_shape(x: &FloatTensor<Flex>, weight: &FloatTensor<Flex>) -> Option<LinearShape> {
+    let (xs, ws) = (x.shape(), weight.shape());
+    if x.dtype() != DType::F32
+        || weight.dtype() != DType::F32
+        || xs.num_dims() != 2
+        || ws.num_dims() != 2
+        || xs[1] != ws[0]
+    {
+        return None;
+    }
+    Some(LinearShape {
+        rows: xs[0],
+        inputs: xs[1],
+        outputs: ws[1],
+    })
+}
+
+/// The linear layer and its gradients from a backend's own float ops: the fallback where the
+/// kernel does not apply, and the differentiable form second derivatives need.
+mod linear_by_ops {
+    use super::*;
+
+    pub fn forward<B: Backend>(
+        x: FloatTensor<B>,
+        weight: FloatTensor<B>,
+        bias: FloatTensor<B>,
+    ) -> FloatTensor<B> {
+        let outputs = bias.shape()[0];
+        let bias = B::float_reshape(bias, [1, outputs].into());
+        B::float_add(B::float_matmul(x, weight), bias)
+    }
+
+    pub fn x_backward<B: Backend>(weight: FloatTensor<B>, grad: FloatTensor<B>) -> FloatTensor<B> {
+        B::float_matmul(grad, B::float_transpose(weight))
+    }
+
+    pub fn weight_backward<B: Backend>(x: FloatTensor<B>, grad: FloatTensor<B>) -> FloatTensor<B> {
+        B::float_matmul(B::float_transpose(x), grad)
+    }
+}
+
 /// The tensor's f32 values in row-major order (a view when it is already contiguous).
 fn values(t: &FloatTensor<Flex>) -> std::borrow::Cow<'_, [f32]> {
     match t.as_slice::<f32>() {
@@ -181,6 +244,71 @@ impl KilnKernels for Flex {
         let mut dw = vec![0f32; s.weight_len()];
         conv2d_weight_grad(&s, &values(&x), &values(&output_grad), &mut dw);
         flex_tensor(dw, [s.cout, s.cin, s.kh, s.kw])
+    }
+
+    fn kiln_linear(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let Some(s) = linear_shape(&x, &weight).filter(|_| bias.dtype() == DType::F32) else {
+            return linear_by_ops::forward::<Flex>(x, weight, bias);
+        };
+        let mut y = vec![0f32; s.rows * s.outputs];
+        linear_forward(
+            &s,
+            &values(&x),
+            &values(&weight),
+            Some(&values(&bias)),
+            &mut y,
+        );
+        <FloatTensor<Flex>>::from_data(TensorData::new(y, [s.rows, s.outputs]))
+    }
+
+    fn kiln_linear_x_backward(
+        weight: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let (ws, gs) = (weight.shape(), output_grad.shape());
+        let applies = weight.dtype() == DType::F32
+            && output_grad.dtype() == DType::F32
+            && ws.num_dims() == 2
+            && gs.num_dims() == 2
+            && ws[1] == gs[1];
+        if !applies {
+            return linear_by_ops::x_backward::<Flex>(weight, output_grad);
+        }
+        let s = LinearShape {
+            rows: gs[0],
+            inputs: ws[0],
+            outputs: ws[1],
+        };
+        let mut dx = vec![0f32; s.rows * s.inputs];
+        linear_input_grad(&s, &values(&output_grad), &values(&weight), &mut dx);
+        <FloatTensor<Flex>>::from_data(TensorData::new(dx, [s.rows, s.inputs]))
+    }
+
+    fn kiln_linear_weight_backward(
+        x: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let (xs, gs) = (x.shape(), output_grad.shape());
+        let applies = x.dtype() == DType::F32
+            && output_grad.dtype() == DType::F32
+            && xs.num_dims() == 2
+            && gs.num_dims() == 2
+            && xs[0] == gs[0];
+        if !applies {
+            return linear_by_ops::weight_backward::<Flex>(x, output_grad);
+        }
+        let s = LinearShape {
+            rows: xs[0],
+            inputs: xs[1],
+            outputs: gs[1],
+        };
+        let mut dw = vec![0f32; s.inputs * s.outputs];
+        linear_weight_grad(&s, &values(&x), &values(&output_grad), &mut dw);
+        <FloatTensor<Flex>>::from_data(TensorData::new(dw, [s.inputs, s.outputs]))
     }
 
     fn kiln_max_pool2d(
@@ -348,6 +476,47 @@ impl<B: Backend + KilnKernels, C: CheckpointStrategy> KilnKernels for Autodiff<B
         }
     }
 
+    fn kiln_linear(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        match KilnLinearBackward
+            .prepare::<C>([x.node(), weight.node(), bias.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                let state = (prep.checkpoint(&x), prep.checkpoint(&weight));
+                let out = B::kiln_linear(
+                    x.into_primitive(),
+                    weight.into_primitive(),
+                    bias.into_primitive(),
+                );
+                prep.finish(state, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::kiln_linear(
+                x.into_primitive(),
+                weight.into_primitive(),
+                bias.into_primitive(),
+            )),
+        }
+    }
+
+    fn kiln_linear_x_backward(
+        weight: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        linear_by_ops::x_backward::<Self>(weight, output_grad)
+    }
+
+    fn kiln_linear_weight_backward(
+        x: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        linear_by_ops::weight_backward::<Self>(x, output_grad)
+    }
+
     fn kiln_max_pool2d(
         x: FloatTensor<Self>,
         kernel: [usize; 2],
@@ -448,6 +617,39 @@ impl<B: Backend + KilnKernels> Backward<B, 1> for KilnMaxPool2dBackward {
         if let Some(node) = node_x {
             let dx = B::kiln_max_pool2d_backward(x, grad, indices, kernel, stride);
             grads.register::<B>(node.id, dx);
+        }
+    }
+}
+
+/// Backward of [`KilnKernels::kiln_linear`]: parents x, weight, bias.
+#[derive(Debug)]
+struct KilnLinearBackward;
+
+impl<B: Backend + KilnKernels> Backward<B, 3> for KilnLinearBackward {
+    /// Checkpointed x and weight.
+    type State = (NodeId, NodeId);
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 3>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        let [node_x, node_weight, node_bias] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (x_state, weight_state) = ops.state;
+        let x = checkpointer.retrieve_node_output::<B::FloatTensorPrimitive>(x_state);
+        let weight = checkpointer.retrieve_node_output::<B::FloatTensorPrimitive>(weight_state);
+        if let Some(node) = node_bias {
+            let outputs = grad.shape()[1];
+            let db = B::float_reshape(B::float_sum_dim(grad.clone(), 0), [outputs].into());
+            grads.register::<B>(node.id, db);
+        }
+        if let Some(node) = node_x {
+            grads.register::<B>(node.id, B::kiln_linear_x_backward(weight, grad.clone()));
+        }
+        if let Some(node) = node_weight {
+            grads.register::<B>(node.id, B::kiln_linear_weight_backward(x, grad));
         }
     }
 }

@@ -2,12 +2,14 @@
 //! as a Burn backend extension so models keep using ordinary `Tensor`s and autodiff.
 //!
 //! - [`conv`]: f32 convolution (forward, input and weight gradients) as one GEMM per image.
+//! - [`linear`]: f32 fully connected layer and its gradients, transposes read through strides.
 //! - [`pool`]: f32 max pooling with arg-max indices and its backward scatter.
-//! - [`conv2d`], [`max_pool2d`]: the entry points models call; they run Kiln's kernel on the
+//! - [`conv2d`], [`linear`](fn@linear), [`max_pool2d`]: the entry points models call; they run Kiln's kernel on the
 //!   `flex` device (with or without autodiff) and Burn's own op on every other device.
 
 pub mod conv;
 mod extension;
+pub mod linear;
 pub mod pool;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -15,7 +17,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use burn::backend::{Dispatch, DispatchDevice};
 use burn::nn::PaddingConfig2d;
 use burn::nn::pool::MaxPool2d;
-use burn::tensor::module::{conv2d as burn_conv2d, max_pool2d as burn_max_pool2d};
+use burn::tensor::module::{
+    conv2d as burn_conv2d, linear as burn_linear, max_pool2d as burn_max_pool2d,
+};
 use burn::tensor::ops::{ConvOptions, MaxPoolOptions};
 use burn::tensor::{DType, Device, Tensor};
 
@@ -70,6 +74,37 @@ pub fn conv2d(
         options,
     );
     Tensor::from_dispatch(out)
+}
+
+/// `x · weight + bias` over the last dimension of `x` (`weight` `[inputs, outputs]`, Burn's
+/// `Linear` layout): Kiln's GEMM kernel on `flex` for f32, Burn's `linear` otherwise.
+/// Differentiable either way.
+pub fn linear<const D: usize>(
+    x: Tensor<D>,
+    weight: Tensor<2>,
+    bias: Option<Tensor<1>>,
+) -> Tensor<D> {
+    let dims = x.dims();
+    let [inputs, outputs] = weight.dims();
+    let f32_only = [x.dtype(), weight.dtype()]
+        .into_iter()
+        .chain(bias.as_ref().map(|b| b.dtype()))
+        .all(|d| d == DType::F32);
+    // A shape mismatch goes to Burn too, which reports it in its own words.
+    if D < 2 || dims[D - 1] != inputs || !f32_only || !serves(&x.device()) {
+        return burn_linear(x, weight, bias);
+    }
+    let rows = dims[..D - 1].iter().product();
+    let device = x.device();
+    let bias = bias.unwrap_or_else(|| Tensor::zeros([outputs], &device));
+    let y = <Dispatch as KilnKernels>::kiln_linear(
+        x.reshape([rows, inputs]).into_dispatch(),
+        weight.into_dispatch(),
+        bias.into_dispatch(),
+    );
+    let mut out = dims;
+    out[D - 1] = outputs;
+    Tensor::<2>::from_dispatch(y).reshape(out)
 }
 
 /// 2-D max pooling without padding or dilation (floor rounding): Kiln's kernel on `flex` for

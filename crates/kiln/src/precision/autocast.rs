@@ -64,9 +64,11 @@ pub fn compute_dtype() -> Option<FloatDType> {
 }
 
 /// `layer.forward(x)`, computed in the scope's precision.
+/// In f32 it runs through [`crate::kernels::linear`] (Kiln's kernel on the CPU).
 pub fn linear<const D: usize>(layer: &Linear, x: Tensor<D>) -> Tensor<D> {
     let Some(dt) = compute_dtype() else {
-        return layer.forward(x);
+        let bias = layer.bias.as_ref().map(|b| b.val());
+        return crate::kernels::linear(x, layer.weight.val(), bias);
     };
     let weight = layer.weight.val().cast(dt);
     let bias = layer.bias.as_ref().map(|b| b.val().cast(dt));
