@@ -248,6 +248,25 @@ fn pool_threads() -> usize {
     rayon::current_num_threads().max(1)
 }
 
+/// Runs `run` on each image's (input, output) pair with a scratch buffer: one image per
+/// parallel task (a scratch buffer per thread) when `parallel`, else in order with one buffer
+/// (each GEMM then uses every thread).
+fn per_image<'a, 'b>(
+    pairs: impl Iterator<Item = (&'a [f32], &'b mut [f32])>,
+    parallel: bool,
+    run: impl Fn(&mut Vec<f32>, (&'a [f32], &'b mut [f32])) + Send + Sync,
+) {
+    if parallel {
+        pairs
+            .collect::<Vec<_>>()
+            .into_par_iter()
+            .for_each_init(Vec::new, run);
+    } else {
+        let mut scratch = Vec::new();
+        pairs.for_each(|pair| run(&mut scratch, pair));
+    }
+}
+
 /// Forward convolution: `out` `[batch, cout, oh, ow]` from `x` `[batch, cin, h, w]`, `weight`
 /// `[cout, cin, kh, kw]` and an optional `bias` `[cout]`.
 pub fn conv2d_forward(
@@ -300,15 +319,7 @@ pub fn conv2d_forward(
     let pairs = x
         .chunks_exact(s.image_len())
         .zip(out.chunks_exact_mut(image_out));
-    if gemm_threads == 1 {
-        pairs
-            .collect::<Vec<_>>()
-            .into_par_iter()
-            .for_each_init(Vec::new, run);
-    } else {
-        let mut cols = Vec::new();
-        pairs.for_each(|pair| run(&mut cols, pair));
-    }
+    per_image(pairs, gemm_threads == 1, run);
 }
 
 /// Gradient of the input: `dx` `[batch, cin, h, w]` from the output gradient `dout`
@@ -356,15 +367,7 @@ pub fn conv2d_input_grad(s: &ConvShape, dout: &[f32], weight: &[f32], dx: &mut [
     let pairs = dout
         .chunks_exact(image_out)
         .zip(dx.chunks_exact_mut(s.image_len()));
-    if gemm_threads == 1 {
-        pairs
-            .collect::<Vec<_>>()
-            .into_par_iter()
-            .for_each_init(Vec::new, run);
-    } else {
-        let mut dcols = Vec::new();
-        pairs.for_each(|pair| run(&mut dcols, pair));
-    }
+    per_image(pairs, gemm_threads == 1, run);
 }
 
 /// Gradient of the weight: `dweight` `[cout, cin, kh, kw]` from `x` and `dout`, summed over the

@@ -49,6 +49,14 @@ pub fn serves(device: &Device) -> bool {
         )
 }
 
+/// Whether the operands and the optional bias are all f32 (the only dtype the kernels take).
+fn all_f32(dtypes: [DType; 2], bias: &Option<Tensor<1>>) -> bool {
+    dtypes
+        .into_iter()
+        .chain(bias.as_ref().map(|b| b.dtype()))
+        .all(|d| d == DType::F32)
+}
+
 /// 2-D convolution (NCHW): Kiln's GEMM kernel on `flex` for f32 without groups, Burn's
 /// `conv2d` otherwise. Differentiable either way.
 pub fn conv2d(
@@ -57,10 +65,7 @@ pub fn conv2d(
     bias: Option<Tensor<1>>,
     options: ConvOptions<2>,
 ) -> Tensor<4> {
-    let f32_only = [x.dtype(), weight.dtype()]
-        .into_iter()
-        .chain(bias.as_ref().map(|b| b.dtype()))
-        .all(|d| d == DType::F32);
+    let f32_only = all_f32([x.dtype(), weight.dtype()], &bias);
     if options.groups != 1 || !f32_only || !serves(&x.device()) {
         return burn_conv2d(x, weight, bias, options);
     }
@@ -86,10 +91,7 @@ pub fn linear<const D: usize>(
 ) -> Tensor<D> {
     let dims = x.dims();
     let [inputs, outputs] = weight.dims();
-    let f32_only = [x.dtype(), weight.dtype()]
-        .into_iter()
-        .chain(bias.as_ref().map(|b| b.dtype()))
-        .all(|d| d == DType::F32);
+    let f32_only = all_f32([x.dtype(), weight.dtype()], &bias);
     // A shape mismatch goes to Burn too, which reports it in its own words.
     if D < 2 || dims[D - 1] != inputs || !f32_only || !serves(&x.device()) {
         return burn_linear(x, weight, bias);
