@@ -734,6 +734,16 @@ fn tune_auto_writes_a_plan_that_kiln_accepts() {
             .to_uppercase(),
         c["precision"].as_str().unwrap().to_uppercase()
     );
+    assert_eq!(
+        plan["settings"]["device.kiln_kernels"]["value"],
+        c["kiln_kernels"]
+    );
+    assert!(
+        decisions
+            .iter()
+            .any(|d| d["reason"].as_str().unwrap().starts_with("Burn's own ops")),
+        "the kernels were measured against Burn's ops: {report}"
+    );
     let text = std::fs::read_to_string(&toml).unwrap();
     assert!(text.contains("# Written by `kiln tune auto`"), "{text}");
 
@@ -853,4 +863,46 @@ fn report_renders_a_self_contained_page_that_chromium_draws() {
             .any(|l| l.contains("CONSOLE") || l.contains("Uncaught")),
         "page errors: {log}"
     );
+}
+
+#[test]
+fn training_with_kilns_kernels_off_follows_the_same_losses() {
+    // W2 (convolutions, pooling, linear layers) for a few steps with Kiln's kernels and with
+    // Burn's own ops: same seed, same data, so the losses agree to f32 rounding — the
+    // kernels change speed, not the training.
+    let losses = |kernels: &str| -> Vec<f64> {
+        let setting = format!("device.kiln_kernels={kernels}");
+        let o = kiln(&[
+            "train",
+            "--model",
+            "cnn",
+            "--level",
+            "basic",
+            "--max-steps",
+            "4",
+            "--set",
+            &setting,
+            "--json",
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let events: Vec<serde_json::Value> = stdout(&o)
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("every stdout line is JSON"))
+            .collect();
+        let plan = &events[0]["plan"]["settings"]["device.kiln_kernels"]["value"];
+        assert_eq!(plan.to_string(), kernels, "the plan carries the setting");
+        events
+            .iter()
+            .filter(|e| e["event"] == "step")
+            .map(|e| e["loss"].as_f64().unwrap())
+            .collect()
+    };
+    let (on, off) = (losses("true"), losses("false"));
+    assert_eq!(on.len(), 4);
+    for (step, (a, b)) in on.iter().zip(&off).enumerate() {
+        assert!(
+            (a - b).abs() <= 1e-4 * b.abs().max(1.0),
+            "step {step}: loss {a} with Kiln's kernels vs {b} with Burn's ops"
+        );
+    }
 }

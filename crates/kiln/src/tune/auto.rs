@@ -1,9 +1,11 @@
 //! The auto-optimizer: short measured trials over the plan space that matters on this
-//! machine — precision, micro-batch (with accumulation keeping the effective batch),
-//! activation checkpointing, loader workers — keeping what measurably wins.
+//! machine — Kiln's CPU kernels, precision, micro-batch (with accumulation keeping the
+//! effective batch), activation checkpointing, loader workers — keeping what measurably wins.
 //!
 //! Strategy: coordinate descent from the f32 baseline, one dimension at a time, pruning with
 //! what the trials taught:
+//! 0. **kernels** (CPU only) — Burn's own ops instead of Kiln's kernels (`kiln::kernels`),
+//!    kept only where they measurably win on this machine.
 //! 1. **precision** — bf16 first; where bf16 loses to f32 the device has no fast
 //!    low-precision path and f16 is skipped (on this CPU both are emulated). A low-precision
 //!    candidate must also pass a numerics check against the f32 baseline on the same
@@ -49,6 +51,8 @@ pub struct Candidate {
     pub checkpointing: bool,
     /// Loader worker threads.
     pub workers: usize,
+    /// Kiln's CPU kernels (false = Burn's own ops).
+    pub kiln_kernels: bool,
 }
 
 /// What a trial measured.
@@ -116,12 +120,18 @@ pub fn run_trial(
         ..base.clone()
     };
     let mut sink = MemorySink::default();
-    Trainer::new(options, Device::flex(), &mut sink).fit(
+    // The switch is process-wide: set for this trial, restored after it (trials run one at
+    // a time).
+    let kernels_before = crate::kernels::enabled();
+    crate::kernels::set_enabled(candidate.kiln_kernels);
+    let fitted = Trainer::new(options, Device::flex(), &mut sink).fit(
         model.name(),
         |d| model.init(d),
         data,
         None,
-    )?;
+    );
+    crate::kernels::set_enabled(kernels_before);
+    fitted?;
     let timed: Vec<(f64, f64, f64, usize)> = sink
         .steps()
         .filter(|s| s.step > WARMUP_STEPS)
@@ -221,6 +231,7 @@ pub fn auto_tune(
         grad_accum_steps: 1,
         checkpointing: false,
         workers: 0,
+        kiln_kernels: true,
     };
     let baseline = trial(&base_candidate)?;
     let mut best = baseline.clone();
@@ -231,6 +242,17 @@ pub fn auto_tune(
     }];
     let mut skipped = Vec::new();
     let mut dimensions_left = true;
+    // 0. Kiln's kernels vs Burn's own ops (they exist for the CPU only).
+    if gpu {
+        skipped.push("Kiln's kernels: CPU only, the GPU runs Burn's ops".into());
+    } else if !out_of_time() {
+        let m = trial(&Candidate {
+            kiln_kernels: false,
+            ..best.candidate
+        })?;
+        let why = "Burn's own ops (Kiln's kernels off)";
+        consider(&mut decisions, &mut best, m, why, &mut trial)?;
+    }
     // 1. Precision.
     if out_of_time() {
         dimensions_left = false;
@@ -356,13 +378,16 @@ pub fn grid_candidates(effective_batch: usize, cores: usize) -> Vec<Candidate> {
             }
             for checkpointing in [false, true] {
                 for workers in [0, cores.max(1)] {
-                    out.push(Candidate {
-                        precision,
-                        micro_batch: effective_batch / div,
-                        grad_accum_steps: div,
-                        checkpointing,
-                        workers,
-                    });
+                    for kiln_kernels in [true, false] {
+                        out.push(Candidate {
+                            precision,
+                            micro_batch: effective_batch / div,
+                            grad_accum_steps: div,
+                            checkpointing,
+                            workers,
+                            kiln_kernels,
+                        });
+                    }
                 }
             }
         }
@@ -390,13 +415,15 @@ pub fn to_toml(model: ModelKind, report: &TuneReport) -> String {
     }
     text.push_str(&format!(
         "level = \"advanced\"\n\n[train]\nmodel = \"{}\"\nbatch_size = {}\ngrad_accum_steps = {}\n\
-         activation_checkpointing = {}\n\n[precision]\npolicy = \"{}\"\n\n[data]\nworkers = {}\n",
+         activation_checkpointing = {}\n\n[precision]\npolicy = \"{}\"\n\n[data]\nworkers = {}\n\n\
+         [device]\nkiln_kernels = {}\n",
         model.name(),
         c.micro_batch,
         c.grad_accum_steps,
         c.checkpointing,
         c.precision.name(),
-        c.workers
+        c.workers,
+        c.kiln_kernels
     ));
     text
 }
@@ -406,7 +433,8 @@ mod tests {
     use super::*;
 
     /// A deterministic machine: f32 100 samples/s, bf16 90, halving the micro-batch once
-    /// gives 110, twice 95; checkpointing 100; no data wait.
+    /// gives 110, twice 95; checkpointing 100; Burn's ops instead of Kiln's kernels half the
+    /// speed; no data wait.
     fn fake(c: &Candidate) -> Measured {
         let mut sps = match c.precision {
             Precision::F32 => 100.0,
@@ -418,6 +446,9 @@ mod tests {
             2 => 1.1,
             _ => 0.95,
         };
+        if !c.kiln_kernels {
+            sps *= 0.5;
+        }
         Measured {
             candidate: *c,
             samples_per_s: sps,
@@ -434,6 +465,13 @@ mod tests {
         assert_eq!(r.best.candidate.grad_accum_steps, 2);
         assert_eq!(r.best.candidate.precision, Precision::F32);
         assert!(!r.best.candidate.checkpointing);
+        assert!(r.best.candidate.kiln_kernels, "Burn's ops are slower here");
+        assert!(
+            r.decisions
+                .iter()
+                .any(|d| !d.kept && d.reason.starts_with("Burn's own ops")),
+            "the kernels were measured against Burn's ops"
+        );
         assert!(
             r.skipped.iter().any(|s| s.starts_with("f16")),
             "{:?}",
@@ -478,5 +516,28 @@ mod tests {
                 .any(|d| d.reason.contains("not confirmed"))
         );
         assert!(r.decisions.iter().any(|d| d.reason.contains("numerics")));
+    }
+
+    #[test]
+    fn burns_ops_are_kept_where_they_win_and_written_to_the_config() {
+        let r = auto_tune(64, 2, false, None, |c| {
+            let mut m = fake(c);
+            if !c.kiln_kernels {
+                m.samples_per_s *= 3.0; // undo the fake's 0.5 and win by 1.5x
+            }
+            Ok(m)
+        })
+        .unwrap();
+        assert!(!r.best.candidate.kiln_kernels, "{:?}", r.decisions);
+        let toml = to_toml(ModelKind::Cnn, &r);
+        assert!(toml.contains("[device]\nkiln_kernels = false"), "{toml}");
+        let on_gpu = auto_tune(64, 2, true, None, |c| Ok(fake(c))).unwrap();
+        assert!(on_gpu.best.candidate.kiln_kernels);
+        assert!(
+            on_gpu
+                .skipped
+                .iter()
+                .any(|s| s.starts_with("Kiln's kernels"))
+        );
     }
 }
