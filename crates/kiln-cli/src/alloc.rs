@@ -6,6 +6,12 @@
 //! `perf`: `clear_page_erms`, `exc_page_fault`); mimalloc keeps them mapped, at the cost of
 //! a higher resident set. BENCHMARKS.md has the A/B. The switch exists so `kiln bench` can
 //! time plain Burn the way a Burn program runs by default, and so users can opt out.
+//!
+//! mimalloc's own default still returns ("purges") freed pages to the OS 10 ms after they
+//! fall free; a training step frees and re-allocates its multi-MB activations every 60+ ms,
+//! so each step page-faulted them all back in (`clear_page_erms` 11% of W2's step under
+//! `perf`). Kiln turns purging off (W2 step 87 → 63 ms, BENCHMARKS.md run 14); the
+//! environment variable `MIMALLOC_PURGE_DELAY` still overrides it.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -33,8 +39,25 @@ fn choice() -> u8 {
         !v.is_null() && std::ffi::CStr::from_ptr(v).to_bytes() == b"system"
     };
     let c = if system { SYSTEM } else { MIMALLOC };
+    if c == MIMALLOC {
+        keep_freed_pages();
+    }
     CHOICE.store(c, Ordering::Relaxed);
     c
+}
+
+/// `mi_option_purge_delay` in mimalloc.h (v2 and v3 alike; the Rust bindings do not name it).
+const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+
+/// Turns mimalloc's purging of freed pages off, unless the user set `MIMALLOC_PURGE_DELAY`.
+fn keep_freed_pages() {
+    // SAFETY: getenv reads a NUL-terminated name and does not allocate; mi_option_set stores
+    // a value in mimalloc's static option table (no allocation either), valid at any time.
+    unsafe {
+        if libc::getenv(c"MIMALLOC_PURGE_DELAY".as_ptr()).is_null() {
+            libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1);
+        }
+    }
 }
 
 /// Which allocator this process uses.

@@ -1,5 +1,5 @@
 //! Kiln's kernels as a Burn backend extension: implemented for `Flex` with the kernels of
-//! [`super::conv`] and [`super::pool`], and for `Autodiff<B>` with backward passes that call the
+//! [`super::conv`], [`super::linear`] and [`super::pool`], and for `Autodiff<B>` with backward passes that call the
 //! same kernels, so training on the CPU runs forward and gradients through them.
 
 use burn::backend::autodiff::NodeId;
@@ -103,6 +103,14 @@ fn conv_shape(
         || ws.num_dims() != 4
         || xs[1] != ws[1]
     {
+        return None;
+    }
+    // A kernel wider than the padded input has no output position: Burn's op reports that.
+    let fits = |len: usize, k: usize, axis: usize| {
+        let (before, after) = options.padding[axis];
+        len + before + after > options.dilation[axis] * (k - 1)
+    };
+    if ws[2] == 0 || ws[3] == 0 || !fits(xs[2], ws[2], 0) || !fits(xs[3], ws[3], 1) {
         return None;
     }
     Some(ConvShape {
