@@ -373,14 +373,7 @@ fn host_max_pool(
     kernel: [usize; 2],
     stride: [usize; 2],
 ) -> (Vec<f32>, Vec<usize>) {
-    let s = PoolShape {
-        planes: dims[0] * dims[1],
-        h: dims[2],
-        w: dims[3],
-        kh: kernel[0],
-        kw: kernel[1],
-        stride,
-    };
+    let s = PoolShape::nchw([dims[0], dims[1], dims[2], dims[3]], kernel, stride);
     let mut y = vec![0f32; s.planes * s.out_h() * s.out_w()];
     max_pool2d_forward(&s, x, &mut y, None);
     (y, vec![dims[0], dims[1], s.out_h(), s.out_w()])

@@ -133,14 +133,11 @@ fn pool_shape(x: &FloatTensor<Flex>, kernel: [usize; 2], stride: [usize; 2]) -> 
     if x.dtype() != DType::F32 || dims.num_dims() != 4 {
         return None;
     }
-    Some(PoolShape {
-        planes: dims[0] * dims[1],
-        h: dims[2],
-        w: dims[3],
-        kh: kernel[0],
-        kw: kernel[1],
+    Some(PoolShape::nchw(
+        [dims[0], dims[1], dims[2], dims[3]],
+        kernel,
         stride,
-    })
+    ))
 }
 
 /// The kernel's shape for `x` `[rows, inputs]` and `weight` `[inputs, outputs]`, or `None`

@@ -26,6 +26,18 @@ pub struct PoolShape {
 }
 
 impl PoolShape {
+    /// The shape for pooling an NCHW input of `dims` (`[batch, channels, h, w]`).
+    pub fn nchw(dims: [usize; 4], kernel: [usize; 2], stride: [usize; 2]) -> Self {
+        Self {
+            planes: dims[0] * dims[1],
+            h: dims[2],
+            w: dims[3],
+            kh: kernel[0],
+            kw: kernel[1],
+            stride,
+        }
+    }
+
     /// Output height.
     pub fn out_h(&self) -> usize {
         if self.h < self.kh {
