@@ -244,7 +244,7 @@ pub(super) fn matmul(
 }
 
 /// Threads to use: rayon's pool size.
-fn pool_threads() -> usize {
+pub(super) fn pool_threads() -> usize {
     rayon::current_num_threads().max(1)
 }
 
@@ -441,50 +441,15 @@ mod tests {
     use super::*;
 
     /// Direct f64 convolution: the reference every kernel result is checked against.
-    fn reference_forward(s: &ConvShape, x: &[f32], w: &[f32], b: Option<&[f32]>) -> Vec<f64> {
+    /// Calls `f(output index, input index, weight index)` for every kernel tap that reads
+    /// inside the image: the direct convolution both references are built from.
+    fn for_each_tap(s: &ConvShape, mut f: impl FnMut(usize, usize, usize)) {
         let (oh, ow) = (s.out_h(), s.out_w());
-        let mut out = vec![0f64; s.output_len()];
         for n in 0..s.batch {
             for co in 0..s.cout {
                 for oy in 0..oh {
                     for ox in 0..ow {
-                        let mut acc = b.map_or(0.0, |b| b[co] as f64);
-                        for c in 0..s.cin {
-                            for ki in 0..s.kh {
-                                for kj in 0..s.kw {
-                                    let iy = (oy * s.stride[0] + ki * s.dilation[0]) as isize
-                                        - s.padding[0].0 as isize;
-                                    let ix = (ox * s.stride[1] + kj * s.dilation[1]) as isize
-                                        - s.padding[1].0 as isize;
-                                    if iy < 0 || ix < 0 || iy >= s.h as isize || ix >= s.w as isize
-                                    {
-                                        continue;
-                                    }
-                                    let xv = x
-                                        [((n * s.cin + c) * s.h + iy as usize) * s.w + ix as usize];
-                                    let wv = w[((co * s.cin + c) * s.kh + ki) * s.kw + kj];
-                                    acc += xv as f64 * wv as f64;
-                                }
-                            }
-                        }
-                        out[((n * s.cout + co) * oh + oy) * ow + ox] = acc;
-                    }
-                }
-            }
-        }
-        out
-    }
-
-    /// f64 gradients of `Σ out · g` with respect to x and w, by the same direct loops.
-    fn reference_grads(s: &ConvShape, x: &[f32], w: &[f32], g: &[f32]) -> (Vec<f64>, Vec<f64>) {
-        let (oh, ow) = (s.out_h(), s.out_w());
-        let mut dx = vec![0f64; s.input_len()];
-        let mut dw = vec![0f64; s.weight_len()];
-        for n in 0..s.batch {
-            for co in 0..s.cout {
-                for oy in 0..oh {
-                    for ox in 0..ow {
-                        let gv = g[((n * s.cout + co) * oh + oy) * ow + ox] as f64;
+                        let oi = ((n * s.cout + co) * oh + oy) * ow + ox;
                         for c in 0..s.cin {
                             for ki in 0..s.kh {
                                 for kj in 0..s.kw {
@@ -498,9 +463,7 @@ mod tests {
                                     }
                                     let xi =
                                         ((n * s.cin + c) * s.h + iy as usize) * s.w + ix as usize;
-                                    let wi = ((co * s.cin + c) * s.kh + ki) * s.kw + kj;
-                                    dx[xi] += gv * w[wi] as f64;
-                                    dw[wi] += gv * x[xi] as f64;
+                                    f(oi, xi, ((co * s.cin + c) * s.kh + ki) * s.kw + kj);
                                 }
                             }
                         }
@@ -508,6 +471,26 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Direct f64 convolution: the reference every kernel result is checked against.
+    fn reference_forward(s: &ConvShape, x: &[f32], w: &[f32], b: Option<&[f32]>) -> Vec<f64> {
+        let p = s.out_h() * s.out_w();
+        let mut out: Vec<f64> = (0..s.output_len())
+            .map(|oi| b.map_or(0.0, |b| b[(oi / p) % s.cout] as f64))
+            .collect();
+        for_each_tap(s, |oi, xi, wi| out[oi] += x[xi] as f64 * w[wi] as f64);
+        out
+    }
+
+    /// f64 gradients of `Σ out · g` with respect to x and w, by the same direct loops.
+    fn reference_grads(s: &ConvShape, x: &[f32], w: &[f32], g: &[f32]) -> (Vec<f64>, Vec<f64>) {
+        let mut dx = vec![0f64; s.input_len()];
+        let mut dw = vec![0f64; s.weight_len()];
+        for_each_tap(s, |oi, xi, wi| {
+            dx[xi] += g[oi] as f64 * w[wi] as f64;
+            dw[wi] += g[oi] as f64 * x[xi] as f64;
+        });
         (dx, dw)
     }
 

@@ -140,23 +140,20 @@ fn pool_shape(x: &FloatTensor<Flex>, kernel: [usize; 2], stride: [usize; 2]) -> 
     ))
 }
 
-/// The kernel's shape for `x` `[rows, inputs]` and `weight` `[inputs, outputs]`, or `None`
-/// when it does not apply (not f32, not 2-D, or inner sizes differ).
-fn linear_shape(x: &FloatTensor<Flex>, weight: &FloatTensor<Flex>) -> Option<LinearShape> {
-    let (xs, ws) = (x.shape(), weight.shape());
-    if x.dtype() != DType::F32
-        || weight.dtype() != DType::F32
-        || xs.num_dims() != 2
-        || ws.num_dims() != 2
-        || xs[1] != ws[0]
-    {
-        return None;
-    }
-    Some(LinearShape {
-        rows: xs[0],
-        inputs: xs[1],
-        outputs: ws[1],
-    })
+/// The dims of two f32 matrices whose dims `a[i]` and `b[j]` agree (`(i, j)` = `shared`), or
+/// `None` when the linear kernels do not apply (another dtype, not 2-D, or sizes differ).
+fn f32_matrices(
+    a: &FloatTensor<Flex>,
+    b: &FloatTensor<Flex>,
+    (i, j): (usize, usize),
+) -> Option<([usize; 2], [usize; 2])> {
+    let (ash, bsh) = (a.shape(), b.shape());
+    let ok = a.dtype() == DType::F32
+        && b.dtype() == DType::F32
+        && ash.num_dims() == 2
+        && bsh.num_dims() == 2
+        && ash[i] == bsh[j];
+    ok.then(|| ([ash[0], ash[1]], [bsh[0], bsh[1]]))
 }
 
 /// The linear layer and its gradients from a backend's own float ops: the fallback where the
@@ -193,7 +190,7 @@ fn values(t: &FloatTensor<Flex>) -> std::borrow::Cow<'_, [f32]> {
     }
 }
 
-fn flex_tensor(values: Vec<f32>, shape: [usize; 4]) -> FloatTensor<Flex> {
+fn flex_tensor<const D: usize>(values: Vec<f32>, shape: [usize; D]) -> FloatTensor<Flex> {
     <FloatTensor<Flex>>::from_data(TensorData::new(values, shape))
 }
 
@@ -256,8 +253,14 @@ impl KilnKernels for Flex {
         weight: FloatTensor<Self>,
         bias: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        let Some(s) = linear_shape(&x, &weight).filter(|_| bias.dtype() == DType::F32) else {
+        let shapes = f32_matrices(&x, &weight, (1, 0)).filter(|_| bias.dtype() == DType::F32);
+        let Some(([rows, inputs], [_, outputs])) = shapes else {
             return linear_by_ops::forward::<Flex>(x, weight, bias);
+        };
+        let s = LinearShape {
+            rows,
+            inputs,
+            outputs,
         };
         let mut y = vec![0f32; s.rows * s.outputs];
         linear_forward(
@@ -267,53 +270,42 @@ impl KilnKernels for Flex {
             Some(&values(&bias)),
             &mut y,
         );
-        <FloatTensor<Flex>>::from_data(TensorData::new(y, [s.rows, s.outputs]))
+        flex_tensor(y, [s.rows, s.outputs])
     }
 
     fn kiln_linear_x_backward(
         weight: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        let (ws, gs) = (weight.shape(), output_grad.shape());
-        let applies = weight.dtype() == DType::F32
-            && output_grad.dtype() == DType::F32
-            && ws.num_dims() == 2
-            && gs.num_dims() == 2
-            && ws[1] == gs[1];
-        if !applies {
+        let Some(([inputs, outputs], [rows, _])) = f32_matrices(&weight, &output_grad, (1, 1))
+        else {
             return linear_by_ops::x_backward::<Flex>(weight, output_grad);
-        }
+        };
         let s = LinearShape {
-            rows: gs[0],
-            inputs: ws[0],
-            outputs: ws[1],
+            rows,
+            inputs,
+            outputs,
         };
         let mut dx = vec![0f32; s.rows * s.inputs];
         linear_input_grad(&s, &values(&output_grad), &values(&weight), &mut dx);
-        <FloatTensor<Flex>>::from_data(TensorData::new(dx, [s.rows, s.inputs]))
+        flex_tensor(dx, [s.rows, s.inputs])
     }
 
     fn kiln_linear_weight_backward(
         x: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        let (xs, gs) = (x.shape(), output_grad.shape());
-        let applies = x.dtype() == DType::F32
-            && output_grad.dtype() == DType::F32
-            && xs.num_dims() == 2
-            && gs.num_dims() == 2
-            && xs[0] == gs[0];
-        if !applies {
+        let Some(([rows, inputs], [_, outputs])) = f32_matrices(&x, &output_grad, (0, 0)) else {
             return linear_by_ops::weight_backward::<Flex>(x, output_grad);
-        }
+        };
         let s = LinearShape {
-            rows: xs[0],
-            inputs: xs[1],
-            outputs: gs[1],
+            rows,
+            inputs,
+            outputs,
         };
         let mut dw = vec![0f32; s.inputs * s.outputs];
         linear_weight_grad(&s, &values(&x), &values(&output_grad), &mut dw);
-        <FloatTensor<Flex>>::from_data(TensorData::new(dw, [s.inputs, s.outputs]))
+        flex_tensor(dw, [s.inputs, s.outputs])
     }
 
     fn kiln_max_pool2d(

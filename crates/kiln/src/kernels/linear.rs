@@ -7,7 +7,7 @@
 //! 64 × 9216 activation for `dW = xᵀ · g`). The GEMM here takes any strides, so nothing is
 //! copied.
 
-use super::conv::matmul;
+use super::conv::{matmul, pool_threads};
 
 /// Shape of one linear layer: `rows` inputs of `inputs` features to `outputs` features; the
 /// weight is `[inputs, outputs]` (Burn's row layout).
@@ -19,10 +19,6 @@ pub struct LinearShape {
     pub inputs: usize,
     /// Output features.
     pub outputs: usize,
-}
-
-fn threads() -> usize {
-    rayon::current_num_threads().max(1)
 }
 
 /// `y` `[rows, outputs]` = `x` `[rows, inputs]` · `weight` `[inputs, outputs]` + `bias`.
@@ -53,7 +49,7 @@ pub fn linear_forward(
         (s.inputs, 1),
         weight,
         (s.outputs, 1),
-        threads(),
+        pool_threads(),
     );
 }
 
@@ -73,7 +69,7 @@ pub fn linear_input_grad(s: &LinearShape, grad: &[f32], weight: &[f32], dx: &mut
         (s.outputs, 1),
         weight,
         (1, s.outputs),
-        threads(),
+        pool_threads(),
     );
 }
 
@@ -98,7 +94,7 @@ pub fn linear_weight_grad(s: &LinearShape, x: &[f32], grad: &[f32], dweight: &mu
         (1, s.inputs),
         grad,
         (s.outputs, 1),
-        threads(),
+        pool_threads(),
     );
 }
 
