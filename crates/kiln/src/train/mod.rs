@@ -19,7 +19,7 @@ pub use eval::{Evaluation, evaluate};
 pub use optimizer::build_optimizer;
 pub use params::flatten_params;
 pub use schedule::learning_rate;
-pub use trainer::{TrainOutcome, Trainer};
+pub use trainer::{TrainOutcome, Trainer, seeded_init};
 
 use crate::data::{Augment, LoaderOptions};
 use crate::guard::GuardOptions;

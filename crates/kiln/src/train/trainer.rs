@@ -681,7 +681,12 @@ impl<'s> Trainer<'s> {
 /// makes a seed mean the same weights even with concurrent trainers in one process.
 static INIT_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-fn seeded_init<M: Module>(device: &Device, seed: u64, init: impl FnOnce(&Device) -> M) -> M {
+/// Builds a model with `init` from `seed`, reproducibly even while other threads initialize
+/// models: the device's RNG is seeded, the model built and every parameter materialized under
+/// one process-wide lock (Burn's backends share one RNG and initialize lazily). Code that
+/// seeds and builds models itself alongside a [`Trainer`] (tests, tuners) should use this,
+/// or its draws can land between the trainer's seed and its weights.
+pub fn seeded_init<M: Module>(device: &Device, seed: u64, init: impl FnOnce(&Device) -> M) -> M {
     struct Touch;
     impl burn::module::ModuleVisitor for Touch {
         fn visit_float<const D: usize>(
