@@ -204,6 +204,75 @@ fn int8_keeps_accuracy_on_real_data() {
     }
 }
 
+/// `graph` with an exact identity BatchNorm (γ 1, β 0, mean 0, var 1, ε 0: scale and shift
+/// are exactly 1 and 0) after every int8 convolution. The executor runs BatchNorm on the
+/// device in NCHW, so every int8 convolution's channels-last output is transposed back and
+/// everything downstream takes the NCHW path: the reference for the channels-last chain.
+fn with_nchw_round_trips(graph: &Graph) -> Graph {
+    let mut out = Graph::new(&graph.model, graph.input_shape);
+    let mut renamed = std::collections::HashMap::new();
+    for node in &graph.nodes {
+        let inputs = node
+            .inputs
+            .iter()
+            .map(|v| *renamed.get(v).unwrap_or(v))
+            .collect();
+        let y = out.push(node.name.clone(), node.op.clone(), inputs);
+        let y = match &node.op {
+            Op::QConv2d { weight, .. } => out.push(
+                format!("{}_nchw", node.name),
+                Op::BatchNorm {
+                    gamma: vec![1.0; weight.rows],
+                    beta: vec![0.0; weight.rows],
+                    mean: vec![0.0; weight.rows],
+                    var: vec![1.0; weight.rows],
+                    eps: 0.0,
+                },
+                vec![y],
+            ),
+            _ => y,
+        };
+        renamed.insert(node.output, y);
+    }
+    out
+}
+
+/// Int8 layers hand channels-last activations to each other (convolution → ReLU → max pool
+/// → flatten → linear, and residual adds): the results are bit-identical to the NCHW path
+/// (same integers, same ranges; the linear layer's columns are permuted to match), on W2
+/// (= W3) and on the folded ResNet (W5) with its residual additions and global pooling.
+#[test]
+fn int8_channels_last_chain_matches_the_nchw_path_exactly() {
+    let device = Device::flex();
+    device.seed(5);
+    let cnn = ModelKind::Cnn.init_for_channels(1, &device);
+    let resnet = resnet_with_real_statistics(&device);
+    let cases: [(&ZooModel, &str, [usize; 3]); 2] =
+        [(&cnn, "cnn", [1, 28, 28]), (&resnet, "resnet", [3, 16, 16])];
+    for (model, name, shape) in cases {
+        let mut graph = infer::lower(model, name, shape).unwrap();
+        infer::run_passes(&mut graph, &Pass::ALL).unwrap();
+        let convs = graph
+            .nodes
+            .iter()
+            .filter(|n| matches!(n.op, Op::QConv2d { .. }))
+            .count();
+        assert!(convs >= 2, "{name}: {:?}", graph.op_counts());
+        let reference = with_nchw_round_trips(&graph);
+        for batch in [1, 5] {
+            let x = random_images(shape, batch, &device);
+            let run = |g: &Graph| {
+                let exec = infer::Executor::new(g.clone(), &device).unwrap();
+                values(exec.forward(x.clone()).unwrap())
+            };
+            let (ours, want) = (run(&graph), run(&reference));
+            assert_eq!(ours.len(), batch * 10);
+            assert!(ours.iter().all(|v| v.is_finite()), "{name}: {ours:?}");
+            assert_eq!(ours, want, "{name} batch {batch}");
+        }
+    }
+}
+
 /// The exported file parses back with opset 17, one node per graph node, every weight.
 #[test]
 fn onnx_export_round_trips_structurally() {

@@ -1,6 +1,8 @@
-//! Runs an inference [`Graph`] on a device: f32 ops through Burn (convolutions through
-//! [`crate::kernels::conv2d`], Kiln's GEMM kernel on the CPU), int8 ops through Kiln's integer
-//! kernel on the host.
+//! Runs an inference [`Graph`] on a device: f32 ops through Burn (convolutions, linear layers
+//! and max pooling through [`crate::kernels`], Kiln's kernels on the CPU), int8 ops through
+//! Kiln's integer kernel on the host. Int8 layers pass activations to each other
+//! channels-last on the host ([`Value::Nhwc`]), with their range measured as they are
+//! written, so a quantized chain neither transposes nor re-scans its activations.
 
 use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
 use burn::tensor::module::adaptive_avg_pool2d;
@@ -8,13 +10,14 @@ use burn::tensor::ops::ConvOptions;
 use burn::tensor::{Device, Tensor, TensorData};
 use rayon::prelude::*;
 
+use super::graph::QuantWeight;
 use super::graph::{ConvGeometry, Graph, Op, ValueId, Weight, batch_norm_affine};
 use super::int8::{
-    ActivationQuant, Kernel, PackedWeights, QuantizedActivations, conv_dequantized,
-    matmul_dequantized, pack_conv_weights,
+    ActivationQuant, ImageLayout, Kernel, PackedWeights, QuantizedActivations, matmul_dequantized,
+    pack_conv_weights, range_of,
 };
 use crate::error::{KilnError, Result};
-use crate::kernels::pool::{PoolShape, max_pool2d_forward};
+use crate::kernels::pool::{PoolShape, max_pool2d_forward, max_pool2d_nhwc};
 
 /// A value flowing through the graph: on the device, or on the host between int8 ops (so a
 /// chain of quantized layers never round-trips through the device).
@@ -26,6 +29,18 @@ enum Value {
     Image(Tensor<4>),
     /// Row-major host values with their dims (`[B, F]` or `[B, C, H, W]`).
     Host(Vec<f32>, Vec<usize>),
+    /// Channels-last host images, `[B, H, W, C]`: what the int8 convolution writes (its
+    /// GEMM's natural order), read as such by the next int8 convolution, ReLU, max pool and
+    /// int8 linear layer, so a quantized chain never transposes. `flat` marks a flattened
+    /// value (`[B, H·W·C]` logically, still channels-last in memory). Any other consumer gets
+    /// it transposed to NCHW. `range` is the values' `(min, 0) .. (max, 0)` when known (the
+    /// int8 GEMM's epilogue measures it), so the next int8 layer need not scan them again.
+    Nhwc {
+        data: Vec<f32>,
+        dims: [usize; 4],
+        flat: bool,
+        range: Option<(f32, f32)>,
+    },
 }
 
 /// An op with its constants already on the device (or widened for the int8 kernel).
@@ -54,6 +69,10 @@ enum Prepared {
     Identity,
     QLinear {
         weight: PackedWeights,
+        /// The quantized weights as imported, re-packed (once) with their columns in
+        /// channels-last order when the input arrives as a flattened [`Value::Nhwc`].
+        source: QuantWeight,
+        nhwc: std::sync::OnceLock<([usize; 3], PackedWeights)>,
         bias: Option<Vec<f32>>,
         relu: bool,
     },
@@ -135,6 +154,8 @@ impl Executor {
                 Op::Dropout { .. } => Prepared::Identity,
                 Op::QLinear { weight, bias, relu } => Prepared::QLinear {
                     weight: PackedWeights::new(weight, Kernel::detect()),
+                    source: weight.clone(),
+                    nhwc: std::sync::OnceLock::new(),
                     bias: bias.clone(),
                     relu: *relu,
                 },
@@ -238,7 +259,32 @@ fn image(v: Value, device: &Device) -> std::result::Result<Tensor<4>, String> {
         )),
         Value::Host(_, dims) => Err(format!("expects an image, got {dims:?}")),
         Value::Flat(t) => Err(format!("expects an image, got {:?}", t.dims())),
+        Value::Nhwc { flat: true, .. } => Err("expects an image, got a flattened one".into()),
+        Value::Nhwc { data, dims, .. } => {
+            let [b, h, w, c] = dims;
+            Ok(host_tensor(nhwc_to_nchw(&data, dims), [b, c, h, w], device))
+        }
     }
+}
+
+/// Transposes channels-last `[B, H, W, C]` values to `[B, C, H, W]`.
+fn nhwc_to_nchw(x: &[f32], [b, h, w, c]: [usize; 4]) -> Vec<f32> {
+    let plane = h * w;
+    let mut y = vec![0f32; x.len()];
+    if y.is_empty() {
+        return y;
+    }
+    y.par_chunks_mut(c * plane)
+        .zip(x.par_chunks(c * plane))
+        .take(b)
+        .for_each(|(out, img)| {
+            for (p, px) in img.chunks_exact(c).enumerate() {
+                for (ch, v) in px.iter().enumerate() {
+                    out[ch * plane + p] = *v;
+                }
+            }
+        });
+    y
 }
 
 /// The value as a device batch `[B, F]` (images are flattened).
@@ -250,6 +296,10 @@ fn flat(v: Value, device: &Device) -> std::result::Result<Tensor<2>, String> {
             let b = dims.first().copied().unwrap_or(1);
             let f = data.len() / b.max(1);
             Ok(host_tensor(data, [b, f], device))
+        }
+        Value::Nhwc { data, dims, .. } => {
+            let f = data.len() / dims[0].max(1);
+            Ok(host_tensor(nhwc_to_nchw(&data, dims), [dims[0], f], device))
         }
     }
 }
@@ -265,6 +315,17 @@ fn host(v: Value) -> (Vec<f32>, Vec<usize>) {
         Value::Flat(t) => {
             let dims = t.dims().to_vec();
             (host_values(t), dims)
+        }
+        Value::Nhwc {
+            data, dims, flat, ..
+        } => {
+            let [b, h, w, c] = dims;
+            let nchw = nhwc_to_nchw(&data, dims);
+            if flat {
+                (nchw, vec![b, c * h * w])
+            } else {
+                (nchw, vec![b, c, h, w])
+            }
         }
     }
 }
@@ -310,8 +371,46 @@ fn run(
                 data.par_iter_mut().for_each(|v| *v = v.max(0.0));
                 Value::Host(data, dims)
             }
+            Value::Nhwc {
+                mut data,
+                dims,
+                flat,
+                range,
+            } => {
+                data.par_iter_mut().for_each(|v| *v = v.max(0.0));
+                Value::Nhwc {
+                    data,
+                    dims,
+                    flat,
+                    // ReLU maps the range's low end to 0 and keeps its high end.
+                    range: range.map(|(_, hi)| (0.0, hi)),
+                }
+            }
         },
         Prepared::MaxPool(pool) => match x {
+            Value::Nhwc {
+                data,
+                dims: [b, h, w, c],
+                flat: false,
+                range,
+            } => {
+                let s = PoolShape::nchw([b, 1, h, w], pool.kernel_size, pool.stride);
+                let y = max_pool2d_nhwc(&s, c, &data);
+                // The pooled values' max is the input's when the windows cover every input
+                // pixel; their min (clamped to 0) is unchanged when the input's is 0 (ReLU
+                // outputs). Otherwise the range is measured afresh.
+                let covers = h >= s.kh
+                    && w >= s.kw
+                    && (h - s.kh).is_multiple_of(s.stride[0])
+                    && (w - s.kw).is_multiple_of(s.stride[1]);
+                let range = range.filter(|(lo, _)| covers && *lo == 0.0);
+                Value::Nhwc {
+                    data: y,
+                    dims: [b, s.out_h(), s.out_w(), c],
+                    flat: false,
+                    range,
+                }
+            }
             Value::Host(data, dims) if dims.len() == 4 => {
                 let (y, out) = host_max_pool(&data, &dims, pool.kernel_size, pool.stride);
                 Value::Host(y, out)
@@ -330,23 +429,86 @@ fn run(
                 Value::Host(data, vec![b, f])
             }
             flat @ Value::Flat(_) => flat,
+            Value::Nhwc {
+                data, dims, range, ..
+            } => Value::Nhwc {
+                data,
+                dims,
+                flat: true,
+                range,
+            },
         },
         Prepared::Add => {
             let y = inputs.pop().ok_or("Add needs two inputs")?;
             match (x, y) {
+                // Two channels-last results of int8 layers (a residual block): added in
+                // place on the host.
+                (
+                    Value::Nhwc {
+                        mut data,
+                        dims,
+                        flat,
+                        ..
+                    },
+                    Value::Nhwc {
+                        data: other,
+                        dims: other_dims,
+                        flat: other_flat,
+                        ..
+                    },
+                ) if (dims, flat) == (other_dims, other_flat) => {
+                    data.par_iter_mut()
+                        .zip(other.par_iter())
+                        .for_each(|(a, b)| *a += b);
+                    Value::Nhwc {
+                        data,
+                        dims,
+                        flat,
+                        range: None,
+                    }
+                }
                 (Value::Flat(a), y) => Value::Flat(a + flat(y, device)?),
                 (a, y) => Value::Image(image(a, device)? + image(y, device)?),
             }
         }
         Prepared::Identity => x,
-        Prepared::QLinear { weight, bias, relu } => {
+        Prepared::QLinear {
+            weight,
+            source,
+            nhwc,
+            bias,
+            relu,
+        } => {
+            if let Value::Nhwc {
+                data, dims, range, ..
+            } = &x
+            {
+                let [b, h, w, c] = *dims;
+                let k = h * w * c;
+                if k != weight.cols {
+                    return Err(format!("expects {} features, got {k}", weight.cols));
+                }
+                let (packed_for, packed) =
+                    nhwc.get_or_init(|| ([h, w, c], nhwc_columns(source, [h, w, c])));
+                // A different image size than the first call's cannot happen for a model
+                // with a fixed input; repack for it rather than misread.
+                let repacked;
+                let packed = if *packed_for == [h, w, c] {
+                    packed
+                } else {
+                    repacked = nhwc_columns(source, [h, w, c]);
+                    &repacked
+                };
+                let y = quantized_matmul(data, *range, k, packed, bias.as_deref(), *relu);
+                return Ok(Value::Host(y, vec![b, weight.rows]));
+            }
             let (values, dims) = host(x);
             let b = dims.first().copied().unwrap_or(1);
             let k = values.len() / b.max(1);
             if k != weight.cols {
                 return Err(format!("expects {} features, got {k}", weight.cols));
             }
-            let y = quantized_matmul(&values, k, weight, bias.as_deref(), *relu);
+            let y = quantized_matmul(&values, None, k, weight, bias.as_deref(), *relu);
             Value::Host(y, vec![b, weight.rows])
         }
         Prepared::QConv {
@@ -355,13 +517,28 @@ fn run(
             geometry,
             relu,
         } => {
-            let (values, dims) = host(x);
-            let dims: [usize; 4] = dims
-                .try_into()
-                .map_err(|d| format!("expects an image, got {d:?}"))?;
-            let (y, out_dims) =
-                quantized_conv(&values, dims, weight, bias.as_deref(), geometry, *relu)?;
-            Value::Host(y, out_dims.to_vec())
+            let (values, dims, layout, range) = match x {
+                Value::Nhwc {
+                    data,
+                    dims: [b, h, w, c],
+                    flat: false,
+                    range,
+                } => (data, [b, c, h, w], ImageLayout::Nhwc, range),
+                other => {
+                    let (values, dims) = host(other);
+                    let dims: [usize; 4] = dims
+                        .try_into()
+                        .map_err(|d| format!("expects an image, got {d:?}"))?;
+                    (values, dims, ImageLayout::Nchw, None)
+                }
+            };
+            let input = ConvInput {
+                values: &values,
+                dims,
+                layout,
+                range,
+            };
+            quantized_conv(input, weight, bias.as_deref(), geometry, *relu)?
         }
     })
 }
@@ -379,29 +556,64 @@ fn host_max_pool(
     (y, vec![dims[0], dims[1], s.out_h(), s.out_w()])
 }
 
-/// `x [m × k] → [m × n]`: quantize x per batch, integer matmul, dequantize, add the bias.
+/// `x [m × k] → [m × n]`: quantize x per batch (over `range` when known), integer matmul,
+/// dequantize, add the bias.
 fn quantized_matmul(
     x: &[f32],
+    range: Option<(f32, f32)>,
     k: usize,
     weight: &PackedWeights,
     bias: Option<&[f32]>,
     relu: bool,
 ) -> Vec<f32> {
-    let quant = ActivationQuant::for_values(x);
+    let quant = ActivationQuant::for_range(range.unwrap_or_else(|| range_of(x)));
     let a = QuantizedActivations::new(x, k, quant, weight.kernel());
-    matmul_dequantized(&a, weight, bias, relu)
+    matmul_dequantized(&a, weight, bias, relu).0
 }
-/// Int8 convolution as an implicit GEMM: the input is quantized once into a padded NHWC u8
-/// image and the kernel reads each output pixel's taps from it in place (no patch matrix);
-/// the result is dequantized straight into NCHW.
-fn quantized_conv(
-    x: &[f32],
+/// The int8 linear weights with their columns reordered from the model's flatten order
+/// (channel, y, x) to channels-last (y, x, channel) for an input of `[h, w, c]` images.
+fn nhwc_columns(w: &QuantWeight, [h, w_, c]: [usize; 3]) -> PackedWeights {
+    let plane = h * w_;
+    let mut values = vec![0i8; w.values.len()];
+    for (src, dst) in w
+        .values
+        .chunks_exact(w.cols)
+        .zip(values.chunks_exact_mut(w.cols))
+    {
+        for ch in 0..c {
+            for p in 0..plane {
+                dst[p * c + ch] = src[ch * plane + p];
+            }
+        }
+    }
+    let reordered = QuantWeight {
+        values,
+        ..w.clone()
+    };
+    PackedWeights::new(&reordered, Kernel::detect())
+}
+
+/// An int8 convolution's input: `[B, C, H, W]` images stored in `layout`, with their range
+/// when known.
+struct ConvInput<'a> {
+    values: &'a [f32],
     dims: [usize; 4],
+    layout: ImageLayout,
+    range: Option<(f32, f32)>,
+}
+
+/// Int8 convolution as an implicit GEMM: the input (`[B, C, H, W]` images stored in `layout`)
+/// is quantized once into a padded NHWC u8 image and the kernel reads each output pixel's taps
+/// from it in place (no patch matrix); the result is dequantized straight into a channels-last
+/// [`Value::Nhwc`] `[B, H', W', C']` (the GEMM's own row order) with its measured range.
+fn quantized_conv(
+    x: ConvInput,
     weight: &PackedWeights,
     bias: Option<&[f32]>,
     g: &ConvGeometry,
     relu: bool,
-) -> std::result::Result<(Vec<f32>, [usize; 4]), String> {
+) -> std::result::Result<Value, String> {
+    let dims = x.dims;
     if g.groups != 1 {
         return Err("grouped int8 convolution is not supported".into());
     }
@@ -413,14 +625,20 @@ fn quantized_conv(
     {
         return Err(format!("input {h}×{w} is smaller than the kernel"));
     }
-    let quant = ActivationQuant::for_values(x);
-    let (a, ho, wo) = QuantizedActivations::for_conv(x, dims, g, quant, weight.kernel());
+    let quant = ActivationQuant::for_range(x.range.unwrap_or_else(|| range_of(x.values)));
+    let (a, ho, wo) =
+        QuantizedActivations::for_conv(x.values, dims, x.layout, g, quant, weight.kernel());
     if a.cols != weight.cols {
         return Err(format!(
             "input has {} channels per tap group, the weights {}",
             a.cols, weight.cols
         ));
     }
-    let y = conv_dequantized(&a, weight, bias, relu, ho * wo);
-    Ok((y, [b, weight.rows, ho, wo]))
+    let (data, range) = matmul_dequantized(&a, weight, bias, relu);
+    Ok(Value::Nhwc {
+        data,
+        dims: [b, ho, wo, weight.rows],
+        flat: false,
+        range: Some(range),
+    })
 }

@@ -27,6 +27,19 @@ use super::graph::{ConvGeometry, QuantWeight};
 
 /// Bytes past a convolution's image that a padded K-group may read (< one group; generous).
 const K_SLACK: usize = 64;
+/// How a batch of images is stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ImageLayout {
+    /// `[batch, channels, h, w]` (Burn's and the model's layout).
+    Nchw,
+    /// `[batch, h, w, channels]` (channels-last: what the int8 GEMM produces).
+    Nhwc,
+}
+
+/// Multiply-adds below which [`gemm_with`] runs its tasks on the calling thread (~10 µs of
+/// VNNI work).
+const SEQUENTIAL_MACS: usize = 1 << 21;
+
 /// Largest weight magnitude (symmetric: −127..=127).
 const QMAX: f32 = 127.0;
 
@@ -71,24 +84,55 @@ pub enum Kernel {
 }
 
 impl Kernel {
-    /// The best kernel this CPU supports (detected once).
+    /// The kernel int8 layers use (decided once): the best this CPU supports, or the one
+    /// named by the `KILN_INT8_KERNEL` environment variable (`avx512-vnni`, `avx2`, `scalar`)
+    /// when the CPU supports it — so the AVX2 path can be measured on a VNNI machine.
     pub fn detect() -> Kernel {
         static KERNEL: OnceLock<Kernel> = OnceLock::new();
         *KERNEL.get_or_init(|| {
-            #[cfg(target_arch = "x86_64")]
-            {
-                if std::arch::is_x86_feature_detected!("avx512f")
-                    && std::arch::is_x86_feature_detected!("avx512bw")
-                    && std::arch::is_x86_feature_detected!("avx512vnni")
-                {
-                    return Kernel::Vnni512;
+            let best = Kernel::best_supported();
+            let Ok(name) = std::env::var("KILN_INT8_KERNEL") else {
+                return best;
+            };
+            let all = [Kernel::Vnni512, Kernel::Avx2, Kernel::Scalar];
+            match all.into_iter().find(|k| k.name() == name) {
+                // Kernels are ordered best first: one at or after `best` runs here.
+                Some(k) if k as u8 >= best as u8 => k,
+                Some(k) => {
+                    tracing::warn!(
+                        "KILN_INT8_KERNEL={name}: this CPU lacks {}; using {}",
+                        k.name(),
+                        best.name()
+                    );
+                    best
                 }
-                if std::arch::is_x86_feature_detected!("avx2") {
-                    return Kernel::Avx2;
+                None => {
+                    tracing::warn!(
+                        "KILN_INT8_KERNEL={name} is not a kernel (avx512-vnni, avx2, scalar); \
+                         using {}",
+                        best.name()
+                    );
+                    best
                 }
             }
-            Kernel::Scalar
         })
+    }
+
+    /// The best kernel this CPU supports.
+    fn best_supported() -> Kernel {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bw")
+                && std::arch::is_x86_feature_detected!("avx512vnni")
+            {
+                return Kernel::Vnni512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2") {
+                return Kernel::Avx2;
+            }
+        }
+        Kernel::Scalar
     }
 
     /// Name for reports.
@@ -179,6 +223,77 @@ impl PackedWeights {
     }
 }
 
+/// Values scanned per task when finding an activation's range (and below which one thread
+/// scans them all).
+const PARALLEL_SCAN: usize = 1 << 15;
+
+/// `(min(x, 0), max(x, 0))`, NaNs ignored, with AVX2's packed min/max where the CPU has it:
+/// the scan runs on every row the int8 GEMM writes, and the portable loop compiles to SSE2
+/// compare-and-blend sequences at several times the cost (it was a quarter of W3's int8 time).
+fn min_max(x: &[f32]) -> (f32, f32) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 was detected just above.
+        return unsafe { min_max_avx2(x) };
+    }
+    min_max_portable(x)
+}
+
+/// [`min_max`] without SIMD intrinsics (comparisons, not `f32::min`, so a NaN never wins).
+fn min_max_portable(x: &[f32]) -> (f32, f32) {
+    x.iter().fold((0f32, 0f32), |(lo, hi), v| {
+        (if *v < lo { *v } else { lo }, if *v > hi { *v } else { hi })
+    })
+}
+
+/// [`min_max`] over 8-lane registers. `vminps(x, acc)` returns `acc` when `x` is NaN, so NaNs
+/// are skipped exactly as in the portable loop.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn min_max_avx2(x: &[f32]) -> (f32, f32) {
+    use std::arch::x86_64::*;
+    let chunks = x.chunks_exact(8);
+    let tail = chunks.remainder();
+    let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    for c in chunks {
+        // SAFETY: `c` holds 8 f32s.
+        let v = unsafe { _mm256_loadu_ps(c.as_ptr()) };
+        lo = _mm256_min_ps(v, lo);
+        hi = _mm256_max_ps(v, hi);
+    }
+    let (mut l, mut h) = ([0f32; 8], [0f32; 8]);
+    // SAFETY: each array holds 8 f32s.
+    unsafe {
+        _mm256_storeu_ps(l.as_mut_ptr(), lo);
+        _mm256_storeu_ps(h.as_mut_ptr(), hi);
+    }
+    let (tl, th) = min_max_portable(tail);
+    let (l, _) = min_max_portable(&l);
+    let (_, h) = min_max_portable(&h);
+    (l.min(tl), h.max(th))
+}
+
+/// `(min(x, 0), max(x, 0))` of activations, NaNs ignored: the range dynamic quantization
+/// covers.
+pub fn range_of(x: &[f32]) -> (f32, f32) {
+    // Small inputs (batch 1) are scanned on this thread: a rayon dispatch costs more.
+    if x.len() < PARALLEL_SCAN {
+        min_max(x)
+    } else {
+        x.par_chunks(PARALLEL_SCAN)
+            .map(min_max)
+            .reduce(|| (0.0, 0.0), widest)
+    }
+}
+
+/// The union of two `(lo, hi)` ranges.
+fn widest(a: (f32, f32), b: (f32, f32)) -> (f32, f32) {
+    (a.0.min(b.0), a.1.max(b.1))
+}
+
 /// Per-batch activation quantization parameters: `x ≈ (q − zero_point) · scale`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ActivationQuant {
@@ -191,13 +306,13 @@ pub struct ActivationQuant {
 impl ActivationQuant {
     /// Parameters covering `[min(x, 0), max(x, 0)]` with 256 levels.
     pub fn for_values(x: &[f32]) -> Self {
-        let (lo, hi) = x
-            .par_chunks(1 << 14)
-            .map(|c| {
-                c.iter()
-                    .fold((0f32, 0f32), |(lo, hi), v| (lo.min(*v), hi.max(*v)))
-            })
-            .reduce(|| (0.0, 0.0), |a, b| (a.0.min(b.0), a.1.max(b.1)));
+        Self::for_range(range_of(x))
+    }
+
+    /// Parameters covering `(lo, hi)` = `(min(x, 0), max(x, 0))` with 256 levels, for values
+    /// whose range is already known (see [`matmul_dequantized`]).
+    pub fn for_range((lo, hi): (f32, f32)) -> Self {
+        let (lo, hi) = (lo.min(0.0), hi.max(0.0));
         let range = hi - lo;
         if !(range > 0.0 && range.is_finite()) {
             return ActivationQuant {
@@ -293,13 +408,15 @@ impl QuantizedActivations {
         )
     }
 
-    /// The implicit-GEMM operand of a convolution over NCHW `x` of `dims`: the input is
-    /// quantized once into a zero-point-padded NHWC image (channels padded to the K-group);
-    /// row `(n, oy, ox)` is an output pixel, K runs over (ky, kx, channel). Returns the operand
-    /// and the output size (ho, wo). Pack the weights with [`pack_conv_weights`].
+    /// The implicit-GEMM operand of a convolution over `x` (`[b, ci, h, w]` images stored as
+    /// `stored`): the input is quantized once into a zero-point-padded NHWC image (channels
+    /// padded to the K-group); row `(n, oy, ox)` is an output pixel, K runs over (ky, kx,
+    /// channel). Returns the operand and the output size (ho, wo). Pack the weights with
+    /// [`pack_conv_weights`].
     pub fn for_conv(
         x: &[f32],
         [b, ci, h, w]: [usize; 4],
+        stored: ImageLayout,
         geometry: &ConvGeometry,
         quant: ActivationQuant,
         kernel: Kernel,
@@ -325,22 +442,51 @@ impl QuantizedActivations {
         // those reads in bounds (their weights are zero).
         let image = b * hp * wp * cp;
         let mut bytes = vec![quant.zero_point; image + K_SLACK];
-        bytes[..image]
-            .par_chunks_mut(wp * cp)
-            .enumerate()
-            .for_each(|(row, out)| {
-                let (n, yp) = (row / hp, row % hp);
-                if yp < top || yp >= top + h {
-                    return;
-                }
-                let y = yp - top;
-                for c in 0..ci {
-                    let src = &x[((n * ci + c) * h + y) * w..][..w];
-                    for (xx, v) in src.iter().enumerate() {
-                        out[(xx + left) * cp + c] = q(*v);
+        let fill_row = |(row, out): (usize, &mut [u8])| {
+            let (n, yp) = (row / hp, row % hp);
+            if yp < top || yp >= top + h {
+                return;
+            }
+            let y = yp - top;
+            match stored {
+                ImageLayout::Nchw => {
+                    for c in 0..ci {
+                        let src = &x[((n * ci + c) * h + y) * w..][..w];
+                        for (xx, v) in src.iter().enumerate() {
+                            out[(xx + left) * cp + c] = q(*v);
+                        }
                     }
                 }
-            });
+                // Channels-last input: the row is already in the operand's order, one
+                // contiguous quantizing pass when the channels need no padding.
+                ImageLayout::Nhwc => {
+                    let src = &x[(n * h + y) * w * ci..][..w * ci];
+                    if cp == ci {
+                        for (o, v) in out[left * ci..][..w * ci].iter_mut().zip(src) {
+                            *o = q(*v);
+                        }
+                    } else {
+                        for (xx, px) in src.chunks_exact(ci).enumerate() {
+                            for (o, v) in out[(xx + left) * cp..][..ci].iter_mut().zip(px) {
+                                *o = q(*v);
+                            }
+                        }
+                    }
+                }
+            }
+        };
+        // Small images (batch 1) are quantized on this thread: a rayon dispatch costs more.
+        if image < PARALLEL_SCAN {
+            bytes[..image]
+                .chunks_mut(wp * cp)
+                .enumerate()
+                .for_each(fill_row);
+        } else {
+            bytes[..image]
+                .par_chunks_mut(wp * cp)
+                .enumerate()
+                .for_each(fill_row);
+        }
         let plane = ho * wo;
         let bases = (0..b * plane)
             .map(|i| {
@@ -512,7 +658,7 @@ pub fn gemm_with(
     let tasks: Vec<(usize, usize)> = (0..m.div_ceil(row_chunk))
         .flat_map(|ri| (0..w.blocks.div_ceil(block_chunk)).map(move |bi| (ri, bi)))
         .collect();
-    tasks.par_iter().for_each(|&(ri, bi)| {
+    let task = |&(ri, bi): &(usize, usize)| {
         let rows = ri * row_chunk..((ri + 1) * row_chunk).min(m);
         let blocks = bi * block_chunk..((bi + 1) * block_chunk).min(w.blocks);
         let stride = blocks.len() * lanes;
@@ -530,63 +676,159 @@ pub fn gemm_with(
         };
         let chans = blocks.start * lanes..(blocks.end * lanes).min(n);
         epilogue(rows, chans, &tile, stride);
-    });
+    };
+    // A small product (batch-1 layers: tens of microseconds of work) runs on this thread:
+    // waking the pool's workers costs about as much as the product itself.
+    if m * n * a.cols < SEQUENTIAL_MACS {
+        tasks.iter().for_each(task);
+    } else {
+        tasks.par_iter().for_each(task);
+    }
 }
 
 /// Dequantizes `x`'s product with `w` straight into row-major f32 `[m × n]`:
-/// `y = s_x·s_j·(acc − z·Σq_w[j]) + b[j]`, then `max(y, 0)` when `relu`.
+/// `y = s_x·s_j·(acc − z·Σq_w[j]) + b[j]`, then `max(y, 0)` when `relu`. For a convolution's
+/// operand (rows are output pixels) this is the channels-last (NHWC) output.
+///
+/// Also returns the result's [`range_of`], taken from each row while it is still in cache:
+/// the next int8 layer quantizes with it instead of re-reading megabytes of activations.
 pub fn matmul_dequantized(
     a: &QuantizedActivations,
     w: &PackedWeights,
     bias: Option<&[f32]>,
     relu: bool,
-) -> Vec<f32> {
+) -> (Vec<f32>, (f32, f32)) {
     let n = w.rows;
     let (scale, offset) = affine(a, w, bias);
     let floor = if relu { 0.0 } else { f32::NEG_INFINITY };
-    let mut y = vec![0f32; a.rows * n];
-    let ptr = SharedOut(y.as_mut_ptr());
+    let len = a.rows * n;
+    // Not zero-filled first: every element is written below, and zeroing megabytes of
+    // output was a pass of its own (a fifth of the memset time in W3's int8 profile).
+    let mut y: Vec<f32> = Vec::with_capacity(len);
+    let ptr = SharedOut(y.spare_capacity_mut().as_mut_ptr());
+    let range = std::sync::Mutex::new((0f32, 0f32));
     gemm_with(a, w, |rows, chans, tile, stride| {
-        for (r, i) in rows.enumerate() {
-            for (c, j) in chans.clone().enumerate() {
-                let v = (tile[r * stride + c] as f32 * scale[j] + offset[j]).max(floor);
-                // SAFETY: tasks cover disjoint (row, channel) rectangles of `y`.
-                unsafe { *ptr.get().add(i * n + j) = v };
-            }
-        }
+        let columns = Columns {
+            scale: &scale[chans.clone()],
+            offset: &offset[chans.clone()],
+            floor,
+        };
+        // SAFETY: tasks cover disjoint (row, channel) rectangles of `y`'s capacity, so these
+        // rows × columns of it are this task's alone.
+        let local = unsafe {
+            let out = ptr.get().add(rows.start * n + chans.start) as *mut f32;
+            dequantize_rect(tile, stride, rows.len(), &columns, out, n)
+        };
+        let mut range = range.lock().unwrap_or_else(|e| e.into_inner());
+        *range = widest(*range, local);
     });
-    y
+    // SAFETY: `gemm_with` hands every (row, channel) of the m × n result to exactly one
+    // epilogue call, and each writes all of its rectangle: all `len` elements are set.
+    unsafe { y.set_len(len) };
+    let range = range.into_inner().unwrap_or_else(|e| e.into_inner());
+    (y, range)
 }
 
-/// Like [`matmul_dequantized`] for a convolution: rows are `(sample, position)` pairs and the
-/// result is written straight into NCHW `[B, n, plane]`.
-pub fn conv_dequantized(
-    a: &QuantizedActivations,
-    w: &PackedWeights,
-    bias: Option<&[f32]>,
-    relu: bool,
-    plane: usize,
-) -> Vec<f32> {
-    let n = w.rows;
-    let (scale, offset) = affine(a, w, bias);
-    let floor = if relu { 0.0 } else { f32::NEG_INFINITY };
-    let mut y = vec![0f32; a.rows * n];
-    let ptr = SharedOut(y.as_mut_ptr());
-    gemm_with(a, w, |rows, chans, tile, stride| {
-        // Each tile row's NCHW offset without its channel term, computed once per tile;
-        // channel-outer so consecutive rows write consecutive positions of one plane.
-        let bases: Vec<usize> = rows.map(|i| (i / plane) * n * plane + i % plane).collect();
-        for (c, j) in chans.enumerate() {
-            let (sc, of) = (scale[j], offset[j]);
-            for (r, base) in bases.iter().enumerate() {
-                let v = (tile[r * stride + c] as f32 * sc + of).max(floor);
-                // SAFETY: tasks cover disjoint (row, channel) rectangles, and each maps to
-                // its own NCHW elements.
-                unsafe { *ptr.get().add(base + j * plane) = v };
+/// Per-column constants of the dequantizing epilogue: `y = max(acc · scale + offset, floor)`.
+struct Columns<'a> {
+    scale: &'a [f32],
+    offset: &'a [f32],
+    floor: f32,
+}
+
+/// Dequantizes `rows` rows of `acc` (row stride `acc_stride`, `columns.scale.len()` values
+/// each) into `out` (row stride `out_stride`) and returns the [`range_of`] what it wrote —
+/// measured here, while the values are in registers, so the next int8 layer never scans its
+/// input again.
+///
+/// # Safety
+/// `out` must be valid for writes of `rows` rows of `columns.scale.len()` f32s, `out_stride`
+/// apart, that nothing else accesses meanwhile; `acc` must hold the rows.
+unsafe fn dequantize_rect(
+    acc: &[i32],
+    acc_stride: usize,
+    rows: usize,
+    columns: &Columns,
+    out: *mut f32,
+    out_stride: usize,
+) -> (f32, f32) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 was detected; the rest is the caller's contract.
+        return unsafe { dequantize_rect_avx2(acc, acc_stride, rows, columns, out, out_stride) };
+    }
+    let (cols, mut range) = (columns.scale.len(), (0f32, 0f32));
+    for r in 0..rows {
+        let acc = &acc[r * acc_stride..][..cols];
+        for (j, t) in acc.iter().enumerate() {
+            let v = *t as f32 * columns.scale[j] + columns.offset[j];
+            // A comparison, not `f32::max`: a NaN (from a non-finite scale) gives the floor,
+            // as `vmaxps` does in the AVX2 version.
+            let v = if v > columns.floor { v } else { columns.floor };
+            // SAFETY: inside the caller's rectangle.
+            unsafe { out.add(r * out_stride + j).write(v) };
+            range = widest(range, (v, v));
+        }
+    }
+    range
+}
+
+/// [`dequantize_rect`] eight columns at a time (multiply then add, not FMA, so the values are
+/// bit-identical to the portable loop's).
+///
+/// # Safety
+/// As [`dequantize_rect`], and the CPU must support AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn dequantize_rect_avx2(
+    acc: &[i32],
+    acc_stride: usize,
+    rows: usize,
+    columns: &Columns,
+    out: *mut f32,
+    out_stride: usize,
+) -> (f32, f32) {
+    use std::arch::x86_64::*;
+    let cols = columns.scale.len();
+    let full = cols / 8 * 8;
+    let floor = _mm256_set1_ps(columns.floor);
+    let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let mut range = (0f32, 0f32);
+    for r in 0..rows {
+        let row = &acc[r * acc_stride..][..cols];
+        // SAFETY: inside the caller's rectangle.
+        let dst = unsafe { out.add(r * out_stride) };
+        for j in (0..full).step_by(8) {
+            // SAFETY: j + 8 ≤ cols for the accumulator row, the constants and the output.
+            unsafe {
+                let a = _mm256_cvtepi32_ps(_mm256_loadu_si256(row.as_ptr().add(j) as *const _));
+                let s = _mm256_loadu_ps(columns.scale.as_ptr().add(j));
+                let o = _mm256_loadu_ps(columns.offset.as_ptr().add(j));
+                let v = _mm256_max_ps(_mm256_add_ps(_mm256_mul_ps(a, s), o), floor);
+                _mm256_storeu_ps(dst.add(j), v);
+                lo = _mm256_min_ps(v, lo);
+                hi = _mm256_max_ps(v, hi);
             }
         }
-    });
-    y
+        let tail = row[full..]
+            .iter()
+            .zip(&columns.scale[full..])
+            .zip(&columns.offset[full..]);
+        for (j, ((t, s), o)) in (full..cols).zip(tail) {
+            let v = *t as f32 * s + o;
+            let v = if v > columns.floor { v } else { columns.floor };
+            // SAFETY: inside the caller's rectangle.
+            unsafe { dst.add(j).write(v) };
+            range = widest(range, (v, v));
+        }
+    }
+    let (mut l, mut h) = ([0f32; 8], [0f32; 8]);
+    // SAFETY: each array holds 8 f32s.
+    unsafe {
+        _mm256_storeu_ps(l.as_mut_ptr(), lo);
+        _mm256_storeu_ps(h.as_mut_ptr(), hi);
+    }
+    widest(range, (min_max_portable(&l).0, min_max_portable(&h).1))
 }
 
 /// A raw output pointer shared by the tasks of [`gemm_with`]'s epilogues, each writing its
@@ -902,7 +1144,8 @@ mod tests {
         let kernel = Kernel::detect();
         let a = QuantizedActivations::new(&xv, k, quant, kernel);
         let w = PackedWeights::new(&quantize_rows(&wv, n, k), kernel);
-        let y = matmul_dequantized(&a, &w, None, false);
+        let (y, range) = matmul_dequantized(&a, &w, None, false);
+        assert_eq!(range, range_of(&y));
         let mut worst = 0f32;
         let mut norm = 0f32;
         for i in 0..m {
@@ -976,8 +1219,14 @@ mod tests {
                 }
             };
             for &kernel in &kernels {
-                let (a, ho, wo) =
-                    QuantizedActivations::for_conv(&x, [b, ci, h, w], &geometry, quant, kernel);
+                let (a, ho, wo) = QuantizedActivations::for_conv(
+                    &x,
+                    [b, ci, h, w],
+                    ImageLayout::Nchw,
+                    &geometry,
+                    quant,
+                    kernel,
+                );
                 let span = |k: usize, d: usize| d * (k - 1) + 1;
                 assert_eq!(
                     (ho, wo),
@@ -988,6 +1237,24 @@ mod tests {
                 );
                 let pw = pack_conv_weights(&qw, ci, &geometry, kernel);
                 let acc = gemm(&a, &pw);
+                // The same images stored channels-last give the same operand.
+                let mut nhwc = vec![0f32; x.len()];
+                for n in 0..b {
+                    for c in 0..ci {
+                        for p in 0..h * w {
+                            nhwc[(n * h * w + p) * ci + c] = x[(n * ci + c) * h * w + p];
+                        }
+                    }
+                }
+                let (a_nhwc, ..) = QuantizedActivations::for_conv(
+                    &nhwc,
+                    [b, ci, h, w],
+                    ImageLayout::Nhwc,
+                    &geometry,
+                    quant,
+                    kernel,
+                );
+                assert_eq!(gemm(&a_nhwc, &pw), acc, "{kernel:?} channels-last");
                 for n in 0..b {
                     for oy in 0..ho {
                         for ox in 0..wo {
@@ -1015,6 +1282,75 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// The AVX2 range scan equals the portable one (NaNs skipped, 0 always inside, every tail
+    /// length), and both equal a plain fold.
+    #[test]
+    fn range_scan_skips_nans_and_covers_zero() {
+        let mut seed = 3;
+        for len in [0, 1, 7, 8, 9, 31, 64, 100] {
+            let mut x: Vec<f32> = (0..len).map(|_| lcg(&mut seed) * 4.0 + 1.0).collect();
+            if len > 2 {
+                x[len / 2] = f32::NAN;
+            }
+            let finite = x.iter().filter(|v| !v.is_nan());
+            let want = finite.fold((0f32, 0f32), |(l, h), v| (l.min(*v), h.max(*v)));
+            assert_eq!(min_max_portable(&x), want, "len {len}");
+            assert_eq!(min_max(&x), want, "len {len}");
+        }
+        let big: Vec<f32> = (0..100_000).map(|i| (i as f32 - 30_000.0) / 7.0).collect();
+        assert_eq!(range_of(&big), (-30_000.0 / 7.0, 69_999.0 / 7.0));
+        assert_eq!(range_of(&[-2.0, -1.0]), (-2.0, 0.0));
+    }
+
+    /// The AVX2 epilogue writes the portable loop's values bit for bit (multiply then add, the
+    /// floor, the tail columns) and reports the range of what it wrote.
+    #[test]
+    fn dequantizing_epilogue_is_exact_and_measures_its_range() {
+        let mut seed = 5;
+        let (rows, cols, acc_stride, out_stride) = (5, 21, 24, 30);
+        let acc: Vec<i32> = (0..rows * acc_stride)
+            .map(|_| (lcg(&mut seed) * 20_000.0) as i32)
+            .collect();
+        let scale: Vec<f32> = (0..cols).map(|_| lcg(&mut seed).abs() * 1e-3).collect();
+        let offset: Vec<f32> = (0..cols).map(|_| lcg(&mut seed)).collect();
+        for floor in [0.0, f32::NEG_INFINITY] {
+            let columns = Columns {
+                scale: &scale,
+                offset: &offset,
+                floor,
+            };
+            let mut want = vec![f32::NAN; rows * out_stride];
+            for r in 0..rows {
+                for j in 0..cols {
+                    let v = acc[r * acc_stride + j] as f32 * scale[j] + offset[j];
+                    want[r * out_stride + j] = v.max(floor);
+                }
+            }
+            let written: Vec<f32> = (0..rows)
+                .flat_map(|r| want[r * out_stride..][..cols].to_vec())
+                .collect();
+            let mut out = vec![f32::NAN; rows * out_stride];
+            // SAFETY: `out` holds rows × out_stride f32s.
+            let range = unsafe {
+                dequantize_rect(
+                    &acc,
+                    acc_stride,
+                    rows,
+                    &columns,
+                    out.as_mut_ptr(),
+                    out_stride,
+                )
+            };
+            assert_eq!(
+                out.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "floor {floor}"
+            );
+            assert_eq!(range, range_of(&written), "floor {floor}");
+            assert!(floor < 0.0 || range.0 == 0.0);
         }
     }
 }

@@ -157,6 +157,51 @@ pub fn max_pool2d_forward(s: &PoolShape, x: &[f32], out: &mut [f32], indices: Op
     }
 }
 
+/// Max pooling of a channels-last image: `x` `[batch, h, w, channels]` into `[batch, oh, ow,
+/// channels]` (`s.planes` is the batch here). Each output pixel is the element-wise max of its
+/// window's pixels, a contiguous run of `channels` values each, so the inner loop is a vector
+/// max along the channels. A NaN in a window wins, as in [`max_pool2d_forward`].
+///
+/// Why: Kiln's int8 inference keeps activations channels-last between its layers (the GEMM's
+/// natural output), and pooling them there avoids two transposes.
+pub fn max_pool2d_nhwc(s: &PoolShape, channels: usize, x: &[f32]) -> Vec<f32> {
+    let (oh, ow) = (s.out_h(), s.out_w());
+    assert_eq!(
+        x.len(),
+        s.planes * s.plane_in() * channels,
+        "max_pool2d_nhwc input length"
+    );
+    let row_out = ow * channels;
+    let mut out = vec![0f32; s.planes * oh * row_out];
+    if out.is_empty() {
+        return out;
+    }
+    let pool_row = |(r, o_row): (usize, &mut [f32])| {
+        let (n, oy) = (r / oh, r % oh);
+        for (ox, o) in o_row.chunks_exact_mut(channels).enumerate() {
+            let (y0, x0) = (oy * s.stride[0], ox * s.stride[1]);
+            o.fill(f32::NEG_INFINITY);
+            for ky in 0..s.kh {
+                let at = ((n * s.h + y0 + ky) * s.w + x0) * channels;
+                for tap in x[at..at + s.kw * channels].chunks_exact(channels) {
+                    for (o, v) in o.iter_mut().zip(tap) {
+                        *o = nan_max(*v, *o);
+                    }
+                }
+            }
+        }
+    };
+    // Small outputs (batch 1) are pooled on this thread: a rayon dispatch costs more.
+    if out.len() < 1 << 14 {
+        out.chunks_exact_mut(row_out).enumerate().for_each(pool_row);
+    } else {
+        out.par_chunks_exact_mut(row_out)
+            .enumerate()
+            .for_each(pool_row);
+    }
+    out
+}
+
 /// Gradient of the input: each output gradient added at its window's arg-max.
 pub fn max_pool2d_backward(s: &PoolShape, grad: &[f32], indices: &[i64], dx: &mut [f32]) {
     assert_eq!(
@@ -270,5 +315,43 @@ mod tests {
         max_pool2d_forward(&s, &x, &mut out, None);
         assert!(out[0].is_nan());
         assert_eq!(out[1], 8.0);
+    }
+
+    /// Channels-last pooling is the NCHW kernel's result transposed: overlapping 3×3/2
+    /// windows, the 2×2/2 case, a floor-rounded edge, and a NaN that wins its windows.
+    #[test]
+    fn channels_last_pooling_matches_the_nchw_kernel() {
+        for (kernel, stride) in [([2, 2], [2, 2]), ([3, 3], [2, 2]), ([2, 3], [1, 2])] {
+            let (b, c, h, w) = (2, 5, 7, 9);
+            let mut x: Vec<f32> = (0..b * c * h * w)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 9.0)
+                .collect();
+            x[c * h * w + 2 * h * w + 3 * w + 4] = f32::NAN;
+            let s = PoolShape::nchw([b, c, h, w], kernel, stride);
+            let mut want = vec![0f32; b * c * s.out_h() * s.out_w()];
+            max_pool2d_forward(&s, &x, &mut want, None);
+            let to_nhwc = |v: &[f32], hh: usize, ww: usize| {
+                let mut out = vec![0f32; v.len()];
+                for n in 0..b {
+                    for ch in 0..c {
+                        for p in 0..hh * ww {
+                            out[(n * hh * ww + p) * c + ch] = v[(n * c + ch) * hh * ww + p];
+                        }
+                    }
+                }
+                out
+            };
+            let got = max_pool2d_nhwc(
+                &PoolShape::nchw([b, 1, h, w], kernel, stride),
+                c,
+                &to_nhwc(&x, h, w),
+            );
+            let want = to_nhwc(&want, s.out_h(), s.out_w());
+            assert_eq!(got.len(), want.len());
+            assert!(want.iter().any(|v| v.is_nan()));
+            for (g, e) in got.iter().zip(&want) {
+                assert!(g == e || g.is_nan() && e.is_nan(), "{kernel:?}: {g} vs {e}");
+            }
+        }
     }
 }
