@@ -10,8 +10,7 @@ use burn::tensor::ops::ConvOptions;
 use burn::tensor::{Device, Tensor, TensorData};
 use rayon::prelude::*;
 
-use super::graph::QuantWeight;
-use super::graph::{ConvGeometry, Graph, Op, ValueId, Weight, batch_norm_affine};
+use super::graph::{ConvGeometry, Graph, Op, QuantWeight, ValueId, Weight, batch_norm_affine};
 use super::int8::{
     ActivationQuant, ImageLayout, Kernel, PackedWeights, QuantizedActivations, matmul_dequantized,
     pack_conv_weights, range_of,
