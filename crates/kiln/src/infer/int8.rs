@@ -36,10 +36,6 @@ pub enum ImageLayout {
     Nhwc,
 }
 
-/// Multiply-adds below which [`gemm_with`] runs its tasks on the calling thread (~10 µs of
-/// VNNI work).
-const SEQUENTIAL_MACS: usize = 1 << 21;
-
 /// Largest weight magnitude (symmetric: −127..=127).
 const QMAX: f32 = 127.0;
 
@@ -141,6 +137,18 @@ impl Kernel {
             Kernel::Vnni512 => "avx512-vnni",
             Kernel::Avx2 => "avx2",
             Kernel::Scalar => "scalar",
+        }
+    }
+
+    /// Multiply-adds below which [`gemm_with`] runs its tasks on the calling thread: about
+    /// 50 µs of this kernel's work. Waking the pool's workers and waiting for them costs
+    /// tens of microseconds; W3 at batch 1 ran 0.19 → 0.12 ms on one thread with VNNI.
+    fn sequential_macs(self) -> usize {
+        match self {
+            // ~220 G multiply-adds/s per core: W3's batch-1 conv2 (10.6 M) stays on one thread.
+            Kernel::Vnni512 => 12 << 20,
+            // A quarter of the products per instruction.
+            Kernel::Avx2 | Kernel::Scalar => 3 << 20,
         }
     }
 
@@ -679,7 +687,7 @@ pub fn gemm_with(
     };
     // A small product (batch-1 layers: tens of microseconds of work) runs on this thread:
     // waking the pool's workers costs about as much as the product itself.
-    if m * n * a.cols < SEQUENTIAL_MACS {
+    if m * n * a.cols < w.kernel.sequential_macs() {
         tasks.iter().for_each(task);
     } else {
         tasks.par_iter().for_each(task);
