@@ -272,16 +272,7 @@ unsafe fn min_max_avx2(x: &[f32]) -> (f32, f32) {
         lo = _mm256_min_ps(v, lo);
         hi = _mm256_max_ps(v, hi);
     }
-    let (mut l, mut h) = ([0f32; 8], [0f32; 8]);
-    // SAFETY: each array holds 8 f32s.
-    unsafe {
-        _mm256_storeu_ps(l.as_mut_ptr(), lo);
-        _mm256_storeu_ps(h.as_mut_ptr(), hi);
-    }
-    let (tl, th) = min_max_portable(tail);
-    let (l, _) = min_max_portable(&l);
-    let (_, h) = min_max_portable(&h);
-    (l.min(tl), h.max(th))
+    widest(min_max_portable(tail), lanes_range(lo, hi))
 }
 
 /// `(min(x, 0), max(x, 0))` of activations, NaNs ignored: the range dynamic quantization
@@ -767,18 +758,60 @@ unsafe fn dequantize_rect(
     }
     let (cols, mut range) = (columns.scale.len(), (0f32, 0f32));
     for r in 0..rows {
-        let acc = &acc[r * acc_stride..][..cols];
-        for (j, t) in acc.iter().enumerate() {
-            let v = *t as f32 * columns.scale[j] + columns.offset[j];
-            // A comparison, not `f32::max`: a NaN (from a non-finite scale) gives the floor,
-            // as `vmaxps` does in the AVX2 version.
-            let v = if v > columns.floor { v } else { columns.floor };
-            // SAFETY: inside the caller's rectangle.
-            unsafe { out.add(r * out_stride + j).write(v) };
-            range = widest(range, (v, v));
-        }
+        // SAFETY: row r of the caller's rectangle.
+        let row = unsafe {
+            dequantize_row_from(
+                &acc[r * acc_stride..][..cols],
+                columns,
+                0,
+                out.add(r * out_stride),
+            )
+        };
+        range = widest(range, row);
     }
     range
+}
+
+/// The portable epilogue for one row from column `from` on (all of it, or the AVX2 loop's
+/// tail): writes `dst[j]` for `j ≥ from` and returns their range.
+///
+/// # Safety
+/// `dst` must be valid for writes of `row.len()` f32s.
+unsafe fn dequantize_row_from(
+    row: &[i32],
+    columns: &Columns,
+    from: usize,
+    dst: *mut f32,
+) -> (f32, f32) {
+    let mut range = (0f32, 0f32);
+    let tail = row[from..]
+        .iter()
+        .zip(&columns.scale[from..])
+        .zip(&columns.offset[from..]);
+    for (j, ((t, s), o)) in (from..row.len()).zip(tail) {
+        let v = *t as f32 * s + o;
+        // A comparison, not `f32::max`: a NaN (from a non-finite scale) gives the floor, as
+        // `vmaxps` does in the AVX2 version.
+        let v = if v > columns.floor { v } else { columns.floor };
+        // SAFETY: j < row.len() (the caller's contract).
+        unsafe { dst.add(j).write(v) };
+        range = widest(range, (v, v));
+    }
+    range
+}
+
+/// The range held in two 8-lane registers of running minima and maxima.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn lanes_range(lo: std::arch::x86_64::__m256, hi: std::arch::x86_64::__m256) -> (f32, f32) {
+    use std::arch::x86_64::_mm256_storeu_ps;
+    let (mut l, mut h) = ([0f32; 8], [0f32; 8]);
+    // SAFETY: each array holds 8 f32s.
+    unsafe {
+        _mm256_storeu_ps(l.as_mut_ptr(), lo);
+        _mm256_storeu_ps(h.as_mut_ptr(), hi);
+    }
+    (min_max_portable(&l).0, min_max_portable(&h).1)
 }
 
 /// [`dequantize_rect`] eight columns at a time (multiply then add, not FMA, so the values are
@@ -818,25 +851,12 @@ unsafe fn dequantize_rect_avx2(
                 hi = _mm256_max_ps(v, hi);
             }
         }
-        let tail = row[full..]
-            .iter()
-            .zip(&columns.scale[full..])
-            .zip(&columns.offset[full..]);
-        for (j, ((t, s), o)) in (full..cols).zip(tail) {
-            let v = *t as f32 * s + o;
-            let v = if v > columns.floor { v } else { columns.floor };
-            // SAFETY: inside the caller's rectangle.
-            unsafe { dst.add(j).write(v) };
-            range = widest(range, (v, v));
-        }
+        // SAFETY: the row's columns from `full` on, inside the caller's rectangle.
+        range = widest(range, unsafe {
+            dequantize_row_from(row, columns, full, dst)
+        });
     }
-    let (mut l, mut h) = ([0f32; 8], [0f32; 8]);
-    // SAFETY: each array holds 8 f32s.
-    unsafe {
-        _mm256_storeu_ps(l.as_mut_ptr(), lo);
-        _mm256_storeu_ps(h.as_mut_ptr(), hi);
-    }
-    widest(range, (min_max_portable(&l).0, min_max_portable(&h).1))
+    widest(range, lanes_range(lo, hi))
 }
 
 /// A raw output pointer shared by the tasks of [`gemm_with`]'s epilogues, each writing its
