@@ -185,7 +185,7 @@ struct ProfileArgs {
 
 #[derive(Args, Debug)]
 struct OptimizeArgs {
-    /// Zoo model: mlp (W1), cnn (W2/W3), resnet (W5).
+    /// Zoo model: mlp (W1), cnn (W2/W3), transformer (W4), resnet (W5).
     #[arg(long)]
     model: String,
     /// A checkpoint file, or a checkpoint directory (its newest checkpoint is used).

@@ -35,6 +35,34 @@ fn resnet_with_real_statistics(device: &Device) -> ZooModel {
     model.map(&mut Randomize)
 }
 
+/// W4 with its position embedding and LayerNorm parameters randomized (they start as zeros
+/// and ones, which would hide a missing or misplaced op) and its weight matrices tripled, so
+/// the attention is peaked as after training rather than near-uniform (near-uniform attention
+/// hides a wrong scale or head split).
+fn transformer_with_random_norms(device: &Device) -> ZooModel {
+    ModelKind::Transformer
+        .init(device)
+        .map(&mut Randomize)
+        .map(&mut ScaleMatrices(3.0))
+}
+
+struct ScaleMatrices(f32);
+
+impl burn::module::ModuleMapper for ScaleMatrices {
+    fn map_float<const D: usize>(
+        &mut self,
+        param: burn::module::Param<Tensor<D>>,
+    ) -> burn::module::Param<Tensor<D>> {
+        let (id, tensor, mapper) = param.consume();
+        let t = if D == 2 {
+            tensor.mul_scalar(self.0)
+        } else {
+            tensor
+        };
+        burn::module::Param::from_mapped_value(id, t, mapper)
+    }
+}
+
 struct Randomize;
 
 impl burn::module::ModuleMapper for Randomize {
@@ -44,11 +72,12 @@ impl burn::module::ModuleMapper for Randomize {
     ) -> burn::module::Param<Tensor<D>> {
         let (id, tensor, mapper) = param.consume();
         let dims = tensor.dims();
-        // 1-D tensors are biases and BN parameters: positive values keep variances valid.
-        let t = if D == 1 {
-            Tensor::random(dims, Distribution::Uniform(0.5, 1.5), &tensor.device())
-        } else {
-            tensor
+        // 1-D tensors are biases and BN/LayerNorm parameters: positive values keep
+        // variances valid. The one 3-D tensor is W4's position embedding (zeros at init).
+        let t = match D {
+            1 => Tensor::random(dims, Distribution::Uniform(0.5, 1.5), &tensor.device()),
+            3 => Tensor::random(dims, Distribution::Normal(0.0, 0.5), &tensor.device()),
+            _ => tensor,
         };
         burn::module::Param::from_mapped_value(id, t, mapper)
     }
@@ -66,8 +95,12 @@ fn lowered_graphs_match_the_zoo_forward() {
         (ModelKind::Mlp, [1, 28, 28]),
         (ModelKind::Cnn, [1, 28, 28]),
         (ModelKind::ResNet, [3, 16, 16]),
+        (ModelKind::Transformer, [1, 28, 28]),
     ] {
-        let model = kind.init_for_channels(shape[0], &device);
+        let model = match kind {
+            ModelKind::Transformer => transformer_with_random_norms(&device),
+            _ => kind.init_for_channels(shape[0], &device),
+        };
         let session = InferenceSession::new(&model, kind.name(), shape, &[], &device).unwrap();
         let x = random_images(shape, 4, &device);
         let err = rel(
@@ -166,14 +199,20 @@ fn trained(kind: ModelKind, epochs: usize) -> ZooModel {
     .valid()
 }
 
-/// Int8 dynamic quantization of trained W1 and W2 (= W3's forward): top-1 on the 1,000
+/// Int8 dynamic quantization of trained W1, W2 (= W3's forward) and W4: top-1 on the 1,000
 /// held-out images within 0.5 points of f32, logits close (stated bounds), weights 4× smaller.
 #[test]
 fn int8_keeps_accuracy_on_real_data() {
     let device = Device::flex();
     let test = bundled(Split::Test).unwrap();
-    for kind in [ModelKind::Mlp, ModelKind::Cnn] {
-        let model = trained(kind, 1);
+    // W4 learns more slowly per epoch than the others on the bundled images (~83% after 3
+    // epochs where W1 and W2 pass 90% after one): its "did it train" floor is lower.
+    for (kind, epochs, floor) in [
+        (ModelKind::Mlp, 1, 0.85),
+        (ModelKind::Cnn, 1, 0.85),
+        (ModelKind::Transformer, 3, 0.75),
+    ] {
+        let model = trained(kind, epochs);
         let f32s = InferenceSession::new(&model, kind.name(), [1, 28, 28], &[], &device).unwrap();
         let q = InferenceSession::new(&model, kind.name(), [1, 28, 28], &[Pass::Int8], &device)
             .unwrap();
@@ -189,7 +228,7 @@ fn int8_keeps_accuracy_on_real_data() {
             delta.mean_abs,
             delta.max_rel
         );
-        assert!(a.accuracy > 0.85, "{kind:?} f32 model did not train");
+        assert!(a.accuracy > floor, "{kind:?} f32 model did not train");
         assert!(
             points.abs() <= 0.5,
             "{kind:?}: int8 lost {points:.2} points"
@@ -303,12 +342,20 @@ fn onnx_import_reproduces_exported_models() {
         ("mlp", ModelKind::Mlp.init(&device), [1, 28, 28]),
         ("cnn", ModelKind::Cnn.init(&device), [1, 28, 28]),
         ("resnet", resnet_with_real_statistics(&device), [3, 16, 16]),
+        (
+            "transformer",
+            transformer_with_random_norms(&device),
+            [1, 28, 28],
+        ),
     ];
     for (name, model, shape) in cases {
         let original = InferenceSession::new(&model, name, shape, &[], &device).unwrap();
         let bytes = onnx::to_bytes(original.graph()).unwrap();
         let imported = import_onnx(&bytes, name).unwrap();
-        assert_eq!(imported.nodes.len(), original.graph().nodes.len(), "{name}");
+        // The same ops in the same order (W4's per-token MatMul + Add comes back as one
+        // linear layer with its bias).
+        let kinds = |g: &Graph| g.nodes.iter().map(|n| n.op.kind()).collect::<Vec<_>>();
+        assert_eq!(kinds(&imported), kinds(original.graph()), "{name}");
         let session = InferenceSession::from_graph(imported, &device).unwrap();
         let x = random_images(shape, 3, &device);
         let a = values(original.forward(x.clone()).unwrap());
@@ -416,6 +463,12 @@ fn onnx_runtime_reproduces_kiln_outputs() {
             [3, 16, 16],
             vec![Pass::Fold],
         ),
+        (
+            transformer_with_random_norms(&device),
+            "transformer",
+            [1, 28, 28],
+            vec![],
+        ),
     ];
     for (model, name, shape, passes) in cases {
         let session = InferenceSession::new(&model, name, shape, &passes, &device).unwrap();
@@ -465,13 +518,38 @@ fn onnx_runtime_reproduces_kiln_outputs() {
 #[test]
 fn unsupported_layers_and_mismatched_checkpoints_are_clear_errors() {
     let device = Device::flex();
-    // W4's attention has no graph lowering yet: the error names the layer and the pass.
-    let w4 = ModelKind::Transformer.init(&device);
-    let err = InferenceSession::new(&w4, "transformer", [1, 28, 28], &[], &device).unwrap_err();
+    // A grouped convolution has no int8 kernel: the error names the layer and the pass.
+    let mut grouped = Graph::new("grouped", [2, 4, 4]);
+    grouped.push(
+        "features.conv",
+        Op::Conv2d {
+            weight: Weight::new(vec![2, 1, 3, 3], vec![0.1; 18]),
+            bias: None,
+            geometry: kiln::infer::ConvGeometry {
+                stride: [1, 1],
+                pads: [0; 4],
+                dilation: [1, 1],
+                groups: 2,
+                kernel: [3, 3],
+            },
+        },
+        vec![Graph::INPUT],
+    );
+    let err = infer::run_passes(&mut grouped, &[Pass::Int8]).unwrap_err();
     assert!(matches!(err, KilnError::Unsupported { .. }), "{err}");
     let msg = err.to_string();
     assert!(
-        msg.contains("lower") && msg.contains("MultiHeadAttention"),
+        msg.contains("int8") && msg.contains("features.conv") && msg.contains("groups = 2"),
+        "{msg}"
+    );
+
+    // A model whose images do not split into W4's tokens.
+    let w4 = ModelKind::Transformer.init(&device);
+    let msg = InferenceSession::new(&w4, "transformer", [1, 5, 5], &[], &device)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("28-feature tokens") && msg.contains("[1, 5, 5]"),
         "{msg}"
     );
 

@@ -26,7 +26,9 @@ enum Value {
     Flat(Tensor<2>),
     /// `[B, C, H, W]`.
     Image(Tensor<4>),
-    /// Row-major host values with their dims (`[B, F]` or `[B, C, H, W]`).
+    /// A sequence of tokens `[B, T, D]`.
+    Seq(Tensor<3>),
+    /// Row-major host values with their dims (`[B, F]`, `[B, T, D]` or `[B, C, H, W]`).
     Host(Vec<f32>, Vec<usize>),
     /// Channels-last host images, `[B, H, W, C]`: what the int8 convolution writes (its
     /// GEMM's natural order), read as such by the next int8 convolution, ReLU, max pool and
@@ -66,6 +68,19 @@ enum Prepared {
     Flatten,
     Add,
     Identity,
+    Reshape(Vec<usize>),
+    /// The constant left-padded with 1s to rank 3 (it broadcasts from the right).
+    AddConstant(Tensor<3>),
+    LayerNorm {
+        gamma: Tensor<1>,
+        beta: Option<Tensor<1>>,
+        eps: f64,
+    },
+    Attention {
+        heads: usize,
+        head_dim: usize,
+    },
+    TokenMean,
     QLinear {
         weight: PackedWeights,
         /// The quantized weights as imported, re-packed (once) with their columns in
@@ -151,6 +166,30 @@ impl Executor {
                 Op::Flatten => Prepared::Flatten,
                 Op::Add => Prepared::Add,
                 Op::Dropout { .. } => Prepared::Identity,
+                Op::Reshape { shape } => Prepared::Reshape(shape.clone()),
+                Op::AddConstant { value } => {
+                    if value.shape.len() > 3 {
+                        return Err(KilnError::Inference(format!(
+                            "node `{}`: a constant of shape {:?} has more than 3 dims",
+                            node.name, value.shape
+                        )));
+                    }
+                    let mut dims = [1usize; 3];
+                    dims[3 - value.shape.len()..].copy_from_slice(&value.shape);
+                    Prepared::AddConstant(host_tensor(value.values.clone(), dims, device))
+                }
+                Op::LayerNorm { gamma, beta, eps } => Prepared::LayerNorm {
+                    gamma: host_tensor(gamma.clone(), [gamma.len()], device),
+                    beta: beta
+                        .as_ref()
+                        .map(|b| host_tensor(b.clone(), [b.len()], device)),
+                    eps: *eps,
+                },
+                Op::Attention { heads, head_dim } => Prepared::Attention {
+                    heads: *heads,
+                    head_dim: *head_dim,
+                },
+                Op::TokenMean => Prepared::TokenMean,
                 Op::QLinear { weight, bias, relu } => Prepared::QLinear {
                     weight: PackedWeights::new(weight, Kernel::detect()),
                     source: weight.clone(),
@@ -258,6 +297,7 @@ fn image(v: Value, device: &Device) -> std::result::Result<Tensor<4>, String> {
         )),
         Value::Host(_, dims) => Err(format!("expects an image, got {dims:?}")),
         Value::Flat(t) => Err(format!("expects an image, got {:?}", t.dims())),
+        Value::Seq(t) => Err(format!("expects an image, got a sequence {:?}", t.dims())),
         Value::Nhwc { flat: true, .. } => Err("expects an image, got a flattened one".into()),
         Value::Nhwc { data, dims, .. } => {
             let [b, h, w, c] = dims;
@@ -291,6 +331,7 @@ fn flat(v: Value, device: &Device) -> std::result::Result<Tensor<2>, String> {
     match v {
         Value::Flat(t) => Ok(t),
         Value::Image(t) => Ok(t.flatten(1, 3)),
+        Value::Seq(t) => Ok(t.flatten(1, 2)),
         Value::Host(data, dims) => {
             let b = dims.first().copied().unwrap_or(1);
             let f = data.len() / b.max(1);
@@ -303,6 +344,84 @@ fn flat(v: Value, device: &Device) -> std::result::Result<Tensor<2>, String> {
     }
 }
 
+/// The value as a device sequence `[B, T, D]`.
+fn seq(v: Value, device: &Device) -> std::result::Result<Tensor<3>, String> {
+    match v {
+        Value::Seq(t) => Ok(t),
+        Value::Host(data, dims) if dims.len() == 3 => {
+            Ok(host_tensor(data, [dims[0], dims[1], dims[2]], device))
+        }
+        other => Err(format!(
+            "expects a sequence [B, T, D], got {:?}",
+            value_dims(&other)
+        )),
+    }
+}
+
+/// The value's logical dims.
+fn value_dims(v: &Value) -> Vec<usize> {
+    match v {
+        Value::Flat(t) => t.dims().to_vec(),
+        Value::Image(t) => t.dims().to_vec(),
+        Value::Seq(t) => t.dims().to_vec(),
+        Value::Host(_, dims) => dims.clone(),
+        Value::Nhwc {
+            dims: [b, h, w, c],
+            flat: true,
+            ..
+        } => vec![*b, h * w * c],
+        Value::Nhwc {
+            dims: [b, h, w, c], ..
+        } => vec![*b, *c, *h, *w],
+    }
+}
+
+/// `x` (a sequence or a batch of vectors) plus `y` broadcast from the right (`[1, T, D]`,
+/// `[1, 1, D]`).
+fn add_broadcast(x: Value, y: Tensor<3>, device: &Device) -> std::result::Result<Value, String> {
+    Ok(match x {
+        Value::Flat(t) => {
+            let [one, rows, d] = y.dims();
+            if one * rows != 1 {
+                return Err(format!(
+                    "cannot add a {:?} constant to {:?}",
+                    y.dims(),
+                    t.dims()
+                ));
+            }
+            Value::Flat(t + y.reshape([1, d]))
+        }
+        other => Value::Seq(seq(other, device)? + y),
+    })
+}
+
+/// Multi-head scaled dot-product attention over projected `q`, `k`, `v` `[B, T, D]`: the
+/// zoo's own op sequence (`crate::zoo` W4), so the graph reproduces it to rounding.
+fn attention(
+    q: Tensor<3>,
+    k: Tensor<3>,
+    v: Tensor<3>,
+    heads: usize,
+    dk: usize,
+) -> std::result::Result<Tensor<3>, String> {
+    let [b, t, d] = q.dims();
+    if heads * dk != d || k.dims() != [b, t, d] || v.dims() != [b, t, d] {
+        return Err(format!(
+            "attention over q {:?}, k {:?}, v {:?} with {heads} heads of {dk}: the shapes \
+             must match and hold {heads} × {dk} features",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        ));
+    }
+    let split = |x: Tensor<3>| -> Tensor<4> { x.reshape([b, t, heads, dk]).swap_dims(1, 2) };
+    let scores = split(q)
+        .matmul(split(k).transpose())
+        .div_scalar((dk as f32).sqrt());
+    let weights = burn::tensor::activation::softmax(scores, 3);
+    Ok(weights.matmul(split(v)).swap_dims(1, 2).reshape([b, t, d]))
+}
+
 /// The value on the host with its dims.
 fn host(v: Value) -> (Vec<f32>, Vec<usize>) {
     match v {
@@ -312,6 +431,10 @@ fn host(v: Value) -> (Vec<f32>, Vec<usize>) {
             (host_values(t), dims)
         }
         Value::Flat(t) => {
+            let dims = t.dims().to_vec();
+            (host_values(t), dims)
+        }
+        Value::Seq(t) => {
             let dims = t.dims().to_vec();
             (host_values(t), dims)
         }
@@ -346,11 +469,22 @@ fn run(
             bias.clone(),
             options.clone(),
         )),
-        Prepared::Linear { weight, bias } => Value::Flat(crate::kernels::linear(
-            flat(x, device)?,
-            weight.clone(),
-            bias.clone(),
-        )),
+        Prepared::Linear { weight, bias } => {
+            if value_dims(&x).len() == 3 {
+                // Per token: the sequence's rows are one batch of vectors.
+                let t = seq(x, device)?;
+                let [b, n, d] = t.dims();
+                let y = crate::kernels::linear(t.reshape([b * n, d]), weight.clone(), bias.clone());
+                let out = y.dims()[1];
+                Value::Seq(y.reshape([b, n, out]))
+            } else {
+                Value::Flat(crate::kernels::linear(
+                    flat(x, device)?,
+                    weight.clone(),
+                    bias.clone(),
+                ))
+            }
+        }
         Prepared::Affine { scale, shift } => {
             let [c] = scale.dims();
             match x {
@@ -366,6 +500,7 @@ fn run(
         Prepared::Relu => match x {
             Value::Image(t) => Value::Image(burn::tensor::activation::relu(t)),
             Value::Flat(t) => Value::Flat(burn::tensor::activation::relu(t)),
+            Value::Seq(t) => Value::Seq(burn::tensor::activation::relu(t)),
             Value::Host(mut data, dims) => {
                 data.par_iter_mut().for_each(|v| *v = v.max(0.0));
                 Value::Host(data, dims)
@@ -419,6 +554,53 @@ fn run(
                 image(other, device)?,
             )),
         },
+        Prepared::Reshape(shape) => {
+            let b = value_dims(&x).first().copied().unwrap_or(1);
+            let rows = flat(x, device)?;
+            let features = rows.dims()[1];
+            if shape.iter().product::<usize>() != features {
+                return Err(format!(
+                    "cannot reshape {features} features per sample to {shape:?}"
+                ));
+            }
+            match shape[..] {
+                [f] => Value::Flat(rows.reshape([b, f])),
+                [t, d] => Value::Seq(rows.reshape([b, t, d])),
+                [c, h, w] => Value::Image(rows.reshape([b, c, h, w])),
+                _ => return Err(format!("reshape to {shape:?} per sample: 1 to 3 dims only")),
+            }
+        }
+        Prepared::AddConstant(constant) => add_broadcast(x, constant.clone(), device)?,
+        Prepared::LayerNorm { gamma, beta, eps } => {
+            use burn::tensor::module::layer_norm;
+            match x {
+                Value::Flat(t) => Value::Flat(layer_norm(t, gamma.clone(), beta.clone(), *eps)),
+                other => Value::Seq(layer_norm(
+                    seq(other, device)?,
+                    gamma.clone(),
+                    beta.clone(),
+                    *eps,
+                )),
+            }
+        }
+        Prepared::Attention { heads, head_dim } => {
+            let mut rest = inputs.into_iter();
+            let (Some(k), Some(v)) = (rest.next(), rest.next()) else {
+                return Err("attention needs three inputs (q, k, v)".into());
+            };
+            Value::Seq(attention(
+                seq(x, device)?,
+                seq(k, device)?,
+                seq(v, device)?,
+                *heads,
+                *head_dim,
+            )?)
+        }
+        Prepared::TokenMean => {
+            let t = seq(x, device)?;
+            let [b, _, d] = t.dims();
+            Value::Flat(t.mean_dim(1).reshape([b, d]))
+        }
         Prepared::GlobalAvgPool => Value::Image(adaptive_avg_pool2d(image(x, device)?, [1, 1])),
         Prepared::Flatten => match x {
             Value::Image(t) => Value::Flat(t.flatten(1, 3)),
@@ -428,6 +610,7 @@ fn run(
                 Value::Host(data, vec![b, f])
             }
             flat @ Value::Flat(_) => flat,
+            Value::Seq(t) => Value::Flat(t.flatten(1, 2)),
             Value::Nhwc {
                 data, dims, range, ..
             } => Value::Nhwc {
@@ -467,6 +650,9 @@ fn run(
                     }
                 }
                 (Value::Flat(a), y) => Value::Flat(a + flat(y, device)?),
+                (a, y) if value_dims(&a).len() == 3 => {
+                    Value::Seq(seq(a, device)? + seq(y, device)?)
+                }
                 (a, y) => Value::Image(image(a, device)? + image(y, device)?),
             }
         }
@@ -502,13 +688,20 @@ fn run(
                 return Ok(Value::Host(y, vec![b, weight.rows]));
             }
             let (values, dims) = host(x);
-            let b = dims.first().copied().unwrap_or(1);
-            let k = values.len() / b.max(1);
+            // A sequence `[B, T, D]` is B·T rows of D features; anything else is flattened
+            // per sample.
+            let (k, out_dims) = match dims[..] {
+                [b, t, d] => (d, vec![b, t, weight.rows]),
+                _ => {
+                    let b = dims.first().copied().unwrap_or(1);
+                    (values.len() / b.max(1), vec![b, weight.rows])
+                }
+            };
             if k != weight.cols {
                 return Err(format!("expects {} features, got {k}", weight.cols));
             }
             let y = quantized_matmul(&values, None, k, weight, bias.as_deref(), *relu);
-            Value::Host(y, vec![b, weight.rows])
+            Value::Host(y, out_dims)
         }
         Prepared::QConv {
             weight,

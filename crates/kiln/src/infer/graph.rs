@@ -113,7 +113,8 @@ pub enum Op {
         /// Geometry.
         geometry: ConvGeometry,
     },
-    /// `[B, in] → [B, out]`; weight `[in, out]` (Burn's layout), bias `[out]`.
+    /// `[B, in] → [B, out]`, or `[B, T, in] → [B, T, out]` on a sequence (per token); an
+    /// image input is flattened first. Weight `[in, out]` (Burn's layout), bias `[out]`.
     Linear {
         /// Weight.
         weight: Weight,
@@ -154,6 +155,41 @@ pub enum Op {
         /// Training-time drop probability.
         prob: f64,
     },
+    /// `[B, ...] → [B, shape...]`: the per-sample dims change, the values' order does not
+    /// (W4 reads its `[1, 28, 28]` images as 28 tokens of 28 features).
+    Reshape {
+        /// Per-sample target shape (the batch dimension is kept).
+        shape: Vec<usize>,
+    },
+    /// `x + constant`, the constant broadcast from the right (a learned position embedding
+    /// `[1, T, D]`, or a bias `[D]` an importer could not fold into its matmul).
+    AddConstant {
+        /// The constant.
+        value: Weight,
+    },
+    /// Layer normalization over the last axis: `(x − mean) / sqrt(var + eps) · gamma + beta`
+    /// with the biased variance (Burn's and ONNX's `LayerNormalization`).
+    LayerNorm {
+        /// Scale `[D]`.
+        gamma: Vec<f32>,
+        /// Shift `[D]`.
+        beta: Option<Vec<f32>>,
+        /// Epsilon.
+        eps: f64,
+    },
+    /// Scaled dot-product attention over already-projected queries, keys and values (three
+    /// inputs, each `[B, T, D]`): split into `heads` heads of `D / heads` features,
+    /// `softmax(q·kᵀ / sqrt(D / heads)) · v` per head, heads concatenated back to `[B, T, D]`.
+    /// The projections around it are ordinary [`Op::Linear`] nodes, so the passes (int8)
+    /// reach them.
+    Attention {
+        /// Number of heads.
+        heads: usize,
+        /// Features per head (`D / heads`).
+        head_dim: usize,
+    },
+    /// Mean over the tokens: `[B, T, D] → [B, D]`.
+    TokenMean,
     /// Int8 dynamic-quantized linear: activations quantized per batch, integer matmul with
     /// i32 accumulation, dequantized with the activation scale × each channel's weight scale.
     QLinear {
@@ -214,6 +250,11 @@ impl Op {
             Op::Flatten => "Flatten",
             Op::Add => "Add",
             Op::Dropout { .. } => "Dropout",
+            Op::Reshape { .. } => "Reshape",
+            Op::AddConstant { .. } => "Add",
+            Op::LayerNorm { .. } => "LayerNormalization",
+            Op::Attention { .. } => "MultiHeadAttention",
+            Op::TokenMean => "ReduceMean",
             Op::QLinear { .. } => "QLinear(int8)",
             Op::QConv2d { .. } => "QConv(int8)",
         }
@@ -227,6 +268,10 @@ impl Op {
         match self {
             Op::Conv2d { weight, bias, .. } | Op::Linear { weight, bias } => f(weight) + of(bias),
             Op::BatchNorm { gamma, .. } => gamma.len() * 16,
+            Op::AddConstant { value } => f(value),
+            Op::LayerNorm { gamma, beta, .. } => {
+                (gamma.len() + beta.as_ref().map_or(0, Vec::len)) * 4
+            }
             Op::QLinear { weight, bias, .. } | Op::QConv2d { weight, bias, .. } => {
                 weight.values.len() + weight.scales.len() * 4 + ov(bias)
             }
@@ -322,6 +367,38 @@ impl Graph {
         if self.output == old {
             self.output = new;
         }
+    }
+
+    /// The rank of every value (indexed by [`ValueId`]; the input is 4: `[B, C, H, W]`), so
+    /// the ONNX writer can pick `Gemm` for a batch of vectors and `MatMul` for a sequence.
+    pub fn ranks(&self) -> Vec<usize> {
+        let mut ranks = vec![0; self.next_value()];
+        ranks[Self::INPUT] = 4;
+        for n in &self.nodes {
+            let input = n.inputs.first().map_or(0, |&v| ranks[v]);
+            ranks[n.output] = match &n.op {
+                Op::Flatten | Op::TokenMean => 2,
+                Op::Reshape { shape } => shape.len() + 1,
+                Op::Attention { .. } => 3,
+                // A linear layer flattens an image; a sequence stays one.
+                Op::Linear { .. } | Op::QLinear { .. } => {
+                    if input == 3 {
+                        3
+                    } else {
+                        2
+                    }
+                }
+                Op::Conv2d { .. } | Op::QConv2d { .. } | Op::MaxPool2d { .. } => 4,
+                Op::GlobalAvgPool => 4,
+                Op::BatchNorm { .. }
+                | Op::Relu
+                | Op::Add
+                | Op::Dropout { .. }
+                | Op::AddConstant { .. }
+                | Op::LayerNorm { .. } => input,
+            };
+        }
+        ranks
     }
 
     /// Counts of each op kind, for reports (`Conv ×20, BatchNormalization ×20, ...`).

@@ -1,12 +1,15 @@
 //! Lowering: a trained zoo model → an inference [`Graph`] with its weights on the host.
 
+use burn::nn::activation::Activation;
+use burn::nn::attention::MultiHeadAttention;
 use burn::nn::conv::Conv2d;
-use burn::nn::{BatchNorm, Linear};
+use burn::nn::transformer::TransformerEncoderLayer;
+use burn::nn::{BatchNorm, LayerNorm, LayerNormConfig, Linear};
 use burn::tensor::Tensor;
 
 use super::graph::{ConvGeometry, Graph, Op, ValueId, Weight};
 use crate::error::{KilnError, Result};
-use crate::zoo::{Cnn, Mlp, ResNet, ZooModel};
+use crate::zoo::{Cnn, EncoderClassifier, Mlp, ResNet, ZooModel};
 
 /// Lowers a zoo model for samples of shape `[C, H, W]`.
 pub fn lower(model: &ZooModel, name: &str, input_shape: [usize; 3]) -> Result<Graph> {
@@ -18,15 +21,7 @@ pub fn lower(model: &ZooModel, name: &str, input_shape: [usize; 3]) -> Result<Gr
         ZooModel::Mlp(m) => lower_mlp(m, &mut b),
         ZooModel::Cnn(m) => lower_cnn(m, &mut b),
         ZooModel::ResNet(m) => lower_resnet(m, &mut b),
-        ZooModel::Transformer(_) => {
-            return Err(KilnError::Unsupported {
-                pass: "lower".into(),
-                layer: "encoder.layers.*.mha (MultiHeadAttention)".into(),
-                fix: "the inference graph covers mlp (W1), cnn (W2/W3) and resnet (W5); run \
-                      the transformer with `kiln train`'s evaluation path instead"
-                    .into(),
-            });
-        }
+        ZooModel::Transformer(m) => lower_transformer(m, &mut b)?,
     }
     Ok(b.graph)
 }
@@ -88,6 +83,18 @@ impl Builder {
         let op = Op::Linear {
             weight,
             bias: linear.bias.as_ref().map(|b| values(b.val())),
+        };
+        self.graph.push(name, op, vec![x])
+    }
+
+    fn layer_norm(&mut self, name: &str, norm: &LayerNorm, x: ValueId) -> ValueId {
+        let gamma = values(norm.gamma.val()).values;
+        let op = Op::LayerNorm {
+            beta: norm.beta.as_ref().map(|b| values(b.val()).values),
+            // Burn keeps a LayerNorm's epsilon private; the encoder builds its norms with
+            // LayerNormConfig's default, which is therefore the model's.
+            eps: LayerNormConfig::new(gamma.len()).epsilon,
+            gamma,
         };
         self.graph.push(name, op, vec![x])
     }
@@ -174,4 +181,85 @@ fn lower_resnet(m: &ResNet, b: &mut Builder) {
     let x = b.op("pool", Op::GlobalAvgPool, vec![x]);
     let x = b.op("flatten", Op::Flatten, vec![x]);
     b.linear("head", &m.head, x);
+}
+
+/// W4: tokens → embedding + positions → encoder layers → mean over tokens → head, the same
+/// sequence of Burn ops as the zoo forward ([`crate::zoo::EncoderClassifier`]).
+fn lower_transformer(m: &EncoderClassifier, b: &mut Builder) -> Result<()> {
+    let features = m.embed.weight.dims()[0];
+    let [c, h, w] = b.shape;
+    if features == 0 || !(c * h * w).is_multiple_of(features) {
+        return Err(KilnError::Shape(format!(
+            "the transformer reads {features}-feature tokens; a [{c}, {h}, {w}] image does not \
+             split into them"
+        )));
+    }
+    let tokens = c * h * w / features;
+    let x = b.op(
+        "tokens",
+        Op::Reshape {
+            shape: vec![tokens, features],
+        },
+        vec![Graph::INPUT],
+    );
+    let x = b.linear("embed", &m.embed, x);
+    let mut x = b.op(
+        "pos",
+        Op::AddConstant {
+            value: values(m.pos.val()),
+        },
+        vec![x],
+    );
+    for (i, layer) in m.encoder.layers.iter().enumerate() {
+        let p = format!("encoder.layers.{i}");
+        if !matches!(layer.pwff.activation, Activation::Relu(_)) {
+            return Err(KilnError::Unsupported {
+                pass: "lower".into(),
+                layer: format!("{p}.pwff.activation"),
+                fix: "the inference graph has ReLU feed-forward layers only (W4's)".into(),
+            });
+        }
+        x = encoder_layer(b, &p, layer, x);
+    }
+    let x = b.op("pool", Op::TokenMean, vec![x]);
+    b.linear("head", &m.head, x);
+    Ok(())
+}
+
+/// One encoder layer (post-norm or pre-norm, as Burn's `TransformerEncoderLayer`).
+fn encoder_layer(b: &mut Builder, p: &str, layer: &TransformerEncoderLayer, x: ValueId) -> ValueId {
+    let ff = |b: &mut Builder, x: ValueId| {
+        let pwff = &layer.pwff;
+        let h = b.linear(&format!("{p}.pwff.linear_inner"), &pwff.linear_inner, x);
+        let h = b.op(&format!("{p}.pwff.activation"), Op::Relu, vec![h]);
+        b.linear(&format!("{p}.pwff.linear_outer"), &pwff.linear_outer, h)
+    };
+    if layer.norm_first {
+        let n = b.layer_norm(&format!("{p}.norm_2"), &layer.norm_2, x);
+        let a = self_attention(b, &format!("{p}.mha"), &layer.mha, n);
+        let x = b.op(&format!("{p}.add_1"), Op::Add, vec![x, a]);
+        let n = b.layer_norm(&format!("{p}.norm_1"), &layer.norm_1, x);
+        let f = ff(b, n);
+        b.op(&format!("{p}.add_2"), Op::Add, vec![x, f])
+    } else {
+        let a = self_attention(b, &format!("{p}.mha"), &layer.mha, x);
+        let x = b.op(&format!("{p}.add_1"), Op::Add, vec![x, a]);
+        let x = b.layer_norm(&format!("{p}.norm_1"), &layer.norm_1, x);
+        let f = ff(b, x);
+        let x = b.op(&format!("{p}.add_2"), Op::Add, vec![x, f]);
+        b.layer_norm(&format!("{p}.norm_2"), &layer.norm_2, x)
+    }
+}
+
+/// Self-attention: the q, k, v projections, the attention core, the output projection.
+fn self_attention(b: &mut Builder, p: &str, mha: &MultiHeadAttention, x: ValueId) -> ValueId {
+    let q = b.linear(&format!("{p}.query"), &mha.query, x);
+    let k = b.linear(&format!("{p}.key"), &mha.key, x);
+    let v = b.linear(&format!("{p}.value"), &mha.value, x);
+    let op = Op::Attention {
+        heads: mha.n_heads,
+        head_dim: mha.d_k,
+    };
+    let a = b.op(&format!("{p}.attention"), op, vec![q, k, v]);
+    b.linear(&format!("{p}.output"), &mha.output, a)
 }

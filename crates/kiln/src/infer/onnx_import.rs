@@ -1,5 +1,7 @@
-//! ONNX import: an ONNX file whose operators Kiln's inference graph has (Conv, Gemm,
-//! BatchNormalization, Relu, MaxPool, GlobalAveragePool, Flatten, Add, Dropout, Identity) becomes
+//! ONNX import: an ONNX file whose operators Kiln's inference graph has (Conv, Gemm, MatMul by
+//! a constant, BatchNormalization, LayerNormalization, Relu, MaxPool, GlobalAveragePool,
+//! Flatten, Reshape, ReduceMean over tokens, Add, Dropout, Identity, and Kiln's own
+//! `ai.kiln.MultiHeadAttention` function) becomes
 //! a [`Graph`], so `kiln serve` can run ONNX models and the passes (fold, int8) apply to them.
 //! Anything else is refused with the node and operator named — never approximated.
 
@@ -10,7 +12,7 @@ use onnx_protobuf::tensor_shape_proto::dimension;
 use onnx_protobuf::{AttributeProto, NodeProto, TensorProto, type_proto};
 
 use super::graph::{ConvGeometry, Graph, Op, ValueId, Weight};
-use super::onnx::parse;
+use super::onnx::{KILN_DOMAIN, parse};
 use crate::error::{KilnError, Result};
 
 fn unsupported(node: &NodeProto, why: impl Into<String>) -> KilnError {
@@ -109,8 +111,33 @@ pub fn import(bytes: &[u8], name: &str) -> Result<Graph> {
                 _ => Ok(None),
             }
         };
+        let integers = |i: usize| -> Result<Vec<i64>> {
+            let n = node
+                .input
+                .get(i)
+                .ok_or_else(|| unsupported(node, format!("input {i} is missing")))?;
+            let t = weights.get(n.as_str()).ok_or_else(|| {
+                unsupported(node, format!("`{n}` must be a constant initializer"))
+            })?;
+            int64s(t).map_err(|e| unsupported(node, e))
+        };
         let attrs = Attributes(&node.attribute);
-        let (op, inputs) = match node.op_type.as_str() {
+        let kiln_function = node.domain == KILN_DOMAIN;
+        if !(node.domain.is_empty() || node.domain == "ai.onnx" || kiln_function) {
+            return Err(unsupported(
+                node,
+                format!(
+                    "operators of domain `{}` have no Kiln equivalent",
+                    node.domain
+                ),
+            ));
+        }
+        let op_type = if kiln_function {
+            format!("{KILN_DOMAIN}.{}", node.op_type)
+        } else {
+            node.op_type.clone()
+        };
+        let (op, inputs) = match op_type.as_str() {
             "Conv" => {
                 let w = weight(1)?;
                 let [_, _, kh, kw] = w.shape[..] else {
@@ -215,7 +242,103 @@ pub fn import(bytes: &[u8], name: &str) -> Result<Graph> {
                 }
                 (Op::Flatten, vec![value(0)?])
             }
-            "Add" => (Op::Add, vec![value(0)?, value(1)?]),
+            "MatMul" => {
+                let w = weight(1)?;
+                if w.shape.len() != 2 {
+                    return Err(unsupported(
+                        node,
+                        "MatMul by a 2-D constant weight only (a linear layer)",
+                    ));
+                }
+                let op = Op::Linear {
+                    weight: w,
+                    bias: None,
+                };
+                (op, vec![value(0)?])
+            }
+            // A constant operand (a bias, a position embedding) is an AddConstant, folded
+            // into the matmul before it below when it is that matmul's bias.
+            "Add" => match (
+                weights.get(node.input.first().map_or("", String::as_str)),
+                weights.get(node.input.get(1).map_or("", String::as_str)),
+            ) {
+                (None, None) => (Op::Add, vec![value(0)?, value(1)?]),
+                (None, Some(_)) => (Op::AddConstant { value: weight(1)? }, vec![value(0)?]),
+                (Some(_), None) => (Op::AddConstant { value: weight(0)? }, vec![value(1)?]),
+                (Some(_), Some(_)) => return Err(unsupported(node, "Add of two constants")),
+            },
+            "Reshape" => {
+                let dims = integers(1)?;
+                let per_sample: Option<Vec<usize>> = match dims.split_first() {
+                    Some((0 | -1, rest)) if !rest.is_empty() && rest.iter().all(|&d| d > 0) => {
+                        Some(rest.iter().map(|&d| d as usize).collect())
+                    }
+                    _ => None,
+                };
+                let Some(shape) = per_sample else {
+                    return Err(unsupported(
+                        node,
+                        format!(
+                            "Reshape to {dims:?}: Kiln keeps the batch dimension (0 or -1 \
+                             first) and fixes the others"
+                        ),
+                    ));
+                };
+                (Op::Reshape { shape }, vec![value(0)?])
+            }
+            "LayerNormalization" => {
+                if attrs.int("axis").unwrap_or(-1) != -1 {
+                    return Err(unsupported(node, "LayerNormalization over an axis ≠ -1"));
+                }
+                let op = Op::LayerNorm {
+                    gamma: weight(1)?.values,
+                    beta: optional_weight(2)?.map(|b| b.values),
+                    eps: attrs.float("epsilon").unwrap_or(1e-5) as f64,
+                };
+                (op, vec![value(0)?])
+            }
+            "ReduceMean" => {
+                // Opset 17 has `axes` as an attribute, 18+ as an input.
+                let axes = match attrs.ints("axes") {
+                    Some(axes) => axes,
+                    None if node.input.len() > 1 => integers(1)?,
+                    None => Vec::new(),
+                };
+                if axes != [1] || attrs.int("keepdims").unwrap_or(1) != 0 {
+                    return Err(unsupported(
+                        node,
+                        "ReduceMean over the tokens only (axes = [1], keepdims = 0)",
+                    ));
+                }
+                (Op::TokenMean, vec![value(0)?])
+            }
+            "ai.kiln.MultiHeadAttention" => {
+                let split = integers(3)?;
+                let scale = weight(4)?;
+                let [0, 0, heads, head_dim] = split[..] else {
+                    return Err(unsupported(node, format!("head shape {split:?}")));
+                };
+                let expected = (head_dim.max(0) as f32).sqrt();
+                if heads <= 0
+                    || head_dim <= 0
+                    || scale.values.len() != 1
+                    || (scale.values[0] - expected).abs() > expected * 1e-6
+                {
+                    return Err(unsupported(
+                        node,
+                        format!(
+                            "attention with {heads} heads of {head_dim} scaled by {:?} (Kiln \
+                             scales by sqrt(head size))",
+                            scale.values
+                        ),
+                    ));
+                }
+                let op = Op::Attention {
+                    heads: heads as usize,
+                    head_dim: head_dim as usize,
+                };
+                (op, vec![value(0)?, value(1)?, value(2)?])
+            }
             "Dropout" => (Op::Dropout { prob: 0.0 }, vec![value(0)?]),
             "Identity" => {
                 let v = value(0)?;
@@ -228,7 +351,7 @@ pub fn import(bytes: &[u8], name: &str) -> Result<Graph> {
                 return Err(unsupported(
                     node,
                     format!(
-                        "operator {other} has no Kiln equivalent; Kiln imports Conv, Gemm, BatchNormalization, Relu, MaxPool, GlobalAveragePool, Flatten, Add, Dropout, Identity"
+                        "operator {other} has no Kiln equivalent; Kiln imports Conv, Gemm, MatMul (by a constant), BatchNormalization, LayerNormalization, Relu, MaxPool, GlobalAveragePool, Flatten, Reshape, ReduceMean (tokens), Add, Dropout, Identity and its own ai.kiln.MultiHeadAttention"
                     ),
                 ));
             }
@@ -248,7 +371,58 @@ pub fn import(bytes: &[u8], name: &str) -> Result<Graph> {
     graph.output = *values
         .get(&output.name)
         .ok_or_else(|| bad(format!("output `{}` is never computed", output.name)))?;
+    fold_matmul_bias(&mut graph);
     Ok(graph)
+}
+
+/// `MatMul` + `Add(bias)` (how a linear layer over a sequence is written, Gemm being 2-D only)
+/// back into one linear layer with its bias, when nothing else reads the product.
+fn fold_matmul_bias(graph: &mut Graph) {
+    let mut i = 0;
+    while i < graph.nodes.len() {
+        let producer = match (&graph.nodes[i].op, graph.nodes[i].inputs.first()) {
+            (Op::AddConstant { value }, Some(&input)) => graph
+                .nodes
+                .iter()
+                .position(|n| n.output == input)
+                .filter(|&p| {
+                    let out = match &graph.nodes[p].op {
+                        Op::Linear { weight, bias: None } => weight.shape[1],
+                        _ => return false,
+                    };
+                    graph.uses(input) == 1 && value.len() == out && value.shape.last() == Some(&out)
+                }),
+            _ => None,
+        };
+        let Some(p) = producer else {
+            i += 1;
+            continue;
+        };
+        let node = graph.nodes.remove(i);
+        if let (Op::AddConstant { value }, Op::Linear { bias, .. }) =
+            (node.op, &mut graph.nodes[p].op)
+        {
+            *bias = Some(Weight::new(vec![value.len()], value.values));
+        }
+        graph.rename_uses(node.output, graph.nodes[p].output);
+    }
+}
+
+/// An INT64 initializer (raw little-endian bytes or `int64_data`).
+fn int64s(t: &TensorProto) -> std::result::Result<Vec<i64>, String> {
+    if t.data_type != DataType::INT64 as i32 {
+        return Err(format!("initializer `{}` is not INT64", t.name));
+    }
+    if t.raw_data.is_empty() {
+        return Ok(t.int64_data.clone());
+    }
+    if !t.raw_data.len().is_multiple_of(8) {
+        return Err(format!("initializer `{}` is not whole INT64s", t.name));
+    }
+    Ok(t.raw_data
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+        .collect())
 }
 
 /// A float initializer (raw little-endian bytes or `float_data`).
