@@ -16,7 +16,7 @@ use kiln::data::SyntheticDataset;
 use kiln::infer::{InferenceSession, Pass};
 use kiln::observe::timing::{Timing, measure, summarize};
 use kiln::observe::{MemorySink, memory};
-use kiln::plan::{Hardware, resolve};
+use kiln::plan::{Backend, Hardware, resolve};
 use kiln::precision::{Precision, autocast};
 use kiln::zoo::{Classifier, ModelKind};
 use kiln::{KilnConfig, Trainer};
@@ -85,8 +85,11 @@ const WORKLOADS: [Workload; 5] = [
 ];
 
 /// Cases measured per mode: plain Burn and Kiln's levels for training. For inference, plain
-/// Burn's forward vs Kiln's inference session: `kiln` (the lowered f32 graph), `kiln-fold`
-/// (+ strip and BatchNorm folding), `kiln-int8` (+ int8 dynamic quantization).
+/// Burn's forward vs Kiln's inference session on the CPU: `kiln` (the lowered f32 graph),
+/// `kiln-fold` (+ strip and BatchNorm folding), `kiln-int8` (+ int8 dynamic quantization);
+/// where a GPU is present (the `cuda` feature and a driver) also the folded graph on it in
+/// f32, f16 and bf16 (`gpu-f32`, `gpu-f16`, `gpu-bf16`). Those three run on the CPU when
+/// asked for by name without a GPU (f16/bf16 are then emulated: numerics, not speed).
 ///
 /// `precision` mode measures the same step (training at level basic; inference for W3) in
 /// each precision policy; its reference case is `f32`.
@@ -94,7 +97,13 @@ fn cases(mode: &str) -> Vec<&'static str> {
     match mode {
         "train" => vec!["burn", "kiln-basic", "kiln-advanced", "kiln-ultra"],
         "precision" => vec!["f32", "bf16", "f16"],
-        _ => vec!["burn", "kiln", "kiln-fold", "kiln-int8"],
+        _ => {
+            let mut cases = vec!["burn", "kiln", "kiln-fold", "kiln-int8"];
+            if Hardware::probe().best_backend() == Backend::Cuda {
+                cases.extend(["gpu-f32", "gpu-f16", "gpu-bf16"]);
+            }
+            cases
+        }
     }
 }
 
@@ -228,6 +237,17 @@ fn measure_case(
             session_infer(w.model, &[Pass::Strip, Pass::Fold], batch, shape, steps)?
         }
         ("infer", "kiln-int8") => session_infer(w.model, &Pass::ALL, batch, shape, steps)?,
+        ("infer", gpu) if gpu.starts_with("gpu-") => {
+            let half = match gpu {
+                "gpu-f32" => None,
+                "gpu-f16" => Some(Pass::F16),
+                "gpu-bf16" => Some(Pass::Bf16),
+                _ => bail!("unknown bench case `{case}`: gpu-f32, gpu-f16 or gpu-bf16"),
+            };
+            let passes: Vec<Pass> = [Pass::Strip, Pass::Fold].into_iter().chain(half).collect();
+            let device = Hardware::probe().best_backend().device();
+            session_infer_on(w.model, &passes, batch, shape, steps, device)?
+        }
         ("train", level) if level.starts_with("kiln-") => {
             let level: Level = level.trim_start_matches("kiln-").parse()?;
             kiln_train(w.model, level, Precision::F32, batch, shape, steps)?
@@ -332,7 +352,18 @@ fn session_infer(
     shape: [usize; 3],
     steps: usize,
 ) -> Result<Timing> {
-    let device = Device::flex();
+    session_infer_on(model, passes, batch, shape, steps, Device::flex())
+}
+
+/// [`session_infer`] on `device`.
+fn session_infer_on(
+    model: ModelKind,
+    passes: &[Pass],
+    batch: usize,
+    shape: [usize; 3],
+    steps: usize,
+    device: Device,
+) -> Result<Timing> {
     device.seed(0);
     let net = model.init_for_channels(shape[0], &device);
     let session = InferenceSession::new(&net, model.name(), shape, passes, &device)?;

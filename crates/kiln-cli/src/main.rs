@@ -191,7 +191,8 @@ struct OptimizeArgs {
     /// A checkpoint file, or a checkpoint directory (its newest checkpoint is used).
     #[arg(long)]
     checkpoint: PathBuf,
-    /// Passes to apply in order, comma-separated: strip, fold, int8.
+    /// Passes to apply in order, comma-separated: strip, fold, int8, and f16 or bf16
+    /// (half-precision weights for GPU inference; emulated, slow, on a CPU).
     #[arg(long, default_value = "strip,fold,int8")]
     passes: String,
     /// Output directory (model.kgraph, model.onnx when exportable, summary.md, summary.json).

@@ -201,8 +201,9 @@ fn trained(kind: ModelKind, epochs: usize) -> ZooModel {
 
 /// Int8 dynamic quantization of trained W1, W2 (= W3's forward) and W4: top-1 on the 1,000
 /// held-out images within 0.5 points of f32, logits close (stated bounds), weights 4× smaller.
+/// The f16 and bf16 passes likewise: within 0.5 points, logits within 2% of the largest.
 #[test]
-fn int8_keeps_accuracy_on_real_data() {
+fn int8_and_half_precision_keep_accuracy_on_real_data() {
     let device = Device::flex();
     let test = bundled(Split::Test).unwrap();
     // W4 learns more slowly per epoch than the others on the bundled images (~83% after 3
@@ -240,6 +241,28 @@ fn int8_keeps_accuracy_on_real_data() {
         // The reference for "f32" is the zoo model itself.
         let zoo = reference_logits(&model, &test, 250, &device).unwrap();
         assert!(rel(&a.logits, &zoo) < 1e-5);
+
+        // Half-precision weights (the GPU inference passes) keep top-1 too.
+        for pass in [Pass::F16, Pass::Bf16] {
+            let h = InferenceSession::new(&model, kind.name(), [1, 28, 28], &[pass], &device)
+                .unwrap()
+                .evaluate(&test, 250)
+                .unwrap();
+            let points = (a.accuracy - h.accuracy) * 100.0;
+            let delta = LogitDelta::between(&h.logits, &a.logits);
+            eprintln!(
+                "{kind:?}: {} {:.2}% (Δ {points:.2} points), logits rel {:.5}",
+                pass.name(),
+                h.accuracy * 100.0,
+                delta.max_rel
+            );
+            assert!(
+                points.abs() <= 0.5,
+                "{kind:?} {}: lost {points:.2} points",
+                pass.name()
+            );
+            assert!(delta.max_rel < 0.02, "{kind:?} {}: {delta:?}", pass.name());
+        }
     }
 }
 
@@ -613,6 +636,80 @@ fn unsupported_layers_and_mismatched_checkpoints_are_clear_errors() {
         .unwrap_err()
         .to_string();
     assert!(msg.contains("do not fit") && msg.contains("stem"), "{msg}");
+}
+
+/// The `f16` and `bf16` passes (half-precision weights for GPU inference), checked on the CPU
+/// against the f32 graph: W5 (folded first) and W4 (attention products in half precision too)
+/// on random inputs, logits within the precision's tolerance — f16 has an 11-bit significand
+/// (rounding 2⁻¹¹ ≈ 5e-4 per op), bf16 8 bits (2⁻⁸ ≈ 4e-3) — and the graph file half the size,
+/// reading back exactly. Exporting such a graph to ONNX is refused by name.
+#[test]
+fn half_precision_weights_stay_within_tolerance_of_f32() {
+    use kiln::precision::Precision;
+    let device = Device::flex();
+    let cases = [
+        ("resnet", resnet_with_real_statistics(&device), [3, 16, 16]),
+        (
+            "transformer",
+            transformer_with_random_norms(&device),
+            [1, 28, 28],
+        ),
+    ];
+    for (name, model, shape) in cases {
+        let f32s = InferenceSession::new(&model, name, shape, &[Pass::Fold], &device).unwrap();
+        let x = random_images(shape, 4, &device);
+        let reference = values(f32s.forward(x.clone()).unwrap());
+        for (pass, precision, tolerance) in [
+            (Pass::F16, Precision::F16, 3e-3),
+            (Pass::Bf16, Precision::Bf16, 2e-2),
+        ] {
+            let half =
+                InferenceSession::new(&model, name, shape, &[Pass::Fold, pass], &device).unwrap();
+            let graph = half.graph();
+            assert_eq!(graph.precision, precision);
+            let mut layers = 0;
+            for node in &graph.nodes {
+                if let Op::Conv2d { weight, .. } | Op::Linear { weight, .. } = &node.op {
+                    assert_eq!(weight.precision, precision, "{name} {}", node.name);
+                    layers += 1;
+                }
+            }
+            assert_eq!(half.reports()[1].changes.len(), layers);
+            let ours = values(half.forward(x.clone()).unwrap());
+            let err = rel(&ours, &reference);
+            eprintln!(
+                "{name} {}: max relative logit error {err:.2e}",
+                precision.name()
+            );
+            assert!(err < tolerance, "{name} {}: {err}", precision.name());
+            // Rounding really happened: the logits are not the f32 ones.
+            assert!(err > 0.0, "{name} {}: identical to f32", precision.name());
+
+            let full = infer::graph_to_bytes(f32s.graph()).unwrap().len();
+            let bytes = infer::graph_to_bytes(graph).unwrap();
+            assert!(
+                bytes.len() * 100 < full * 55,
+                "{name}: {} bytes vs f32 {full}",
+                bytes.len()
+            );
+            let dir = common::tempdir("infer", "half");
+            let path = dir.join(format!("{name}-{}.kgraph", precision.name()));
+            infer::save_graph(graph, &path).unwrap();
+            assert_eq!(&infer::load_graph(&path).unwrap(), graph);
+
+            let msg = onnx::to_bytes(graph).unwrap_err().to_string();
+            assert!(
+                msg.contains("onnx export") && msg.contains(precision.name()),
+                "{msg}"
+            );
+        }
+    }
+    // One half precision per graph.
+    let mut g = infer::lower(&resnet_with_real_statistics(&device), "resnet", [3, 16, 16]).unwrap();
+    let msg = infer::run_passes(&mut g, &[Pass::F16, Pass::Bf16])
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("already f16"), "{msg}");
 }
 
 /// Optimized graphs round-trip through the checksummed file; corruption is detected.

@@ -7,7 +7,7 @@
 use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
 use burn::tensor::module::adaptive_avg_pool2d;
 use burn::tensor::ops::ConvOptions;
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{Device, FloatDType, Tensor, TensorData};
 use rayon::prelude::*;
 
 use super::graph::{ConvGeometry, Graph, Op, QuantWeight, ValueId, Weight, batch_norm_affine};
@@ -104,6 +104,9 @@ pub struct Executor {
     graph: Graph,
     ops: Vec<Prepared>,
     device: Device,
+    /// The half precision convolutions, linear layers and attention products run in (the
+    /// graph's, from the `f16` / `bf16` passes); `None` = f32 throughout.
+    compute: Option<FloatDType>,
 }
 
 fn tensor<const D: usize>(w: &Weight, device: &Device) -> Result<Tensor<D>> {
@@ -117,6 +120,23 @@ fn tensor<const D: usize>(w: &Weight, device: &Device) -> Result<Tensor<D>> {
     ))
 }
 
+/// `t` in the compute precision (`None` = as it is, f32).
+fn to_compute<const D: usize>(t: Tensor<D>, compute: Option<FloatDType>) -> Tensor<D> {
+    match compute {
+        Some(dt) => t.cast(dt),
+        None => t,
+    }
+}
+
+/// `t` in f32 (a no-op when it already is).
+fn to_f32<const D: usize>(t: Tensor<D>) -> Tensor<D> {
+    if t.dtype() == burn::tensor::DType::F32 {
+        t
+    } else {
+        t.cast(FloatDType::F32)
+    }
+}
+
 fn host_tensor<const D: usize>(values: Vec<f32>, dims: [usize; D], device: &Device) -> Tensor<D> {
     Tensor::from_data(TensorData::new(values, dims), device)
 }
@@ -128,6 +148,7 @@ fn host_values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
 impl Executor {
     /// Uploads the graph's constants to `device`.
     pub fn new(graph: Graph, device: &Device) -> Result<Self> {
+        let compute = graph.precision.compute_dtype();
         let mut ops = Vec::with_capacity(graph.nodes.len());
         for node in &graph.nodes {
             ops.push(match &node.op {
@@ -136,13 +157,19 @@ impl Executor {
                     bias,
                     geometry: g,
                 } => Prepared::Conv {
-                    weight: tensor(weight, device)?,
-                    bias: bias.as_ref().map(|b| tensor(b, device)).transpose()?,
+                    weight: to_compute(tensor(weight, device)?, compute),
+                    bias: bias
+                        .as_ref()
+                        .map(|b| tensor(b, device).map(|t| to_compute(t, compute)))
+                        .transpose()?,
                     options: conv_options(g),
                 },
                 Op::Linear { weight, bias } => Prepared::Linear {
-                    weight: tensor(weight, device)?,
-                    bias: bias.as_ref().map(|b| tensor(b, device)).transpose()?,
+                    weight: to_compute(tensor(weight, device)?, compute),
+                    bias: bias
+                        .as_ref()
+                        .map(|b| tensor(b, device).map(|t| to_compute(t, compute)))
+                        .transpose()?,
                 },
                 Op::BatchNorm {
                     gamma,
@@ -219,6 +246,7 @@ impl Executor {
             graph,
             ops,
             device: device.clone(),
+            compute,
         })
     }
 
@@ -251,7 +279,7 @@ impl Executor {
                 let value = take_or_clone(&mut values, &mut remaining, v, &node.name)?;
                 inputs.push(value);
             }
-            let out = run(op, inputs, &self.device)
+            let out = run(op, inputs, &self.device, self.compute)
                 .map_err(|e| KilnError::Inference(format!("node `{}`: {e}", node.name)))?;
             values[node.output] = Some(out);
         }
@@ -403,6 +431,7 @@ fn attention(
     v: Tensor<3>,
     heads: usize,
     dk: usize,
+    compute: Option<FloatDType>,
 ) -> std::result::Result<Tensor<3>, String> {
     let [b, t, d] = q.dims();
     if heads * dk != d || k.dims() != [b, t, d] || v.dims() != [b, t, d] {
@@ -414,12 +443,16 @@ fn attention(
             v.dims()
         ));
     }
-    let split = |x: Tensor<3>| -> Tensor<4> { x.reshape([b, t, heads, dk]).swap_dims(1, 2) };
-    let scores = split(q)
-        .matmul(split(k).transpose())
-        .div_scalar((dk as f32).sqrt());
+    let split = |x: Tensor<3>| -> Tensor<4> {
+        to_compute(x, compute)
+            .reshape([b, t, heads, dk])
+            .swap_dims(1, 2)
+    };
+    // Both products in the compute precision, the scaling and softmax in f32.
+    let scores = to_f32(split(q).matmul(split(k).transpose())).div_scalar((dk as f32).sqrt());
     let weights = burn::tensor::activation::softmax(scores, 3);
-    Ok(weights.matmul(split(v)).swap_dims(1, 2).reshape([b, t, d]))
+    let context = to_f32(to_compute(weights, compute).matmul(split(v)));
+    Ok(context.swap_dims(1, 2).reshape([b, t, d]))
 }
 
 /// The value on the host with its dims.
@@ -456,33 +489,40 @@ fn run(
     op: &Prepared,
     mut inputs: Vec<Value>,
     device: &Device,
+    compute: Option<FloatDType>,
 ) -> std::result::Result<Value, String> {
+    // Half-precision ops take their input cast down and give their result back in f32, so
+    // every other op sees f32 (the autocast policy of mixed-precision training).
     let x = inputs.remove(0);
     Ok(match op {
         Prepared::Conv {
             weight,
             bias,
             options,
-        } => Value::Image(crate::kernels::conv2d(
-            image(x, device)?,
+        } => Value::Image(to_f32(crate::kernels::conv2d(
+            to_compute(image(x, device)?, compute),
             weight.clone(),
             bias.clone(),
             options.clone(),
-        )),
+        ))),
         Prepared::Linear { weight, bias } => {
             if value_dims(&x).len() == 3 {
                 // Per token: the sequence's rows are one batch of vectors.
                 let t = seq(x, device)?;
                 let [b, n, d] = t.dims();
-                let y = crate::kernels::linear(t.reshape([b * n, d]), weight.clone(), bias.clone());
+                let y = to_f32(crate::kernels::linear(
+                    to_compute(t.reshape([b * n, d]), compute),
+                    weight.clone(),
+                    bias.clone(),
+                ));
                 let out = y.dims()[1];
                 Value::Seq(y.reshape([b, n, out]))
             } else {
-                Value::Flat(crate::kernels::linear(
-                    flat(x, device)?,
+                Value::Flat(to_f32(crate::kernels::linear(
+                    to_compute(flat(x, device)?, compute),
                     weight.clone(),
                     bias.clone(),
-                ))
+                )))
             }
         }
         Prepared::Affine { scale, shift } => {
@@ -594,6 +634,7 @@ fn run(
                 seq(v, device)?,
                 *heads,
                 *head_dim,
+                compute,
             )?)
         }
         Prepared::TokenMean => {

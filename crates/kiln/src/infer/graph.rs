@@ -5,21 +5,60 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::precision::Precision;
+
 /// A constant tensor on the host (weights, statistics).
+///
+/// `values` are f32 in memory whatever the weight's [`Precision`]; a half-precision weight
+/// (the `f16` / `bf16` passes) holds values exactly representable in that type and is stored
+/// in graph files at 2 bytes per element.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(into = "WeightRepr", try_from = "WeightRepr")]
 pub struct Weight {
     /// Dimensions.
     pub shape: Vec<usize>,
     /// Row-major values.
-    #[serde(with = "f32_bytes")]
     pub values: Vec<f32>,
+    /// The precision the weight is stored and computed in.
+    pub precision: Precision,
 }
 
 impl Weight {
-    /// A weight, checking that the values fill the shape.
+    /// An f32 weight, checking that the values fill the shape.
     pub fn new(shape: Vec<usize>, values: Vec<f32>) -> Self {
         debug_assert_eq!(shape.iter().product::<usize>(), values.len());
-        Weight { shape, values }
+        Weight {
+            shape,
+            values,
+            precision: Precision::F32,
+        }
+    }
+
+    /// The weight rounded to `precision` (to nearest, ties to even), marked as such.
+    pub fn rounded_to(&self, precision: Precision) -> Self {
+        let values = self
+            .values
+            .iter()
+            .map(|&v| round_to(v, precision))
+            .collect();
+        Weight {
+            shape: self.shape.clone(),
+            values,
+            precision,
+        }
+    }
+
+    /// Bytes per element as stored.
+    pub fn element_bytes(&self) -> usize {
+        match self.precision {
+            Precision::F32 => 4,
+            Precision::F16 | Precision::Bf16 => 2,
+        }
+    }
+
+    /// Bytes as stored.
+    pub fn bytes(&self) -> usize {
+        self.len() * self.element_bytes()
     }
 
     /// Number of elements.
@@ -33,27 +72,95 @@ impl Weight {
     }
 }
 
-/// Weights travel as byte strings in graph files (4 bytes per f32, 1 per i8) rather than as
-/// CBOR arrays of numbers (5 and ~2 bytes): the file size is then the weights' size.
-mod f32_bytes {
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(v: &[f32], s: S) -> Result<S::Ok, S::Error> {
-        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-        s.serialize_bytes(&bytes)
+/// `v` rounded to the nearest value of `precision` (ties to even), as f32.
+pub fn round_to(v: f32, precision: Precision) -> f32 {
+    match precision {
+        Precision::F32 => v,
+        Precision::F16 => half::f16::from_f32(v).to_f32(),
+        Precision::Bf16 => half::bf16::from_f32(v).to_f32(),
     }
+}
 
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<f32>, D::Error> {
-        let bytes = serde_bytes::ByteBuf::deserialize(d)?;
-        if bytes.len() % 4 != 0 {
-            return Err(serde::de::Error::custom(
-                "f32 data is not a multiple of 4 bytes",
+/// A weight as stored in graph files: its values as a byte string of little-endian elements
+/// of its precision (4 bytes per f32, 2 per f16/bf16) rather than a CBOR array of numbers, so
+/// the file size is the weights' size. Files written before weights had a precision have no
+/// `precision` field and read as f32.
+#[derive(Serialize, Deserialize)]
+struct WeightRepr {
+    shape: Vec<usize>,
+    #[serde(with = "serde_bytes")]
+    values: Vec<u8>,
+    #[serde(default, skip_serializing_if = "is_f32")]
+    precision: Precision,
+}
+
+fn is_f32(p: &Precision) -> bool {
+    *p == Precision::F32
+}
+
+impl From<Weight> for WeightRepr {
+    fn from(w: Weight) -> Self {
+        let values = match w.precision {
+            Precision::F32 => w.values.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Precision::F16 => w
+                .values
+                .iter()
+                .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
+                .collect(),
+            Precision::Bf16 => w
+                .values
+                .iter()
+                .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                .collect(),
+        };
+        WeightRepr {
+            shape: w.shape,
+            values,
+            precision: w.precision,
+        }
+    }
+}
+
+impl TryFrom<WeightRepr> for Weight {
+    type Error = String;
+
+    fn try_from(r: WeightRepr) -> Result<Self, String> {
+        let width = match r.precision {
+            Precision::F32 => 4,
+            Precision::F16 | Precision::Bf16 => 2,
+        };
+        let count: usize = r.shape.iter().product();
+        if r.values.len() != count * width {
+            return Err(format!(
+                "a {} weight of shape {:?} needs {} bytes, the file holds {}",
+                r.precision.name(),
+                r.shape,
+                count * width,
+                r.values.len()
             ));
         }
-        Ok(bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect())
+        let values = match r.precision {
+            Precision::F32 => r
+                .values
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            Precision::F16 => r
+                .values
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            Precision::Bf16 => r
+                .values
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+        };
+        Ok(Weight {
+            shape: r.shape,
+            values,
+            precision: r.precision,
+        })
     }
 }
 
@@ -262,7 +369,7 @@ impl Op {
 
     /// Bytes of constants this op holds (weights, statistics).
     pub fn weight_bytes(&self) -> usize {
-        let f = |w: &Weight| w.len() * 4;
+        let f = |w: &Weight| w.bytes();
         let of = |w: &Option<Weight>| w.as_ref().map_or(0, f);
         let ov = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, |v| v.len() * 4);
         match self {
@@ -307,6 +414,12 @@ pub struct Graph {
     pub nodes: Vec<Node>,
     /// The value holding the logits.
     pub output: ValueId,
+    /// The precision convolutions, linear layers and attention products compute in (set by
+    /// the `f16` / `bf16` passes, which also round those layers' weights to it). Everything
+    /// else — normalization, softmax, pooling, residual adds — stays f32, as in mixed-precision
+    /// training. Absent in older files: f32.
+    #[serde(default)]
+    pub precision: Precision,
 }
 
 impl Graph {
@@ -317,6 +430,7 @@ impl Graph {
             input_shape,
             nodes: Vec::new(),
             output: 0,
+            precision: Precision::F32,
         }
     }
 

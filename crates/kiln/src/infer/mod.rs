@@ -26,7 +26,10 @@ pub use exec::Executor;
 pub use graph::{ConvGeometry, Graph, Node, Op, QuantWeight, ValueId, Weight};
 pub use lower::lower;
 pub use onnx_import::import as import_onnx;
-pub use passes::{Pass, PassReport, fold_batch_norm, quantize_int8, run_passes, strip_train_only};
+pub use passes::{
+    Pass, PassReport, fold_batch_norm, quantize_int8, run_passes, strip_train_only,
+    to_half_precision,
+};
 pub use store::{graph_to_bytes, load_graph, save_graph};
 
 use crate::data::{Dataset, collate};

@@ -16,6 +16,7 @@ use onnx_protobuf::{
 
 use super::graph::{Graph, Op, ValueId, Weight};
 use crate::error::{KilnError, Result};
+use crate::precision::Precision;
 
 /// The opset the exporter targets.
 pub const OPSET: i64 = 17;
@@ -28,6 +29,15 @@ pub const OUTPUT_NAME: &str = "logits";
 
 /// Serializes `graph` as an ONNX model.
 pub fn to_bytes(graph: &Graph) -> Result<Vec<u8>> {
+    if graph.precision != Precision::F32 {
+        return Err(KilnError::Unsupported {
+            pass: "onnx export".into(),
+            layer: format!("{} (weights in {})", graph.model, graph.precision.name()),
+            fix: "export the f32 graph (leave f16/bf16 out of --passes) and convert it with \
+                  your runtime's float16 tool; Kiln writes float32 ONNX only"
+                .into(),
+        });
+    }
     let mut g = GraphProto::new();
     g.name = graph.model.clone();
     let value_name = |v: ValueId| {
@@ -79,7 +89,7 @@ pub fn to_bytes(graph: &Graph) -> Result<Vec<u8>> {
                 // batch), then Add for the bias.
                 n.op_type = "MatMul".into();
                 n.input.push(init("weight", &weight.shape, &weight.values));
-                if let Some(Weight { shape, values }) = bias {
+                if let Some(Weight { shape, values, .. }) = bias {
                     let mut add = NodeProto::new();
                     add.name = format!("{}.bias", node.name);
                     add.op_type = "Add".into();
@@ -92,7 +102,7 @@ pub fn to_bytes(graph: &Graph) -> Result<Vec<u8>> {
             Op::Linear { weight, bias } => {
                 // Gemm: Y = A·B + C with B = Burn's [in, out] weight as is.
                 n.input.push(init("weight", &weight.shape, &weight.values));
-                if let Some(Weight { shape, values }) = bias {
+                if let Some(Weight { shape, values, .. }) = bias {
                     n.input.push(init("bias", shape, values));
                 }
             }

@@ -1,6 +1,7 @@
 //! Graph passes: each rewrites an inference [`Graph`] and says what it changed.
 
 mod fold;
+mod half;
 mod quantize;
 mod strip;
 
@@ -8,8 +9,10 @@ use serde::Serialize;
 
 use super::graph::Graph;
 use crate::error::{KilnError, Result};
+use crate::precision::Precision;
 
 pub use fold::fold_batch_norm;
+pub use half::to_half_precision;
 pub use quantize::quantize_int8;
 pub use strip::strip_train_only;
 
@@ -22,11 +25,20 @@ pub enum Pass {
     Fold,
     /// Int8 dynamic quantization of linear and convolution layers.
     Int8,
+    /// Convolution and linear weights in IEEE half precision, those layers computed in it
+    /// (for GPU inference; on a CPU without native f16 it is emulated and slow).
+    F16,
+    /// As [`Pass::F16`] in bfloat16.
+    Bf16,
 }
 
 impl Pass {
-    /// Every pass, in the order they are best applied.
+    /// The CPU optimization passes, in the order they are best applied (what `kiln optimize`
+    /// and the `kiln-int8` benchmark case apply by default).
     pub const ALL: [Pass; 3] = [Pass::Strip, Pass::Fold, Pass::Int8];
+
+    /// Every pass there is, for parsing and help.
+    pub const KNOWN: [Pass; 5] = [Pass::Strip, Pass::Fold, Pass::Int8, Pass::F16, Pass::Bf16];
 
     /// Config / CLI name.
     pub fn name(self) -> &'static str {
@@ -34,6 +46,8 @@ impl Pass {
             Pass::Strip => "strip",
             Pass::Fold => "fold",
             Pass::Int8 => "int8",
+            Pass::F16 => "f16",
+            Pass::Bf16 => "bf16",
         }
     }
 
@@ -43,13 +57,13 @@ impl Pass {
             .map(str::trim)
             .filter(|s| !s.is_empty())
             .map(|s| {
-                Pass::ALL
+                Pass::KNOWN
                     .into_iter()
                     .find(|p| p.name() == s)
                     .ok_or_else(|| KilnError::InvalidValue {
                         key: "passes".into(),
                         value: s.to_string(),
-                        expected: "a comma-separated list of strip, fold, int8".into(),
+                        expected: "a comma-separated list of strip, fold, int8, f16, bf16".into(),
                     })
             })
             .collect()
@@ -61,6 +75,8 @@ impl Pass {
             Pass::Strip => Ok(strip_train_only(graph)),
             Pass::Fold => Ok(fold_batch_norm(graph)),
             Pass::Int8 => quantize_int8(graph),
+            Pass::F16 => to_half_precision(graph, Precision::F16),
+            Pass::Bf16 => to_half_precision(graph, Precision::Bf16),
         }
     }
 }
