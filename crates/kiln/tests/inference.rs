@@ -566,6 +566,45 @@ fn unsupported_layers_and_mismatched_checkpoints_are_clear_errors() {
         "{msg}"
     );
 
+    // Sequence ops over values of the wrong size: errors naming the node, not panics.
+    for (op, expected) in [
+        (
+            Op::AddConstant {
+                value: Weight::new(vec![1, 3, 5], vec![0.0; 15]),
+            },
+            "does not broadcast",
+        ),
+        (
+            Op::LayerNorm {
+                gamma: vec![1.0; 5],
+                beta: None,
+                eps: 1e-5,
+            },
+            "normalizes 5 features",
+        ),
+        (
+            Op::Linear {
+                weight: Weight::new(vec![5, 2], vec![0.0; 10]),
+                bias: None,
+            },
+            "expects 5 features",
+        ),
+    ] {
+        let mut g = Graph::new("seq", [1, 4, 4]);
+        let x = g.push(
+            "tokens",
+            Op::Reshape { shape: vec![4, 4] },
+            vec![Graph::INPUT],
+        );
+        g.push("bad", op, vec![x]);
+        let session = InferenceSession::from_graph(g, &device).unwrap();
+        let msg = session
+            .forward(random_images([1, 4, 4], 2, &device))
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("`bad`") && msg.contains(expected), "{msg}");
+    }
+
     // A model whose images do not split into W4's tokens.
     let w4 = ModelKind::Transformer.init(&device);
     let msg = InferenceSession::new(&w4, "transformer", [1, 5, 5], &[], &device)

@@ -205,6 +205,14 @@ impl Executor {
                     dims[3 - value.shape.len()..].copy_from_slice(&value.shape);
                     Prepared::AddConstant(host_tensor(value.values.clone(), dims, device))
                 }
+                Op::LayerNorm { gamma, beta, .. }
+                    if beta.as_ref().is_some_and(|b| b.len() != gamma.len()) =>
+                {
+                    return Err(KilnError::Inference(format!(
+                        "node `{}`: LayerNorm scale and shift differ in length",
+                        node.name
+                    )));
+                }
                 Op::LayerNorm { gamma, beta, eps } => Prepared::LayerNorm {
                     gamma: host_tensor(gamma.clone(), [gamma.len()], device),
                     beta: beta
@@ -405,22 +413,44 @@ fn value_dims(v: &Value) -> Vec<usize> {
 }
 
 /// `x` (a sequence or a batch of vectors) plus `y` broadcast from the right (`[1, T, D]`,
-/// `[1, 1, D]`).
+/// `[1, 1, D]`); a constant that does not broadcast to `x` is an error, not a panic.
 fn add_broadcast(x: Value, y: Tensor<3>, device: &Device) -> std::result::Result<Value, String> {
+    let dims = value_dims(&x);
+    let padded: Vec<usize> = std::iter::repeat_n(1, 3usize.saturating_sub(dims.len()))
+        .chain(dims.iter().copied())
+        .collect();
+    let fits = padded.len() == 3
+        && y.dims()[0] == 1
+        && y.dims()
+            .iter()
+            .zip(&padded)
+            .all(|(&c, &v)| c == 1 || c == v);
+    if !fits {
+        return Err(format!(
+            "a constant of shape {:?} does not broadcast to a value of shape {dims:?}",
+            y.dims()
+        ));
+    }
     Ok(match x {
         Value::Flat(t) => {
-            let [one, rows, d] = y.dims();
-            if one * rows != 1 {
-                return Err(format!(
-                    "cannot add a {:?} constant to {:?}",
-                    y.dims(),
-                    t.dims()
-                ));
-            }
+            let [_, _, d] = y.dims();
             Value::Flat(t + y.reshape([1, d]))
         }
         other => Value::Seq(seq(other, device)? + y),
     })
+}
+
+/// Checks that `weight` (`[in, out]`) applies to values whose last axis is `dims`'s last.
+fn check_features(dims: &[usize], weight: &Tensor<2>) -> std::result::Result<(), String> {
+    let features = dims.last().copied().unwrap_or(0);
+    let expected = weight.dims()[0];
+    if features == expected {
+        Ok(())
+    } else {
+        Err(format!(
+            "expects {expected} features, got {features} ({dims:?})"
+        ))
+    }
 }
 
 /// Multi-head scaled dot-product attention over projected `q`, `k`, `v` `[B, T, D]`: the
@@ -508,6 +538,7 @@ fn run(
         Prepared::Linear { weight, bias } => {
             if value_dims(&x).len() == 3 {
                 // Per token: the sequence's rows are one batch of vectors.
+                check_features(&value_dims(&x), weight)?;
                 let t = seq(x, device)?;
                 let [b, n, d] = t.dims();
                 let y = to_f32(crate::kernels::linear(
@@ -518,8 +549,10 @@ fn run(
                 let out = y.dims()[1];
                 Value::Seq(y.reshape([b, n, out]))
             } else {
+                let rows = flat(x, device)?;
+                check_features(&rows.dims(), weight)?;
                 Value::Flat(to_f32(crate::kernels::linear(
-                    to_compute(flat(x, device)?, compute),
+                    to_compute(rows, compute),
                     weight.clone(),
                     bias.clone(),
                 )))
@@ -613,6 +646,13 @@ fn run(
         Prepared::AddConstant(constant) => add_broadcast(x, constant.clone(), device)?,
         Prepared::LayerNorm { gamma, beta, eps } => {
             use burn::tensor::module::layer_norm;
+            let features = value_dims(&x).last().copied().unwrap_or(0);
+            if features != gamma.dims()[0] {
+                return Err(format!(
+                    "normalizes {} features, the value has {features}",
+                    gamma.dims()[0]
+                ));
+            }
             match x {
                 Value::Flat(t) => Value::Flat(layer_norm(t, gamma.clone(), beta.clone(), *eps)),
                 other => Value::Seq(layer_norm(
