@@ -192,9 +192,16 @@ struct OptimizeArgs {
     #[arg(long)]
     checkpoint: PathBuf,
     /// Passes to apply in order, comma-separated: strip, fold, int8, and f16 or bf16
-    /// (half-precision weights for GPU inference; emulated, slow, on a CPU).
-    #[arg(long, default_value = "strip,fold,int8")]
-    passes: String,
+    /// (half-precision weights for GPU inference; emulated, slow, on a CPU). Default: the
+    /// plan's `infer.passes` (advanced: strip,fold,int8; basic: strip,fold).
+    #[arg(long)]
+    passes: Option<String>,
+    /// Optimization level whose `infer.passes` to use when --passes is not given.
+    #[arg(long)]
+    level: Option<String>,
+    /// TOML config file whose `infer.passes` (and level) to use when --passes is not given.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
     /// Output directory (model.kgraph, model.onnx when exportable, summary.md, summary.json).
     #[arg(long)]
     out: PathBuf,

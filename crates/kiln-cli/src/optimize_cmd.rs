@@ -3,11 +3,14 @@
 
 use anyhow::{Context, Result};
 use burn::tensor::Device;
+use kiln::KilnConfig;
 use kiln::burn;
+use kiln::config::Level;
 use kiln::data::{Dataset, collate};
 use kiln::datasets::{self, Split};
 use kiln::infer::{self, InferenceSession, LogitDelta, Pass, onnx};
 use kiln::observe::timing::measure;
+use kiln::plan::Hardware;
 use kiln::zoo::ModelKind;
 use serde::Serialize;
 
@@ -32,12 +35,37 @@ struct Stage {
     changes: Vec<String>,
 }
 
+/// The passes the plan chooses (`infer.passes` at the config's and flag's level).
+fn plan_passes(args: &OptimizeArgs) -> Result<Vec<Pass>> {
+    let mut config = match &args.config {
+        Some(path) => KilnConfig::load(path)?,
+        None => KilnConfig::default(),
+    };
+    if let Some(level) = &args.level {
+        config.set_level(level.parse::<Level>()?);
+    }
+    let plan = kiln::plan::resolve(&config, &Hardware::probe())?;
+    tracing::info!(
+        "passes from the plan at level {}: {}",
+        plan.level,
+        plan.infer_passes
+            .iter()
+            .map(|p| p.name())
+            .collect::<Vec<_>>()
+            .join(",")
+    );
+    Ok(plan.infer_passes)
+}
+
 pub fn run(args: OptimizeArgs) -> Result<()> {
     if args.threads > 0 {
         kiln::plan::set_cpu_threads(args.threads);
     }
     let kind = ModelKind::from_name(&args.model)?;
-    let passes = Pass::parse_list(&args.passes)?;
+    let passes = match &args.passes {
+        Some(list) => Pass::parse_list(list)?,
+        None => plan_passes(&args)?,
+    };
     let test = match &args.data {
         Some(dir) => datasets::load_dir(dir, Split::Test)?,
         None => datasets::bundled(Split::Test)?,

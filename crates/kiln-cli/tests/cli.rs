@@ -324,6 +324,28 @@ fn optimize_reports_each_pass_and_writes_the_model() {
     assert!(out2.join("model.onnx").exists());
     assert!(stdout(&o).contains("| fold |"), "{}", stdout(&o));
 
+    // Without --passes the plan chooses (`infer.passes`): level basic = the exact rewrites.
+    let out3 = dir.join("opt-basic");
+    let o = kiln(&[
+        "optimize",
+        "--model",
+        "mlp",
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
+        "--level",
+        "basic",
+        "--out",
+        out3.to_str().unwrap(),
+        "--steps",
+        "1",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let table = stdout(&o);
+    assert!(
+        table.contains("| strip+fold |") && !table.contains("int8"),
+        "{table}"
+    );
+
     // Bad input: a checkpoint of another model, an unknown pass.
     let o = kiln(&[
         "optimize",

@@ -155,3 +155,30 @@ fn data_loader_settings_resolve_per_level_and_from_the_file() {
     assert_eq!(p.train.prefetch_factor, 4);
     assert_eq!(p.train.augment, Augment::CropFlip);
 }
+
+/// The inference passes come from the plan: the exact rewrites at basic (and custom), int8
+/// added at advanced and ultra; the file overrides; a bad list names the key.
+#[test]
+fn inference_passes_resolve_per_level() {
+    use kiln::infer::Pass;
+    assert_eq!(
+        plan_at(Level::Basic).infer_passes,
+        [Pass::Strip, Pass::Fold]
+    );
+    assert_eq!(
+        plan_at(Level::Custom).infer_passes,
+        [Pass::Strip, Pass::Fold]
+    );
+    assert_eq!(plan_at(Level::Advanced).infer_passes, Pass::ALL);
+    assert_eq!(plan_at(Level::Ultra).infer_passes, Pass::ALL);
+    let mut c = KilnConfig::default();
+    c.set("infer.passes", "fold,bf16").unwrap();
+    let p = resolve(&c, &hw()).unwrap();
+    assert_eq!(p.infer_passes, [Pass::Fold, Pass::Bf16]);
+    c.set("infer.passes", "fold,int4").unwrap();
+    let msg = resolve(&c, &hw()).unwrap_err().to_string();
+    assert!(
+        msg.contains("infer.passes") && msg.contains("int4"),
+        "{msg}"
+    );
+}

@@ -319,6 +319,17 @@ pub static SETTINGS: &[SettingSpec] = &[
         doc: "CPU worker threads for the flex backend (0 = one per core, probed)",
     },
     SettingSpec {
+        key: "infer.passes",
+        kind: Kind::Text,
+        default: S("strip,fold"),
+        levels: &[
+            (Level::Advanced, S("strip,fold,int8")),
+            (Level::Ultra, S("strip,fold,int8")),
+        ],
+        doc: "inference passes `kiln optimize` applies, in order: strip, fold, int8, f16 or \
+              bf16 (basic: the exact rewrites only; int8 costs <= 0.5 points of top-1)",
+    },
+    SettingSpec {
         key: "device.kiln_kernels",
         kind: Kind::Bool,
         default: B(true),

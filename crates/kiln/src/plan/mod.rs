@@ -78,6 +78,8 @@ pub struct Plan {
     pub kiln_kernels: bool,
     /// IDX data directory, or `None` for the bundled subset.
     pub data_dir: Option<PathBuf>,
+    /// The inference passes (`infer.passes`), in order.
+    pub infer_passes: Vec<crate::infer::Pass>,
     /// The hardware the plan was resolved against.
     pub hardware: Hardware,
 }
@@ -279,6 +281,13 @@ fn build(config: &KilnConfig, settings: Vec<ResolvedSetting>, hw: &Hardware) -> 
         ));
     }
     let model = ModelKind::from_name(&text("train.model"))?;
+    let infer_passes = crate::infer::Pass::parse_list(&text("infer.passes")).map_err(|_| {
+        KilnError::InvalidValue {
+            key: "infer.passes".into(),
+            value: text("infer.passes"),
+            expected: "a comma-separated list of strip, fold, int8, f16, bf16".into(),
+        }
+    })?;
     let level_source = match &config.level_origin {
         Some(Origin::Flag) => Source::Flag,
         Some(Origin::File(p)) => Source::File(p.clone()),
@@ -293,6 +302,7 @@ fn build(config: &KilnConfig, settings: Vec<ResolvedSetting>, hw: &Hardware) -> 
         threads: int("device.threads") as usize,
         kiln_kernels: flag("device.kiln_kernels"),
         data_dir: dir("data.dir"),
+        infer_passes,
         hardware: hw.clone(),
         settings,
     })
