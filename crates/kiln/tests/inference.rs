@@ -605,6 +605,14 @@ fn unsupported_layers_and_mismatched_checkpoints_are_clear_errors() {
         assert!(msg.contains("`bad`") && msg.contains(expected), "{msg}");
     }
 
+    // A graph that reads a value before any node defines it.
+    let mut g = Graph::new("order", [1, 4, 4]);
+    g.push("early", Op::Relu, vec![7]);
+    let msg = InferenceSession::from_graph(g, &device)
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("`early`") && msg.contains("value 7"), "{msg}");
+
     // A model whose images do not split into W4's tokens.
     let w4 = ModelKind::Transformer.init(&device);
     let msg = InferenceSession::new(&w4, "transformer", [1, 5, 5], &[], &device)

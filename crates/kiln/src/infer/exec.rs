@@ -155,6 +155,29 @@ impl Executor {
     /// Uploads the graph's constants to `device`.
     pub fn new(graph: Graph, device: &Device) -> Result<Self> {
         let compute = graph.precision.compute_dtype();
+        // Every input must be defined before it is read (a hand-made or foreign graph file
+        // may not be in order): an error naming the node, rather than an index panic later.
+        let mut defined = vec![false; graph.next_value()];
+        defined[Graph::INPUT] = true;
+        for node in &graph.nodes {
+            if let Some(v) = node
+                .inputs
+                .iter()
+                .find(|&&v| !defined.get(v).copied().unwrap_or(false))
+            {
+                return Err(KilnError::Inference(format!(
+                    "node `{}` reads value {v}, which no earlier node defines",
+                    node.name
+                )));
+            }
+            defined[node.output] = true;
+        }
+        if !defined.get(graph.output).copied().unwrap_or(false) {
+            return Err(KilnError::Inference(format!(
+                "the graph's output value {} is never defined",
+                graph.output
+            )));
+        }
         let mut ops = Vec::with_capacity(graph.nodes.len());
         for node in &graph.nodes {
             ops.push(match &node.op {

@@ -489,7 +489,13 @@ impl Graph {
         let mut ranks = vec![0; self.next_value()];
         ranks[Self::INPUT] = 4;
         for n in &self.nodes {
-            let input = n.inputs.first().map_or(0, |&v| ranks[v]);
+            // An input that is never defined (a malformed file) has rank 0; the executor
+            // reports it by name.
+            let input = n
+                .inputs
+                .first()
+                .and_then(|&v| ranks.get(v).copied())
+                .unwrap_or(0);
             ranks[n.output] = match &n.op {
                 Op::Flatten | Op::TokenMean => 2,
                 Op::Reshape { shape } => shape.len() + 1,

@@ -84,7 +84,9 @@ pub fn to_bytes(graph: &Graph) -> Result<Vec<u8>> {
                     int("group", geometry.groups as i64),
                 ];
             }
-            Op::Linear { weight, bias } if ranks[node.inputs[0]] == 3 => {
+            Op::Linear { weight, bias }
+                if node.inputs.first().and_then(|&v| ranks.get(v)) == Some(&3) =>
+            {
                 // Gemm is 2-D only: a sequence takes MatMul (which broadcasts over the
                 // batch), then Add for the bias.
                 n.op_type = "MatMul".into();
