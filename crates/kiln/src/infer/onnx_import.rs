@@ -95,15 +95,19 @@ pub fn import(bytes: &[u8], name: &str) -> Result<Graph> {
                 .copied()
                 .ok_or_else(|| unsupported(node, format!("input `{n}` is not computed before it")))
         };
-        let weight = |i: usize| -> Result<Weight> {
+        // The constant initializer feeding input `i`.
+        let initializer = |i: usize| -> Result<&TensorProto> {
             let n = node
                 .input
                 .get(i)
                 .ok_or_else(|| unsupported(node, format!("input {i} is missing")))?;
-            let t = weights.get(n.as_str()).ok_or_else(|| {
-                unsupported(node, format!("`{n}` must be a constant initializer"))
-            })?;
-            tensor(t).map_err(|e| unsupported(node, e))
+            weights
+                .get(n.as_str())
+                .copied()
+                .ok_or_else(|| unsupported(node, format!("`{n}` must be a constant initializer")))
+        };
+        let weight = |i: usize| -> Result<Weight> {
+            tensor(initializer(i)?).map_err(|e| unsupported(node, e))
         };
         let optional_weight = |i: usize| -> Result<Option<Weight>> {
             match node.input.get(i) {
@@ -112,14 +116,7 @@ pub fn import(bytes: &[u8], name: &str) -> Result<Graph> {
             }
         };
         let integers = |i: usize| -> Result<Vec<i64>> {
-            let n = node
-                .input
-                .get(i)
-                .ok_or_else(|| unsupported(node, format!("input {i} is missing")))?;
-            let t = weights.get(n.as_str()).ok_or_else(|| {
-                unsupported(node, format!("`{n}` must be a constant initializer"))
-            })?;
-            int64s(t).map_err(|e| unsupported(node, e))
+            int64s(initializer(i)?).map_err(|e| unsupported(node, e))
         };
         let attrs = Attributes(&node.attribute);
         let kiln_function = node.domain == KILN_DOMAIN;
