@@ -281,13 +281,18 @@ fn build(config: &KilnConfig, settings: Vec<ResolvedSetting>, hw: &Hardware) -> 
         ));
     }
     let model = ModelKind::from_name(&text("train.model"))?;
-    let infer_passes = crate::infer::Pass::parse_list(&text("infer.passes")).map_err(|_| {
-        KilnError::InvalidValue {
-            key: "infer.passes".into(),
-            value: text("infer.passes"),
-            expected: "a comma-separated list of strip, fold, int8, f16, bf16".into(),
-        }
-    })?;
+    // The pass parser names the bad entry and the valid ones; the plan names the key.
+    let infer_passes =
+        crate::infer::Pass::parse_list(&text("infer.passes")).map_err(|e| match e {
+            KilnError::InvalidValue {
+                value, expected, ..
+            } => KilnError::InvalidValue {
+                key: "infer.passes".into(),
+                value,
+                expected,
+            },
+            other => other,
+        })?;
     let level_source = match &config.level_origin {
         Some(Origin::Flag) => Source::Flag,
         Some(Origin::File(p)) => Source::File(p.clone()),
