@@ -5,18 +5,59 @@
 //! user's intent (an optimization level, a config file, flags) into a concrete [`plan::Plan`],
 //! and runs it with every decision measured and reported.
 //!
-//! Map of the crate (see `DESIGN.md` at the repository root for the architecture):
+//! ## Your own Burn model
+//!
+//! The entry points for a Burn user:
+//! - [`train::TrainStep`]: implement it on your module to say how one batch becomes a loss
+//!   ([`train::StepOutput::classification`], [`train::StepOutput::regression`], or any scalar
+//!   loss of your own with [`train::StepOutput::new`]).
+//! - [`data::BurnBatches`]: your Burn `Dataset` + `Batcher` (`burn::data`) as Kiln's loader
+//!   input (worker threads, bounded prefetch, seeded shuffling, every sample once per epoch);
+//!   or implement [`data::BatchSource`] yourself.
+//! - [`train::Trainer::fit_source`] with [`train::TrainOptions`] (or a resolved
+//!   [`plan::Plan`]'s `train`): accumulation, clipping, bf16/f16 mixed precision with loss
+//!   scaling, the stability guard, checkpoints and exact resume, OOM-adaptive micro-batching,
+//!   events, evaluation with pluggable [`train::Metric`]s.
+//! - [`nn`]: drop-in `Linear`, `Conv2d`, `MaxPool2d` with Burn's configs and records, so the
+//!   model gets Kiln's CPU kernels and the autocast policy by changing one `use` line.
+//! - [`tune::batch::search_batch_source`] and [`tune::auto::search_source`]: the batch-size
+//!   search and the measured plan search on your model and data.
+//!
+//! ```ignore
+//! use kiln::data::BurnBatches;
+//! use kiln::train::{StepOutput, TrainOptions, TrainStep, Trainer};
+//!
+//! impl TrainStep<MyBatch> for MyModel {
+//!     fn step(&self, batch: MyBatch) -> StepOutput {
+//!         StepOutput::regression(self.forward(batch.inputs), batch.targets)
+//!     }
+//! }
+//! let train = BurnBatches::new(my_train_dataset, MyBatcher);
+//! let mut sink = kiln::observe::NullSink;
+//! let outcome = Trainer::new(TrainOptions::default(), burn::tensor::Device::flex(), &mut sink)
+//!     .fit_source("my-model", MyModel::new, &train, None)?;
+//! ```
+//!
+//! `crates/kiln/examples/` has three complete ones (a CNN with a custom loss, a regression on
+//! tabular data, a transformer on token ids).
+//!
+//! ## Map of the crate
+//!
+//! (See `docs/` and `../shared/DESIGN.md` for the architecture.)
 //! - [`config`]: [`KilnConfig`], the TOML schema, levels and validation.
 //! - [`plan`]: resolution of a config + hardware probe into a [`plan::Plan`].
 //! - [`precision`]: mixed precision — the bf16/f16 policy, autocast ops, dynamic loss scaling.
-//! - [`train`]: the [`train::Trainer`] step loop, accumulation, clipping, schedules, checkpoints.
-//! - [`data`]: the [`data::Dataset`] trait, batching and shuffling.
+//! - [`train`]: the training contract, the [`train::Trainer`] and its run loop, accumulation,
+//!   clipping, schedules, checkpoints, metrics.
+//! - [`data`]: batch sources (Kiln's datasets, Burn's `Dataset` + `Batcher`), the loader.
+//! - [`nn`]: drop-in layers over Kiln's kernels and autocast.
 //! - [`datasets`]: the bundled MNIST subset and the IDX loader.
-//! - [`zoo`]: the reference workloads W1–W5.
+//! - [`zoo`]: the reference workloads W1–W5 (users of the training contract).
 //! - [`observe`]: run events, sinks and memory readings.
 //! - [`infer`]: inference graphs, passes (BN folding, int8), the executor and ONNX export.
 //! - [`guard`]: the numerical-stability guard.
 //! - [`kernels`]: Kiln's CPU kernels (f32 convolution) as a Burn backend extension.
+//! - [`tune`]: batch-size search, the plan search, bottleneck detection.
 //! - [`fsutil`]: atomic file writes.
 
 pub mod config;
@@ -27,6 +68,7 @@ pub mod fsutil;
 pub mod guard;
 pub mod infer;
 pub mod kernels;
+pub mod nn;
 pub mod observe;
 pub mod plan;
 pub mod precision;

@@ -13,8 +13,10 @@
 //! - **Failures stop cleanly.** A sample that errors or panics becomes
 //!   [`KilnError::DataItem`] naming its index; the iterator yields that error and then ends, the
 //!   other workers abandon the epoch, and nothing hangs.
-//! - **Scoped threads.** Workers borrow the dataset (`std::thread::scope`), so any `&dyn
-//!   Dataset` works without `Arc` or `'static`.
+//! - **Scoped threads.** Workers borrow the source (`std::thread::scope`), so any `&dyn
+//!   BatchSource` works without `Arc` or `'static`.
+//! - **Any batch type.** The loader moves sample indices; a [`BatchSource`] turns them into
+//!   the batch the model takes: Kiln's image [`Batch`] or a Burn `Batcher`'s output.
 
 use std::collections::BTreeMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -24,8 +26,9 @@ use std::time::{Duration, Instant};
 use burn::tensor::Device;
 use serde::{Deserialize, Serialize};
 
-use super::transform::{SampleRng, Transform};
-use super::{Batch, Dataset, collate_with, epoch_order};
+use super::source::{BatchContext, BatchSource, ImageBatches, panic_text};
+use super::transform::Transform;
+use super::{Batch, Dataset, epoch_order};
 use crate::error::{KilnError, Result};
 
 /// How a [`DataLoader`] batches and prefetches.
@@ -86,7 +89,7 @@ pub struct LoaderStats {
 }
 
 /// The epoch job the workers share.
-struct State {
+struct State<T> {
     shutdown: bool,
     /// Bumped at every epoch start and cancel: results of an older job are discarded.
     generation: u64,
@@ -97,57 +100,37 @@ struct State {
     next_claim: usize,
     end: usize,
     consumed: usize,
-    ready: BTreeMap<usize, Result<Batch>>,
+    ready: BTreeMap<usize, Result<T>>,
     max_outstanding: usize,
 }
 
-struct Shared<'d> {
-    dataset: &'d dyn Dataset,
-    transform: Option<&'d dyn Transform>,
+struct Shared<'d, T> {
+    source: &'d dyn BatchSource<Batch = T>,
     device: Device,
     options: LoaderOptions,
-    state: Mutex<State>,
+    state: Mutex<State<T>>,
     /// Workers wait here for claimable work.
     work: Condvar,
     /// The consumer waits here for the next batch.
     done: Condvar,
 }
 
-impl Shared<'_> {
-    fn lock(&self) -> MutexGuard<'_, State> {
+impl<T: Send> Shared<'_, T> {
+    fn lock(&self) -> MutexGuard<'_, State<T>> {
         // Batch building runs outside the lock and under catch_unwind, so a poisoned lock can
         // only come from a panic between two plain field updates: the state is still usable.
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Builds batch `k` of `order`: fills, augments, uploads; panics become errors.
-    fn build(&self, epoch: usize, order: &[usize], b: usize, k: usize) -> Result<Batch> {
+    /// Builds batch `k` of `order` through the source; a panic becomes an error.
+    fn build(&self, epoch: usize, order: &[usize], b: usize, k: usize) -> Result<T> {
         let indices = &order[k * b..((k + 1) * b).min(order.len())];
-        let seed = self.options.seed;
-        let shape = self.dataset.item_shape();
-        let sample = |i: usize, slot: &mut [f32]| -> Result<usize> {
-            let run = catch_unwind(AssertUnwindSafe(|| {
-                let label = self.dataset.fill(i, slot)?;
-                if let Some(t) = self.transform {
-                    t.apply(slot, shape, &mut SampleRng::new(seed, epoch, i));
-                }
-                Ok(label)
-            }));
-            match run {
-                Ok(Ok(label)) => Ok(label),
-                Ok(Err(e @ KilnError::DataItem { .. })) => Err(e),
-                Ok(Err(e)) => Err(KilnError::DataItem {
-                    index: i,
-                    problem: e.to_string(),
-                }),
-                Err(payload) => Err(KilnError::DataItem {
-                    index: i,
-                    problem: format!("the dataset panicked: {}", panic_text(&*payload)),
-                }),
-            }
+        let ctx = BatchContext {
+            epoch,
+            seed: self.options.seed,
         };
         catch_unwind(AssertUnwindSafe(|| {
-            collate_with(self.dataset, indices, &self.device, sample)
+            self.source.batch(indices, ctx, &self.device)
         }))
         .unwrap_or_else(|payload| {
             Err(KilnError::Loader(format!(
@@ -189,41 +172,48 @@ impl Shared<'_> {
     }
 }
 
-fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
-    payload
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "unknown panic payload".into())
-}
-
 /// Stops the workers when the body returns or unwinds, so the scope can join them.
-struct StopOnDrop<'a, 'd>(&'a Shared<'d>);
+struct StopOnDrop<'a, 'd, T: Send>(&'a Shared<'d, T>);
 
-impl Drop for StopOnDrop<'_, '_> {
+impl<T: Send> Drop for StopOnDrop<'_, '_, T> {
     fn drop(&mut self) {
         self.0.stop();
     }
 }
 
 /// A running loader; see the module documentation. Obtain one with [`DataLoader::run`].
-pub struct DataLoader<'s> {
-    shared: &'s Shared<'s>,
+pub struct DataLoader<'s, T: Send = Batch> {
+    shared: &'s Shared<'s, T>,
     stats: LoaderStats,
     /// The batch size of the next epoch job (see [`DataLoader::set_batch_size`]).
     batch_size: usize,
 }
 
-impl<'s> DataLoader<'s> {
-    /// Starts `options.workers` persistent workers over `dataset` (with an optional per-sample
-    /// `transform`), runs `body` with the loader, then stops and joins the workers. Batches are
-    /// uploaded to `device` by the worker that built them.
+impl DataLoader<'_, Batch> {
+    /// Starts `options.workers` persistent workers over Kiln's image `dataset` (with an
+    /// optional per-sample `transform`), runs `body` with the loader, then stops and joins the
+    /// workers; [`DataLoader::run_source`] for any [`BatchSource`].
     pub fn run<'d, R>(
         dataset: &'d dyn Dataset,
         transform: Option<&'d dyn Transform>,
         device: &Device,
         options: LoaderOptions,
-        body: impl FnOnce(&mut DataLoader<'_>) -> R,
+        body: impl FnOnce(&mut DataLoader<'_, Batch>) -> R,
+    ) -> Result<R> {
+        let source = ImageBatches::new(dataset).with_transform(transform);
+        DataLoader::run_source(&source, device, options, body)
+    }
+}
+
+impl<'s, T: Send> DataLoader<'s, T> {
+    /// Starts `options.workers` persistent workers over `source`, runs `body` with the loader,
+    /// then stops and joins the workers. Batches are uploaded to `device` by the worker that
+    /// built them.
+    pub fn run_source<R>(
+        source: &dyn BatchSource<Batch = T>,
+        device: &Device,
+        options: LoaderOptions,
+        body: impl FnOnce(&mut DataLoader<'_, T>) -> R,
     ) -> Result<R> {
         if options.batch_size == 0 || options.prefetch_factor == 0 {
             return Err(KilnError::Loader(format!(
@@ -234,8 +224,7 @@ impl<'s> DataLoader<'s> {
         let workers = options.workers;
         let first_batch = options.batch_size;
         let shared = Shared {
-            dataset,
-            transform,
+            source,
             device: device.clone(),
             options,
             state: Mutex::new(State {
@@ -282,7 +271,7 @@ impl<'s> DataLoader<'s> {
             batch_size: self.batch_size,
             ..self.shared.options.clone()
         }
-        .batches_per_epoch(self.shared.dataset.len())
+        .batches_per_epoch(self.shared.source.len())
     }
 
     /// The current batch size.
@@ -305,9 +294,9 @@ impl<'s> DataLoader<'s> {
 
     /// The batches of `epoch`, starting at batch `start` (to resume inside an epoch). Dropping
     /// the iterator early abandons the rest of the epoch.
-    pub fn epoch(&mut self, epoch: usize, start: usize) -> EpochBatches<'_, 's> {
+    pub fn epoch(&mut self, epoch: usize, start: usize) -> EpochBatches<'_, 's, T> {
         let opts = &self.shared.options;
-        let n = self.shared.dataset.len();
+        let n = self.shared.source.len();
         let order = Arc::new(epoch_order(n, opts.seed, epoch, opts.shuffle));
         let end = self.batches_per_epoch();
         let batch_size = self.batch_size;
@@ -338,8 +327,8 @@ impl<'s> DataLoader<'s> {
 }
 
 /// The batches of one epoch, in order; see [`DataLoader::epoch`].
-pub struct EpochBatches<'l, 's> {
-    loader: &'l mut DataLoader<'s>,
+pub struct EpochBatches<'l, 's, T: Send = Batch> {
+    loader: &'l mut DataLoader<'s, T>,
     epoch: usize,
     batch_size: usize,
     order: Arc<Vec<usize>>,
@@ -348,7 +337,7 @@ pub struct EpochBatches<'l, 's> {
     finished: bool,
 }
 
-impl EpochBatches<'_, '_> {
+impl<T: Send> EpochBatches<'_, '_, T> {
     /// Batches left in this epoch.
     pub fn remaining(&self) -> usize {
         if self.finished {
@@ -358,7 +347,7 @@ impl EpochBatches<'_, '_> {
         }
     }
 
-    fn take_ready(&mut self) -> Result<Batch> {
+    fn take_ready(&mut self) -> Result<T> {
         let shared = self.loader.shared;
         let mut st = shared.lock();
         loop {
@@ -382,10 +371,10 @@ impl EpochBatches<'_, '_> {
     }
 }
 
-impl Iterator for EpochBatches<'_, '_> {
-    type Item = Result<Batch>;
+impl<T: Send> Iterator for EpochBatches<'_, '_, T> {
+    type Item = Result<T>;
 
-    fn next(&mut self) -> Option<Result<Batch>> {
+    fn next(&mut self) -> Option<Result<T>> {
         if self.finished || self.next >= self.end {
             self.finished = true;
             return None;
@@ -400,11 +389,13 @@ impl Iterator for EpochBatches<'_, '_> {
         };
         let stats = &mut self.loader.stats;
         stats.wait += t.elapsed();
+        let samples = ((self.next + 1) * self.batch_size).min(self.order.len())
+            - (self.next * self.batch_size).min(self.order.len());
         self.next += 1;
         match &result {
-            Ok(batch) => {
+            Ok(_) => {
                 stats.batches += 1;
-                stats.samples += batch.len as u64;
+                stats.samples += samples as u64;
             }
             Err(_) => {
                 // Stop the epoch: the error is reported once, nothing after it is handed out.
@@ -420,7 +411,7 @@ impl Iterator for EpochBatches<'_, '_> {
     }
 }
 
-impl Drop for EpochBatches<'_, '_> {
+impl<T: Send> Drop for EpochBatches<'_, '_, T> {
     fn drop(&mut self) {
         if !self.finished && self.next < self.end {
             self.cancel();

@@ -1,8 +1,9 @@
 //! Datasets, transforms and the loader that feeds the trainer.
 //!
-//! A [`Dataset`] writes one sample into a caller's buffer; [`epoch_order`] gives the seeded
-//! sample order of an epoch; [`collate`] turns a list of indices into device tensors. The
-//! [`DataLoader`] runs that work on persistent worker threads ahead of the consumer, bounded
+//! A [`BatchSource`] turns a list of sample indices into one batch of any type: Kiln's image
+//! [`Dataset`]s through [`ImageBatches`] (a `Dataset` writes one sample into a caller's buffer,
+//! [`collate`] makes the tensors), or any Burn `Dataset` + `Batcher` through [`BurnBatches`].
+//! [`epoch_order`] gives the seeded sample order of an epoch. The [`DataLoader`] runs that work on persistent worker threads ahead of the consumer, bounded
 //! by `prefetch_factor × workers` batches, and hands batches out in exactly the order a single
 //! thread would produce them. Order and augmentation depend only on (seed, epoch, index),
 //! never on timing or the worker count, so runs are reproducible and a resumed run sees exactly
@@ -16,6 +17,7 @@ mod cache;
 mod image;
 mod loader;
 mod mmap;
+mod source;
 mod synthetic;
 mod transform;
 mod workers;
@@ -27,6 +29,8 @@ pub use mmap::{
     DEFAULT_RELEASE_EVERY, ElementType, MappedImages, MmapArray, NpyDataset, PixelScaling,
     SafetensorsDataset, write_npy,
 };
+pub(crate) use source::panic_text;
+pub use source::{BatchContext, BatchSource, BurnBatches, ImageBatches};
 pub use synthetic::SyntheticDataset;
 pub use transform::{
     Augment, Compose, Normalize, RandomAffine, RandomCrop, RandomHorizontalFlip, SampleRng,

@@ -13,8 +13,7 @@ use burn::tensor::Device;
 use serde::Serialize;
 
 use super::loader::{DataLoader, LoaderOptions};
-use super::transform::Transform;
-use super::{Batch, Dataset};
+use super::source::BatchSource;
 use crate::error::Result;
 
 /// The data-wait share of step time a worker count must stay under to be chosen.
@@ -48,14 +47,13 @@ pub struct WorkerChoice {
 
 /// Measures worker counts `0..=max_workers` (stopping at the first that meets
 /// [`TARGET_WAIT_SHARE`]) with `steps` timed calls of `step` each, and picks one.
-pub fn choose_workers(
-    dataset: &dyn Dataset,
-    transform: Option<&dyn Transform>,
+pub fn choose_workers<T: Send>(
+    source: &dyn BatchSource<Batch = T>,
     device: &Device,
     base: &LoaderOptions,
     max_workers: usize,
     steps: usize,
-    step: &mut dyn FnMut(Batch) -> Result<()>,
+    step: &mut dyn FnMut(T) -> Result<()>,
 ) -> Result<WorkerChoice> {
     let steps = steps.max(1);
     let mut trials = Vec::new();
@@ -64,7 +62,7 @@ pub fn choose_workers(
             workers,
             ..base.clone()
         };
-        let trial = DataLoader::run(dataset, transform, device, options, |loader| {
+        let trial = DataLoader::run_source(source, device, options, |loader| {
             let mut wait = 0f64;
             let mut measured = 0usize;
             let mut start = Instant::now();

@@ -116,6 +116,10 @@ pub struct EpochSummary {
     pub test_accuracy: Option<f64>,
     /// Mean test loss, if evaluated.
     pub test_loss: Option<f32>,
+    /// Every evaluation metric by name (`loss`, `accuracy`, `mse`, the caller's own), if
+    /// evaluated this epoch.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub test_metrics: std::collections::BTreeMap<String, f64>,
     /// Wall time of the epoch, seconds.
     pub seconds: f64,
 }
@@ -131,6 +135,9 @@ pub struct RunSummary {
     pub epochs: usize,
     /// Final test accuracy in [0, 1], if evaluated.
     pub test_accuracy: Option<f64>,
+    /// Every final evaluation metric by name, if evaluated.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub test_metrics: std::collections::BTreeMap<String, f64>,
     /// Final mean training loss (last epoch).
     pub train_loss: f32,
     /// Training throughput of this process, samples per second of step time.

@@ -66,42 +66,77 @@ pub fn compute_dtype() -> Option<FloatDType> {
 /// `layer.forward(x)`, computed in the scope's precision.
 /// In f32 it runs through [`crate::kernels::linear`] (Kiln's kernel on the CPU).
 pub fn linear<const D: usize>(layer: &Linear, x: Tensor<D>) -> Tensor<D> {
+    linear_weights(x, layer.weight.val(), layer.bias.as_ref().map(|b| b.val()))
+}
+
+/// `x · weight + bias` (`weight` `[inputs, outputs]`), computed in the scope's precision: the
+/// body of every autocast linear layer, Burn's or [`crate::nn::Linear`].
+pub fn linear_weights<const D: usize>(
+    x: Tensor<D>,
+    weight: Tensor<2>,
+    bias: Option<Tensor<1>>,
+) -> Tensor<D> {
     let Some(dt) = compute_dtype() else {
-        let bias = layer.bias.as_ref().map(|b| b.val());
-        return crate::kernels::linear(x, layer.weight.val(), bias);
+        return crate::kernels::linear(x, weight, bias);
     };
-    let weight = layer.weight.val().cast(dt);
-    let bias = layer.bias.as_ref().map(|b| b.val().cast(dt));
+    let weight = weight.cast(dt);
+    let bias = bias.map(|b| b.cast(dt));
     plain_linear(x.cast(dt), weight, bias).cast(FloatDType::F32)
 }
 
 /// `layer.forward(x)`, computed in the scope's precision.
 /// In f32 it runs through [`crate::kernels::conv2d`] (Kiln's kernel on the CPU).
 pub fn conv2d(layer: &Conv2d, x: Tensor<4>) -> Tensor<4> {
-    let [_, _, height, width] = x.dims();
-    let pads = [
-        padding_pair(
-            &layer.padding,
-            0,
-            height,
-            layer.kernel_size[0],
-            layer.stride[0],
-        ),
-        padding_pair(
-            &layer.padding,
-            1,
-            width,
-            layer.kernel_size[1],
-            layer.stride[1],
-        ),
-    ];
-    let options = ConvOptions::new_with_padding(layer.stride, pads, layer.dilation, layer.groups);
-    let Some(dt) = compute_dtype() else {
-        let bias = layer.bias.as_ref().map(|b| b.val());
-        return crate::kernels::conv2d(x, layer.weight.val(), bias, options);
+    let geometry = ConvGeometry {
+        kernel_size: layer.kernel_size,
+        stride: layer.stride,
+        dilation: layer.dilation,
+        groups: layer.groups,
+        padding: &layer.padding,
     };
-    let weight = layer.weight.val().cast(dt);
-    let bias = layer.bias.as_ref().map(|b| b.val().cast(dt));
+    conv2d_weights(
+        x,
+        layer.weight.val(),
+        layer.bias.as_ref().map(|b| b.val()),
+        &geometry,
+    )
+}
+
+/// The shape of a 2-D convolution, as Burn's `Conv2d` stores it.
+#[derive(Debug, Clone, Copy)]
+pub struct ConvGeometry<'a> {
+    /// Kernel height and width.
+    pub kernel_size: [usize; 2],
+    /// Stride per spatial axis.
+    pub stride: [usize; 2],
+    /// Dilation per spatial axis.
+    pub dilation: [usize; 2],
+    /// Channel groups.
+    pub groups: usize,
+    /// Padding, resolved per input size.
+    pub padding: &'a PaddingConfig2d,
+}
+
+/// A 2-D convolution of `x` with `weight` and `bias`, computed in the scope's precision: the
+/// body of every autocast convolution layer, Burn's or [`crate::nn::Conv2d`].
+pub fn conv2d_weights(
+    x: Tensor<4>,
+    weight: Tensor<4>,
+    bias: Option<Tensor<1>>,
+    geometry: &ConvGeometry<'_>,
+) -> Tensor<4> {
+    let [_, _, height, width] = x.dims();
+    let g = geometry;
+    let pads = [
+        padding_pair(g.padding, 0, height, g.kernel_size[0], g.stride[0]),
+        padding_pair(g.padding, 1, width, g.kernel_size[1], g.stride[1]),
+    ];
+    let options = ConvOptions::new_with_padding(g.stride, pads, g.dilation, g.groups);
+    let Some(dt) = compute_dtype() else {
+        return crate::kernels::conv2d(x, weight, bias, options);
+    };
+    let weight = weight.cast(dt);
+    let bias = bias.map(|b| b.cast(dt));
     plain_conv2d(x.cast(dt), weight, bias, options).cast(FloatDType::F32)
 }
 

@@ -14,7 +14,10 @@ use burn::tensor::FloatDType;
 use serde::{Deserialize, Serialize};
 
 pub(crate) use autocast::padding_pair;
-pub use autocast::{AutocastScope, autocast, compute_dtype, conv2d, linear, matmul};
+pub use autocast::{
+    AutocastScope, ConvGeometry, autocast, compute_dtype, conv2d, conv2d_weights, linear,
+    linear_weights, matmul,
+};
 pub use scaler::{LossScaler, ScaleChange, ScalerState};
 
 /// The numeric precision of a training step.

@@ -1,11 +1,18 @@
-//! The training loop: accumulation, global-norm clipping, schedules, evaluation, atomic
-//! checkpoints and exact resume.
+//! The training loop for any Burn model: the [`TrainStep`] contract (how a batch becomes a
+//! loss), the [`Trainer`] (accumulation, global-norm clipping, mixed precision and loss
+//! scaling, the stability guard, schedules, evaluation with pluggable [`Metric`]s, atomic
+//! checkpoints and exact resume, OOM-adaptive micro-batching). Nothing here knows the zoo: the
+//! zoo's models are users of this contract like any other.
 
 mod checkpoint;
 mod clip;
+mod contract;
 mod eval;
+mod metrics;
 mod optimizer;
 mod params;
+mod restore;
+mod run;
 mod schedule;
 mod trainer;
 
@@ -15,7 +22,9 @@ use serde::{Deserialize, Serialize};
 
 pub use checkpoint::{Checkpoint, CheckpointState, latest_checkpoint};
 pub use clip::{clip_global_norm, global_norm, scale_grads};
-pub use eval::{Evaluation, evaluate};
+pub use contract::{StepOutput, Targets, TrainStep};
+pub use eval::{Evaluation, evaluate, evaluate_source};
+pub use metrics::{Accuracy, LossMetric, Metric, Mse, default_metrics};
 pub use optimizer::build_optimizer;
 pub use params::flatten_params;
 pub use schedule::learning_rate;

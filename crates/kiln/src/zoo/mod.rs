@@ -22,7 +22,9 @@ pub use mlp::Mlp;
 pub use resnet::{ResNet, ResNetConfig};
 pub use transformer::EncoderClassifier;
 
+use crate::data::Batch;
 use crate::error::{KilnError, Result};
+use crate::train::{StepOutput, TrainStep};
 
 /// Number of classes every zoo classifier predicts.
 pub const NUM_CLASSES: usize = 10;
@@ -36,6 +38,19 @@ pub trait Classifier: Module {
     fn check_input(&self, shape: [usize; 3]) -> std::result::Result<(), String> {
         let _ = shape;
         Ok(())
+    }
+}
+
+/// Every zoo classifier trains through the same contract a user's model does: images in,
+/// logits out, cross-entropy against the labels.
+impl<M: Classifier> TrainStep<Batch> for M {
+    fn step(&self, batch: Batch) -> StepOutput {
+        StepOutput::classification(self.forward(batch.images), batch.labels)
+    }
+
+    fn check_batch(&self, batch: &Batch) -> std::result::Result<(), String> {
+        let [_, c, h, w] = batch.images.dims();
+        self.check_input([c, h, w])
     }
 }
 

@@ -1,0 +1,144 @@
+//! [`Conv2d`]: Burn's 2-D convolution through Kiln's kernel and autocast.
+
+use burn::module::{Module, Param};
+use burn::nn::{Initializer, PaddingConfig2d};
+use burn::tensor::{Device, Tensor};
+
+use crate::precision::{ConvGeometry, conv2d_weights};
+
+/// Configuration of a [`Conv2d`] layer: Burn's [`burn::nn::conv::Conv2dConfig`] (same fields,
+/// same defaults, same setters) whose `init` builds the Kiln layer.
+#[derive(Debug, Clone)]
+pub struct Conv2dConfig(pub burn::nn::conv::Conv2dConfig);
+
+impl Conv2dConfig {
+    /// `[in, out]` channels and a `[height, width]` kernel (Burn's defaults otherwise).
+    pub fn new(channels: [usize; 2], kernel_size: [usize; 2]) -> Self {
+        Conv2dConfig(burn::nn::conv::Conv2dConfig::new(channels, kernel_size))
+    }
+
+    /// Stride per spatial axis.
+    pub fn with_stride(self, stride: [usize; 2]) -> Self {
+        Conv2dConfig(self.0.with_stride(stride))
+    }
+
+    /// Dilation per spatial axis.
+    pub fn with_dilation(self, dilation: [usize; 2]) -> Self {
+        Conv2dConfig(self.0.with_dilation(dilation))
+    }
+
+    /// Channel groups.
+    pub fn with_groups(self, groups: usize) -> Self {
+        Conv2dConfig(self.0.with_groups(groups))
+    }
+
+    /// Padding.
+    pub fn with_padding(self, padding: PaddingConfig2d) -> Self {
+        Conv2dConfig(self.0.with_padding(padding))
+    }
+
+    /// Whether the layer adds a bias.
+    pub fn with_bias(self, bias: bool) -> Self {
+        Conv2dConfig(self.0.with_bias(bias))
+    }
+
+    /// How the parameters are initialized.
+    pub fn with_initializer(self, initializer: Initializer) -> Self {
+        Conv2dConfig(self.0.with_initializer(initializer))
+    }
+
+    /// A freshly initialized layer: exactly Burn's initialization (same draws, same order).
+    pub fn init(&self, device: &Device) -> Conv2d {
+        self.0.init(device).into()
+    }
+}
+
+impl From<burn::nn::conv::Conv2dConfig> for Conv2dConfig {
+    fn from(config: burn::nn::conv::Conv2dConfig) -> Self {
+        Conv2dConfig(config)
+    }
+}
+
+impl std::ops::Deref for Conv2dConfig {
+    type Target = burn::nn::conv::Conv2dConfig;
+
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+/// A 2-D convolution over `[B, C, H, W]`, like [`burn::nn::conv::Conv2d`] and with its
+/// record.
+#[derive(Module, Debug)]
+pub struct Conv2d {
+    /// Weight `[out, in / groups, kh, kw]`.
+    pub weight: Param<Tensor<4>>,
+    /// Bias `[out]`.
+    pub bias: Option<Param<Tensor<1>>>,
+    /// Stride per spatial axis.
+    pub stride: [usize; 2],
+    /// Kernel height and width.
+    pub kernel_size: [usize; 2],
+    /// Dilation per spatial axis.
+    pub dilation: [usize; 2],
+    /// Channel groups.
+    pub groups: usize,
+    /// Padding.
+    #[module(skip)]
+    pub padding: PaddingConfig2d,
+}
+
+impl Conv2d {
+    /// The forward pass: Kiln's GEMM kernel in f32 on the CPU (ungrouped), the autocast
+    /// precision inside a bf16/f16 scope, Burn's op elsewhere.
+    ///
+    /// # Panics
+    /// Like Burn's layer, if `x` does not have the layer's input channels.
+    pub fn forward(&self, x: Tensor<4>) -> Tensor<4> {
+        let weight = self.weight.val();
+        let expected = weight.dims()[1] * self.groups;
+        let channels = x.dims()[1];
+        assert_eq!(
+            channels,
+            expected,
+            "Conv2d expects {expected} input channels, got {channels} (input {:?})",
+            x.dims()
+        );
+        let geometry = ConvGeometry {
+            kernel_size: self.kernel_size,
+            stride: self.stride,
+            dilation: self.dilation,
+            groups: self.groups,
+            padding: &self.padding,
+        };
+        conv2d_weights(x, weight, self.bias.as_ref().map(|b| b.val()), &geometry)
+    }
+}
+
+impl From<burn::nn::conv::Conv2d> for Conv2d {
+    fn from(layer: burn::nn::conv::Conv2d) -> Self {
+        Conv2d {
+            weight: layer.weight,
+            bias: layer.bias,
+            stride: layer.stride,
+            kernel_size: layer.kernel_size,
+            dilation: layer.dilation,
+            groups: layer.groups,
+            padding: layer.padding,
+        }
+    }
+}
+
+impl From<Conv2d> for burn::nn::conv::Conv2d {
+    fn from(layer: Conv2d) -> Self {
+        burn::nn::conv::Conv2d {
+            weight: layer.weight,
+            bias: layer.bias,
+            stride: layer.stride,
+            kernel_size: layer.kernel_size,
+            dilation: layer.dilation,
+            groups: layer.groups,
+            padding: layer.padding,
+        }
+    }
+}

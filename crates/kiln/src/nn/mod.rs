@@ -1,0 +1,24 @@
+//! Drop-in replacements for Burn's layers that run through Kiln: `use kiln::nn::{Linear,
+//! LinearConfig}` instead of `use burn::nn::{Linear, LinearConfig}` and the model gets Kiln's
+//! f32 CPU kernels (GEMM convolution and linear layers, max pooling with arg-max backward) and
+//! the trainer's bf16/f16 autocast policy, with nothing else changed.
+//!
+//! Each layer has Burn's fields under Burn's names, so its record is Burn's record: weights
+//! saved from a `burn::nn` model load into the `kiln::nn` one and back. Each config has
+//! Burn's constructor and `with_*` setters (it wraps Burn's config, reachable through
+//! `Deref`), and `From` converts between the Burn and Kiln layer types. Off the CPU, or for a
+//! case a kernel does not cover (grouped convolution, padded pooling), the layer calls Burn's
+//! own op, so the replacement never changes what a model computes beyond f32 rounding.
+//!
+//! Why layers and not a rewrite of the user's forward: Burn 0.22 has no op-level hook that
+//! could route `burn::nn::Linear::forward` elsewhere, and a backend wrapper would see every
+//! matmul without knowing which are layers (autocast must leave softmax and norms in f32).
+//! Swapping the type at the `use` line is the least a user has to change.
+
+mod conv;
+mod linear;
+mod pool;
+
+pub use conv::{Conv2d, Conv2dConfig};
+pub use linear::{Linear, LinearConfig};
+pub use pool::{MaxPool2d, MaxPool2dConfig};

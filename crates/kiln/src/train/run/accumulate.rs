@@ -1,0 +1,101 @@
+//! The micro-batches of one optimizer step: forward, loss weighting and scaling, backward,
+//! and gradient accumulation.
+
+use std::time::Instant;
+
+use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::tensor::Tensor;
+
+use super::{Run, loss_not_scalar};
+use crate::data::EpochBatches;
+use crate::error::{KilnError, Result};
+use crate::precision::autocast;
+use crate::train::contract::TrainStep;
+
+/// The gradients of one optimizer step and what was measured while producing them.
+pub(in crate::train) struct Accumulated {
+    /// The summed gradients, still multiplied by the loss scale when scaling is on.
+    pub grads: Option<GradientsParams>,
+    /// Sum over the micro-batches of mean loss × samples (NaN if unreadable).
+    pub loss_sum: f64,
+    /// Samples in the step.
+    pub samples: usize,
+    /// Time spent waiting for the loader, ms.
+    pub data_ms: f64,
+}
+
+impl Accumulated {
+    /// Mean loss per sample of the step.
+    pub fn mean_loss(&self) -> f32 {
+        (self.loss_sum / self.samples.max(1) as f64) as f32
+    }
+}
+
+impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
+    /// Runs the micro-batches of sizes `sizes` through `model` and sums their gradients.
+    /// Each micro-batch's mean loss is weighted by its share of the step's samples, so N
+    /// micro-batches give exactly the gradient of one batch of N·b samples.
+    pub(super) fn accumulate(
+        &mut self,
+        model: &M,
+        batches: &mut EpochBatches<'_, '_, B>,
+        sizes: &[usize],
+    ) -> Result<Accumulated> {
+        let group: usize = sizes.iter().sum();
+        let mut data_ms = 0f64;
+        let mut accum = GradientsAccumulator::<M>::new();
+        let mut loss_total: Option<Tensor<1>> = None;
+        for &size in sizes {
+            let td = Instant::now();
+            let batch = {
+                let _s = tracing::info_span!("data_wait").entered();
+                batches.next().ok_or_else(|| {
+                    KilnError::Loader("the epoch ended before its last step".into())
+                })??
+            };
+            data_ms += td.elapsed().as_secs_f64() * 1e3;
+            let forward_span = tracing::info_span!("forward").entered();
+            let loss = {
+                let _amp = autocast(self.opts.precision);
+                model.step(batch).loss
+            };
+            let dims = loss.dims();
+            if dims != [1] {
+                return Err(loss_not_scalar(&dims));
+            }
+            // Kept on the device and read once per step: a read per micro-batch would stall
+            // an asynchronous backend (CUDA) between micro-batches.
+            let weighted = loss.clone().detach().mul_scalar(size as f64);
+            loss_total = Some(match loss_total.take() {
+                Some(t) => t + weighted,
+                None => weighted,
+            });
+            let loss = if sizes.len() == 1 {
+                loss
+            } else {
+                loss.mul_scalar(size as f64 / group as f64)
+            };
+            let loss = if self.scaler.enabled() {
+                loss.mul_scalar(self.scaler.scale())
+            } else {
+                loss
+            };
+            drop(forward_span);
+            let _backward = tracing::info_span!("backward").entered();
+            let grads = GradientsParams::from_grads(loss.backward(), model);
+            accum.accumulate(model, grads);
+        }
+        let loss_sum = {
+            // The one device→host read of the step: on an asynchronous backend this is where
+            // the queued work is waited for.
+            let _s = tracing::info_span!("sync").entered();
+            loss_total.map_or(f64::NAN, |t| t.into_scalar::<f32>() as f64)
+        };
+        Ok(Accumulated {
+            grads: Some(accum.grads()),
+            loss_sum,
+            samples: group,
+            data_ms,
+        })
+    }
+}

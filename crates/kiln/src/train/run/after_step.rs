@@ -1,0 +1,132 @@
+//! After a step: the position, the step event, the memory watermark (and OOM-adaptive
+//! micro-batch halving) and periodic checkpoints.
+
+use std::time::Instant;
+
+use burn::optim::ModuleOptimizer;
+
+use super::Run;
+use super::accumulate::Accumulated;
+use super::update::StepOutcome;
+use crate::error::Result;
+use crate::observe::{BatchAdaptedEvent, Event, StepEvent, WatermarkEvent, memory};
+use crate::train::contract::TrainStep;
+
+impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
+    /// Books step `s` of `epoch` (started at `t0`); returns whether the micro-batch was
+    /// halved, in which case the epoch's batches restart at the new size.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn after_step(
+        &mut self,
+        model: &M,
+        optim: &ModuleOptimizer,
+        epoch: usize,
+        s: usize,
+        acc: &Accumulated,
+        outcome: &StepOutcome,
+        t0: Instant,
+    ) -> Result<bool> {
+        let mean_loss = acc.mean_loss();
+        self.pos.global_step += 1;
+        self.pos.step_in_epoch = s + 1;
+        if mean_loss.is_finite() {
+            // A non-finite loss would poison the epoch mean (and the checkpoint's JSON): the
+            // mean is over finite ones.
+            self.pos.epoch_loss_sum += acc.loss_sum;
+            self.pos.epoch_samples += acc.samples as u64;
+        }
+        let step_ms = t0.elapsed().as_secs_f64() * 1e3;
+        self.totals.step_seconds += step_ms / 1e3;
+        self.totals.data_seconds += acc.data_ms / 1e3;
+        self.totals.samples += acc.samples as u64;
+        let report_span = tracing::info_span!("report").entered();
+        self.trainer.sink.emit(&Event::Step(StepEvent {
+            step: self.pos.global_step,
+            epoch,
+            loss: mean_loss,
+            lr: outcome.lr,
+            grad_norm: outcome.grad_norm,
+            samples: acc.samples,
+            step_ms,
+            data_ms: acc.data_ms,
+            compute_ms: step_ms - acc.data_ms,
+            samples_per_s: acc.samples as f64 / (step_ms / 1e3).max(1e-9),
+            peak_rss_bytes: memory::peak_rss_bytes(),
+            skipped: outcome.trouble.is_some(),
+            loss_scale: self.scaler.enabled().then_some(outcome.loss_scale),
+        }));
+        let adapted = self.check_watermark();
+        drop(report_span);
+        if self
+            .opts
+            .checkpoint_every_steps
+            .is_some_and(|k| self.pos.global_step.is_multiple_of(k))
+        {
+            self.last_checkpoint = self.checkpoint(model, optim)?;
+        }
+        Ok(adapted)
+    }
+
+    /// Reads resident memory against the watermark; on a crossing reports it and, with
+    /// `oom_adaptive`, halves the micro-batch. Returns whether it halved.
+    fn check_watermark(&mut self) -> bool {
+        let step = self.pos.global_step;
+        let Some(mark) = self.watermark.as_mut() else {
+            return false;
+        };
+        let Some(rss) = memory::current_rss_bytes() else {
+            return false;
+        };
+        if !mark.check(rss) {
+            return false;
+        }
+        let threshold = mark.threshold();
+        tracing::warn!(
+            step,
+            "resident memory {} crossed the watermark {}",
+            memory::human_bytes(rss),
+            memory::human_bytes(threshold)
+        );
+        self.trainer
+            .sink
+            .emit(&Event::MemoryWatermark(WatermarkEvent {
+                step,
+                rss_bytes: rss,
+                threshold_bytes: threshold,
+            }));
+        self.opts.oom_adaptive && self.halve_micro_batch(step)
+    }
+
+    /// Halves the micro-batch and doubles accumulation (same effective batch, about half the
+    /// activation memory); reports it. Returns whether it changed anything: an odd
+    /// micro-batch cannot be halved exactly, and 1 cannot be halved.
+    fn halve_micro_batch(&mut self, step: u64) -> bool {
+        let micro = self.micro_batch;
+        if micro < 2 || !micro.is_multiple_of(2) {
+            tracing::warn!(
+                step,
+                micro_batch = micro,
+                "memory watermark crossed but micro-batch {micro} cannot be halved exactly"
+            );
+            return false;
+        }
+        self.micro_batch /= 2;
+        self.accum_steps *= 2;
+        tracing::warn!(
+            step,
+            "memory watermark: micro-batch halved to {} with {} accumulation steps (effective \
+             batch unchanged)",
+            self.micro_batch,
+            self.accum_steps
+        );
+        self.trainer
+            .sink
+            .emit(&Event::BatchAdapted(BatchAdaptedEvent {
+                step,
+                micro_batch: self.micro_batch,
+                grad_accum_steps: self.accum_steps,
+                effective_batch: self.micro_batch * self.accum_steps,
+            }));
+        true
+    }
+}

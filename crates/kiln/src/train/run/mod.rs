@@ -1,0 +1,207 @@
+//! One training run's state and its loop, split by phase: a [`Run`] holds everything that
+//! changes during the run (position, scaler, guard, snapshot, micro-batch, counters) and its
+//! small step methods live in files of their own:
+//! - `accumulate.rs`: the micro-batches of one optimizer step → accumulated gradients;
+//! - `update.rs`: unscale, the guard's check, clipping, the optimizer step, rollback;
+//! - `after_step.rs`: position, the step event, the memory watermark and batch halving;
+//! - `epoch_end.rs`: evaluation, the epoch summary and checkpoints.
+//!
+//! The model and optimizer are threaded through by value (Burn's optimizer step consumes the
+//! model and returns the updated one).
+
+mod accumulate;
+mod after_step;
+mod epoch_end;
+mod update;
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use burn::optim::ModuleOptimizer;
+use burn::tensor::Device;
+
+use super::contract::TrainStep;
+use super::restore::Snapshot;
+use super::{Evaluation, TrainOptions, Trainer};
+use crate::data::{BatchSource, DataLoader};
+use crate::error::{KilnError, Result};
+use crate::guard::Guard;
+use crate::observe::{EpochSummary, Event, RunSummary, Watermark, memory};
+use crate::precision::LossScaler;
+
+/// Where the loop stands.
+#[derive(Debug, Default, Clone)]
+pub(super) struct Position {
+    pub epoch: usize,
+    pub step_in_epoch: usize,
+    pub global_step: u64,
+    pub epoch_loss_sum: f64,
+    pub epoch_samples: u64,
+}
+
+impl Position {
+    /// Mean training loss over the epoch's clean steps so far.
+    pub fn epoch_mean_loss(&self) -> f32 {
+        (self.epoch_loss_sum / self.epoch_samples.max(1) as f64) as f32
+    }
+}
+
+/// Time and samples of this process's steps.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct Totals {
+    pub step_seconds: f64,
+    pub data_seconds: f64,
+    pub samples: u64,
+}
+
+/// How an epoch ended.
+enum EpochFlow {
+    /// Every step ran.
+    Completed,
+    /// `max_steps` was reached inside it.
+    Stopped,
+}
+
+/// Everything one run changes as it goes; see the module documentation.
+pub(super) struct Run<'t, 's, 'd, B, M> {
+    pub trainer: &'t mut Trainer<'s>,
+    pub opts: TrainOptions,
+    pub model_name: String,
+    pub valid: Option<&'d dyn BatchSource<Batch = B>>,
+    /// Training samples.
+    pub n: usize,
+    pub steps_per_epoch: usize,
+    /// Steps of the planned epochs (the schedule's horizon).
+    pub planned: u64,
+    /// Steps this run stops at (`max_steps` or `planned`).
+    pub total_steps: u64,
+    pub pos: Position,
+    pub scaler: LossScaler,
+    pub guard: Guard,
+    pub snapshot: Option<Snapshot<M>>,
+    /// The micro-batch and accumulation the loop runs with: OOM-adaptive batching halves the
+    /// one and doubles the other, keeping the effective batch.
+    pub micro_batch: usize,
+    pub accum_steps: usize,
+    pub watermark: Option<Watermark>,
+    pub totals: Totals,
+    pub epochs_done: Vec<EpochSummary>,
+    pub last_checkpoint: Option<PathBuf>,
+    pub last_eval: Option<Evaluation>,
+    pub last_train_loss: f32,
+}
+
+impl<'t, 's, 'd, B: Send, M: TrainStep<B> + 'static> Run<'t, 's, 'd, B, M> {
+    /// The device models train on.
+    pub fn device(&self) -> Device {
+        self.trainer.training_device()
+    }
+
+    /// Every remaining epoch, fed by `loader`; returns the trained model and optimizer.
+    pub fn train_epochs(
+        &mut self,
+        loader: &mut DataLoader<'_, B>,
+        mut model: M,
+        mut optim: ModuleOptimizer,
+    ) -> Result<(M, ModuleOptimizer)> {
+        for epoch in self.pos.epoch..self.opts.epochs {
+            let epoch_start = Instant::now();
+            let flow;
+            (model, optim, flow) = self.epoch(loader, epoch, model, optim)?;
+            if let EpochFlow::Stopped = flow {
+                // Stopped early by max_steps: leave a checkpoint to continue from.
+                self.last_train_loss = self.pos.epoch_mean_loss();
+                self.last_checkpoint = self.checkpoint(&model, &optim)?;
+                break;
+            }
+            self.end_epoch(&model, &optim, epoch, epoch_start)?;
+        }
+        Ok((model, optim))
+    }
+
+    /// The steps of `epoch` from the current position. `pos` is at the start of this epoch
+    /// or, after a resume, inside it. An OOM-adaptive halving restarts the epoch's batches at
+    /// the same sample position with the new micro-batch size.
+    fn epoch(
+        &mut self,
+        loader: &mut DataLoader<'_, B>,
+        epoch: usize,
+        mut model: M,
+        mut optim: ModuleOptimizer,
+    ) -> Result<(M, ModuleOptimizer, EpochFlow)> {
+        loop {
+            let micro_per_epoch = self.n.div_ceil(self.micro_batch);
+            loader.set_batch_size(self.micro_batch);
+            let mut batches = loader.epoch(epoch, self.pos.step_in_epoch * self.accum_steps);
+            let mut adapted = false;
+            for s in self.pos.step_in_epoch..self.steps_per_epoch {
+                if self.pos.global_step >= self.total_steps {
+                    return Ok((model, optim, EpochFlow::Stopped));
+                }
+                let (micro, accum) = (self.micro_batch, self.accum_steps);
+                let sizes: Vec<usize> = (s * accum..((s + 1) * accum).min(micro_per_epoch))
+                    .map(|m| ((m + 1) * micro).min(self.n) - m * micro)
+                    .collect();
+                let t0 = Instant::now();
+                // Spans around every phase: free without a subscriber, the profiler's trace
+                // and table with one (`kiln profile`).
+                let step_span =
+                    tracing::info_span!("step", step = self.pos.global_step + 1).entered();
+                let mut acc = self.accumulate(&model, &mut batches, &sizes)?;
+                let outcome;
+                (model, optim, outcome) = self.guard_and_step(model, optim, &mut acc)?;
+                adapted = self.after_step(&model, &optim, epoch, s, &acc, &outcome, t0)?;
+                drop(step_span);
+                if adapted {
+                    break;
+                }
+            }
+            // Release the epoch's prefetch window before evaluating.
+            drop(batches);
+            if !adapted {
+                return Ok((model, optim, EpochFlow::Completed));
+            }
+        }
+    }
+
+    /// The run summary (also emitted), after a final evaluation if none ran yet.
+    pub fn finish(&mut self, model: &M, wall: Instant) -> Result<RunSummary> {
+        if self.last_eval.is_none()
+            && let Some(valid) = self.valid
+        {
+            self.last_eval = Some(self.trainer.evaluate_on(model, valid)?);
+        }
+        let t = self.totals;
+        let summary = RunSummary {
+            model: self.model_name.clone(),
+            steps: self.pos.global_step,
+            epochs: self.pos.epoch.min(self.opts.epochs),
+            test_accuracy: self.last_eval.as_ref().and_then(|e| e.accuracy),
+            test_metrics: self
+                .last_eval
+                .as_ref()
+                .map(|e| e.metrics.clone())
+                .unwrap_or_default(),
+            train_loss: self.last_train_loss,
+            samples_per_s: t.samples as f64 / t.step_seconds.max(1e-9),
+            data_wait_share: t.data_seconds / t.step_seconds.max(1e-9),
+            wall_seconds: wall.elapsed().as_secs_f64(),
+            peak_rss_bytes: memory::peak_rss_bytes(),
+            last_checkpoint: self
+                .last_checkpoint
+                .as_ref()
+                .map(|p| p.display().to_string()),
+            guard_events: self.guard.events.clone(),
+        };
+        self.trainer.sink.emit(&Event::RunFinished(summary.clone()));
+        Ok(summary)
+    }
+}
+
+/// The error for a loss that is not a scalar.
+pub(super) fn loss_not_scalar(dims: &[usize]) -> KilnError {
+    KilnError::Shape(format!(
+        "the training step returned a loss of shape {dims:?}, not a scalar; reduce it (e.g. \
+         `.mean()`) so that it has shape [1]"
+    ))
+}
