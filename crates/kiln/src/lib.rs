@@ -20,7 +20,7 @@
 //!   events, evaluation with pluggable [`train::Metric`]s.
 //! - [`nn`]: drop-in `Linear`, `Conv2d`, `MaxPool2d` with Burn's configs and records, so the
 //!   model gets Kiln's CPU kernels and the autocast policy by changing one `use` line.
-//! - [`tune::batch::search_batch_source`] and [`tune::auto::search_source`]: the batch-size
+//! - [`tune::batch::search_source`] and [`tune::auto::search_source`]: the batch-size
 //!   search and the measured plan search on your model and data.
 //!
 //! ```ignore

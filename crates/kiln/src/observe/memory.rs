@@ -10,6 +10,13 @@ pub fn current_rss_bytes() -> Option<u64> {
     status_field("VmRSS:")
 }
 
+/// Resets the peak resident set size to the current one (Linux: `5` written to
+/// `/proc/self/clear_refs`), so that [`peak_rss_bytes`] then measures the peak of what runs
+/// next. Returns whether it worked (older kernels and other systems: no).
+pub fn reset_peak_rss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
 fn status_field(name: &str) -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = status.lines().find(|l| l.starts_with(name))?;

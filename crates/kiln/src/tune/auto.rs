@@ -25,11 +25,11 @@ use std::time::Instant;
 use burn::tensor::Device;
 use serde::Serialize;
 
-use crate::data::Dataset;
+use crate::data::{BatchSource, Dataset};
 use crate::error::Result;
 use crate::observe::MemorySink;
 use crate::precision::Precision;
-use crate::train::{TrainOptions, Trainer};
+use crate::train::{TrainOptions, TrainStep, Trainer};
 use crate::zoo::ModelKind;
 
 /// Relative speed-up a change must show to be kept.
@@ -96,13 +96,63 @@ pub struct TuneReport {
     pub seconds: f64,
 }
 
-/// Runs `steps` timed training steps of `model` on `data` with a candidate.
+/// Runs `steps` timed training steps of the zoo `model` on `data` with a candidate.
 pub fn run_trial(
     model: ModelKind,
     data: &dyn Dataset,
     base: &TrainOptions,
     candidate: &Candidate,
     steps: u64,
+) -> Result<Measured> {
+    measure(base, candidate, steps, |options, sink| {
+        Trainer::new(options, Device::flex(), sink)
+            .fit(model.name(), |d| model.init(d), data, None)
+            .map(drop)
+    })
+}
+
+/// Runs `steps` timed training steps of the model `init` builds (any [`TrainStep`] model) on
+/// `data` (any [`BatchSource`]) with a candidate: the trial of [`search_source`].
+pub fn run_trial_source<B: Send, M: TrainStep<B> + 'static>(
+    name: &str,
+    init: &dyn Fn(&Device) -> M,
+    data: &dyn BatchSource<Batch = B>,
+    base: &TrainOptions,
+    candidate: &Candidate,
+    steps: u64,
+) -> Result<Measured> {
+    measure(base, candidate, steps, |options, sink| {
+        Trainer::new(options, Device::flex(), sink)
+            .fit_source(name, init, data, None)
+            .map(drop)
+    })
+}
+
+/// The auto-optimizer on the caller's own model and data (CPU): the library form of `kiln
+/// tune auto`. `base` carries everything the tuner does not vary (optimizer, learning rate,
+/// clipping, ...); `effective_batch` is kept by every candidate.
+pub fn search_source<B: Send, M: TrainStep<B> + 'static>(
+    name: &str,
+    init: &dyn Fn(&Device) -> M,
+    data: &dyn BatchSource<Batch = B>,
+    base: &TrainOptions,
+    effective_batch: usize,
+    steps: u64,
+    time_budget: Option<std::time::Duration>,
+) -> Result<TuneReport> {
+    let cores = crate::plan::Hardware::probe().cores;
+    auto_tune(effective_batch, cores, false, time_budget, |c| {
+        run_trial_source(name, init, data, base, c, steps)
+    })
+}
+
+/// Times one candidate: `fit` trains with the candidate's options into the sink; the timed
+/// steps are those after [`WARMUP_STEPS`].
+fn measure(
+    base: &TrainOptions,
+    candidate: &Candidate,
+    steps: u64,
+    fit: impl FnOnce(TrainOptions, &mut MemorySink) -> Result<()>,
 ) -> Result<Measured> {
     let start = Instant::now();
     let options = TrainOptions {
@@ -124,12 +174,7 @@ pub fn run_trial(
     // a time).
     let kernels_before = crate::kernels::enabled();
     crate::kernels::set_enabled(candidate.kiln_kernels);
-    let fitted = Trainer::new(options, Device::flex(), &mut sink).fit(
-        model.name(),
-        |d| model.init(d),
-        data,
-        None,
-    );
+    let fitted = fit(options, &mut sink);
     crate::kernels::set_enabled(kernels_before);
     fitted?;
     let timed: Vec<(f64, f64, f64, usize)> = sink

@@ -10,9 +10,13 @@
 //! Besides the largest safe batch, the search reports the batch with the best measured
 //! throughput among those that fit — often smaller than the largest.
 
+use burn::tensor::Device;
 use serde::Serialize;
 
+use crate::data::BatchSource;
 use crate::error::{KilnError, Result};
+use crate::observe::{MemorySink, memory};
+use crate::train::{TrainOptions, TrainStep, Trainer};
 
 /// How candidates are generated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -196,6 +200,66 @@ pub fn search(
         options: options.clone(),
         limit,
         trials,
+    })
+}
+
+/// The batch-size search on the caller's own model and data, in this process: the library
+/// form of `kiln tune batch`. Each trial trains `steps` steps at one batch size (options from
+/// `base`) and reads the process's peak resident memory, reset before the trial.
+///
+/// In one process a trial's peak includes what the allocator kept from earlier trials, so a
+/// reading can only be too high: the search errs toward a smaller batch, never toward one
+/// that does not fit. `kiln tune batch` runs each trial in a child process for exact
+/// readings; a panic in a trial (an allocation failure, say) is a failed trial here too.
+pub fn search_source<B: Send, M: TrainStep<B> + 'static>(
+    options: &SearchOptions,
+    name: &str,
+    init: &dyn Fn(&Device) -> M,
+    data: &dyn BatchSource<Batch = B>,
+    base: &TrainOptions,
+    steps: u64,
+) -> Result<SearchResult> {
+    if !memory::reset_peak_rss() {
+        return Err(KilnError::Inconsistent(
+            "this system cannot reset the peak memory reading (/proc/self/clear_refs), so \
+             in-process batch trials cannot be measured; use `kiln tune batch`"
+                .into(),
+        ));
+    }
+    search(options, |batch| {
+        memory::reset_peak_rss();
+        let trial_options = TrainOptions {
+            batch_size: batch,
+            grad_accum_steps: 1,
+            max_steps: Some(steps.max(1) + 1),
+            epochs: 1000,
+            eval_every_epochs: 0,
+            workers: Some(0),
+            checkpoint_dir: None,
+            checkpoint_every_steps: None,
+            ..base.clone()
+        };
+        let mut sink = MemorySink::default();
+        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            Trainer::new(trial_options, Device::flex(), &mut sink)
+                .fit_source(name, init, data, None)
+                .map(drop)
+        }));
+        let error = match run {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some(e.to_string()),
+            Err(p) => Some(format!("panicked: {}", crate::data::panic_text(&*p))),
+        };
+        // The first step warms up; the rest are timed.
+        let timed: Vec<f64> = sink.steps().skip(1).map(|s| s.step_ms).collect();
+        let samples_per_s = (!timed.is_empty() && error.is_none()).then(|| {
+            batch as f64 / (timed.iter().sum::<f64>() / timed.len() as f64 / 1e3).max(1e-9)
+        });
+        TrialOutcome {
+            peak_bytes: memory::peak_rss_bytes(),
+            samples_per_s,
+            error,
+        }
     })
 }
 
