@@ -11,9 +11,9 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::PaddingConfig2d;
 use burn::store::ModuleRecord;
 use burn::tensor::activation::relu;
-use burn::tensor::{Bytes, Device, Distribution, Int, Tensor, TensorData};
+use burn::tensor::{Bytes, Device, Distribution, Tensor, TensorData};
 use kiln::KilnError;
-use kiln::data::{BatchSource, BurnBatches, DataLoader, Dataset, LoaderOptions};
+use kiln::data::{BatchSource, BurnBatches, DataLoader, LoaderOptions};
 use kiln::datasets::{Split, bundled};
 use kiln::observe::{MemorySink, NullSink};
 use kiln::precision::Precision;
@@ -27,81 +27,10 @@ use common::{RemoveOnDrop, bitwise_differences, tempdir};
 
 // ---------------------------------------------------------------- a user's copy of W2
 
-/// W2 as a user would write it in their own crate, with the drop-in layers.
-#[derive(Module, Debug)]
-struct UserCnn {
-    conv1: kiln::nn::Conv2d,
-    conv2: kiln::nn::Conv2d,
-    pool: kiln::nn::MaxPool2d,
-    fc1: kiln::nn::Linear,
-    fc2: kiln::nn::Linear,
-}
+#[path = "../examples/common/user_w2.rs"]
+mod user_w2;
 
-impl UserCnn {
-    fn new(device: &Device) -> Self {
-        use kiln::nn::{Conv2dConfig, LinearConfig, MaxPool2dConfig};
-        UserCnn {
-            conv1: Conv2dConfig::new([1, 32], [3, 3]).init(device),
-            conv2: Conv2dConfig::new([32, 64], [3, 3]).init(device),
-            pool: MaxPool2dConfig::new([2, 2]).init(),
-            fc1: LinearConfig::new(64 * 12 * 12, 128).init(device),
-            fc2: LinearConfig::new(128, 10).init(device),
-        }
-    }
-
-    fn forward(&self, x: Tensor<4>) -> Tensor<2> {
-        let x = relu(self.conv1.forward(x));
-        let x = relu(self.conv2.forward(x));
-        let x: Tensor<2> = self.pool.forward(x).flatten(1, 3);
-        self.fc2.forward(relu(self.fc1.forward(x)))
-    }
-}
-
-/// The user's own batch type.
-#[derive(Debug, Clone)]
-struct Digits {
-    images: Tensor<4>,
-    labels: Tensor<1, Int>,
-}
-
-impl TrainStep<Digits> for UserCnn {
-    fn step(&self, batch: Digits) -> StepOutput {
-        StepOutput::classification(self.forward(batch.images), batch.labels)
-    }
-}
-
-#[derive(Debug, Clone)]
-struct Digit {
-    pixels: Vec<f32>,
-    label: i64,
-}
-
-#[derive(Debug, Clone)]
-struct DigitBatcher;
-
-impl Batcher<Digit, Digits> for DigitBatcher {
-    fn batch(&self, items: Vec<Digit>, device: &Device) -> Digits {
-        let n = items.len();
-        let pixels: Vec<f32> = items.iter().flat_map(|d| d.pixels.clone()).collect();
-        let labels: Vec<i64> = items.iter().map(|d| d.label).collect();
-        Digits {
-            images: Tensor::from_data(TensorData::new(pixels, [n, 1, 28, 28]), device),
-            labels: Tensor::from_data(TensorData::new(labels, [n]), device),
-        }
-    }
-}
-
-/// The bundled MNIST samples as plain Burn dataset items (the same normalized pixels Kiln's
-/// own dataset hands the zoo).
-fn digits(data: &dyn Dataset) -> Vec<Digit> {
-    (0..data.len())
-        .map(|i| {
-            let mut pixels = vec![0f32; 28 * 28];
-            let label = data.fill(i, &mut pixels).unwrap() as i64;
-            Digit { pixels, label }
-        })
-        .collect()
-}
+use user_w2::{BurnCnn, DigitBatcher, UserCnn, digits};
 
 fn w2_options() -> TrainOptions {
     TrainOptions {
@@ -134,10 +63,8 @@ fn a_user_copy_of_w2_trains_exactly_like_the_zoo_w2() {
         zoo_losses, user_losses,
         "the same model, data and seed give the same losses"
     );
-    let (differing, max) = bitwise_differences(
-        &flatten_params(&zoo.model),
-        &flatten_params(&user.model),
-    );
+    let (differing, max) =
+        bitwise_differences(&flatten_params(&zoo.model), &flatten_params(&user.model));
     assert_eq!(differing, 0, "weights differ (max {max})");
 }
 
@@ -148,7 +75,10 @@ fn param_grads<M: Module>(model: &M, grads: &burn::optim::GradientsParams) -> Ve
     struct Collect<'g>(&'g burn::optim::GradientsParams, Vec<Vec<f32>>);
     impl ModuleVisitor for Collect<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let g = self.0.get::<D>(param.id).expect("a gradient for every parameter");
+            let g = self
+                .0
+                .get::<D>(param.id)
+                .expect("a gradient for every parameter");
             self.1.push(g.into_data().try_to_vec::<f32>().unwrap());
         }
     }
@@ -160,7 +90,11 @@ fn param_grads<M: Module>(model: &M, grads: &burn::optim::GradientsParams) -> Ve
 fn assert_close(what: &str, a: &[f32], b: &[f32], tol: f32) {
     assert_eq!(a.len(), b.len(), "{what}: sizes differ");
     let scale = b.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
-    let worst = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    let worst = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
     assert!(
         worst <= tol * scale,
         "{what}: max difference {worst} (scale {scale}, tolerance {tol})"
@@ -183,15 +117,26 @@ fn compare<MK: Module, MB: Module>(
         // A weighted sum so every output element has its own gradient.
         let w = Tensor::<4>::ones(y.dims(), &y.device()).cumsum(3);
         let grads = (y.clone() * w).sum().backward();
-        let dx = x.grad(&grads).unwrap().into_data().try_to_vec::<f32>().unwrap();
+        let dx = x
+            .grad(&grads)
+            .unwrap()
+            .into_data()
+            .try_to_vec::<f32>()
+            .unwrap();
         (y.into_data().try_to_vec::<f32>().unwrap(), dx, grads)
     };
     let (yk, dxk, gk) = run(&|x| kiln_fwd(&kiln_layer, x));
     let (yb, dxb, gb) = run(&|x| burn_fwd(&burn_layer, x));
     assert_close(&format!("{what} output"), &yk, &yb, 1e-5);
     assert_close(&format!("{what} input gradient"), &dxk, &dxb, 1e-5);
-    let gk = param_grads(&kiln_layer, &burn::optim::GradientsParams::from_grads(gk, &kiln_layer));
-    let gb = param_grads(&burn_layer, &burn::optim::GradientsParams::from_grads(gb, &burn_layer));
+    let gk = param_grads(
+        &kiln_layer,
+        &burn::optim::GradientsParams::from_grads(gk, &kiln_layer),
+    );
+    let gb = param_grads(
+        &burn_layer,
+        &burn::optim::GradientsParams::from_grads(gb, &burn_layer),
+    );
     assert_eq!(gk.len(), gb.len());
     for (i, (a, b)) in gk.iter().zip(&gb).enumerate() {
         assert_close(&format!("{what} parameter {i} gradient"), a, b, 1e-5);
@@ -263,47 +208,33 @@ fn drop_in_layers_give_burns_outputs_and_gradients() {
     }
 }
 
-/// The same network with Burn's layers.
-#[derive(Module, Debug)]
-struct BurnCnn {
-    conv1: burn::nn::conv::Conv2d,
-    conv2: burn::nn::conv::Conv2d,
-    pool: burn::nn::pool::MaxPool2d,
-    fc1: burn::nn::Linear,
-    fc2: burn::nn::Linear,
-}
-
 #[test]
 fn burn_weights_load_into_the_drop_in_layers_and_back() {
     let device = Device::flex();
     let user = UserCnn::new(&device);
-    let burn_model = BurnCnn {
-        conv1: burn::nn::conv::Conv2dConfig::new([1, 32], [3, 3]).init(&device),
-        conv2: burn::nn::conv::Conv2dConfig::new([32, 64], [3, 3]).init(&device),
-        pool: burn::nn::pool::MaxPool2dConfig::new([2, 2]).init(),
-        fc1: burn::nn::LinearConfig::new(64 * 12 * 12, 128).init(&device),
-        fc2: burn::nn::LinearConfig::new(128, 10).init(&device),
-    };
+    let burn_model = BurnCnn::new(&device);
     let bytes = burn_model.clone().into_record().into_bytes().unwrap();
     let record = ModuleRecord::from_bytes(Bytes::from_bytes_vec(bytes.to_vec())).unwrap();
-    let loaded = user.try_load_record(record).expect("Burn's record fits the Kiln layers");
+    let loaded = user
+        .try_load_record(record)
+        .expect("Burn's record fits the Kiln layers");
     assert_eq!(flatten_params(&loaded), flatten_params(&burn_model));
     let back = loaded.clone().into_record().into_bytes().unwrap();
     let record = ModuleRecord::from_bytes(Bytes::from_bytes_vec(back.to_vec())).unwrap();
-    let reloaded = burn_model.try_load_record(record).expect("and the way back");
+    let reloaded = burn_model
+        .try_load_record(record)
+        .expect("and the way back");
     assert_eq!(flatten_params(&reloaded), flatten_params(&loaded));
     // And they compute the same logits.
     let images = Tensor::<4>::random([3, 1, 28, 28], Distribution::Default, &device);
-    let burn_logits = {
-        let m = &reloaded;
-        let x = relu(m.conv1.forward(images.clone()));
-        let x = relu(m.conv2.forward(x));
-        let x: Tensor<2> = m.pool.forward(x).flatten(1, 3);
-        m.fc2.forward(relu(m.fc1.forward(x)))
-    };
+    let burn_logits = reloaded.forward(images.clone());
     assert_close(
         "logits",
-        &loaded.forward(images).into_data().try_to_vec::<f32>().unwrap(),
+        &loaded
+            .forward(images)
+            .into_data()
+            .try_to_vec::<f32>()
+            .unwrap(),
         &burn_logits.into_data().try_to_vec::<f32>().unwrap(),
         1e-5,
     );
@@ -347,7 +278,10 @@ struct RowBatcher {
 impl Batcher<[f32; 6], Rows> for RowBatcher {
     fn batch(&self, items: Vec<[f32; 6]>, device: &Device) -> Rows {
         let n = items.len();
-        let x: Vec<f32> = items.iter().flat_map(|r| r[..self.width].to_vec()).collect();
+        let x: Vec<f32> = items
+            .iter()
+            .flat_map(|r| r[..self.width].to_vec())
+            .collect();
         let y: Vec<f32> = items.iter().flat_map(|r| [r[4], r[5]]).collect();
         Rows {
             x: Tensor::from_data(TensorData::new(x, [n, self.width]), device),
@@ -465,19 +399,35 @@ fn evaluation_reports_the_callers_metrics_on_the_held_out_split() {
         lr: 1e-2,
         ..TrainOptions::default()
     };
-    let metrics: Vec<Box<dyn Metric>> =
-        vec![Box::new(FirstColumnMae::default()), Box::new(kiln::train::Mse::default())];
+    let metrics: Vec<Box<dyn Metric>> = vec![
+        Box::new(FirstColumnMae::default()),
+        Box::new(kiln::train::Mse::default()),
+    ];
     let outcome = Trainer::new(options, Device::flex(), &mut NullSink)
         .with_metrics(metrics)
         .fit_source("mlp", Mlp::new, &train, Some(&valid))
         .unwrap();
     let m = &outcome.summary.test_metrics;
-    assert!(m.contains_key("mae0") && m.contains_key("mse") && m.contains_key("loss"), "{m:?}");
-    assert!(!m.contains_key("accuracy"), "accuracy was not asked for: {m:?}");
+    assert!(
+        m.contains_key("mae0") && m.contains_key("mse") && m.contains_key("loss"),
+        "{m:?}"
+    );
+    assert!(
+        !m.contains_key("accuracy"),
+        "accuracy was not asked for: {m:?}"
+    );
     // The loss of a regression step is its MSE.
-    assert!((m["loss"] - m["mse"]).abs() < 1e-4 * m["mse"].max(1e-3), "{m:?}");
+    assert!(
+        (m["loss"] - m["mse"]).abs() < 1e-4 * m["mse"].max(1e-3),
+        "{m:?}"
+    );
     assert_eq!(outcome.epochs.len(), 3);
-    assert!(outcome.epochs.iter().all(|e| e.test_metrics.contains_key("mae0")));
+    assert!(
+        outcome
+            .epochs
+            .iter()
+            .all(|e| e.test_metrics.contains_key("mae0"))
+    );
     assert!(m["mse"] < 0.05, "the linear target is learnt: {m:?}");
 }
 
@@ -535,7 +485,10 @@ impl Batcher<usize, Vec<usize>> for Panicking {
 
 #[test]
 fn a_panicking_batcher_is_an_error_not_a_hang() {
-    let source = BurnBatches::new(InMemDataset::new((0..20).collect::<Vec<usize>>()), Panicking);
+    let source = BurnBatches::new(
+        InMemDataset::new((0..20).collect::<Vec<usize>>()),
+        Panicking,
+    );
     let options = LoaderOptions {
         batch_size: 4,
         workers: 2,
@@ -546,7 +499,10 @@ fn a_panicking_batcher_is_an_error_not_a_hang() {
         loader.epoch(0, 0).collect::<Vec<_>>()
     })
     .unwrap();
-    let err = results.iter().find_map(|r| r.as_ref().err()).expect("an error");
+    let err = results
+        .iter()
+        .find_map(|r| r.as_ref().err())
+        .expect("an error");
     assert!(err.to_string().contains("item 7 is corrupt"), "{err}");
 }
 
@@ -600,7 +556,10 @@ fn bad_models_and_data_are_clear_errors_and_write_nothing() {
     // Three features where the model takes four.
     let err = expect_error(Mlp::new, &regression_source(40, 3), &dir);
     let text = err.to_string();
-    assert!(text.contains("first batch") && text.contains("last axis is 4, got 3"), "{text}");
+    assert!(
+        text.contains("first batch") && text.contains("last axis is 4, got 3"),
+        "{text}"
+    );
 
     let err = expect_error(Mlp::new, &regression_source(0, 4), &dir);
     assert!(err.to_string().contains("empty (0 samples)"), "{err}");
@@ -655,7 +614,11 @@ fn the_tuners_take_a_user_model_and_data() {
     assert!(report.best.samples_per_s >= report.baseline.samples_per_s);
     for d in &report.decisions {
         let c = d.measured.candidate;
-        assert_eq!(c.micro_batch * c.grad_accum_steps, 32, "effective batch kept");
+        assert_eq!(
+            c.micro_batch * c.grad_accum_steps,
+            32,
+            "effective batch kept"
+        );
         assert!(d.measured.mean_loss.is_finite(), "{}", d.reason);
     }
 
@@ -677,4 +640,19 @@ fn the_tuners_take_a_user_model_and_data() {
     let err = kiln::tune::batch::search_source(&tiny, "mlp", &Mlp::new, &data, &base, 2)
         .expect_err("1 MiB fits no batch");
     assert!(err.to_string().contains("no batch size fits"), "{err}");
+}
+
+#[test]
+fn the_readme_shows_the_quickstart_example_verbatim() {
+    let readme = include_str!("../../../README.md");
+    let example = include_str!("../examples/quickstart.rs");
+    let start = example.find("use burn::data").unwrap();
+    let end = example.find("#[test]").unwrap();
+    let code = example[start..end].trim_end();
+    assert!(
+        readme.contains(code),
+        "README's \"Use Kiln from your own Burn code\" must show examples/quickstart.rs as it is"
+    );
+    let lines = code.lines().filter(|l| !l.trim().is_empty()).count();
+    assert!(lines < 40, "the README example has {lines} lines");
 }
