@@ -656,3 +656,114 @@ fn the_readme_shows_the_quickstart_example_verbatim() {
     let lines = code.lines().filter(|l| !l.trim().is_empty()).count();
     assert!(lines < 40, "the README example has {lines} lines");
 }
+
+// ---------------------------------------------------------------- the guard, checkpointing, OOM
+
+/// Rows whose sample `poison` has a NaN target: the step that holds it has a NaN loss.
+#[derive(Debug, Clone)]
+struct Poisoned {
+    poison: usize,
+}
+
+impl Batcher<(usize, [f32; 6]), Rows> for Poisoned {
+    fn batch(&self, items: Vec<(usize, [f32; 6])>, device: &Device) -> Rows {
+        let rows: Vec<[f32; 6]> = items
+            .iter()
+            .map(|(i, r)| {
+                let mut r = *r;
+                if *i == self.poison {
+                    r[4] = f32::NAN;
+                }
+                r
+            })
+            .collect();
+        RowBatcher { width: 4 }.batch(rows, device)
+    }
+}
+
+#[test]
+fn the_guard_skips_a_user_models_bad_step_and_training_goes_on() {
+    let items: Vec<(usize, [f32; 6])> = rows(128).into_iter().enumerate().collect();
+    let data = BurnBatches::new(InMemDataset::new(items), Poisoned { poison: 37 });
+    let options = TrainOptions {
+        epochs: 2,
+        batch_size: 16,
+        guard: kiln::guard::GuardOptions {
+            policy: kiln::guard::GuardPolicy::Skip,
+            ..Default::default()
+        },
+        ..TrainOptions::default()
+    };
+    let mut sink = MemorySink::default();
+    let outcome = Trainer::new(options, Device::flex(), &mut sink)
+        .fit_source("mlp", Mlp::new, &data, None)
+        .unwrap();
+    // Sample 37 is in one batch per epoch.
+    assert_eq!(
+        outcome.summary.guard_events.len(),
+        2,
+        "{:?}",
+        outcome.summary.guard_events
+    );
+    assert_eq!(sink.steps().filter(|s| s.skipped).count(), 2);
+    assert_eq!(outcome.summary.steps, 16);
+    assert!(flatten_params(&outcome.model).iter().all(|v| v.is_finite()));
+}
+
+#[test]
+fn activation_checkpointing_trains_a_user_model_the_same_way() {
+    let train = regression_source(96, 4);
+    let run = |checkpointing: bool| {
+        let options = TrainOptions {
+            batch_size: 16,
+            activation_checkpointing: checkpointing,
+            ..TrainOptions::default()
+        };
+        let mut sink = MemorySink::default();
+        Trainer::new(options, Device::flex(), &mut sink)
+            .fit_source("mlp", Mlp::new, &train, None)
+            .unwrap();
+        sink.steps().map(|s| s.loss).collect::<Vec<f32>>()
+    };
+    let (plain, checkpointed) = (run(false), run(true));
+    assert_eq!(plain.len(), 6);
+    for (a, b) in plain.iter().zip(&checkpointed) {
+        assert!(
+            (a - b).abs() <= 1e-6 * a.abs().max(1.0),
+            "{plain:?} vs {checkpointed:?}"
+        );
+    }
+}
+
+#[test]
+fn a_memory_watermark_halves_a_user_models_micro_batch_and_keeps_the_effective_batch() {
+    let train = regression_source(128, 4);
+    let options = TrainOptions {
+        batch_size: 32,
+        // Below any resident size: the first step crosses it.
+        memory_watermark: Some(1 << 20),
+        oom_adaptive: true,
+        ..TrainOptions::default()
+    };
+    let mut sink = MemorySink::default();
+    let outcome = Trainer::new(options, Device::flex(), &mut sink)
+        .fit_source("mlp", Mlp::new, &train, None)
+        .unwrap();
+    let adapted: Vec<_> = sink
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            kiln::observe::Event::BatchAdapted(a) => Some(a.clone()),
+            _ => None,
+        })
+        .collect();
+    assert!(!adapted.is_empty(), "the watermark must adapt the batch");
+    assert!(
+        adapted.iter().all(|a| a.effective_batch == 32),
+        "{adapted:?}"
+    );
+    assert_eq!(adapted[0].micro_batch, 16);
+    // Every sample is still trained on once: 128 samples in steps of 32.
+    assert_eq!(outcome.summary.steps, 4);
+    assert_eq!(sink.steps().map(|s| s.samples).sum::<usize>(), 128);
+}
