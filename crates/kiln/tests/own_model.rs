@@ -767,3 +767,29 @@ fn a_memory_watermark_halves_a_user_models_micro_batch_and_keeps_the_effective_b
     assert_eq!(outcome.summary.steps, 4);
     assert_eq!(sink.steps().map(|s| s.samples).sum::<usize>(), 128);
 }
+
+#[test]
+fn every_level_of_a_resolved_plan_trains_a_user_model() {
+    let train = regression_source(128, 4);
+    let valid = regression_source(32, 4);
+    for level in ["basic", "advanced", "ultra"] {
+        let text = format!("level = \"{level}\"\n[train]\nepochs = 2\nbatch_size = 16\n");
+        let config = kiln::KilnConfig::from_toml_str(&text, "kiln.toml").unwrap();
+        let plan = kiln::plan::resolve(&config, &kiln::plan::Hardware::probe()).unwrap();
+        assert_eq!(plan.train.activation_checkpointing, level == "ultra");
+        let mut sink = MemorySink::default();
+        let outcome = Trainer::new(plan.train.clone(), Device::flex(), &mut sink)
+            .with_plan(plan.to_json())
+            .fit_source("mlp", Mlp::new, &train, Some(&valid))
+            .unwrap();
+        assert_eq!(outcome.summary.steps, 16, "{level}");
+        assert!(outcome.summary.test_metrics["mse"].is_finite(), "{level}");
+        // advanced and ultra measure the loader's worker count on the user's data.
+        let plan_json = sink.events.iter().find_map(|e| match e {
+            kiln::observe::Event::RunStarted { plan, .. } => plan.clone(),
+            _ => None,
+        });
+        let probed = plan_json.is_some_and(|p| p.get("data_workers_trials").is_some());
+        assert_eq!(probed, level != "basic", "{level}");
+    }
+}

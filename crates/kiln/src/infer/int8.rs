@@ -347,7 +347,7 @@ impl ActivationQuant {
     }
 }
 
-/// Quantized activations as the left operand of [`gemm`]: `rows` rows of `cols` values.
+/// Quantized activations as the left operand of [`gemm()`]: `rows` rows of `cols` values.
 ///
 /// A row need not be contiguous: row `i`'s K-group `q` starts at element
 /// `bases[i] + k_offsets[q]`. A plain matrix has `bases[i] = i·stride`, `k_offsets[q] = q·g`;
@@ -586,7 +586,7 @@ impl ConvLayout {
 }
 
 /// Packs conv weights `[co][ci][kh][kw]` for [`QuantizedActivations::for_conv`]: K reordered
-/// to the NHWC runs of [`ConvLayout`] (zeros in the padding, so over-read bytes contribute 0).
+/// to the NHWC runs of `ConvLayout` (zeros in the padding, so over-read bytes contribute 0).
 pub fn pack_conv_weights(
     w: &QuantWeight,
     ci: usize,

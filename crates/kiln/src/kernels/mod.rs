@@ -2,7 +2,7 @@
 //! as a Burn backend extension so models keep using ordinary `Tensor`s and autodiff.
 //!
 //! - [`conv`]: f32 convolution (forward, input and weight gradients) as one GEMM per image.
-//! - [`linear`]: f32 fully connected layer and its gradients, transposes read through strides.
+//! - [`linear`](mod@linear): f32 fully connected layer and its gradients, transposes read through strides.
 //! - [`pool`]: f32 max pooling with arg-max indices and its backward scatter.
 //! - [`conv2d`], [`linear`](fn@linear), [`max_pool2d`]: the entry points models call; they run Kiln's kernel on the
 //!   `flex` device (with or without autodiff) and Burn's own op on every other device.

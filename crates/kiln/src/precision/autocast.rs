@@ -64,7 +64,7 @@ pub fn compute_dtype() -> Option<FloatDType> {
 }
 
 /// `layer.forward(x)`, computed in the scope's precision.
-/// In f32 it runs through [`crate::kernels::linear`] (Kiln's kernel on the CPU).
+/// In f32 it runs through [`crate::kernels::linear()`] (Kiln's kernel on the CPU).
 pub fn linear<const D: usize>(layer: &Linear, x: Tensor<D>) -> Tensor<D> {
     linear_weights(x, layer.weight.val(), layer.bias.as_ref().map(|b| b.val()))
 }

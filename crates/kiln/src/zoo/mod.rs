@@ -7,7 +7,7 @@
 //! | W2 | `cnn`         | conv3x3(1→32), conv3x3(32→64), maxpool2, fc 9216→128→10      |
 //! | W3 | `cnn` (infer) | W2's forward pass only                                       |
 //! | W4 | `transformer` | 28 row-tokens → d_model 128, 4 heads, ff 512, 2 layers       |
-//! | W5 | `resnet`      | ResNet-18 (BasicBlock [2,2,2,2], 64-128-256-512, BatchNorm)  |
+//! | W5 | `resnet`      | ResNet-18 (BasicBlock \[2,2,2,2\], 64-128-256-512, BatchNorm)  |
 
 mod cnn;
 mod mlp;

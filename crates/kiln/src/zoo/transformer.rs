@@ -20,7 +20,7 @@ const D_MODEL: usize = 128;
 /// no dropout, as the PyTorch peer), mean-pool over tokens, linear head.
 ///
 /// The parameters are Burn's [`TransformerEncoder`]; the forward pass is Kiln's
-/// ([`encoder_layer`]) because Burn's calls its `Linear`s and matmuls directly, where
+/// (`encoder_layer`) because Burn's calls its `Linear`s and matmuls directly, where
 /// mixed precision needs the autocast ops.
 #[derive(Module, Debug)]
 pub struct EncoderClassifier {
