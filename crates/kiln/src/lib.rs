@@ -23,19 +23,43 @@
 //! - [`tune::batch::search_source`] and [`tune::auto::search_source`]: the batch-size
 //!   search and the measured plan search on your model and data.
 //!
-//! ```ignore
+//! ```
+//! use burn::data::{dataloader::batcher::Batcher, dataset::InMemDataset};
+//! use burn::module::Module;
+//! use burn::tensor::{Device, Tensor, TensorData};
 //! use kiln::data::BurnBatches;
+//! use kiln::nn::{Linear, LinearConfig};
 //! use kiln::train::{StepOutput, TrainOptions, TrainStep, Trainer};
 //!
-//! impl TrainStep<MyBatch> for MyModel {
-//!     fn step(&self, batch: MyBatch) -> StepOutput {
-//!         StepOutput::regression(self.forward(batch.inputs), batch.targets)
+//! #[derive(Module, Debug)]
+//! struct Line {
+//!     fit: Linear,
+//! }
+//!
+//! impl TrainStep<(Tensor<2>, Tensor<2>)> for Line {
+//!     fn step(&self, (x, y): (Tensor<2>, Tensor<2>)) -> StepOutput {
+//!         StepOutput::regression(self.fit.forward(x), y)
 //!     }
 //! }
-//! let train = BurnBatches::new(my_train_dataset, MyBatcher);
+//!
+//! /// Items are x; the target is 3x + 1.
+//! struct Points;
+//! impl Batcher<f32, (Tensor<2>, Tensor<2>)> for Points {
+//!     fn batch(&self, xs: Vec<f32>, device: &Device) -> (Tensor<2>, Tensor<2>) {
+//!         let x = Tensor::<2>::from_data(TensorData::new(xs.clone(), [xs.len(), 1]), device);
+//!         (x.clone(), x.mul_scalar(3.0).add_scalar(1.0))
+//!     }
+//! }
+//!
+//! let xs: Vec<f32> = (0..256).map(|i| i as f32 / 128.0 - 1.0).collect();
+//! let data = BurnBatches::new(InMemDataset::new(xs), Points);
+//! let options = TrainOptions { epochs: 20, batch_size: 16, lr: 0.1, ..TrainOptions::default() };
+//! let line = |d: &Device| Line { fit: LinearConfig::new(1, 1).init(d) };
 //! let mut sink = kiln::observe::NullSink;
-//! let outcome = Trainer::new(TrainOptions::default(), burn::tensor::Device::flex(), &mut sink)
-//!     .fit_source("my-model", MyModel::new, &train, None)?;
+//! let run = Trainer::new(options, Device::flex(), &mut sink)
+//!     .fit_source("line", line, &data, Some(&data))?;
+//! assert!(run.summary.test_metrics["mse"] < 1e-3, "{:?}", run.summary.test_metrics);
+//! # Ok::<(), kiln::KilnError>(())
 //! ```
 //!
 //! `crates/kiln/examples/` has three complete ones (a CNN with a custom loss, a regression on

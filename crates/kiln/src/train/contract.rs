@@ -13,10 +13,26 @@ use burn::tensor::{Int, Tensor};
 /// What a model does with one batch `B`. Implement it on your Burn module and hand the module
 /// to [`super::Trainer::fit_source`]; every training feature of Kiln applies unchanged.
 ///
-/// ```ignore
+/// ```
+/// use burn::module::Module;
+/// use burn::tensor::{Int, Tensor};
+/// use kiln::nn::Linear;
+/// use kiln::train::{StepOutput, TrainStep};
+///
+/// #[derive(Module, Debug)]
+/// struct MyModel {
+///     head: Linear,
+/// }
+///
+/// #[derive(Clone, Debug)]
+/// struct MyBatch {
+///     inputs: Tensor<2>,
+///     targets: Tensor<1, Int>,
+/// }
+///
 /// impl TrainStep<MyBatch> for MyModel {
 ///     fn step(&self, batch: MyBatch) -> StepOutput {
-///         let logits = self.forward(batch.inputs);
+///         let logits = self.head.forward(batch.inputs);
 ///         StepOutput::classification(logits, batch.targets)
 ///     }
 /// }
