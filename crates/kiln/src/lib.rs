@@ -67,7 +67,7 @@
 //!
 //! ## Map of the crate
 //!
-//! (See `docs/` and `../shared/DESIGN.md` for the architecture.)
+//! (See `DESIGN.md` at the repository root and `docs/` for the architecture.)
 //! - [`config`]: [`KilnConfig`], the TOML schema, levels and validation.
 //! - [`plan`]: resolution of a config + hardware probe into a [`plan::Plan`].
 //! - [`precision`]: mixed precision — the bf16/f16 policy, autocast ops, dynamic loss scaling.

@@ -471,3 +471,57 @@ fn inference_under_autocast_returns_f32_logits() {
     let err = rel_err(&values(out), &reference);
     assert!(err < 5e-2, "relative error {err}");
 }
+
+/// Clipping must see the *unscaled* gradient. Scaling by a power of two is exact in binary
+/// floating point, so an f32 run whose loss is scaled by 2¹⁶ (and unscaled before the clip)
+/// must make the same clipped updates as an unscaled one. Clipping the scaled gradient
+/// instead would shrink every update by the scale (a norm 2¹⁶× too large clipped to the
+/// threshold, then divided by 2¹⁶).
+#[test]
+fn clipping_acts_on_the_unscaled_gradient() {
+    let data = bundled(Split::Train).unwrap().take(96);
+    let run = |mode: ScalingMode, clip: Option<f64>| {
+        let options = TrainOptions {
+            batch_size: 32,
+            grad_clip_norm: clip,
+            precision: Precision::F32,
+            scaler: ScalerOptions {
+                mode,
+                ..ScalerOptions::default()
+            },
+            ..TrainOptions::default()
+        };
+        let mut sink = MemorySink::default();
+        let out = Trainer::new(options, Device::flex(), &mut sink)
+            .fit("mlp", |d| ModelKind::Mlp.init(d), &data, None)
+            .unwrap();
+        let norms: Vec<f32> = sink.steps().filter_map(|s| s.grad_norm).collect();
+        let scales: Vec<Option<f32>> = sink.steps().map(|s| s.loss_scale).collect();
+        (flatten_params(&out.model), norms, scales)
+    };
+    let clip = 0.05;
+    let (plain, plain_norms, plain_scales) = run(ScalingMode::Off, Some(clip));
+    let (scaled, scaled_norms, scaled_scales) = run(ScalingMode::Dynamic, Some(clip));
+    assert!(plain_scales.iter().all(Option::is_none));
+    assert!(
+        scaled_scales.iter().all(|s| *s == Some(65_536.0)),
+        "{scaled_scales:?}"
+    );
+    // Clipping is active: the reported norm (of the unscaled gradient) is over the threshold.
+    assert_eq!(plain_norms.len(), 3);
+    assert!(
+        plain_norms.iter().all(|n| *n as f64 > clip),
+        "{plain_norms:?}"
+    );
+    for (a, b) in plain_norms.iter().zip(&scaled_norms) {
+        assert!(
+            (a - b).abs() <= 1e-5 * a,
+            "norms {plain_norms:?} vs {scaled_norms:?}"
+        );
+    }
+    let err = rel_err(&scaled, &plain);
+    assert!(err < 1e-6, "scaled and unscaled clipped runs differ: {err}");
+    // And the clip mattered: without it the weights move elsewhere.
+    let (unclipped, _, _) = run(ScalingMode::Off, None);
+    assert!(rel_err(&unclipped, &plain) > 1e-4);
+}

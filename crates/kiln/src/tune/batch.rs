@@ -46,7 +46,8 @@ impl SearchMode {
 /// Search settings.
 #[derive(Debug, Clone, Serialize)]
 pub struct SearchOptions {
-    /// Memory budget in bytes (host RSS on CPU, device memory on GPU).
+    /// Memory budget in bytes, compared with the trial's peak host resident memory (GPU device
+    /// memory is not measured yet: on a GPU the host peak is all a trial reports).
     pub budget: u64,
     /// Safety margin: a trial fits under `budget × (1 − margin)`.
     pub margin: f64,
