@@ -84,8 +84,11 @@ const WORKLOADS: [Workload; 5] = [
     },
 ];
 
-/// Cases measured per mode: plain Burn and Kiln's levels for training. For inference, plain
-/// Burn's forward vs Kiln's inference session on the CPU: `kiln` (the lowered f32 graph),
+/// Cases measured per mode: plain Burn and Kiln's levels for training, plus `kiln-basic-system`
+/// (Kiln's kernels on the system allocator, so one run splits Kiln's gain over plain Burn into
+/// the kernels' part and the allocator's part). For inference, plain
+/// Burn's forward vs Kiln's inference session on the CPU: `kiln` (the lowered f32 graph;
+/// `kiln-system` the same on the system allocator),
 /// `kiln-fold` (+ strip and BatchNorm folding), `kiln-int8` (+ int8 dynamic quantization);
 /// where a GPU is present (the `cuda` feature and a driver) also the folded graph on it in
 /// f32, f16 and bf16 (`gpu-f32`, `gpu-f16`, `gpu-bf16`). Those three run on the CPU when
@@ -95,10 +98,16 @@ const WORKLOADS: [Workload; 5] = [
 /// each precision policy; its reference case is `f32`.
 fn cases(mode: &str) -> Vec<&'static str> {
     match mode {
-        "train" => vec!["burn", "kiln-basic", "kiln-advanced", "kiln-ultra"],
+        "train" => vec![
+            "burn",
+            "kiln-basic-system",
+            "kiln-basic",
+            "kiln-advanced",
+            "kiln-ultra",
+        ],
         "precision" => vec!["f32", "bf16", "f16"],
         _ => {
-            let mut cases = vec!["burn", "kiln", "kiln-fold", "kiln-int8"];
+            let mut cases = vec!["burn", "kiln-system", "kiln", "kiln-fold", "kiln-int8"];
             if Hardware::probe().best_backend() == Backend::Cuda {
                 cases.extend(["gpu-f32", "gpu-f16", "gpu-bf16"]);
             }
@@ -156,8 +165,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
             for batch in batches {
                 for case in cases(&mode) {
                     let mut cmd = Command::new(&exe);
-                    // Plain Burn runs as a Burn program does by default: system allocator.
-                    if case == "burn" {
+                    // Plain Burn runs as a Burn program does by default: system allocator
+                    // (and so does the case that isolates the kernels' gain).
+                    if case == "burn" || case.ends_with("-system") {
                         cmd.env("KILN_ALLOCATOR", "system");
                     } else {
                         cmd.env_remove("KILN_ALLOCATOR");
@@ -232,7 +242,7 @@ fn measure_case(
             kiln::kernels::set_enabled(false);
             plain_burn_infer(w.model, batch, shape, steps)
         }
-        ("infer", "kiln") => session_infer(w.model, &[], batch, shape, steps)?,
+        ("infer", "kiln" | "kiln-system") => session_infer(w.model, &[], batch, shape, steps)?,
         ("infer", "kiln-fold") => {
             session_infer(w.model, &[Pass::Strip, Pass::Fold], batch, shape, steps)?
         }
@@ -249,7 +259,11 @@ fn measure_case(
             session_infer_on(w.model, &passes, batch, shape, steps, device)?
         }
         ("train", level) if level.starts_with("kiln-") => {
-            let level: Level = level.trim_start_matches("kiln-").parse()?;
+            // `-system` only changes the allocator, which the parent process chose.
+            let level = level
+                .trim_start_matches("kiln-")
+                .trim_end_matches("-system");
+            let level: Level = level.parse()?;
             kiln_train(w.model, level, Precision::F32, batch, shape, steps)?
         }
         ("precision", name) => {
