@@ -11,59 +11,30 @@ use crate::precision::{ConvGeometry, conv2d_weights};
 #[derive(Debug, Clone)]
 pub struct Conv2dConfig(pub burn::nn::conv::Conv2dConfig);
 
+wraps_burn_config!(Conv2dConfig, burn::nn::conv::Conv2dConfig, {
+    /// Stride per spatial axis.
+    with_stride(stride: [usize; 2]),
+    /// Dilation per spatial axis.
+    with_dilation(dilation: [usize; 2]),
+    /// Channel groups.
+    with_groups(groups: usize),
+    /// Padding.
+    with_padding(padding: PaddingConfig2d),
+    /// Whether the layer adds a bias.
+    with_bias(bias: bool),
+    /// How the parameters are initialized.
+    with_initializer(initializer: Initializer),
+});
+
 impl Conv2dConfig {
     /// `[in, out]` channels and a `[height, width]` kernel (Burn's defaults otherwise).
     pub fn new(channels: [usize; 2], kernel_size: [usize; 2]) -> Self {
         Conv2dConfig(burn::nn::conv::Conv2dConfig::new(channels, kernel_size))
     }
 
-    /// Stride per spatial axis.
-    pub fn with_stride(self, stride: [usize; 2]) -> Self {
-        Conv2dConfig(self.0.with_stride(stride))
-    }
-
-    /// Dilation per spatial axis.
-    pub fn with_dilation(self, dilation: [usize; 2]) -> Self {
-        Conv2dConfig(self.0.with_dilation(dilation))
-    }
-
-    /// Channel groups.
-    pub fn with_groups(self, groups: usize) -> Self {
-        Conv2dConfig(self.0.with_groups(groups))
-    }
-
-    /// Padding.
-    pub fn with_padding(self, padding: PaddingConfig2d) -> Self {
-        Conv2dConfig(self.0.with_padding(padding))
-    }
-
-    /// Whether the layer adds a bias.
-    pub fn with_bias(self, bias: bool) -> Self {
-        Conv2dConfig(self.0.with_bias(bias))
-    }
-
-    /// How the parameters are initialized.
-    pub fn with_initializer(self, initializer: Initializer) -> Self {
-        Conv2dConfig(self.0.with_initializer(initializer))
-    }
-
     /// A freshly initialized layer: exactly Burn's initialization (same draws, same order).
     pub fn init(&self, device: &Device) -> Conv2d {
         self.0.init(device).into()
-    }
-}
-
-impl From<burn::nn::conv::Conv2dConfig> for Conv2dConfig {
-    fn from(config: burn::nn::conv::Conv2dConfig) -> Self {
-        Conv2dConfig(config)
-    }
-}
-
-impl std::ops::Deref for Conv2dConfig {
-    type Target = burn::nn::conv::Conv2dConfig;
-
-    fn deref(&self) -> &Self::Target {
-        &self.0
     }
 }
 

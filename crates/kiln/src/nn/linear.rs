@@ -11,44 +11,24 @@ use crate::precision::linear_weights;
 #[derive(Debug, Clone)]
 pub struct LinearConfig(pub burn::nn::LinearConfig);
 
+wraps_burn_config!(LinearConfig, burn::nn::LinearConfig, {
+    /// Whether the layer adds a bias.
+    with_bias(bias: bool),
+    /// How the parameters are initialized.
+    with_initializer(initializer: Initializer),
+    /// How the weight is stored (Burn's row or column layout).
+    with_layout(layout: LinearLayout),
+});
+
 impl LinearConfig {
     /// `d_input` → `d_output` features, with bias (Burn's defaults).
     pub fn new(d_input: usize, d_output: usize) -> Self {
         LinearConfig(burn::nn::LinearConfig::new(d_input, d_output))
     }
 
-    /// Whether the layer adds a bias.
-    pub fn with_bias(self, bias: bool) -> Self {
-        LinearConfig(self.0.with_bias(bias))
-    }
-
-    /// How the parameters are initialized.
-    pub fn with_initializer(self, initializer: Initializer) -> Self {
-        LinearConfig(self.0.with_initializer(initializer))
-    }
-
-    /// How the weight is stored (Burn's row or column layout).
-    pub fn with_layout(self, layout: LinearLayout) -> Self {
-        LinearConfig(self.0.with_layout(layout))
-    }
-
     /// A freshly initialized layer: exactly Burn's initialization (same draws, same order).
     pub fn init(&self, device: &Device) -> Linear {
         self.0.init(device).into()
-    }
-}
-
-impl From<burn::nn::LinearConfig> for LinearConfig {
-    fn from(config: burn::nn::LinearConfig) -> Self {
-        LinearConfig(config)
-    }
-}
-
-impl std::ops::Deref for LinearConfig {
-    type Target = burn::nn::LinearConfig;
-
-    fn deref(&self) -> &Self::Target {
-        &self.0
     }
 }
 

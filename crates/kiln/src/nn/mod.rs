@@ -15,6 +15,36 @@
 //! matmul without knowing which are layers (autocast must leave softmax and norms in f32).
 //! Swapping the type at the `use` line is the least a user has to change.
 
+/// Makes `$kiln`, a newtype over Burn's config `$burn`, a drop-in for it: Burn's `with_*`
+/// setters forwarded (each listed with its doc), `From` Burn's config, and `Deref` to it for
+/// reading fields.
+macro_rules! wraps_burn_config {
+    ($kiln:ident, $burn:ty, { $( $(#[$doc:meta])* $setter:ident($arg:ident: $ty:ty) ),* $(,)? }) => {
+        impl $kiln {
+            $(
+                $(#[$doc])*
+                pub fn $setter(self, $arg: $ty) -> Self {
+                    $kiln(self.0.$setter($arg))
+                }
+            )*
+        }
+
+        impl From<$burn> for $kiln {
+            fn from(config: $burn) -> Self {
+                $kiln(config)
+            }
+        }
+
+        impl std::ops::Deref for $kiln {
+            type Target = $burn;
+
+            fn deref(&self) -> &Self::Target {
+                &self.0
+            }
+        }
+    };
+}
+
 mod conv;
 mod linear;
 mod pool;

@@ -9,49 +9,26 @@ use burn::tensor::Tensor;
 #[derive(Debug, Clone)]
 pub struct MaxPool2dConfig(pub burn::nn::pool::MaxPool2dConfig);
 
+wraps_burn_config!(MaxPool2dConfig, burn::nn::pool::MaxPool2dConfig, {
+    /// Stride per spatial axis.
+    with_strides(strides: [usize; 2]),
+    /// Padding.
+    with_padding(padding: PaddingConfig2d),
+    /// Dilation per spatial axis.
+    with_dilation(dilation: [usize; 2]),
+    /// Ceil instead of floor rounding of the output size.
+    with_ceil_mode(ceil_mode: bool),
+});
+
 impl MaxPool2dConfig {
     /// A `[height, width]` window (stride = window by default, as in Burn).
     pub fn new(kernel_size: [usize; 2]) -> Self {
         MaxPool2dConfig(burn::nn::pool::MaxPool2dConfig::new(kernel_size))
     }
 
-    /// Stride per spatial axis.
-    pub fn with_strides(self, strides: [usize; 2]) -> Self {
-        MaxPool2dConfig(self.0.with_strides(strides))
-    }
-
-    /// Padding.
-    pub fn with_padding(self, padding: PaddingConfig2d) -> Self {
-        MaxPool2dConfig(self.0.with_padding(padding))
-    }
-
-    /// Dilation per spatial axis.
-    pub fn with_dilation(self, dilation: [usize; 2]) -> Self {
-        MaxPool2dConfig(self.0.with_dilation(dilation))
-    }
-
-    /// Ceil instead of floor rounding of the output size.
-    pub fn with_ceil_mode(self, ceil_mode: bool) -> Self {
-        MaxPool2dConfig(self.0.with_ceil_mode(ceil_mode))
-    }
-
     /// The layer.
     pub fn init(&self) -> MaxPool2d {
         self.0.init().into()
-    }
-}
-
-impl From<burn::nn::pool::MaxPool2dConfig> for MaxPool2dConfig {
-    fn from(config: burn::nn::pool::MaxPool2dConfig) -> Self {
-        MaxPool2dConfig(config)
-    }
-}
-
-impl std::ops::Deref for MaxPool2dConfig {
-    type Target = burn::nn::pool::MaxPool2dConfig;
-
-    fn deref(&self) -> &Self::Target {
-        &self.0
     }
 }
 
@@ -74,12 +51,10 @@ pub struct MaxPool2d {
 
 impl MaxPool2d {
     /// The forward pass: Kiln's kernel (arg-max indices, scatter backward) in f32 on the CPU
-    /// without padding, dilation or ceil rounding; Burn's op otherwise.
+    /// without padding, dilation or ceil rounding; Burn's op otherwise (the choice
+    /// [`crate::kernels::max_pool2d_layer`] makes for Burn's layer).
     pub fn forward(&self, x: Tensor<4>) -> Tensor<4> {
-        if self.padding != PaddingConfig2d::Valid || self.dilation != [1, 1] || self.ceil_mode {
-            return burn::nn::pool::MaxPool2d::from(self.clone()).forward(x);
-        }
-        crate::kernels::max_pool2d(x, self.kernel_size, self.stride)
+        crate::kernels::max_pool2d_layer(&self.clone().into(), x)
     }
 }
 
