@@ -17,6 +17,7 @@ use kiln::data::BurnBatches;
 use kiln::nn::{Linear, LinearConfig};
 use kiln::precision::Precision;
 use kiln::train::{StepOutput, TrainOptions, TrainStep};
+use rand::Rng;
 
 const FEATURES: usize = 8;
 
@@ -83,14 +84,14 @@ impl Batcher<Row, Rows> for RowBatcher {
 
 /// A nonlinear target of uniform features, with noise (σ ≈ 0.03).
 fn table(n: usize, seed: u64) -> Vec<Row> {
-    let mut rng = common::Rng::new(seed);
+    let mut rng = common::rng(seed);
     (0..n)
         .map(|_| {
             let mut f = [0f32; FEATURES];
             for v in &mut f {
-                *v = 2.0 * rng.uniform() - 1.0;
+                *v = 2.0 * rng.random::<f32>() - 1.0;
             }
-            let noise = 0.1 * (rng.uniform() - 0.5);
+            let noise = 0.1 * (rng.random::<f32>() - 0.5);
             let target =
                 (2.0 * f[0]).sin() + f[1] * f[2] + 0.5 * f[3] * f[3] - f[4] + 0.3 * f[5] + noise;
             Row {
@@ -139,11 +140,8 @@ fn run() -> kiln::Result<(common::Trained<Regressor>, f64)> {
 #[cfg_attr(test, allow(dead_code))]
 fn main() -> kiln::Result<()> {
     let (trained, baseline) = run()?;
-    let (first, last) = trained.loss_drop(5);
-    println!(
-        "loss {first:.4} -> {last:.4}, held-out MSE {:.4} (predicting the mean: {baseline:.4})",
-        trained.metric("mse")
-    );
+    let summary = trained.summary("mse");
+    println!("{summary} (predicting the mean: {baseline:.4})");
     Ok(())
 }
 
@@ -152,8 +150,7 @@ mod tests {
     #[test]
     fn trains_resumes_and_beats_the_mean() {
         let (trained, baseline) = super::run().expect("the example trains");
-        let (first, last) = trained.loss_drop(5);
-        assert!(last < 0.5 * first, "loss {first} -> {last} did not fall");
+        trained.assert_loss_fell(0.5);
         let mse = trained.metric("mse");
         assert!(
             mse < 0.2 * baseline,

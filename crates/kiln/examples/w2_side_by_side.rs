@@ -12,10 +12,10 @@ mod user_w2;
 
 use burn::data::dataset::InMemDataset;
 use burn::tensor::Device;
-use kiln::data::BurnBatches;
+use kiln::data::{BatchSource, BurnBatches, ImageBatches};
 use kiln::datasets::{Split, bundled};
 use kiln::observe::MemorySink;
-use kiln::train::{TrainOptions, Trainer};
+use kiln::train::{TrainOptions, TrainStep, Trainer};
 use kiln::zoo::ModelKind;
 
 /// Untimed steps at the start of each run (the bench protocol of `kiln bench`).
@@ -26,14 +26,18 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Median step time of the timed steps a run reported.
-fn step_ms(sink: &MemorySink) -> f64 {
-    median(
-        sink.steps()
-            .filter(|s| s.step > WARMUP)
-            .map(|s| s.step_ms)
-            .collect(),
-    )
+/// Trains `init`'s model on `source` with `options`; the median time of its timed steps.
+fn step_ms<B: Send, M: TrainStep<B> + 'static>(
+    options: &TrainOptions,
+    name: &str,
+    init: impl FnOnce(&Device) -> M,
+    source: &dyn BatchSource<Batch = B>,
+) -> kiln::Result<f64> {
+    let mut sink = MemorySink::default();
+    Trainer::new(options.clone(), Device::flex(), &mut sink)
+        .fit_source(name, init, source, None)?;
+    let timed = sink.steps().filter(|s| s.step > WARMUP).map(|s| s.step_ms);
+    Ok(median(timed.collect()))
 }
 
 fn main() -> kiln::Result<()> {
@@ -43,6 +47,7 @@ fn main() -> kiln::Result<()> {
     let threads = kiln::plan::Hardware::probe().cores;
     kiln::plan::set_cpu_threads(threads);
     let data = bundled(Split::Train)?;
+    let images = ImageBatches::new(&data);
     let source = BurnBatches::new(
         InMemDataset::new(user_w2::digits(&data)),
         user_w2::DigitBatcher,
@@ -56,30 +61,25 @@ fn main() -> kiln::Result<()> {
     };
     let (mut zoo, mut user, mut plain) = (Vec::new(), Vec::new(), Vec::new());
     for round in 0..rounds {
-        let mut sink = MemorySink::default();
-        Trainer::new(options.clone(), Device::flex(), &mut sink).fit(
+        // The zoo's path: `Trainer::fit` is `fit_source` over Kiln's image batches.
+        zoo.push(step_ms(
+            &options,
             "cnn",
             |d| ModelKind::Cnn.init(d),
-            &data,
-            None,
-        )?;
-        zoo.push(step_ms(&sink));
-        let mut sink = MemorySink::default();
-        Trainer::new(options.clone(), Device::flex(), &mut sink).fit_source(
+            &images,
+        )?);
+        user.push(step_ms(
+            &options,
             "user-cnn",
             user_w2::UserCnn::new,
             &source,
-            None,
-        )?;
-        user.push(step_ms(&sink));
-        let mut sink = MemorySink::default();
-        Trainer::new(options.clone(), Device::flex(), &mut sink).fit_source(
+        )?);
+        plain.push(step_ms(
+            &options,
             "burn-cnn",
             user_w2::BurnCnn::new,
             &source,
-            None,
-        )?;
-        plain.push(step_ms(&sink));
+        )?);
         println!(
             "round {round}: zoo W2 {:.1} ms/step, user W2 with kiln::nn {:.1}, with burn::nn {:.1}",
             zoo[round], user[round], plain[round]

@@ -1,6 +1,6 @@
 //! What the examples share: a run that stops halfway, writes a checkpoint, and resumes from it
-//! in a second trainer (as a preempted job would), plus a seeded number generator for the
-//! synthetic data.
+//! in a second trainer (as a preempted job would), its one-line report and convergence check,
+//! and the seeded generator for the synthetic data.
 
 use std::path::PathBuf;
 
@@ -26,6 +26,21 @@ impl<M> Trained<M> {
             mean(&self.losses[..k]),
             mean(&self.losses[self.losses.len() - k..]),
         )
+    }
+
+    /// The example's report: the loss over the first and last 5 steps and a held-out metric.
+    pub fn summary(&self, metric: &str) -> String {
+        let (first, last) = self.loss_drop(5);
+        format!(
+            "loss {first:.4} -> {last:.4}, held-out {metric} {:.4}",
+            self.metric(metric)
+        )
+    }
+
+    /// Asserts that the mean loss of the last 5 steps is below `ratio` × that of the first 5.
+    pub fn assert_loss_fell(&self, ratio: f32) {
+        let (first, last) = self.loss_drop(5);
+        assert!(last < ratio * first, "loss {first} -> {last} did not fall");
     }
 
     /// An evaluation metric of the final model, by name.
@@ -94,31 +109,7 @@ fn scratch_dir(name: &str) -> PathBuf {
     ))
 }
 
-/// A small seeded generator (SplitMix64) so the synthetic data is the same on every machine.
-pub struct Rng(u64);
-
-impl Rng {
-    /// A generator from `seed`.
-    pub fn new(seed: u64) -> Self {
-        Rng(seed)
-    }
-
-    /// The next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [0, 1).
-    pub fn uniform(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
-    }
-
-    /// Uniform in `0..n`.
-    pub fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
-    }
+/// The seeded generator the synthetic data is drawn from.
+pub fn rng(seed: u64) -> rand::rngs::StdRng {
+    rand::SeedableRng::seed_from_u64(seed)
 }
