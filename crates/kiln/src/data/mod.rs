@@ -93,12 +93,7 @@ pub(crate) fn collate_with(
     let mut pixels = vec![0f32; indices.len() * item];
     let mut labels = Vec::with_capacity(indices.len());
     for (slot, &i) in pixels.chunks_exact_mut(item).zip(indices) {
-        if i >= dataset.len() {
-            return Err(KilnError::DataItem {
-                index: i,
-                problem: format!("index out of range (dataset has {} samples)", dataset.len()),
-            });
-        }
+        check_index(i, dataset.len())?;
         let label = sample(i, slot)?;
         labels.push(label as i64);
     }
@@ -111,6 +106,17 @@ pub(crate) fn collate_with(
         labels: Tensor::from_data(TensorData::new(labels, [n]), device),
         len: n,
     })
+}
+
+/// An error naming `index` if it is past the end of a dataset of `len` samples.
+pub(crate) fn check_index(index: usize, len: usize) -> Result<()> {
+    if index >= len {
+        return Err(KilnError::DataItem {
+            index,
+            problem: format!("index out of range (dataset has {len} samples)"),
+        });
+    }
+    Ok(())
 }
 
 /// The sample order of one epoch: a permutation seeded by `(seed, epoch)`, or `0..n`.

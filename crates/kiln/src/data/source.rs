@@ -13,7 +13,7 @@ use burn::data::dataloader::batcher::Batcher;
 use burn::tensor::Device;
 
 use super::transform::{SampleRng, Transform};
-use super::{Batch, Dataset, collate_with};
+use super::{Batch, Dataset, check_index, collate_with};
 use crate::error::{KilnError, Result};
 
 /// Where a batch sits in the run: what seeded per-sample work (augmentation) depends on.
@@ -66,11 +66,6 @@ impl<'d> ImageBatches<'d> {
     pub fn with_transform(mut self, transform: Option<&'d dyn Transform>) -> Self {
         self.transform = transform;
         self
-    }
-
-    /// The dataset behind the batches.
-    pub fn dataset(&self) -> &'d dyn Dataset {
-        self.dataset
     }
 }
 
@@ -139,15 +134,7 @@ impl<I, O: Send> BatchSource for BurnBatches<I, O> {
     fn batch(&self, indices: &[usize], _ctx: BatchContext, device: &Device) -> Result<O> {
         let mut items = Vec::with_capacity(indices.len());
         for &index in indices {
-            if index >= self.dataset.len() {
-                return Err(KilnError::DataItem {
-                    index,
-                    problem: format!(
-                        "index out of range (dataset has {} samples)",
-                        self.dataset.len()
-                    ),
-                });
-            }
+            check_index(index, self.dataset.len())?;
             let item = self.dataset.get(index).map_err(|e| KilnError::DataItem {
                 index,
                 problem: e.to_string(),

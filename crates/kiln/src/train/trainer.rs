@@ -42,7 +42,7 @@ pub struct TrainOutcome<M> {
 /// with pluggable metrics, atomic checkpoints and bit-for-bit resume, OOM-adaptive
 /// micro-batching, and events for every step.
 pub struct Trainer<'s> {
-    options: TrainOptions,
+    pub(super) options: TrainOptions,
     base: Device,
     pub(super) sink: &'s mut dyn EventSink,
     plan: Option<serde_json::Value>,
@@ -185,7 +185,6 @@ impl<'s> Trainer<'s> {
             last_checkpoint: None,
             last_eval: None,
             last_train_loss: 0.0,
-            opts,
         };
         let device = run.device();
         // The loader's workers persist across epochs; its body is the whole epoch loop.

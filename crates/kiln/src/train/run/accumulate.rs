@@ -56,7 +56,7 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
             data_ms += td.elapsed().as_secs_f64() * 1e3;
             let forward_span = tracing::info_span!("forward").entered();
             let loss = {
-                let _amp = autocast(self.opts.precision);
+                let _amp = autocast(self.trainer.options.precision);
                 model.step(batch).loss
             };
             let dims = loss.dims();

@@ -58,7 +58,8 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
         let adapted = self.check_watermark();
         drop(report_span);
         if self
-            .opts
+            .trainer
+            .options
             .checkpoint_every_steps
             .is_some_and(|k| self.pos.global_step.is_multiple_of(k))
         {
@@ -94,7 +95,7 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
                 rss_bytes: rss,
                 threshold_bytes: threshold,
             }));
-        self.opts.oom_adaptive && self.halve_micro_batch(step)
+        self.trainer.options.oom_adaptive && self.halve_micro_batch(step)
     }
 
     /// Halves the micro-batch and doubles accumulation (same effective batch, about half the

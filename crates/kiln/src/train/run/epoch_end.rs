@@ -22,8 +22,8 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
         started: Instant,
     ) -> Result<()> {
         self.last_train_loss = self.pos.epoch_mean_loss();
-        let is_last = epoch + 1 == self.opts.epochs;
-        let every = self.opts.eval_every_epochs;
+        let is_last = epoch + 1 == self.trainer.options.epochs;
+        let every = self.trainer.options.eval_every_epochs;
         let due = every > 0 && (epoch + 1).is_multiple_of(every);
         let eval = match self.valid {
             Some(v) if due || is_last => Some(self.trainer.evaluate_on(model, v)?),
@@ -61,7 +61,7 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
         model: &M,
         optim: &ModuleOptimizer,
     ) -> Result<Option<PathBuf>> {
-        let Some(dir) = self.opts.checkpoint_dir.clone() else {
+        let Some(dir) = self.trainer.options.checkpoint_dir.clone() else {
             return Ok(None);
         };
         let pos = &self.pos;
@@ -84,7 +84,7 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
                 epoch: pos.epoch,
                 step_in_epoch: pos.step_in_epoch,
                 global_step: pos.global_step,
-                fingerprint: fingerprint(&self.opts),
+                fingerprint: fingerprint(&self.trainer.options),
                 epoch_loss_sum: pos.epoch_loss_sum,
                 epoch_samples: pos.epoch_samples,
                 scaler: self.scaler.enabled().then(|| self.scaler.state()),

@@ -22,7 +22,7 @@ use burn::tensor::Device;
 
 use super::contract::TrainStep;
 use super::restore::Snapshot;
-use super::{Evaluation, TrainOptions, Trainer};
+use super::{Evaluation, Trainer};
 use crate::data::{BatchSource, DataLoader};
 use crate::error::{KilnError, Result};
 use crate::guard::Guard;
@@ -64,8 +64,8 @@ enum EpochFlow {
 
 /// Everything one run changes as it goes; see the module documentation.
 pub(super) struct Run<'t, 's, 'd, B, M> {
+    /// The trainer: its options, sink and evaluation settings.
     pub trainer: &'t mut Trainer<'s>,
-    pub opts: TrainOptions,
     pub model_name: String,
     pub valid: Option<&'d dyn BatchSource<Batch = B>>,
     /// Training samples.
@@ -104,7 +104,7 @@ impl<'t, 's, 'd, B: Send, M: TrainStep<B> + 'static> Run<'t, 's, 'd, B, M> {
         mut model: M,
         mut optim: ModuleOptimizer,
     ) -> Result<(M, ModuleOptimizer)> {
-        for epoch in self.pos.epoch..self.opts.epochs {
+        for epoch in self.pos.epoch..self.trainer.options.epochs {
             let epoch_start = Instant::now();
             let flow;
             (model, optim, flow) = self.epoch(loader, epoch, model, optim)?;
@@ -175,7 +175,7 @@ impl<'t, 's, 'd, B: Send, M: TrainStep<B> + 'static> Run<'t, 's, 'd, B, M> {
         let summary = RunSummary {
             model: self.model_name.clone(),
             steps: self.pos.global_step,
-            epochs: self.pos.epoch.min(self.opts.epochs),
+            epochs: self.pos.epoch.min(self.trainer.options.epochs),
             test_accuracy: self.last_eval.as_ref().and_then(|e| e.accuracy),
             test_metrics: self
                 .last_eval

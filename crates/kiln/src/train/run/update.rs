@@ -66,7 +66,7 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
         self.scaler.update(trouble.is_some());
         // The schedule spans the planned epochs, not max_steps: a run stopped early and
         // resumed must see the same learning rates as one that never stopped.
-        let lr = learning_rate(&self.opts, self.pos.global_step, self.planned);
+        let lr = learning_rate(&self.trainer.options, self.pos.global_step, self.planned);
         let mut outcome = StepOutcome {
             trouble,
             lr,
@@ -94,7 +94,7 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
             })?;
             return Ok((model, optim, outcome));
         }
-        if let Some(max_norm) = self.opts.grad_clip_norm {
+        if let Some(max_norm) = self.trainer.options.grad_clip_norm {
             let _s = tracing::info_span!("clip").entered();
             let (clipped, norm) = clip_global_norm(&model, grads, max_norm);
             grads = clipped;
@@ -104,7 +104,7 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
             let _s = tracing::info_span!("optimizer").entered();
             optim.step(lr, model, grads)
         };
-        let params_bad = self.opts.guard.check_params && {
+        let params_bad = self.trainer.options.guard.check_params && {
             let _s = tracing::info_span!("guard_check").entered();
             probe_params(&model).is_some_and(|p| !finite(p))
         };
@@ -115,7 +115,7 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
                 .decide(Trouble::Parameters, self.snapshot.is_some());
             let mut restored_step = None;
             if let (GuardAction::RolledBack, Some(snap)) = (action, &self.snapshot) {
-                (model, optim) = snap.restore(build_optimizer(&self.opts))?;
+                (model, optim) = snap.restore(build_optimizer(&self.trainer.options))?;
                 restored_step = Some(snap.step);
             }
             self.guard_event(GuardEvent {
@@ -132,8 +132,8 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
             let due = self
                 .snapshot
                 .as_ref()
-                .is_none_or(|s| step_no - s.step >= self.opts.guard.snapshot_every);
-            if self.opts.guard.policy == GuardPolicy::Rollback && due {
+                .is_none_or(|s| step_no - s.step >= self.trainer.options.guard.snapshot_every);
+            if self.trainer.options.guard.policy == GuardPolicy::Rollback && due {
                 self.snapshot = Some(Snapshot::take(&model, &optim, step_no)?);
             }
         }
