@@ -6,6 +6,8 @@
 //! checkpoint = "step-1000.kiln"   # zoo: a Kiln checkpoint, relative to this directory
 //! passes = "strip,fold,int8"      # zoo: inference passes applied at load
 //! input_shape = [1, 28, 28]       # zoo: per-sample [C, H, W] (default: MNIST's)
+//! # backend = "onnx": file = "model.onnx"; input_dims = { input_ids = [128] } fixes the
+//! # non-batch dynamic axes of an input (the server batches fixed-shape samples)
 //! max_batch_size = 64
 //! instances = 2                   # model copies running batches in parallel
 //! max_queue_size = 1024           # requests waiting; more are rejected (429 / RESOURCE_EXHAUSTED)
@@ -16,6 +18,7 @@
 //! preferred_batch_size = [32, 64]
 //! ```
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -42,12 +45,15 @@ pub enum BackendConfig {
         /// Graph file (absolute, resolved against the model directory).
         path: PathBuf,
     },
-    /// An ONNX file of the operators Kiln's graph has, imported at load, then the passes.
+    /// An ONNX file from any exporter, loaded through `kiln::onnx` (onnx-ir).
     Onnx {
         /// ONNX file (absolute, resolved against the model directory).
         path: PathBuf,
         /// Pass list (`fold,int8`); empty = none.
         passes: String,
+        /// Per-sample dims (batch left out) for inputs whose ONNX shape has dynamic axes
+        /// besides the batch (`input_ids = [128]`): the server batches fixed-shape samples.
+        input_dims: BTreeMap<String, Vec<usize>>,
     },
     /// Returns its input unchanged (Triton's identity backend): measures the server itself.
     Identity {
@@ -97,6 +103,7 @@ struct RawConfig {
     graph: Option<PathBuf>,
     file: Option<PathBuf>,
     dims: Option<Vec<usize>>,
+    input_dims: Option<BTreeMap<String, Vec<usize>>>,
     datatype: Option<String>,
     execute_delay_microseconds: Option<u64>,
     #[serde(default = "default_max_batch")]
@@ -174,6 +181,7 @@ impl ModelConfig {
                         .ok_or("backend `onnx` needs `file` (an .onnx model)")?,
                 ),
                 passes: raw.passes.clone().unwrap_or_default(),
+                input_dims: raw.input_dims.clone().unwrap_or_default(),
             },
             "identity" => {
                 let datatype = raw.datatype.clone().unwrap_or_else(|| "FP32".into());
@@ -210,6 +218,7 @@ impl ModelConfig {
             ("graph", raw.graph.is_some()),
             ("file", raw.file.is_some()),
             ("dims", raw.dims.is_some()),
+            ("input_dims", raw.input_dims.is_some()),
             ("datatype", raw.datatype.is_some()),
             (
                 "execute_delay_microseconds",
@@ -219,7 +228,7 @@ impl ModelConfig {
         let allowed: &[&str] = match &backend {
             BackendConfig::Zoo { .. } => &["model", "checkpoint", "passes", "input_shape"],
             BackendConfig::Graph { .. } => &["graph"],
-            BackendConfig::Onnx { .. } => &["file", "passes"],
+            BackendConfig::Onnx { .. } => &["file", "passes", "input_dims"],
             BackendConfig::Identity { .. } => &["dims", "datatype", "execute_delay_microseconds"],
         };
         let stray: Vec<&str> = set

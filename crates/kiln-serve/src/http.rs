@@ -143,7 +143,7 @@ async fn metadata(State(s): State<Http>, Path(path): ModelPath) -> Response {
                 "name": rt.name,
                 "versions": ["1"],
                 "platform": rt.spec.platform,
-                "inputs": [tensor(&rt.spec.input)],
+                "inputs": rt.spec.inputs.iter().map(tensor).collect::<Vec<_>>(),
                 "outputs": rt.spec.outputs.iter().map(tensor).collect::<Vec<_>>(),
             }))
         }

@@ -2,8 +2,12 @@
 
 use std::time::Duration;
 
+use std::collections::BTreeMap;
+use std::path::Path;
+
 use burn::tensor::{Device, Tensor, TensorData};
-use kiln::infer::{InferenceSession, Pass, import_onnx, load_graph, load_model, lower, run_passes};
+use kiln::infer::{InferenceSession, Pass, load_graph, load_model, lower, run_passes};
+use kiln::onnx::{OnnxModel, Port, ValueKind};
 use kiln::zoo::ModelKind;
 
 use crate::config::BackendConfig;
@@ -15,8 +19,8 @@ use crate::tensor::{DataType, NamedTensor, TensorSpec, Values};
 pub struct ModelSpec {
     /// Triton "platform" string.
     pub platform: String,
-    /// The one input.
-    pub input: TensorSpec,
+    /// Inputs, in the order backends take them.
+    pub inputs: Vec<TensorSpec>,
     /// Outputs, in the order they are returned.
     pub outputs: Vec<TensorSpec>,
     /// What the postprocess stage derives from the backend's raw output.
@@ -34,9 +38,9 @@ pub enum Postprocess {
 
 /// One model instance: runs a batch of samples.
 pub trait Backend: Send {
-    /// Runs `batch` samples (`input` is row-major `[batch, ..input dims]`) and returns the
-    /// backend's outputs, each row-major with `batch` rows.
-    fn execute(&mut self, input: Values, batch: usize) -> Result<Vec<Values>>;
+    /// Runs `batch` samples (each input row-major `[batch, ..its dims]`, in the spec's
+    /// order) and returns the backend's outputs, each row-major with `batch` rows.
+    fn execute(&mut self, inputs: Vec<Values>, batch: usize) -> Result<Vec<Values>>;
 }
 
 /// Builds `instances` copies of the configured backend and reports the model's signature.
@@ -65,7 +69,7 @@ pub fn build_backends(
             };
             let spec = ModelSpec {
                 platform: "kiln_identity".into(),
-                input: tensor("INPUT0"),
+                inputs: vec![tensor("INPUT0")],
                 outputs: vec![tensor("OUTPUT0")],
                 postprocess: Postprocess::None,
             };
@@ -92,16 +96,11 @@ pub fn build_backends(
             run_passes(&mut graph, &passes).map_err(fail)?;
             graph
         }
-        BackendConfig::Onnx { path, passes } => {
-            let passes = Pass::parse_list(passes).map_err(fail)?;
-            let bytes = std::fs::read(path).map_err(|e| ServeError::Load {
-                model: name.to_string(),
-                message: format!("cannot read {}: {e}", path.display()),
-            })?;
-            let mut graph = import_onnx(&bytes, name).map_err(fail)?;
-            run_passes(&mut graph, &passes).map_err(fail)?;
-            graph
-        }
+        BackendConfig::Onnx {
+            path,
+            passes,
+            input_dims,
+        } => return onnx_backends(name, path, passes, input_dims, instances),
         BackendConfig::Graph { path } => load_graph(path).map_err(fail)?,
     };
     let mut backends = Vec::with_capacity(instances);
@@ -134,15 +133,15 @@ fn classifier(
         device,
         shape,
     };
-    let probe = backend.execute(Values::F32(vec![0.0; shape.iter().product()]), 1)?;
+    let probe = backend.execute(vec![Values::F32(vec![0.0; shape.iter().product()])], 1)?;
     let classes = probe[0].len();
     let spec = ModelSpec {
         platform: "kiln".into(),
-        input: TensorSpec {
+        inputs: vec![TensorSpec {
             name: "images".into(),
             datatype: DataType::Fp32,
             dims: shape.to_vec(),
-        },
+        }],
         outputs: vec![
             TensorSpec {
                 name: "logits".into(),
@@ -165,11 +164,11 @@ struct Identity {
 }
 
 impl Backend for Identity {
-    fn execute(&mut self, input: Values, _batch: usize) -> Result<Vec<Values>> {
+    fn execute(&mut self, inputs: Vec<Values>, _batch: usize) -> Result<Vec<Values>> {
         if !self.delay.is_zero() {
             std::thread::sleep(self.delay);
         }
-        Ok(vec![input])
+        Ok(inputs)
     }
 }
 
@@ -181,12 +180,12 @@ struct Classifier {
 }
 
 impl Backend for Classifier {
-    fn execute(&mut self, input: Values, batch: usize) -> Result<Vec<Values>> {
+    fn execute(&mut self, inputs: Vec<Values>, batch: usize) -> Result<Vec<Values>> {
         let fail = |message: String| ServeError::Inference {
             model: self.name.clone(),
             message,
         };
-        let Values::F32(pixels) = input else {
+        let Some(Values::F32(pixels)) = inputs.into_iter().next() else {
             return Err(fail("the classifier takes FP32 images".into()));
         };
         let [c, h, w] = self.shape;
@@ -203,6 +202,237 @@ impl Backend for Classifier {
             .try_into_vec_as::<f32>()
             .map_err(|e| fail(format!("reading logits: {e:?}")))?;
         Ok(vec![Values::F32(values)])
+    }
+}
+
+/// `instances` copies of the ONNX model in `path`, each loaded through `kiln::onnx`. The
+/// signature comes from the file: inputs as declared (their non-batch dynamic axes fixed by
+/// `input_dims`), outputs measured by one warm-up batch of zeros.
+fn onnx_backends(
+    name: &str,
+    path: &Path,
+    passes: &str,
+    input_dims: &BTreeMap<String, Vec<usize>>,
+    instances: usize,
+) -> Result<(Vec<Box<dyn Backend>>, ModelSpec)> {
+    let load_error = |message: String| ServeError::Load {
+        model: name.to_string(),
+        message,
+    };
+    if !passes.trim().is_empty() {
+        return Err(load_error(format!(
+            "passes `{passes}` are not applied to ONNX models yet; serve the file as exported \
+             (drop `passes`), or serve a Kiln model with backend `zoo`"
+        )));
+    }
+    let bytes = std::fs::read(path)
+        .map_err(|e| load_error(format!("cannot read {}: {e}", path.display())))?;
+    let mut backends: Vec<Box<dyn Backend>> = Vec::with_capacity(instances);
+    let mut spec = None;
+    for _ in 0..instances.max(1) {
+        let model = OnnxModel::from_bytes(&bytes, name, &Device::flex())
+            .map_err(|e| load_error(e.to_string()))?;
+        let (inputs, fixed_batch) = onnx_inputs(model.inputs(), input_dims).map_err(load_error)?;
+        let backend = OnnxBackend {
+            name: name.to_string(),
+            model,
+            inputs: inputs.clone(),
+            fixed_batch,
+        };
+        if spec.is_none() {
+            let probe: Vec<Values> = inputs
+                .iter()
+                .map(|i| Values::with_len(i.datatype, i.sample_len()))
+                .collect();
+            // Dynamic output axes (a segmentation map's size) are what the probe makes.
+            let outs = backend.run_data(probe, 1)?;
+            let outputs = backend
+                .model
+                .outputs()
+                .iter()
+                .zip(&outs)
+                .map(|(port, data)| TensorSpec {
+                    name: port.name.clone(),
+                    datatype: if data.dtype().is_float() {
+                        DataType::Fp32
+                    } else {
+                        DataType::Int64
+                    },
+                    dims: data.shape().iter().skip(1).copied().collect(),
+                })
+                .collect();
+            spec = Some(ModelSpec {
+                platform: "kiln_onnx".into(),
+                inputs,
+                outputs,
+                postprocess: Postprocess::None,
+            });
+        }
+        backends.push(Box::new(backend));
+    }
+    let spec = spec.ok_or_else(|| load_error("instances must be at least 1".into()))?;
+    Ok((backends, spec))
+}
+
+/// The server's view of an ONNX model's inputs: the first axis is the batch; other dynamic
+/// axes must be fixed in the config. Returns the specs and the batch the file fixes, if any.
+fn onnx_inputs(
+    ports: &[Port],
+    input_dims: &BTreeMap<String, Vec<usize>>,
+) -> std::result::Result<(Vec<TensorSpec>, Option<usize>), String> {
+    if let Some(stray) = input_dims
+        .keys()
+        .find(|k| !ports.iter().any(|p| &p.name == *k))
+    {
+        return Err(format!(
+            "input_dims names `{stray}`, which the model does not have; its inputs are {:?}",
+            ports.iter().map(|p| p.name.as_str()).collect::<Vec<_>>()
+        ));
+    }
+    let mut fixed_batch = None;
+    let mut specs = Vec::with_capacity(ports.len());
+    for port in ports {
+        let datatype = match port.kind {
+            ValueKind::Float => DataType::Fp32,
+            ValueKind::Int => DataType::Int64,
+            ValueKind::Bool => {
+                return Err(format!(
+                    "input `{}` is {}; kiln-serve takes FP32 and INT64 inputs",
+                    port.name, port.dtype
+                ));
+            }
+        };
+        let Some((batch, rest)) = port.dims.split_first() else {
+            return Err(format!(
+                "input `{}` is a scalar; kiln-serve needs a batch axis first",
+                port.name
+            ));
+        };
+        if let Some(b) = batch {
+            fixed_batch = Some(*b);
+        }
+        let dims: Vec<usize> = match input_dims.get(&port.name) {
+            Some(given) => {
+                let fits = given.len() == rest.len()
+                    && given
+                        .iter()
+                        .zip(rest)
+                        .all(|(g, r)| r.is_none_or(|r| r == *g));
+                if !fits || given.contains(&0) {
+                    return Err(format!(
+                        "input_dims for `{}` is {given:?}; the model declares {} after the batch",
+                        port.name,
+                        kiln::onnx::show_dims(rest)
+                    ));
+                }
+                given.clone()
+            }
+            None => rest
+                .iter()
+                .enumerate()
+                .map(|(i, d)| {
+                    d.ok_or_else(|| {
+                        format!(
+                            "input `{}` has a dynamic axis {} ({}); give its size in config.toml, \
+                             e.g. input_dims = {{ {} = [..] }}, since the server batches \
+                             fixed-shape samples",
+                            port.name,
+                            i + 1,
+                            kiln::onnx::show_dims(&port.dims),
+                            port.name
+                        )
+                    })
+                })
+                .collect::<std::result::Result<_, _>>()?,
+        };
+        specs.push(TensorSpec {
+            name: port.name.clone(),
+            datatype,
+            dims,
+        });
+    }
+    match fixed_batch {
+        Some(b) if b != 1 => Err(format!(
+            "the model's batch axis is fixed at {b}; re-export it with a dynamic batch \
+             (torch.onnx.export(..., dynamic_axes={{name: {{0: \"batch\"}}}})) or with batch 1"
+        )),
+        _ => Ok((specs, fixed_batch)),
+    }
+}
+
+struct OnnxBackend {
+    name: String,
+    model: OnnxModel,
+    inputs: Vec<TensorSpec>,
+    /// `Some(1)`: the file fixes batch 1, so a batch runs one sample at a time.
+    fixed_batch: Option<usize>,
+}
+
+impl OnnxBackend {
+    fn fail(&self, message: String) -> ServeError {
+        ServeError::Inference {
+            model: self.name.clone(),
+            message,
+        }
+    }
+
+    /// The model's outputs for `batch` samples, with their shapes.
+    fn run_data(&self, inputs: Vec<Values>, batch: usize) -> Result<Vec<TensorData>> {
+        let data = inputs
+            .into_iter()
+            .zip(&self.inputs)
+            .map(|(values, spec)| {
+                let shape: Vec<usize> = std::iter::once(batch)
+                    .chain(spec.dims.iter().copied())
+                    .collect();
+                match values {
+                    Values::F32(v) => TensorData::new(v, shape),
+                    Values::I64(v) => TensorData::new(v, shape),
+                }
+            })
+            .collect();
+        self.model
+            .run_data(data)
+            .map_err(|e| self.fail(e.to_string()))
+    }
+
+    fn run(&self, inputs: Vec<Values>, batch: usize) -> Result<Vec<Values>> {
+        self.run_data(inputs, batch)?
+            .into_iter()
+            .map(|d| {
+                if d.dtype().is_float() {
+                    d.convert::<f32>().try_into_vec::<f32>().map(Values::F32)
+                } else {
+                    d.convert::<i64>().try_into_vec::<i64>().map(Values::I64)
+                }
+                .map_err(|e| self.fail(format!("reading an output: {e:?}")))
+            })
+            .collect()
+    }
+}
+
+impl Backend for OnnxBackend {
+    fn execute(&mut self, inputs: Vec<Values>, batch: usize) -> Result<Vec<Values>> {
+        if self.fixed_batch.is_none() || batch == 1 {
+            return self.run(inputs, batch);
+        }
+        let mut joined: Vec<Values> = Vec::new();
+        for row in 0..batch {
+            let one: Vec<Values> = inputs
+                .iter()
+                .zip(&self.inputs)
+                .map(|(v, s)| v.slice(row * s.sample_len(), (row + 1) * s.sample_len()))
+                .collect();
+            let outs = self.run(one, 1)?;
+            if joined.is_empty() {
+                joined = outs;
+            } else {
+                for (all, part) in joined.iter_mut().zip(&outs) {
+                    all.extend_from(part);
+                }
+            }
+        }
+        Ok(joined)
     }
 }
 

@@ -279,24 +279,35 @@ impl ModelRuntime {
     }
 
     fn instance_loop(&self, mut backend: Box<dyn Backend>) {
-        let sample = self.spec.input.sample_len();
         let out_lens: Vec<usize> = self.spec.outputs.iter().map(|o| o.sample_len()).collect();
         while let Some(mut batch) = self.next_batch() {
             let rows: usize = batch.iter().map(|p| p.request.batch).sum();
-            // The inputs move into the batch (a lone request's buffer runs as is, no copy);
-            // what stays in each request is what the response needs.
-            let empty = || Values::with_capacity(self.spec.input.datatype, 0);
-            let input = if batch.len() == 1 {
-                std::mem::replace(&mut batch[0].request.input, empty())
+            // The inputs move into the batch (a lone request's buffers run as they are, no
+            // copy); what stays in each request is what the response needs.
+            let inputs: Vec<Values> = if batch.len() == 1 {
+                std::mem::take(&mut batch[0].request.inputs)
             } else {
-                let mut all = Values::with_capacity(self.spec.input.datatype, rows * sample);
-                for p in &mut batch {
-                    all.extend_from(&std::mem::replace(&mut p.request.input, empty()));
-                }
-                all
+                self.spec
+                    .inputs
+                    .iter()
+                    .enumerate()
+                    .map(|(i, spec)| {
+                        let mut all =
+                            Values::with_capacity(spec.datatype, rows * spec.sample_len());
+                        for p in &mut batch {
+                            if let Some(part) = p.request.inputs.get_mut(i) {
+                                all.extend_from(&std::mem::replace(
+                                    part,
+                                    Values::with_capacity(spec.datatype, 0),
+                                ));
+                            }
+                        }
+                        all
+                    })
+                    .collect()
             };
             let started = Instant::now();
-            let result = backend.execute(input, rows);
+            let result = backend.execute(inputs, rows);
             self.metrics.record_batch(rows, started.elapsed());
             match result {
                 Ok(outputs) => {

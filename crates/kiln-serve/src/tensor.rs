@@ -84,7 +84,15 @@ impl Values {
         self.len() == 0
     }
 
-    /// An empty vector of `datatype` with room for `capacity` elements.
+    /// `len` zeros of `datatype` (a warm-up input).
+    pub fn with_len(datatype: DataType, len: usize) -> Self {
+        match datatype {
+            DataType::Fp32 => Values::F32(vec![0.0; len]),
+            DataType::Int64 => Values::I64(vec![0; len]),
+        }
+    }
+
+    /// Empty values of `datatype` with room for `capacity` elements.
     pub fn with_capacity(datatype: DataType, capacity: usize) -> Self {
         match datatype {
             DataType::Fp32 => Values::F32(Vec::with_capacity(capacity)),

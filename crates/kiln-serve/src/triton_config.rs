@@ -25,11 +25,11 @@ pub fn to_json(rt: &ModelRuntime) -> Value {
         "platform": rt.spec.platform,
         "backend": rt.spec.platform,
         "max_batch_size": c.max_batch_size,
-        "input": [{
-            "name": rt.spec.input.name,
-            "data_type": type_name(&rt.spec.input),
-            "dims": dims(&rt.spec.input),
-        }],
+        "input": rt.spec.inputs.iter().map(|i| json!({
+            "name": i.name,
+            "data_type": type_name(i),
+            "dims": dims(i),
+        })).collect::<Vec<_>>(),
         "output": rt.spec.outputs.iter().map(|o| json!({
             "name": o.name,
             "data_type": type_name(o),
@@ -58,11 +58,16 @@ pub fn to_proto(rt: &ModelRuntime) -> pb::ModelConfig {
         platform: rt.spec.platform.clone(),
         backend: rt.spec.platform.clone(),
         max_batch_size: c.max_batch_size as i32,
-        input: vec![pb::ModelInput {
-            name: rt.spec.input.name.clone(),
-            data_type: rt.spec.input.datatype.config_enum(),
-            dims: dims(&rt.spec.input),
-        }],
+        input: rt
+            .spec
+            .inputs
+            .iter()
+            .map(|i| pb::ModelInput {
+                name: i.name.clone(),
+                data_type: i.datatype.config_enum(),
+                dims: dims(i),
+            })
+            .collect(),
         output: rt
             .spec
             .outputs

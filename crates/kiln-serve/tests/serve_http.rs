@@ -527,12 +527,147 @@ fn onnx_files_serve_the_same_answers_as_the_graph_they_were_exported_from() {
         );
         r.json()["outputs"][0]["data"].clone()
     };
-    assert_eq!(answer("w3"), answer("w3_onnx"));
+    let floats = |v: Value| -> Vec<f32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap() as f32)
+            .collect()
+    };
+    let (graph_logits, onnx_logits) = (floats(answer("w3")), floats(answer("w3_onnx")));
+    assert_eq!(graph_logits.len(), onnx_logits.len());
+    let scale = graph_logits.iter().fold(0f32, |m, v| m.max(v.abs()));
+    for (a, b) in graph_logits.iter().zip(&onnx_logits) {
+        assert!((a - b).abs() <= 1e-5 * scale, "{a} vs {b}");
+    }
     let ready = http(server.http, "GET", "/v2/models/bad_onnx/ready", &[], b"");
     assert_eq!(ready.status, 400);
     assert!(
-        ready.error().contains("not an ONNX model"),
+        ready.error().contains("not a readable ONNX model"),
         "{}",
         ready.error()
     );
+}
+
+/// Exported models from `models/onnx` (PyTorch's exporter) serve over HTTP with dynamic
+/// batching: a BERT-style encoder with two INT64 inputs whose sequence axis the config fixes,
+/// and a segmentation head whose outputs are maps. Each answer equals the model run alone
+/// in-process; a dynamic axis left unfixed is a load error that says what to write.
+#[test]
+fn exported_onnx_models_serve_multiple_inputs_and_map_outputs() {
+    let models = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/onnx");
+    let repo = tempdir("onnx-exported");
+    let batching = "max_batch_size = 8\n[dynamic_batching]\nmax_queue_delay_microseconds = 20000\n";
+    let bert = write_model(
+        &repo,
+        "bert",
+        &format!(
+            "backend = \"onnx\"\nfile = \"model.onnx\"\ninput_dims = {{ input_ids = [12], attention_mask = [12] }}\n{batching}"
+        ),
+    );
+    std::fs::copy(models.join("bert.onnx"), bert.join("model.onnx")).unwrap();
+    let seg = write_model(
+        &repo,
+        "seg",
+        &format!("backend = \"onnx\"\nfile = \"model.onnx\"\n{batching}"),
+    );
+    std::fs::copy(models.join("seghead.onnx"), seg.join("model.onnx")).unwrap();
+    let unfixed = write_model(
+        &repo,
+        "unfixed",
+        "backend = \"onnx\"\nfile = \"model.onnx\"\n",
+    );
+    std::fs::copy(models.join("bert.onnx"), unfixed.join("model.onnx")).unwrap();
+    let server = TestServer::start(&repo);
+
+    let meta = http(server.http, "GET", "/v2/models/bert", &[], b"").json();
+    assert_eq!(meta["inputs"][0]["name"], "input_ids");
+    assert_eq!(meta["inputs"][1]["datatype"], "INT64");
+    assert_eq!(meta["inputs"][1]["shape"], json!([-1, 12]));
+    assert_eq!(meta["outputs"][1]["shape"], json!([-1, 12, 32]));
+
+    let device = burn::tensor::Device::flex();
+    let local = |file: &str| kiln::onnx::OnnxModel::load(&models.join(file), &device).unwrap();
+    let (bert_model, seg_model) = (local("bert.onnx"), local("seghead.onnx"));
+    let close = |ours: &Value, want: &[f32]| {
+        let ours: Vec<f32> = ours
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap() as f32)
+            .collect();
+        assert_eq!(ours.len(), want.len());
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        for (a, b) in ours.iter().zip(want) {
+            assert!((a - b).abs() <= 1e-5 * scale, "{a} vs {b}");
+        }
+    };
+    // Four clients at once, so the batcher joins their requests.
+    let requests: Vec<(Vec<i64>, Vec<i64>)> = (0..4)
+        .map(|i| {
+            let ids: Vec<i64> = (0..12).map(|t| (t * 7 + i * 13) % 100).collect();
+            let mask: Vec<i64> = (0..12).map(|t| i64::from(t < 12 - i)).collect();
+            (ids, mask)
+        })
+        .collect();
+    let answers: Vec<Value> = std::thread::scope(|s| {
+        let handles: Vec<_> = requests
+            .iter()
+            .map(|(ids, mask)| {
+                s.spawn(move || {
+                    let body = json!({"inputs": [
+                        {"name": "attention_mask", "datatype": "INT64", "shape": [1, 12], "data": mask},
+                        {"name": "input_ids", "datatype": "INT64", "shape": [1, 12], "data": ids},
+                    ]});
+                    let r = post_json(server.http, "/v2/models/bert/infer", &body);
+                    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+                    r.json()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for ((ids, mask), answer) in requests.iter().zip(&answers) {
+        let want = bert_model
+            .run_data(vec![
+                burn::tensor::TensorData::new(ids.clone(), [1, 12]),
+                burn::tensor::TensorData::new(mask.clone(), [1, 12]),
+            ])
+            .unwrap();
+        for (i, out) in want.into_iter().enumerate() {
+            close(
+                &answer["outputs"][i]["data"],
+                &out.try_to_vec::<f32>().unwrap(),
+            );
+        }
+    }
+
+    let x = images(5, 2)
+        .into_iter()
+        .cycle()
+        .take(2 * 3 * 32 * 32)
+        .collect::<Vec<f32>>();
+    let r = post_json(
+        server.http,
+        "/v2/models/seg/infer",
+        &infer_body("input", &[2, 3, 32, 32], &x),
+    );
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let want = seg_model
+        .run_data(vec![burn::tensor::TensorData::new(
+            x.clone(),
+            [2, 3, 32, 32],
+        )])
+        .unwrap();
+    assert_eq!(r.json()["outputs"][0]["shape"], json!([2, 4, 32, 32]));
+    for (i, out) in want.into_iter().enumerate() {
+        close(
+            &r.json()["outputs"][i]["data"],
+            &out.try_to_vec::<f32>().unwrap(),
+        );
+    }
+
+    let ready = http(server.http, "GET", "/v2/models/unfixed/ready", &[], b"");
+    assert_eq!(ready.status, 400);
+    assert!(ready.error().contains("input_dims"), "{}", ready.error());
 }

@@ -115,6 +115,9 @@ pub enum KilnError {
     /// An inference graph or session could not be built or run.
     #[error("inference: {0}")]
     Inference(String),
+    /// An ONNX model could not be loaded or run.
+    #[error("ONNX model: {0}")]
+    Onnx(#[from] crate::onnx::OnnxError),
     /// A Burn record (weights or optimizer state) that could not be (de)serialized.
     #[error("cannot (de)serialize {what}: {message}")]
     Record {

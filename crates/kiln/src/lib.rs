@@ -94,6 +94,7 @@ pub mod infer;
 pub mod kernels;
 pub mod nn;
 pub mod observe;
+pub mod onnx;
 pub mod plan;
 pub mod precision;
 pub mod report;

@@ -1,7 +1,8 @@
 //! The KServe v2 gRPC inference messages (`raw_input_contents` or typed `contents`).
 
 use super::{
-    Encoded, InferRequest, RequestedOutput, ResponseFormat, check_input, check_len, check_outputs,
+    Encoded, InferRequest, RequestedOutput, ResponseFormat, assemble_inputs, check_input,
+    check_len, check_outputs,
 };
 use crate::error::{Result, ServeError};
 use crate::grpc::pb;
@@ -27,13 +28,14 @@ pub fn decode(
             request.inputs.len()
         )));
     }
-    let mut decoded = None;
+    let mut decoded: Vec<Option<(usize, Values)>> = vec![None; spec.inputs.len()];
     for (i, input) in request.inputs.iter().enumerate() {
-        let batch = check_input(spec, &input.name, &input.datatype, &input.shape, max_batch)?;
-        if decoded.is_some() {
+        let (index, batch) =
+            check_input(spec, &input.name, &input.datatype, &input.shape, max_batch)?;
+        if decoded[index].is_some() {
             return Err(bad(format!("input `{}` is given twice", input.name)));
         }
-        let dt = spec.input.datatype;
+        let dt = spec.inputs[index].datatype;
         let values = match request.raw_input_contents.get(i) {
             Some(raw) => Values::from_le_bytes(dt, raw)?,
             None => {
@@ -49,12 +51,10 @@ pub fn decode(
                 }
             }
         };
-        check_len(&input.name, &values, batch, spec)?;
-        decoded = Some((batch, values));
+        check_len(&input.name, &values, batch, &spec.inputs[index])?;
+        decoded[index] = Some((batch, values));
     }
-    let Some((batch, input)) = decoded else {
-        return Err(bad(format!("missing input `{}`", spec.input.name)));
-    };
+    let (batch, inputs) = assemble_inputs(spec, decoded)?;
     let outputs: Vec<RequestedOutput> = request
         .outputs
         .iter()
@@ -82,7 +82,7 @@ pub fn decode(
     Ok(InferRequest {
         id: request.id,
         batch,
-        input,
+        inputs,
         outputs,
         format: ResponseFormat::Grpc,
         timeout,

@@ -2,7 +2,10 @@
 
 use serde_json::{Map, Value, json};
 
-use super::{InferRequest, RequestedOutput, ResponseFormat, check_input, check_len, check_outputs};
+use super::{
+    InferRequest, RequestedOutput, ResponseFormat, assemble_inputs, check_input, check_len,
+    check_outputs,
+};
 use crate::error::{Result, ServeError};
 use crate::model::ModelSpec;
 use crate::tensor::{DataType, NamedTensor, Values};
@@ -56,7 +59,7 @@ pub fn decode(
         .get("inputs")
         .and_then(Value::as_array)
         .ok_or_else(|| bad("request body has no `inputs` array"))?;
-    let mut decoded = None;
+    let mut decoded: Vec<Option<(usize, Values)>> = vec![None; spec.inputs.len()];
     for input in inputs {
         let input = input
             .as_object()
@@ -71,11 +74,11 @@ pub fn decode(
             .map(|d| d.as_i64())
             .collect::<Option<_>>()
             .ok_or_else(|| bad(format!("input `{name}`: `shape` must hold integers")))?;
-        let batch = check_input(spec, name, datatype, &shape, max_batch)?;
-        if decoded.is_some() {
+        let (index, batch) = check_input(spec, name, datatype, &shape, max_batch)?;
+        if decoded[index].is_some() {
             return Err(bad(format!("input `{name}` is given twice")));
         }
-        let dt = spec.input.datatype;
+        let dt = spec.inputs[index].datatype;
         let binary_size = input
             .get("parameters")
             .and_then(Value::as_object)
@@ -106,12 +109,10 @@ pub fn decode(
                 json_values(name, dt, data)?
             }
         };
-        check_len(name, &values, batch, spec)?;
-        decoded = Some((batch, values));
+        check_len(name, &values, batch, &spec.inputs[index])?;
+        decoded[index] = Some((batch, values));
     }
-    let Some((batch, input)) = decoded else {
-        return Err(bad(format!("missing input `{}`", spec.input.name)));
-    };
+    let (batch, inputs) = assemble_inputs(spec, decoded)?;
     if !binary.is_empty() {
         return Err(bad(format!(
             "{} bytes of binary data after the inputs that no input declares",
@@ -143,7 +144,7 @@ pub fn decode(
     Ok(InferRequest {
         id,
         batch,
-        input,
+        inputs,
         outputs,
         format: ResponseFormat::Http { binary_default },
         timeout,

@@ -9,7 +9,7 @@ pub mod http;
 use crate::error::{Result, ServeError};
 use crate::grpc::pb;
 use crate::model::ModelSpec;
-use crate::tensor::{DataType, NamedTensor, Values};
+use crate::tensor::{DataType, NamedTensor, TensorSpec, Values};
 
 /// A request as it arrived, not yet decoded.
 #[derive(Debug)]
@@ -86,8 +86,8 @@ pub struct InferRequest {
     pub id: String,
     /// Samples in this request (its first dimension).
     pub batch: usize,
-    /// The input, row-major `[batch, ..dims]`.
-    pub input: Values,
+    /// The inputs in the model's order, each row-major `[batch, ..dims]`.
+    pub inputs: Vec<Values>,
     /// Outputs to return, in order; empty = all.
     pub outputs: Vec<RequestedOutput>,
     /// Response encoding.
@@ -137,21 +137,22 @@ fn select_outputs(
         .collect()
 }
 
-/// Checks one input's name, datatype and shape against the model; returns the batch size.
+/// Checks one input's name, datatype and shape against the model; returns its position
+/// among the model's inputs and the batch size.
 pub(crate) fn check_input(
     spec: &ModelSpec,
     name: &str,
     datatype: &str,
     shape: &[i64],
     max_batch: usize,
-) -> Result<usize> {
-    let want = &spec.input;
-    if name != want.name {
+) -> Result<(usize, usize)> {
+    let Some(index) = spec.inputs.iter().position(|i| i.name == name) else {
+        let names: Vec<&str> = spec.inputs.iter().map(|i| i.name.as_str()).collect();
         return Err(ServeError::InvalidRequest(format!(
-            "unexpected input `{name}`; the model takes one input, `{}`",
-            want.name
+            "unexpected input `{name}`; the model takes {names:?}"
         )));
-    }
+    };
+    let want = &spec.inputs[index];
     let dt = DataType::parse(datatype)?;
     if dt != want.datatype {
         return Err(ServeError::InvalidRequest(format!(
@@ -183,7 +184,45 @@ pub(crate) fn check_input(
             "input `{name}` has batch {batch}; this model takes 1..={max_batch} per request"
         )));
     }
-    Ok(batch as usize)
+    Ok((index, batch as usize))
+}
+
+/// Gathers decoded inputs into the model's order: every input present once, all with the
+/// same batch. Returns the batch and the inputs.
+pub(crate) fn assemble_inputs(
+    spec: &ModelSpec,
+    decoded: Vec<Option<(usize, Values)>>,
+) -> Result<(usize, Vec<Values>)> {
+    let missing: Vec<&str> = spec
+        .inputs
+        .iter()
+        .zip(&decoded)
+        .filter(|(_, d)| d.is_none())
+        .map(|(s, _)| s.name.as_str())
+        .collect();
+    if !missing.is_empty() {
+        return Err(ServeError::InvalidRequest(format!(
+            "missing input(s) {missing:?}; the model takes {:?}",
+            spec.inputs
+                .iter()
+                .map(|i| i.name.as_str())
+                .collect::<Vec<_>>()
+        )));
+    }
+    let mut batch = None;
+    let mut inputs = Vec::with_capacity(decoded.len());
+    for (spec_input, d) in spec.inputs.iter().zip(decoded) {
+        let (b, values) = d.expect("missing inputs reported above");
+        if *batch.get_or_insert(b) != b {
+            return Err(ServeError::InvalidRequest(format!(
+                "input `{}` has batch {b}, the others {}; every input needs the same batch",
+                spec_input.name,
+                batch.unwrap_or(b)
+            )));
+        }
+        inputs.push(values);
+    }
+    Ok((batch.unwrap_or(0), inputs))
 }
 
 /// Checks that every requested output exists.
@@ -201,8 +240,13 @@ pub(crate) fn check_outputs(spec: &ModelSpec, requested: &[RequestedOutput]) -> 
 }
 
 /// Checks the element count against the shape.
-pub(crate) fn check_len(name: &str, values: &Values, batch: usize, spec: &ModelSpec) -> Result<()> {
-    let want = batch * spec.input.sample_len();
+pub(crate) fn check_len(
+    name: &str,
+    values: &Values,
+    batch: usize,
+    spec: &TensorSpec,
+) -> Result<()> {
+    let want = batch * spec.sample_len();
     if values.len() != want {
         return Err(ServeError::InvalidRequest(format!(
             "input `{name}` carries {} elements but its shape needs {want}",

@@ -91,7 +91,7 @@ impl GrpcInferenceService for GrpcFrontend {
             name: rt.name.clone(),
             versions: vec!["1".into()],
             platform: rt.spec.platform.clone(),
-            inputs: vec![meta(&rt.spec.input)],
+            inputs: rt.spec.inputs.iter().map(meta).collect(),
             outputs: rt.spec.outputs.iter().map(meta).collect(),
         }))
     }

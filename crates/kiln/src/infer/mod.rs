@@ -11,7 +11,6 @@ mod graph;
 pub mod int8;
 mod lower;
 pub mod onnx;
-mod onnx_import;
 mod passes;
 mod store;
 
@@ -25,7 +24,6 @@ use serde::Serialize;
 pub use exec::Executor;
 pub use graph::{ConvGeometry, Graph, Node, Op, QuantWeight, ValueId, Weight};
 pub use lower::lower;
-pub use onnx_import::import as import_onnx;
 pub use passes::{
     Pass, PassReport, fold_batch_norm, quantize_int8, run_passes, strip_train_only,
     to_half_precision,

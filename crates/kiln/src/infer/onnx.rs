@@ -1,17 +1,14 @@
-//! ONNX export of an inference [`Graph`] (opset 17), written with the `onnx-protobuf` message
-//! types. The batch dimension is symbolic (`batch`), so one file serves b1 and b64. Attention
-//! is a call of a model-local function (`ai.kiln.MultiHeadAttention`, standard ops inside),
-//! which runtimes inline and Kiln's importer reads back as one op.
+//! ONNX export of an inference [`Graph`] (opset 17), written with the ONNX message types
+//! `onnx-ir` generates (the crate Kiln's importer parses with, so one protobuf runtime serves
+//! both directions). The batch dimension is symbolic (`batch`), so one file serves b1 and b64.
+//! Attention is written out as the standard ops it computes (Reshape, Transpose, MatMul, Div,
+//! Softmax), which any runtime and Kiln's importer read.
 
 use std::path::Path;
 
-use onnx_protobuf::attribute_proto::AttributeType;
-use onnx_protobuf::tensor_proto::DataType;
-use onnx_protobuf::tensor_shape_proto::{Dimension, dimension};
-use onnx_protobuf::type_proto::{self, Tensor as TensorType};
-use onnx_protobuf::{
-    AttributeProto, FunctionProto, GraphProto, Message, ModelProto, NodeProto, OperatorSetIdProto,
-    TensorProto, TensorShapeProto, TypeProto, ValueInfoProto,
+use onnx_ir::{
+    AttributeProto, AttributeType, GraphProto, Message, ModelProto, NodeProto, TensorProto,
+    TensorShapeProto, TypeProto, ValueInfoProto,
 };
 
 use super::graph::{Graph, Op, ValueId, Weight};
@@ -50,7 +47,6 @@ pub fn to_bytes(graph: &Graph) -> Result<Vec<u8>> {
         }
     };
     let ranks = graph.ranks();
-    let mut uses_attention = false;
     for node in &graph.nodes {
         // A second node when one Kiln op is two ONNX ops (MatMul + Add).
         let mut bias_add: Option<NodeProto> = None;
@@ -149,16 +145,21 @@ pub fn to_bytes(graph: &Graph) -> Result<Vec<u8>> {
                 n.attribute = vec![ints("axes", &[1]), int("keepdims", 0)];
             }
             Op::Attention { heads, head_dim } => {
-                // A call of Kiln's model-local function (its body is standard ops), so any
-                // ONNX runtime runs it and Kiln's importer reads it back as one op.
-                uses_attention = true;
-                n.domain = KILN_DOMAIN.into();
                 let shape = format!("{}.head_shape", node.name);
                 let split = [0, 0, *heads as i64, *head_dim as i64];
                 int_inits.push(int64_tensor(&shape, &split));
-                n.input.push(shape);
-                n.input
-                    .push(init("scale", &[], &[(*head_dim as f32).sqrt()]));
+                let scale = init("scale", &[], &[(*head_dim as f32).sqrt()]);
+                let inputs: Vec<String> = node.inputs.iter().map(|&v| value_name(v)).collect();
+                let [q, k, v] = [0, 1, 2].map(|i| inputs.get(i).cloned().unwrap_or_default());
+                g.initializer.extend(int_inits);
+                g.node.extend(attention_nodes(
+                    &node.name,
+                    [&q, &k, &v],
+                    &shape,
+                    &scale,
+                    &value_name(node.output),
+                ));
+                continue;
             }
             Op::Dropout { .. } | Op::Relu | Op::GlobalAvgPool | Op::Add => {}
             Op::QLinear { .. } | Op::QConv2d { .. } => {
@@ -188,78 +189,78 @@ pub fn to_bytes(graph: &Graph) -> Result<Vec<u8>> {
     model.ir_version = IR_VERSION;
     model.producer_name = "kiln".into();
     model.producer_version = env!("CARGO_PKG_VERSION").into();
-    let mut opset = OperatorSetIdProto::new();
-    opset.domain = String::new();
-    opset.version = OPSET;
-    model.opset_import.push(opset);
-    if uses_attention {
-        let mut kiln = OperatorSetIdProto::new();
-        kiln.domain = KILN_DOMAIN.into();
-        kiln.version = 1;
-        model.opset_import.push(kiln);
-        model.functions.push(attention_function());
-    }
+    // onnx-ir re-exports the outer messages only; the opset entry is reached through the
+    // field that holds it.
+    model.opset_import.push(Default::default());
+    model.opset_import[0].version = OPSET;
     model.graph = Some(g).into();
     model
         .write_to_bytes()
         .map_err(|e| KilnError::Inference(format!("encoding ONNX: {e}")))
 }
 
-/// The domain of Kiln's model-local ONNX functions.
-pub const KILN_DOMAIN: &str = "ai.kiln";
-/// The name of the attention function ([`Op::Attention`]).
-pub const ATTENTION_FUNCTION: &str = "MultiHeadAttention";
-
-/// `MultiHeadAttention(q, k, v, head_shape, scale)`: `q`, `k`, `v` `[B, T, D]` split by
-/// `head_shape` (`[0, 0, heads, D / heads]`) into heads, `softmax(q·kᵀ / scale) · v` per head,
-/// heads joined back to `q`'s shape. The executor's op sequence, in standard ONNX ops.
-fn attention_function() -> FunctionProto {
-    let node = |op: &str, inputs: &[&str], output: &str, attrs: Vec<AttributeProto>| {
+/// The nodes of one attention op: `q`, `k`, `v` `[B, T, D]` split by `head_shape`
+/// (`[0, 0, heads, D / heads]`) into heads, `softmax(q·kᵀ / scale) · v` per head, heads joined
+/// back to `q`'s shape; the executor's op sequence, in standard ONNX ops.
+fn attention_nodes(
+    prefix: &str,
+    [q, k, v]: [&str; 3],
+    head_shape: &str,
+    scale: &str,
+    output: &str,
+) -> Vec<NodeProto> {
+    let name = |s: &str| format!("{prefix}.{s}");
+    let node = |op: &str, inputs: &[&str], out: &str, attrs: Vec<AttributeProto>| {
         let mut n = NodeProto::new();
+        n.name = name(out);
         n.op_type = op.into();
         n.input = inputs.iter().map(|s| s.to_string()).collect();
-        n.output = vec![output.into()];
+        n.output = vec![if out == "context" {
+            output.to_string()
+        } else {
+            name(out)
+        }];
         n.attribute = attrs;
         n
     };
     let heads_first = || vec![ints("perm", &[0, 2, 1, 3])];
-    let mut f = FunctionProto::new();
-    f.name = ATTENTION_FUNCTION.into();
-    f.domain = KILN_DOMAIN.into();
-    f.input = ["q", "k", "v", "head_shape", "scale"]
-        .map(String::from)
-        .to_vec();
-    f.output = vec!["context".into()];
-    f.node = vec![
-        node("Reshape", &["q", "head_shape"], "q_split", vec![]),
-        node("Transpose", &["q_split"], "q_heads", heads_first()),
-        node("Reshape", &["k", "head_shape"], "k_split", vec![]),
+    let (qs, qh, ks, kt, vs, vh) = (
+        name("q_split"),
+        name("q_heads"),
+        name("k_split"),
+        name("k_heads_t"),
+        name("v_split"),
+        name("v_heads"),
+    );
+    let (scores, scaled, weights, ctx_heads, ctx_split, q_shape) = (
+        name("scores"),
+        name("scaled"),
+        name("weights"),
+        name("context_heads"),
+        name("context_split"),
+        name("q_shape"),
+    );
+    vec![
+        node("Reshape", &[q, head_shape], "q_split", vec![]),
+        node("Transpose", &[&qs], "q_heads", heads_first()),
+        node("Reshape", &[k, head_shape], "k_split", vec![]),
         // Keys go straight to [B, heads, dk, T]: kᵀ for the product.
         node(
             "Transpose",
-            &["k_split"],
+            &[&ks],
             "k_heads_t",
             vec![ints("perm", &[0, 2, 3, 1])],
         ),
-        node("Reshape", &["v", "head_shape"], "v_split", vec![]),
-        node("Transpose", &["v_split"], "v_heads", heads_first()),
-        node("MatMul", &["q_heads", "k_heads_t"], "scores", vec![]),
-        node("Div", &["scores", "scale"], "scaled", vec![]),
-        node("Softmax", &["scaled"], "weights", vec![int("axis", -1)]),
-        node("MatMul", &["weights", "v_heads"], "context_heads", vec![]),
-        node(
-            "Transpose",
-            &["context_heads"],
-            "context_split",
-            heads_first(),
-        ),
-        node("Shape", &["q"], "q_shape", vec![]),
-        node("Reshape", &["context_split", "q_shape"], "context", vec![]),
-    ];
-    let mut opset = OperatorSetIdProto::new();
-    opset.version = OPSET;
-    f.opset_import.push(opset);
-    f
+        node("Reshape", &[v, head_shape], "v_split", vec![]),
+        node("Transpose", &[&vs], "v_heads", heads_first()),
+        node("MatMul", &[&qh, &kt], "scores", vec![]),
+        node("Div", &[&scores, scale], "scaled", vec![]),
+        node("Softmax", &[&scaled], "weights", vec![int("axis", -1)]),
+        node("MatMul", &[&weights, &vh], "context_heads", vec![]),
+        node("Transpose", &[&ctx_heads], "context_split", heads_first()),
+        node("Shape", &[q], "q_shape", vec![]),
+        node("Reshape", &[&ctx_split, &q_shape], "context", vec![]),
+    ]
 }
 
 /// Writes `graph` to `path` atomically (temp file + rename).
@@ -280,22 +281,25 @@ enum Dim {
     Unknown,
 }
 
+/// ONNX `TensorProto.DataType` codes.
+const FLOAT: i32 = 1;
+const INT64: i32 = 7;
+
 fn value_info(name: &str, dims: &[Dim]) -> ValueInfoProto {
     let mut shape = TensorShapeProto::new();
     for d in dims {
-        let mut dim = Dimension::new();
-        dim.value = match d {
-            Dim::Batch => Some(dimension::Value::DimParam("batch".into())),
-            Dim::Fixed(n) => Some(dimension::Value::DimValue(*n as i64)),
-            Dim::Unknown => None,
-        };
-        shape.dim.push(dim);
+        shape.dim.push(Default::default());
+        let dim = shape.dim.last_mut().expect("just pushed");
+        match d {
+            Dim::Batch => dim.set_dim_param("batch".into()),
+            Dim::Fixed(n) => dim.set_dim_value(*n as i64),
+            Dim::Unknown => {}
+        }
     }
-    let mut tensor = TensorType::new();
-    tensor.elem_type = DataType::FLOAT as i32;
-    tensor.shape = Some(shape).into();
     let mut ty = TypeProto::new();
-    ty.value = Some(type_proto::Value::TensorType(tensor));
+    let tensor = ty.mut_tensor_type();
+    tensor.elem_type = FLOAT;
+    tensor.shape = Some(shape).into();
     let mut info = ValueInfoProto::new();
     info.name = name.into();
     info.type_ = Some(ty).into();
@@ -305,7 +309,7 @@ fn value_info(name: &str, dims: &[Dim]) -> ValueInfoProto {
 fn float_tensor(name: &str, shape: &[usize], values: &[f32]) -> TensorProto {
     let mut t = TensorProto::new();
     t.name = name.into();
-    t.data_type = DataType::FLOAT as i32;
+    t.data_type = FLOAT;
     t.dims = shape.iter().map(|&d| d as i64).collect();
     // raw_data is little-endian by the ONNX spec, whatever the host.
     t.raw_data = values.iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -315,7 +319,7 @@ fn float_tensor(name: &str, shape: &[usize], values: &[f32]) -> TensorProto {
 fn int64_tensor(name: &str, values: &[i64]) -> TensorProto {
     let mut t = TensorProto::new();
     t.name = name.into();
-    t.data_type = DataType::INT64 as i32;
+    t.data_type = INT64;
     t.dims = vec![values.len() as i64];
     t.raw_data = values.iter().flat_map(|v| v.to_le_bytes()).collect();
     t

@@ -1,0 +1,236 @@
+//! Turns an ONNX file into an [`OnnxModel`]: onnx-ir parses and types it, Kiln checks every
+//! node can run, numbers the values into slots, uploads the constants once and works out
+//! when each value can be freed.
+
+use std::collections::{BTreeMap, HashMap};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+use burn::tensor::{DType, Device};
+use onnx_ir::{ArgType, Argument, Message, ModelProto, Node, OnnxGraphBuilder};
+
+use super::ops;
+use super::value::{Value, kind_of};
+use super::{OnnxError, OnnxModel, Port, Step, panic_text};
+
+/// Largest model file Kiln reads (protobuf's own limit is 2 GiB).
+const MAX_MODEL_BYTES: usize = 2 << 30;
+
+pub fn load(bytes: &[u8], name: &str, device: &Device) -> Result<OnnxModel, OnnxError> {
+    if bytes.len() >= MAX_MODEL_BYTES {
+        return Err(OnnxError::Parse(format!(
+            "{} bytes is past protobuf's 2 GiB limit; models that large keep weights in \
+             external data files",
+            bytes.len()
+        )));
+    }
+    // onnx-ir renames values; the ports keep the names written in the file.
+    let proto = ModelProto::parse_from_bytes(bytes)
+        .map_err(|e| OnnxError::Parse(format!("{e}; is the file complete and an ONNX model?")))?;
+    let graph_proto = proto
+        .graph
+        .as_ref()
+        .ok_or_else(|| OnnxError::Parse("the file holds no graph".into()))?;
+    let initializers: std::collections::HashSet<&str> = graph_proto
+        .initializer
+        .iter()
+        .map(|t| t.name.as_str())
+        .collect();
+    let input_names: Vec<String> = graph_proto
+        .input
+        .iter()
+        .filter(|i| !initializers.contains(i.name.as_str()))
+        .map(|i| i.name.clone())
+        .collect();
+    let output_names: Vec<String> = graph_proto.output.iter().map(|o| o.name.clone()).collect();
+
+    let graph = catch_unwind(AssertUnwindSafe(|| {
+        OnnxGraphBuilder::new().parse_bytes(bytes)
+    }))
+    .map_err(|p| OnnxError::Parse(format!("the parser panicked: {}", panic_text(&p))))?
+    .map_err(|e| OnnxError::Parse(e.to_string()))?;
+
+    let mut unsupported: BTreeMap<String, usize> = BTreeMap::new();
+    let mut ops_seen: BTreeMap<String, usize> = BTreeMap::new();
+    for node in &graph.nodes {
+        *ops_seen.entry(node.node_type().to_string()).or_default() += 1;
+        if let Some(why) = ops::unsupported(node) {
+            *unsupported.entry(why).or_default() += 1;
+        }
+    }
+    if !unsupported.is_empty() {
+        return Err(OnnxError::UnsupportedOps(unsupported.into_iter().collect()));
+    }
+
+    let mut slots: HashMap<String, usize> = HashMap::new();
+    let mut constants: Vec<Option<Value>> = Vec::new();
+    let new_slot = |constants: &mut Vec<Option<Value>>, value: Option<Value>| {
+        constants.push(value);
+        constants.len() - 1
+    };
+
+    let mut inputs = Vec::new();
+    let mut input_slots = Vec::new();
+    for (i, arg) in graph.inputs.iter().enumerate() {
+        let slot = new_slot(&mut constants, None);
+        slots.insert(arg.name.clone(), slot);
+        input_slots.push(slot);
+        let name = input_names
+            .get(i)
+            .cloned()
+            .unwrap_or_else(|| arg.name.clone());
+        inputs.push(port(name, &arg.ty)?);
+    }
+
+    let mut steps = Vec::new();
+    for node in graph.nodes {
+        let mut step_inputs = Vec::with_capacity(node.inputs().len());
+        for arg in node.inputs() {
+            step_inputs.push(input_slot(arg, &node, &mut slots, &mut constants, device)?);
+        }
+        let outputs: Vec<usize> = node
+            .outputs()
+            .iter()
+            .map(|o| {
+                let s = new_slot(&mut constants, None);
+                slots.insert(o.name.clone(), s);
+                s
+            })
+            .collect();
+        // A Constant's value is known now: it becomes a constant slot and never runs.
+        if let Node::Constant(_) = &node
+            && let (Some(Some(src)), Some(&out)) = (step_inputs.first(), outputs.first())
+            && let Some(value) = constants[*src].clone()
+        {
+            let scalar = ops::declares_scalar(&node.outputs()[0].ty);
+            constants[out] = Some(value.with_scalar(scalar));
+            continue;
+        }
+        let scalar = node
+            .outputs()
+            .iter()
+            .map(|o| ops::declares_scalar(&o.ty))
+            .collect();
+        let kind = node
+            .outputs()
+            .iter()
+            .map(|o| ops::declared_kind(&o.ty))
+            .collect();
+        steps.push(Step {
+            node,
+            inputs: step_inputs,
+            outputs,
+            scalar,
+            kind,
+            frees: Vec::new(),
+        });
+    }
+
+    let mut outputs = Vec::new();
+    let mut output_slots = Vec::new();
+    for (i, arg) in graph.outputs.iter().enumerate() {
+        let slot = *slots.get(&arg.name).ok_or_else(|| {
+            OnnxError::Graph(format!("output `{}` is produced by no node", arg.name))
+        })?;
+        output_slots.push(slot);
+        let name = output_names
+            .get(i)
+            .cloned()
+            .unwrap_or_else(|| arg.name.clone());
+        outputs.push(port(name, &arg.ty)?);
+    }
+
+    plan_frees(&mut steps, &constants, &output_slots);
+    Ok(OnnxModel {
+        name: name.to_string(),
+        inputs,
+        outputs,
+        input_slots,
+        output_slots,
+        constants,
+        steps,
+        device: device.clone(),
+        ops: ops_seen,
+    })
+}
+
+/// The slot a node input reads: a constant uploaded now, or the slot of the value that
+/// produces it; `None` for an optional input left out.
+fn input_slot(
+    arg: &Argument,
+    node: &Node,
+    slots: &mut HashMap<String, usize>,
+    constants: &mut Vec<Option<Value>>,
+    device: &Device,
+) -> Result<Option<usize>, OnnxError> {
+    if arg.is_optional() || arg.name.is_empty() && !arg.is_static() {
+        return Ok(None);
+    }
+    if let Some(data) = arg.value() {
+        let value = Value::from_data(data, device)?;
+        let scalar = ops::declares_scalar(&arg.ty);
+        constants.push(Some(value.with_scalar(scalar)));
+        return Ok(Some(constants.len() - 1));
+    }
+    if let Some(&slot) = slots.get(&arg.name) {
+        return Ok(Some(slot));
+    }
+    Err(OnnxError::Graph(format!(
+        "node `{}` ({}) reads `{}`, which no node, input or initializer provides",
+        node.name(),
+        node.node_type(),
+        arg.name
+    )))
+}
+
+/// Marks each computed slot to be freed after its last reader, so a run holds only live
+/// activations.
+fn plan_frees(steps: &mut [Step], constants: &[Option<Value>], outputs: &[usize]) {
+    let mut last: HashMap<usize, usize> = HashMap::new();
+    for (i, step) in steps.iter().enumerate() {
+        for &s in step.inputs.iter().flatten() {
+            last.insert(s, i);
+        }
+    }
+    for (slot, at) in last {
+        if constants[slot].is_none() && !outputs.contains(&slot) {
+            steps[at].frees.push(slot);
+        }
+    }
+}
+
+fn port(name: String, ty: &ArgType) -> Result<Port, OnnxError> {
+    let (dtype, dims) = match ty {
+        ArgType::Tensor(t) => (
+            t.dtype,
+            t.static_shape.clone().unwrap_or_else(|| vec![None; t.rank]),
+        ),
+        ArgType::ScalarNative(d) | ArgType::ScalarTensor(d) => (*d, Vec::new()),
+        ArgType::Shape(n) => (DType::I64, vec![Some(*n)]),
+    };
+    Ok(Port {
+        name,
+        kind: kind_of(dtype)?,
+        dtype: dtype_name(dtype).to_string(),
+        dims,
+    })
+}
+
+/// ONNX's name for an element type.
+pub fn dtype_name(dtype: DType) -> &'static str {
+    match dtype {
+        DType::F64 => "float64",
+        DType::F32 | DType::Flex32 => "float32",
+        DType::F16 => "float16",
+        DType::BF16 => "bfloat16",
+        DType::I64 => "int64",
+        DType::I32 => "int32",
+        DType::I16 => "int16",
+        DType::I8 => "int8",
+        DType::U64 => "uint64",
+        DType::U32 => "uint32",
+        DType::U16 => "uint16",
+        DType::U8 => "uint8",
+        DType::Bool(_) => "bool",
+        _ => "other",
+    }
+}

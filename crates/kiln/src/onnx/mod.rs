@@ -1,0 +1,281 @@
+//! ONNX models from any exporter, run on Burn tensors.
+//!
+//! ```text
+//! model.onnx ──onnx-ir──▶ typed nodes ──load──▶ OnnxModel (steps over slots, constants
+//!                         (parse, types,          uploaded once) ──run──▶ outputs
+//!                          shapes, folding)
+//! ```
+//!
+//! Parsing, type and shape inference, constant folding and operator normalization are
+//! Burn's own [`onnx_ir`] crate (the front end of Burn's ONNX importer): one well-kept parser
+//! rather than a hand-grown one. Kiln executes the typed graph it returns at run time on any
+//! device Kiln builds (`flex`, `cuda`), with values of run-time rank ([`Value`]), and routes
+//! convolutions, linear layers and plain max pooling through [`crate::kernels`].
+//!
+//! A model with operators Kiln cannot run is refused at load with one error that lists every
+//! such operator and how often it occurs.
+
+mod load;
+mod ops;
+mod value;
+
+use std::collections::BTreeMap;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::path::Path;
+
+use burn::tensor::{Device, TensorData};
+use onnx_ir::Node;
+
+pub use value::{Value, ValueKind};
+
+/// What went wrong loading or running an ONNX model.
+#[derive(Debug, thiserror::Error)]
+pub enum OnnxError {
+    /// The bytes are not a model onnx-ir can read.
+    #[error("not a readable ONNX model: {0}")]
+    Parse(String),
+    /// Operators Kiln cannot run, each with its count.
+    #[error("{}", unsupported_message(.0))]
+    UnsupportedOps(Vec<(String, usize)>),
+    /// A feature of an operator Kiln does not support.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    /// The graph is inconsistent (a missing input, a value nothing produces).
+    #[error("malformed graph: {0}")]
+    Graph(String),
+    /// Shapes that do not fit together at run time.
+    #[error("shape error: {0}")]
+    Shape(String),
+    /// A tensor of a rank Kiln's runtime does not hold.
+    #[error("rank {0} tensors are not supported (1 to 8 dimensions)")]
+    Rank(usize),
+    /// Inputs that do not match the model's.
+    #[error("bad input: {0}")]
+    Input(String),
+}
+
+fn unsupported_message(ops: &[(String, usize)]) -> String {
+    let list: Vec<String> = ops.iter().map(|(op, n)| format!("{op} ×{n}")).collect();
+    format!(
+        "the model uses {} operator kind(s) Kiln cannot run: {}; re-export without them \
+         (e.g. a lower opset or a plainer layer) or open an issue naming them",
+        ops.len(),
+        list.join(", ")
+    )
+}
+
+/// One declared input or output of a model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Port {
+    /// The name in the ONNX file.
+    pub name: String,
+    /// Element kind.
+    pub kind: ValueKind,
+    /// ONNX element type name (`"float32"`, `"int64"`, ...).
+    pub dtype: String,
+    /// Dimensions; `None` where dynamic (a batch or sequence axis).
+    pub dims: Vec<Option<usize>>,
+}
+
+/// One node ready to run: where its inputs are and where its outputs go.
+#[derive(Debug)]
+struct Step {
+    node: Node,
+    inputs: Vec<Option<usize>>,
+    outputs: Vec<usize>,
+    /// Per output: whether onnx-ir declares it an ONNX scalar, and its kind when declared.
+    scalar: Vec<bool>,
+    kind: Vec<Option<ValueKind>>,
+    /// Slots whose last reader is this step, freed after it.
+    frees: Vec<usize>,
+}
+
+/// An imported ONNX model on a device.
+#[derive(Debug)]
+pub struct OnnxModel {
+    name: String,
+    inputs: Vec<Port>,
+    outputs: Vec<Port>,
+    input_slots: Vec<usize>,
+    output_slots: Vec<usize>,
+    /// Constants (weights, folded values), already on the device; `None` for computed slots.
+    constants: Vec<Option<Value>>,
+    steps: Vec<Step>,
+    device: Device,
+    ops: BTreeMap<String, usize>,
+}
+
+impl OnnxModel {
+    /// Loads the model in `path`.
+    pub fn load(path: &Path, device: &Device) -> Result<Self, OnnxError> {
+        let bytes = std::fs::read(path)
+            .map_err(|e| OnnxError::Parse(format!("reading {}: {e}", path.display())))?;
+        let name = path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "model".into());
+        Self::from_bytes(&bytes, &name, device)
+    }
+
+    /// Loads a model from the bytes of an ONNX file.
+    pub fn from_bytes(bytes: &[u8], name: &str, device: &Device) -> Result<Self, OnnxError> {
+        load::load(bytes, name, device)
+    }
+
+    /// The model's name (the file's stem).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Declared inputs, in order.
+    pub fn inputs(&self) -> &[Port] {
+        &self.inputs
+    }
+
+    /// Declared outputs, in order.
+    pub fn outputs(&self) -> &[Port] {
+        &self.outputs
+    }
+
+    /// The device it runs on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// How many nodes of each operator run (after onnx-ir's simplification).
+    pub fn op_counts(&self) -> &BTreeMap<String, usize> {
+        &self.ops
+    }
+
+    /// Number of nodes that run.
+    pub fn node_count(&self) -> usize {
+        self.steps.len()
+    }
+
+    /// Runs the model on host inputs, in the order of [`OnnxModel::inputs`], and returns the
+    /// outputs on the host.
+    pub fn run_data(&self, inputs: Vec<TensorData>) -> Result<Vec<TensorData>, OnnxError> {
+        let values = inputs
+            .into_iter()
+            .map(|d| Value::from_data(d, &self.device))
+            .collect::<Result<Vec<_>, _>>()?;
+        self.run(values)?.iter().map(Value::data).collect()
+    }
+
+    /// Runs the model on device values, in the order of [`OnnxModel::inputs`]. Inputs are
+    /// checked against the declared kinds and static dimensions first; a failure inside an
+    /// operator is an error naming the node, never a panic.
+    pub fn run(&self, inputs: Vec<Value>) -> Result<Vec<Value>, OnnxError> {
+        self.check_inputs(&inputs)?;
+        let mut slots = self.constants.clone();
+        for (&slot, value) in self.input_slots.iter().zip(inputs) {
+            slots[slot] = Some(value);
+        }
+        for step in &self.steps {
+            let ins: Vec<Option<Value>> = step
+                .inputs
+                .iter()
+                .map(|s| s.and_then(|s| slots[s].clone()))
+                .collect();
+            let outs = catch_unwind(AssertUnwindSafe(|| {
+                ops::run(&step.node, &ins, &self.device)
+            }))
+            .unwrap_or_else(|panic| {
+                Err(OnnxError::Shape(format!(
+                    "the operator panicked: {}",
+                    panic_text(&panic)
+                )))
+            })
+            .map_err(|e| {
+                OnnxError::Shape(format!(
+                    "node `{}` ({}): {e}",
+                    step.node.name(),
+                    step.node.node_type()
+                ))
+            })?;
+            if outs.len() < step.outputs.len() {
+                return Err(OnnxError::Unsupported(format!(
+                    "node `{}` ({}) has {} outputs; Kiln computes {}",
+                    step.node.name(),
+                    step.node.node_type(),
+                    step.outputs.len(),
+                    outs.len()
+                )));
+            }
+            for (i, (value, &slot)) in outs.into_iter().zip(&step.outputs).enumerate() {
+                let value = match step.kind[i] {
+                    Some(kind) if kind != value.kind() => value.to_kind(kind)?,
+                    _ => value,
+                };
+                slots[slot] = Some(value.with_scalar(step.scalar[i]));
+            }
+            for &s in &step.frees {
+                slots[s] = None;
+            }
+        }
+        self.output_slots
+            .iter()
+            .map(|&s| {
+                slots[s]
+                    .clone()
+                    .ok_or_else(|| OnnxError::Graph(format!("output slot {s} was never written")))
+            })
+            .collect()
+    }
+
+    fn check_inputs(&self, inputs: &[Value]) -> Result<(), OnnxError> {
+        if inputs.len() != self.inputs.len() {
+            return Err(OnnxError::Input(format!(
+                "the model takes {} input(s) ({}); got {}",
+                self.inputs.len(),
+                self.inputs
+                    .iter()
+                    .map(|p| p.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                inputs.len()
+            )));
+        }
+        for (port, value) in self.inputs.iter().zip(inputs) {
+            let dims = value.onnx_dims();
+            let fits = dims.len() == port.dims.len()
+                && dims
+                    .iter()
+                    .zip(&port.dims)
+                    .all(|(&d, p)| p.is_none_or(|p| p == d));
+            if !fits {
+                return Err(OnnxError::Input(format!(
+                    "input `{}` must have shape {}; got {dims:?}",
+                    port.name,
+                    show_dims(&port.dims)
+                )));
+            }
+            if value.kind() != port.kind {
+                return Err(OnnxError::Input(format!(
+                    "input `{}` must hold {}; got {:?} values",
+                    port.name,
+                    port.dtype,
+                    value.kind()
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `[?, 3, 224, 224]`-style text for declared dimensions.
+pub fn show_dims(dims: &[Option<usize>]) -> String {
+    let parts: Vec<String> = dims
+        .iter()
+        .map(|d| d.map_or_else(|| "?".to_string(), |d| d.to_string()))
+        .collect();
+    format!("[{}]", parts.join(", "))
+}
+
+fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
+    panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "unknown panic".into())
+}
