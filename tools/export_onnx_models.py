@@ -14,6 +14,10 @@ and `b{batch}.out.{index}`), which `crates/kiln/tests/onnx_models.rs` compares K
 
 Run with the peers' venv (`../shared/peers/setup.sh`, plus torchvision):
     python tools/export_onnx_models.py models/onnx
+
+`--full DIR` instead exports the families at their published sizes (224x224, 1000 classes,
+BERT-base-sized encoder at sequence 128; random weights, ~400 MB) for `kiln bench --onnx`
+(bench/onnx_models.sh); those are benchmark inputs, not committed.
 """
 
 import json
@@ -225,7 +229,7 @@ def reference(path, feeds_by_batch):
     return tensors
 
 
-def export(model, args, names, outputs, dynamic, path, dynamo=False):
+def export(model, args, names, outputs, dynamic, path, dynamo=False, fold=True):
     model.eval()
     if dynamo:
         batch = torch.export.Dim("batch", min=1, max=64)
@@ -237,7 +241,7 @@ def export(model, args, names, outputs, dynamic, path, dynamo=False):
     else:
         torch.onnx.export(
             model, args, path, input_names=names, output_names=outputs, dynamic_axes=dynamic,
-            opset_version=17, dynamo=False,
+            opset_version=17, dynamo=False, do_constant_folding=fold,
         )
 
 
@@ -258,6 +262,9 @@ def main(out_dir):
         jobs.append((name, model, shape, name == "vit"))
     resnet = jobs[0][1]
     jobs.append(("resnet_dynamo", resnet, (3, 32, 32), True))
+    # Without the exporter's constant folding, BatchNorm stays a node after each Conv (as
+    # other exporters and training-mode exports leave it): the input of Kiln's fold pass.
+    jobs.append(("resnet_unfolded", resnet, (3, 32, 32), "unfolded"))
     seg = SegHead()
     make_nontrivial(seg, gen, (3, 32, 32))
     jobs.append(("seghead", seg, (3, 32, 32), False))
@@ -267,7 +274,8 @@ def main(out_dir):
         outputs = ["out", "aux"] if name == "seghead" else ["logits"]
         dynamic = {"input": {0: "batch"}, **{o: {0: "batch"} for o in outputs}}
         with torch.no_grad():
-            export(model.eval(), (torch.randn(2, *shape),), ["input"], outputs, dynamic, path, dynamo)
+            export(model.eval(), (torch.randn(2, *shape),), ["input"], outputs, dynamic, path,
+                   dynamo is True, fold=dynamo != "unfolded")
         feeds = {b: {"input": rng.standard_normal((b, *shape), dtype=np.float32)} for b in (1, 3)}
         save_safetensors(os.path.join(out_dir, f"{name}.ref.safetensors"), reference(path, feeds))
         print(f"{name}: {os.path.getsize(path) / 1e6:.2f} MB")
@@ -293,5 +301,50 @@ def main(out_dir):
     print(f"bert: {os.path.getsize(path) / 1e6:.2f} MB")
 
 
+def full_size(out_dir):
+    """The families at their published sizes, for benchmarking (not committed)."""
+    os.makedirs(out_dir, exist_ok=True)
+    torch.backends.mha.set_fastpath_enabled(False)
+    torch.manual_seed(0)
+    tv = torchvision.models
+    jobs = [
+        ("resnet18", tv.resnet18(), False),
+        ("resnet50", tv.resnet50(), False),
+        ("mobilenet_v2", tv.mobilenet_v2(), False),
+        ("mobilenet_v3_small", tv.mobilenet_v3_small(), False),
+        ("efficientnet_b0", tv.efficientnet_b0(), False),
+        ("squeezenet1_1", tv.squeezenet1_1(), False),
+        ("densenet121", tv.densenet121(), False),
+        ("shufflenet_v2", tv.shufflenet_v2_x1_0(), False),
+        ("regnet_y_400mf", tv.regnet_y_400mf(), False),
+        ("convnext_tiny", tv.convnext_tiny(), False),
+        ("vit_b_16", tv.vit_b_16(), True),
+    ]
+    dynamic = {"input": {0: "batch"}, "logits": {0: "batch"}}
+    gen = torch.Generator().manual_seed(0)
+    for name, model, dynamo in jobs:
+        path = os.path.join(out_dir, f"{name}.onnx")
+        with torch.no_grad():
+            # ViT's head starts at zero: logits that are zero for every input compare equal
+            # to anything.
+            for p in model.parameters():
+                if not p.any():
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+            # Batch 2, not 1: torch.export specializes a size-1 axis to a constant.
+            export(model.eval(), (torch.randn(2, 3, 224, 224),), ["input"], ["logits"], dynamic, path, dynamo)
+        print(f"{name}: {os.path.getsize(path) / 1e6:.1f} MB")
+    bert = BertLike(vocab=30522, hidden=768, heads=12, layers=12, ffn=3072, max_len=512, classes=2).eval()
+    path = os.path.join(out_dir, "bert_base.onnx")
+    ids, mask = torch.randint(0, 30522, (1, 128)), torch.ones(1, 128, dtype=torch.int64)
+    dyn = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"},
+           "logits": {0: "batch"}, "hidden": {0: "batch", 1: "seq"}}
+    with torch.no_grad():
+        export(bert, (ids, mask), ["input_ids", "attention_mask"], ["logits", "hidden"], dyn, path)
+    print(f"bert_base: {os.path.getsize(path) / 1e6:.1f} MB")
+
+
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "models/onnx")
+    if len(sys.argv) > 2 and sys.argv[1] == "--full":
+        full_size(sys.argv[2])
+    else:
+        main(sys.argv[1] if len(sys.argv) > 1 else "models/onnx")

@@ -3,6 +3,8 @@
 mod alloc;
 mod bench_cmd;
 mod data_bench;
+mod onnx_bench;
+mod onnx_optimize;
 mod optimize_cmd;
 mod profile_cmd;
 mod progress;
@@ -25,22 +27,79 @@ static ALLOCATOR: alloc::KilnAllocator = alloc::KilnAllocator;
 const EXAMPLES: &str = "\
 Examples:
   kiln train --model cnn --epochs 3          train W2 on the bundled MNIST subset
+  kiln plan --level ultra                    show every setting and where it came from
+  kiln bench --workload W2                   plain Burn vs Kiln's levels, same protocol as the peers
+  kiln bench --onnx model.onnx               your ONNX file: Kiln vs ONNX Runtime
+  kiln optimize --onnx model.onnx --out opt/model   fold + int8, measured per stage
+  kiln profile --model cnn --steps 20        Perfetto trace + phase table
+  kiln tune auto --model cnn --out kiln.toml measured plan search
+  kiln report runs/cnn                       HTML report of a run directory
+  kiln serve --models opt                    KServe v2 server (HTTP :8000, gRPC :8001)
+Each command's --help shows its own examples.";
+
+const TRAIN_EXAMPLES: &str = "\
+Examples:
+  kiln train --model cnn --epochs 3          train W2 on the bundled MNIST subset
   kiln train --level basic --json            plain training, JSON-lines events on stdout
   kiln train --config kiln.toml --set train.lr=0.01
   kiln train --checkpoint-dir runs/cnn --max-steps 100
   kiln train --checkpoint-dir runs/cnn --resume latest
   kiln train --data ~/mnist --model mlp      full MNIST / Fashion-MNIST IDX files
-  kiln plan --level ultra                    show every setting and where it came from
-  kiln optimize --model cnn --checkpoint runs/cnn --passes fold,int8 --out opt/cnn
-  kiln bench --workload W2                   plain Burn vs Kiln's levels, same protocol as the peers
-  kiln profile --model cnn --steps 20        Perfetto trace + phase table (profile/trace.json)
   kiln train --tensorboard runs/tb           also write TensorBoard event files
+  kiln train --run-dir runs/cnn              events + plots for `kiln report runs/cnn`
+Your own Burn model: see README.md, \"Use Kiln from your own Burn code\".";
+
+const PLAN_EXAMPLES: &str = "\
+Examples:
+  kiln plan --level ultra                    every setting and where it came from
+  kiln plan --config kiln.toml --json        the resolved plan of a config file, as JSON";
+
+const BENCH_EXAMPLES: &str = "\
+Examples:
+  kiln bench --workload W2                   plain Burn vs Kiln's levels, same protocol as the peers
+  kiln bench --workload W3 --mode infer --batch 64
   kiln bench --mode data                     the data loader vs PyTorch's DataLoader
-  kiln tune batch --model cnn --memory-budget 2GiB   largest and fastest batch under a budget
-  kiln tune auto --model cnn --out runs/cnn/kiln.toml  measured plan search, writes kiln.toml
-  kiln train --run-dir runs/cnn && kiln report runs/cnn   HTML report with plots
-  kiln serve --models opt                    KServe v2 server (HTTP :8000, gRPC :8001) over opt/*/config.toml
+  kiln bench --onnx model.onnx               your ONNX file: Kiln vs ONNX Runtime, batch 1 and 8
+  kiln bench --onnx model.onnx --int8        both int8 (Kiln's passes vs onnxruntime quantize_dynamic)
+  kiln bench --onnx bert.onnx --batch 8 --input-dims input_ids=128 --input-dims attention_mask=128
   bench/compare.sh                           Kiln and the PyTorch / ONNX Runtime peers side by side";
+
+const OPTIMIZE_EXAMPLES: &str = "\
+Examples:
+  kiln optimize --model cnn --checkpoint runs/cnn --passes fold,int8 --out opt/cnn
+  kiln optimize --model cnn --checkpoint runs/cnn --level advanced --out opt/cnn
+  kiln optimize --onnx resnet18.onnx --out opt/resnet18          fold + int8, per-stage table
+  kiln optimize --onnx bert.onnx --passes int8 --input-dims input_ids=128 \
+      --input-dims attention_mask=128 --out opt/bert
+  kiln serve --models opt                    then serve what it wrote";
+
+const PROFILE_EXAMPLES: &str = "\
+Examples:
+  kiln profile --model cnn --steps 20        Perfetto trace + phase table (profile/trace.json)
+  kiln profile --model cnn --overhead        also measure the profiler's own cost";
+
+const REPORT_EXAMPLES: &str = "\
+Examples:
+  kiln train --run-dir runs/cnn && kiln report runs/cnn   HTML report with plots
+  kiln report runs/cnn --out report.html";
+
+const SERVE_EXAMPLES: &str = "\
+Examples:
+  kiln serve --models opt                    KServe v2 (HTTP :8000, gRPC :8001) over opt/*/config.toml
+  kiln serve --models repo --http-port 0 --no-grpc
+A model directory holds config.toml, e.g. for an exported ONNX file:
+  backend = \"onnx\"
+  file = \"model.onnx\"
+  input_dims = { input_ids = [128] }         # non-batch dynamic axes, if the file has any
+  max_batch_size = 16
+  [dynamic_batching]
+  max_queue_delay_microseconds = 500
+Clients: tritonclient (HTTP/gRPC), perf_analyzer -m NAME -u localhost:8000 -i http.";
+
+const TUNE_EXAMPLES: &str = "\
+Examples:
+  kiln tune batch --model cnn --memory-budget 2GiB   largest and fastest batch under a budget
+  kiln tune auto --model cnn --out runs/cnn/kiln.toml  measured plan search, writes kiln.toml";
 
 /// Kiln: a performance optimization system for deep-learning training and inference.
 #[derive(Parser, Debug)]
@@ -53,31 +112,32 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Train a zoo model (default: W2 CNN on the bundled MNIST subset, CPU).
-    #[command(after_help = EXAMPLES)]
+    #[command(after_help = TRAIN_EXAMPLES)]
     Train(TrainArgs),
     /// Print the resolved plan: every setting, its value and where it came from.
-    #[command(after_help = EXAMPLES)]
+    #[command(after_help = PLAN_EXAMPLES)]
     Plan(PlanArgs),
-    /// Benchmark plain Burn vs Kiln's plan at each level on the standard workloads.
-    #[command(after_help = EXAMPLES)]
+    /// Benchmark plain Burn vs Kiln's plan at each level on the standard workloads, or an
+    /// ONNX file (--onnx) against ONNX Runtime.
+    #[command(after_help = BENCH_EXAMPLES)]
     Bench(BenchArgs),
     /// Optimize a trained checkpoint for inference (strip, BN folding, int8) and report each
     /// pass: latency, throughput, size, accuracy; writes model.kgraph (+ model.onnx).
-    #[command(after_help = EXAMPLES)]
+    #[command(after_help = OPTIMIZE_EXAMPLES)]
     Optimize(OptimizeArgs),
     /// Profile N training steps: a Chrome/Perfetto trace (trace.json), a table of phases by
     /// time and memory, and (with --overhead) the profiler's own cost.
-    #[command(after_help = EXAMPLES)]
+    #[command(after_help = PROFILE_EXAMPLES)]
     Profile(ProfileArgs),
     /// Tune settings by measurement on this machine.
-    #[command(subcommand)]
+    #[command(subcommand, after_help = TUNE_EXAMPLES)]
     Tune(TuneCommand),
     /// Render a run directory (kiln train --run-dir) as one self-contained HTML report.
-    #[command(after_help = EXAMPLES)]
+    #[command(after_help = REPORT_EXAMPLES)]
     Report(ReportArgs),
     /// Serve a model repository over the KServe v2 protocol (HTTP + gRPC) with dynamic
     /// batching; Triton's clients (tritonclient, perf_analyzer) work unmodified.
-    #[command(after_help = EXAMPLES)]
+    #[command(after_help = SERVE_EXAMPLES)]
     Serve(serve_cmd::ServeArgs),
 }
 
@@ -186,11 +246,18 @@ struct ProfileArgs {
 #[derive(Args, Debug)]
 struct OptimizeArgs {
     /// Zoo model: mlp (W1), cnn (W2/W3), transformer (W4), resnet (W5).
-    #[arg(long)]
-    model: String,
+    #[arg(long, required_unless_present = "onnx")]
+    model: Option<String>,
     /// A checkpoint file, or a checkpoint directory (its newest checkpoint is used).
-    #[arg(long)]
-    checkpoint: PathBuf,
+    #[arg(long, required_unless_present = "onnx")]
+    checkpoint: Option<PathBuf>,
+    /// An ONNX file to optimize instead of a zoo checkpoint (passes: fold, int8; default
+    /// fold,int8); writes a servable model directory.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["model", "checkpoint", "data"])]
+    onnx: Option<PathBuf>,
+    /// With --onnx: sizes of an input's dynamic axes after the batch, `NAME=D1,D2`.
+    #[arg(long, value_name = "NAME=DIMS")]
+    input_dims: Vec<String>,
     /// Passes to apply in order, comma-separated: strip, fold, int8, and f16 or bf16
     /// (half-precision weights for GPU inference; emulated, slow, on a CPU). Default: the
     /// plan's `infer.passes` (advanced: strip,fold,int8; basic: strip,fold).
@@ -242,6 +309,18 @@ struct BenchArgs {
     /// JSON lines instead of a table.
     #[arg(long)]
     json: bool,
+    /// An ONNX file to time against ONNX Runtime (same shapes and threads, one run) instead
+    /// of the workloads; batch 1 and 8 unless --batch is given.
+    #[arg(long, value_name = "FILE")]
+    onnx: Option<PathBuf>,
+    /// With --onnx: sizes of an input's dynamic axes after the batch, `NAME=D1,D2`
+    /// (repeat per input).
+    #[arg(long, value_name = "NAME=DIMS")]
+    input_dims: Vec<String>,
+    /// With --onnx: int8 on both sides (Kiln's fold + int8 passes, onnxruntime's
+    /// quantize_dynamic); max diff is then between the two int8 models.
+    #[arg(long, requires = "onnx")]
+    int8: bool,
     /// Internal: measure one case in this process (`burn`, `kiln-basic`, ...).
     #[arg(long, hide = true)]
     case: Option<String>,
@@ -392,14 +471,18 @@ fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("KILN_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+                // onnx-ir warns about its own internal lookups ("should only happen when
+                // peeking") dozens of times per transformer; its errors still show.
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,onnx_ir=error")),
         )
         .with_writer(std::io::stderr)
         .init();
     let result = match cli.command {
         Command::Train(args) => train_cmd::run(args),
         Command::Plan(args) => plan(args),
+        Command::Bench(args) if args.onnx.is_some() => run_onnx_bench(args),
         Command::Bench(args) => bench_cmd::run(args),
+        Command::Optimize(args) if args.onnx.is_some() => run_onnx_optimize(args),
         Command::Optimize(args) => optimize_cmd::run(args),
         Command::Profile(args) => profile_cmd::run(args),
         Command::Tune(TuneCommand::Batch(args)) => tune_cmd::run(args),
@@ -423,4 +506,58 @@ fn plan(args: PlanArgs) -> Result<()> {
         print!("{plan}");
     }
     Ok(())
+}
+
+/// `--input-dims NAME=D1,D2` flags as a map.
+fn parse_input_dims(
+    specs: &[String],
+) -> anyhow::Result<std::collections::BTreeMap<String, Vec<usize>>> {
+    let mut input_dims = std::collections::BTreeMap::new();
+    for spec in specs {
+        let (name, dims) = spec.split_once('=').ok_or_else(|| {
+            anyhow::anyhow!("--input-dims `{spec}` must be NAME=D1,D2 (e.g. input_ids=128)")
+        })?;
+        let dims = dims
+            .split(',')
+            .map(|d| d.trim().parse::<usize>())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| anyhow::anyhow!("--input-dims `{spec}`: {e}"))?;
+        input_dims.insert(name.to_string(), dims);
+    }
+    Ok(input_dims)
+}
+
+/// `kiln optimize --onnx`: the ONNX passes, measured stage by stage ([`onnx_optimize`]).
+fn run_onnx_optimize(args: OptimizeArgs) -> anyhow::Result<()> {
+    if args.threads > 0 {
+        kiln::plan::set_cpu_threads(args.threads);
+    }
+    let passes = kiln::onnx::OnnxPass::parse_list(args.passes.as_deref().unwrap_or("fold,int8"))?;
+    onnx_optimize::run(&onnx_optimize::OnnxOptimize {
+        path: args.onnx.clone().unwrap_or_default(),
+        passes,
+        out: args.out.clone(),
+        input_dims: parse_input_dims(&args.input_dims)?,
+        steps: args.steps,
+        json: args.json,
+    })
+}
+
+/// `kiln bench --onnx`: parses the ONNX-specific flags and runs [`onnx_bench`].
+fn run_onnx_bench(args: BenchArgs) -> anyhow::Result<()> {
+    let input_dims = parse_input_dims(&args.input_dims)?;
+    let threads = if args.threads == 0 {
+        Hardware::probe().cores
+    } else {
+        args.threads
+    };
+    onnx_bench::run(&onnx_bench::OnnxBench {
+        path: args.onnx.clone().unwrap_or_default(),
+        batches: args.batch.map_or_else(|| vec![1, 8], |b| vec![b]),
+        threads,
+        steps: args.steps.unwrap_or(50),
+        input_dims,
+        json: args.json,
+        int8: args.int8,
+    })
 }

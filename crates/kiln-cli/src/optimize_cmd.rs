@@ -61,7 +61,10 @@ pub fn run(args: OptimizeArgs) -> Result<()> {
     if args.threads > 0 {
         kiln::plan::set_cpu_threads(args.threads);
     }
-    let kind = ModelKind::from_name(&args.model)?;
+    let (Some(model_name), Some(checkpoint)) = (&args.model, &args.checkpoint) else {
+        anyhow::bail!("kiln optimize needs --model and --checkpoint (or --onnx FILE)");
+    };
+    let kind = ModelKind::from_name(model_name)?;
     let passes = match &args.passes {
         Some(list) => Pass::parse_list(list)?,
         None => plan_passes(&args)?,
@@ -71,15 +74,11 @@ pub fn run(args: OptimizeArgs) -> Result<()> {
         None => datasets::bundled(Split::Test)?,
     };
     let shape = test.item_shape();
-    let checkpoint = if args.checkpoint.is_dir() {
-        kiln::train::latest_checkpoint(&args.checkpoint)?.with_context(|| {
-            format!(
-                "no checkpoint (step-*.kiln) in {}",
-                args.checkpoint.display()
-            )
-        })?
+    let checkpoint = if checkpoint.is_dir() {
+        kiln::train::latest_checkpoint(checkpoint)?
+            .with_context(|| format!("no checkpoint (step-*.kiln) in {}", checkpoint.display()))?
     } else {
-        args.checkpoint.clone()
+        checkpoint.clone()
     };
     let device = Device::flex();
     let model = infer::load_model(kind, shape[0], &checkpoint, &device)?;

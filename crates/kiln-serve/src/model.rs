@@ -7,7 +7,7 @@ use std::path::Path;
 
 use burn::tensor::{Device, Tensor, TensorData};
 use kiln::infer::{InferenceSession, Pass, load_graph, load_model, lower, run_passes};
-use kiln::onnx::{OnnxModel, Port, ValueKind};
+use kiln::onnx::{OnnxModel, OnnxPass, Port, ValueKind};
 use kiln::zoo::ModelKind;
 
 use crate::config::BackendConfig;
@@ -219,19 +219,18 @@ fn onnx_backends(
         model: name.to_string(),
         message,
     };
-    if !passes.trim().is_empty() {
-        return Err(load_error(format!(
-            "passes `{passes}` are not applied to ONNX models yet; serve the file as exported \
-             (drop `passes`), or serve a Kiln model with backend `zoo`"
-        )));
-    }
+    let passes = OnnxPass::parse_list(passes).map_err(|e| load_error(e.to_string()))?;
     let bytes = std::fs::read(path)
         .map_err(|e| load_error(format!("cannot read {}: {e}", path.display())))?;
     let mut backends: Vec<Box<dyn Backend>> = Vec::with_capacity(instances);
     let mut spec = None;
     for _ in 0..instances.max(1) {
-        let model = OnnxModel::from_bytes(&bytes, name, &Device::flex())
+        let mut model = OnnxModel::from_bytes(&bytes, name, &Device::flex())
             .map_err(|e| load_error(e.to_string()))?;
+        for &pass in &passes {
+            let report = model.apply(pass).map_err(|e| load_error(e.to_string()))?;
+            tracing::info!(model = name, pass = pass.name(), changes = ?report.changes, "pass applied");
+        }
         let (inputs, fixed_batch) = onnx_inputs(model.inputs(), input_dims).map_err(load_error)?;
         let backend = OnnxBackend {
             name: name.to_string(),

@@ -50,9 +50,7 @@ pub fn load(bytes: &[u8], name: &str, device: &Device) -> Result<OnnxModel, Onnx
     .map_err(|e| OnnxError::Parse(e.to_string()))?;
 
     let mut unsupported: BTreeMap<String, usize> = BTreeMap::new();
-    let mut ops_seen: BTreeMap<String, usize> = BTreeMap::new();
     for node in &graph.nodes {
-        *ops_seen.entry(node.node_type().to_string()).or_default() += 1;
         if let Some(why) = ops::unsupported(node) {
             *unsupported.entry(why).or_default() += 1;
         }
@@ -116,12 +114,13 @@ pub fn load(bytes: &[u8], name: &str, device: &Device) -> Result<OnnxModel, Onnx
             .map(|o| ops::declared_kind(&o.ty))
             .collect();
         steps.push(Step {
-            node,
+            name: node.name().to_string(),
+            op_name: node.node_type().to_string(),
+            op: super::StepOp::Onnx(Box::new(node)),
             inputs: step_inputs,
             outputs,
             scalar,
             kind,
-            frees: Vec::new(),
         });
     }
 
@@ -139,7 +138,13 @@ pub fn load(bytes: &[u8], name: &str, device: &Device) -> Result<OnnxModel, Onnx
         outputs.push(port(name, &arg.ty)?);
     }
 
-    plan_frees(&mut steps, &constants, &output_slots);
+    let mut uses = vec![0usize; constants.len()];
+    for &s in steps.iter().flat_map(|s| s.inputs.iter().flatten()) {
+        uses[s] += 1;
+    }
+    for &s in &output_slots {
+        uses[s] += 1;
+    }
     Ok(OnnxModel {
         name: name.to_string(),
         inputs,
@@ -148,8 +153,8 @@ pub fn load(bytes: &[u8], name: &str, device: &Device) -> Result<OnnxModel, Onnx
         output_slots,
         constants,
         steps,
+        uses,
         device: device.clone(),
-        ops: ops_seen,
     })
 }
 
@@ -180,22 +185,6 @@ fn input_slot(
         node.node_type(),
         arg.name
     )))
-}
-
-/// Marks each computed slot to be freed after its last reader, so a run holds only live
-/// activations.
-fn plan_frees(steps: &mut [Step], constants: &[Option<Value>], outputs: &[usize]) {
-    let mut last: HashMap<usize, usize> = HashMap::new();
-    for (i, step) in steps.iter().enumerate() {
-        for &s in step.inputs.iter().flatten() {
-            last.insert(s, i);
-        }
-    }
-    for (slot, at) in last {
-        if constants[slot].is_none() && !outputs.contains(&slot) {
-            steps[at].frees.push(slot);
-        }
-    }
 }
 
 fn port(name: String, ty: &ArgType) -> Result<Port, OnnxError> {

@@ -17,6 +17,7 @@
 
 mod load;
 mod ops;
+mod passes;
 mod value;
 
 use std::collections::BTreeMap;
@@ -26,6 +27,7 @@ use std::path::Path;
 use burn::tensor::{Device, TensorData};
 use onnx_ir::Node;
 
+pub use passes::{OnnxPass, OnnxPassReport};
 pub use value::{Value, ValueKind};
 
 /// What went wrong loading or running an ONNX model.
@@ -77,18 +79,49 @@ pub struct Port {
     pub dims: Vec<Option<usize>>,
 }
 
+/// What a step computes: an onnx-ir node, or a node a pass rewrote into a Kiln kernel.
+#[derive(Debug)]
+// A model holds one StepOp per node, built once at load: their sizes do not matter.
+#[allow(clippy::large_enum_variant)]
+enum StepOp {
+    /// Boxed: onnx-ir's node enum is several times the size of the other variants.
+    Onnx(Box<Node>),
+    /// An int8 linear layer (`[.., k] → [.., n]`, Kiln's integer GEMM).
+    QLinear(passes::QLinear),
+    /// An int8 convolution (implicit GEMM over NCHW input).
+    QConv(passes::QConv),
+    /// Inference BatchNorm reduced to `x · scale + shift` (constants shaped `[1, C, 1, ..]`).
+    Affine { scale: Value, shift: Value },
+}
+
+impl StepOp {
+    /// The onnx-ir node, when the step still runs one.
+    fn node(&self) -> Option<&Node> {
+        match self {
+            StepOp::Onnx(node) => Some(node),
+            _ => None,
+        }
+    }
+}
+
 /// One node ready to run: where its inputs are and where its outputs go.
 #[derive(Debug)]
 struct Step {
-    node: Node,
+    op: StepOp,
+    /// The node's name and operator, for messages.
+    name: String,
+    op_name: String,
     inputs: Vec<Option<usize>>,
     outputs: Vec<usize>,
     /// Per output: whether onnx-ir declares it an ONNX scalar, and its kind when declared.
     scalar: Vec<bool>,
     kind: Vec<Option<ValueKind>>,
-    /// Slots whose last reader is this step, freed after it.
-    frees: Vec<usize>,
 }
+
+/// Graphs with at least this many nodes run on a rayon pool thread: their many small ops
+/// each have parallel parts, and a parallel op called from outside the pool pays a
+/// cross-thread wake-up per call (measured: most of a small ResNet's batch-1 time).
+const POOL_HOP_MIN_NODES: usize = 16;
 
 /// An imported ONNX model on a device.
 #[derive(Debug)]
@@ -101,8 +134,9 @@ pub struct OnnxModel {
     /// Constants (weights, folded values), already on the device; `None` for computed slots.
     constants: Vec<Option<Value>>,
     steps: Vec<Step>,
+    /// Readers of each slot (graph outputs count one more, so they are never taken).
+    uses: Vec<usize>,
     device: Device,
-    ops: BTreeMap<String, usize>,
 }
 
 impl OnnxModel {
@@ -142,9 +176,13 @@ impl OnnxModel {
         &self.device
     }
 
-    /// How many nodes of each operator run (after onnx-ir's simplification).
-    pub fn op_counts(&self) -> &BTreeMap<String, usize> {
-        &self.ops
+    /// How many nodes of each operator run (after onnx-ir's simplification and the passes).
+    pub fn op_counts(&self) -> BTreeMap<String, usize> {
+        let mut counts = BTreeMap::new();
+        for step in &self.steps {
+            *counts.entry(step.op_name.clone()).or_default() += 1;
+        }
+        counts
     }
 
     /// Number of nodes that run.
@@ -167,18 +205,41 @@ impl OnnxModel {
     /// operator is an error naming the node, never a panic.
     pub fn run(&self, inputs: Vec<Value>) -> Result<Vec<Value>, OnnxError> {
         self.check_inputs(&inputs)?;
+        if self.steps.len() < POOL_HOP_MIN_NODES || rayon::current_thread_index().is_some() {
+            return self.run_here(inputs);
+        }
+        let mut out = None;
+        rayon::scope(|_| out = Some(self.run_here(inputs)));
+        out.unwrap_or_else(|| Err(OnnxError::Graph("the model did not run".into())))
+    }
+
+    fn run_here(&self, inputs: Vec<Value>) -> Result<Vec<Value>, OnnxError> {
         let mut slots = self.constants.clone();
         for (&slot, value) in self.input_slots.iter().zip(inputs) {
             slots[slot] = Some(value);
         }
+        let mut remaining = self.uses.clone();
         for step in &self.steps {
+            // A value's last reader takes it, so Burn may reuse its buffer in place.
             let ins: Vec<Option<Value>> = step
                 .inputs
                 .iter()
-                .map(|s| s.and_then(|s| slots[s].clone()))
+                .map(|s| {
+                    s.and_then(|s| {
+                        remaining[s] = remaining[s].saturating_sub(1);
+                        if remaining[s] == 0 && self.constants[s].is_none() {
+                            slots[s].take()
+                        } else {
+                            slots[s].clone()
+                        }
+                    })
+                })
                 .collect();
-            let outs = catch_unwind(AssertUnwindSafe(|| {
-                ops::run(&step.node, &ins, &self.device)
+            let outs = catch_unwind(AssertUnwindSafe(|| match &step.op {
+                StepOp::Onnx(node) => ops::run(node, &ins, &self.device),
+                StepOp::QLinear(q) => q.run(&ins),
+                StepOp::QConv(q) => q.run(&ins),
+                StepOp::Affine { scale, shift } => passes::affine(&ins, scale, shift),
             }))
             .unwrap_or_else(|panic| {
                 Err(OnnxError::Shape(format!(
@@ -187,17 +248,13 @@ impl OnnxModel {
                 )))
             })
             .map_err(|e| {
-                OnnxError::Shape(format!(
-                    "node `{}` ({}): {e}",
-                    step.node.name(),
-                    step.node.node_type()
-                ))
+                OnnxError::Shape(format!("node `{}` ({}): {e}", step.name, step.op_name))
             })?;
             if outs.len() < step.outputs.len() {
                 return Err(OnnxError::Unsupported(format!(
                     "node `{}` ({}) has {} outputs; Kiln computes {}",
-                    step.node.name(),
-                    step.node.node_type(),
+                    step.name,
+                    step.op_name,
                     step.outputs.len(),
                     outs.len()
                 )));
@@ -208,9 +265,6 @@ impl OnnxModel {
                     _ => value,
                 };
                 slots[slot] = Some(value.with_scalar(step.scalar[i]));
-            }
-            for &s in &step.frees {
-                slots[s] = None;
             }
         }
         self.output_slots

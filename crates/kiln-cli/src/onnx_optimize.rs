@@ -1,0 +1,219 @@
+//! `kiln optimize --onnx FILE --out DIR`: the passes (fold, int8) on an imported ONNX model,
+//! one row per stage: latency at batch 1 and 8, weight bytes, and how far the outputs moved
+//! from the imported model on the same seeded inputs (largest relative difference, and top-1
+//! agreement of the first output). Writes a servable model directory: the file, a
+//! `config.toml` that applies the same passes at load, and the summary.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use burn::tensor::Device;
+use kiln::burn;
+use kiln::onnx::{OnnxModel, OnnxPass, Value};
+use serde::Serialize;
+
+use crate::onnx_bench::{input_shapes, make_inputs, time_kiln};
+
+/// What `kiln optimize --onnx` does.
+pub struct OnnxOptimize {
+    /// The model file.
+    pub path: PathBuf,
+    /// Passes in order.
+    pub passes: Vec<OnnxPass>,
+    /// Output directory.
+    pub out: PathBuf,
+    /// Sizes of non-batch dynamic axes, per input.
+    pub input_dims: BTreeMap<String, Vec<usize>>,
+    /// Timed runs per repeat.
+    pub steps: usize,
+    /// JSON on stdout instead of the table.
+    pub json: bool,
+}
+
+/// One stage: the model after the passes so far.
+#[derive(Debug, Serialize)]
+struct Stage {
+    passes: String,
+    nodes: usize,
+    latency_b1_ms: f64,
+    latency_b8_ms: f64,
+    weight_bytes: usize,
+    /// Largest `max |y − y_f32| / max |y_f32|` over the outputs (batch 8, seeded inputs).
+    max_rel_diff_vs_f32: f64,
+    /// Rows of output 0 whose arg-max over the last axis agrees with the f32 model's.
+    top1_agreement_vs_f32: f64,
+    changes: Vec<String>,
+}
+
+/// Runs the passes stage by stage, measures each, writes the model directory.
+pub fn run(job: &OnnxOptimize) -> Result<()> {
+    let device = Device::flex();
+    let load = || {
+        OnnxModel::load(&job.path, &device)
+            .with_context(|| format!("loading {}", job.path.display()))
+    };
+    let mut model = load()?;
+    let probe_shapes = input_shapes(model.inputs(), 8, &job.input_dims)?;
+    let probe = make_inputs(model.inputs(), &probe_shapes, &device)?;
+    let one_shapes = input_shapes(model.inputs(), 1, &job.input_dims)?;
+    let one = make_inputs(model.inputs(), &one_shapes, &device)?;
+    let reference = outputs(&model, &probe)?;
+    let mut stages = Vec::new();
+    let mut changes = Vec::new();
+    for upto in 0..=job.passes.len() {
+        if upto > 0 {
+            let report = model.apply(job.passes[upto - 1])?;
+            changes = report.changes;
+        }
+        let ours = outputs(&model, &probe)?;
+        let (diff, agree) = compare(&ours, &reference);
+        let stage = Stage {
+            passes: stage_name(&job.passes[..upto]),
+            nodes: model.node_count(),
+            latency_b1_ms: time_kiln(&model, &one, job.steps)?.median_ms,
+            latency_b8_ms: time_kiln(&model, &probe, job.steps)?.median_ms,
+            weight_bytes: model.weight_bytes(),
+            max_rel_diff_vs_f32: diff,
+            top1_agreement_vs_f32: agree,
+            changes: std::mem::take(&mut changes),
+        };
+        if !job.json {
+            eprintln!("kiln optimize: {} measured", stage.passes);
+        }
+        stages.push(stage);
+    }
+    write_model_dir(job, &stages)?;
+    if job.json {
+        println!("{}", serde_json::to_string(&stages)?);
+    } else {
+        print!("{}", render(&job.path, &stages));
+        println!("wrote {}", job.out.display());
+    }
+    Ok(())
+}
+
+fn stage_name(passes: &[OnnxPass]) -> String {
+    if passes.is_empty() {
+        "f32".into()
+    } else {
+        passes
+            .iter()
+            .map(|p| p.name())
+            .collect::<Vec<_>>()
+            .join("+")
+    }
+}
+
+/// Every output's values and dims on the host.
+fn outputs(model: &OnnxModel, inputs: &[Value]) -> Result<Vec<(Vec<f32>, Vec<usize>)>> {
+    model
+        .run(inputs.to_vec())?
+        .iter()
+        .map(|v| Ok((v.to_f32s()?, v.dims())))
+        .collect()
+}
+
+/// Largest relative difference over the outputs, and top-1 agreement of output 0.
+fn compare(ours: &[(Vec<f32>, Vec<usize>)], reference: &[(Vec<f32>, Vec<usize>)]) -> (f64, f64) {
+    let mut worst = 0f64;
+    for ((a, _), (b, _)) in ours.iter().zip(reference) {
+        let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-12);
+        let d = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        worst = worst.max(f64::from(d / scale));
+    }
+    let agree = match (ours.first(), reference.first()) {
+        (Some((a, dims)), Some((b, _))) => {
+            let classes = dims.last().copied().unwrap_or(1).max(1);
+            let argmax = |row: &[f32]| {
+                row.iter()
+                    .enumerate()
+                    .fold((0, f32::NEG_INFINITY), |best, (i, &v)| {
+                        if v > best.1 { (i, v) } else { best }
+                    })
+                    .0
+            };
+            let rows = a.len() / classes;
+            let same = a
+                .chunks_exact(classes)
+                .zip(b.chunks_exact(classes))
+                .filter(|(x, y)| argmax(x) == argmax(y))
+                .count();
+            same as f64 / rows.max(1) as f64
+        }
+        _ => 1.0,
+    };
+    (worst, agree)
+}
+
+/// The model directory: the file, a serving config with the passes, the summary.
+fn write_model_dir(job: &OnnxOptimize, stages: &[Stage]) -> Result<()> {
+    std::fs::create_dir_all(&job.out).with_context(|| format!("creating {}", job.out.display()))?;
+    let file = job.out.join("model.onnx");
+    if job.path.canonicalize().ok() != file.canonicalize().ok() {
+        std::fs::copy(&job.path, &file)
+            .with_context(|| format!("copying {} to {}", job.path.display(), file.display()))?;
+    }
+    let config = job.out.join("config.toml");
+    if !config.exists() {
+        let dims: Vec<String> = job
+            .input_dims
+            .iter()
+            .map(|(k, v)| {
+                let v: Vec<String> = v.iter().map(|d| d.to_string()).collect();
+                format!("{k} = [{}]", v.join(", "))
+            })
+            .collect();
+        let dims_line = if dims.is_empty() {
+            String::new()
+        } else {
+            format!("input_dims = {{ {} }}\n", dims.join(", "))
+        };
+        let passes: Vec<&str> = job.passes.iter().map(|p| p.name()).collect();
+        let text = format!(
+            "# kiln-serve model configuration (written by `kiln optimize --onnx`).\n\
+             # Serve every model directory under the parent: kiln serve --models <parent>\n\
+             backend = \"onnx\"\nfile = \"model.onnx\"\npasses = \"{}\"\n{dims_line}\
+             max_batch_size = 16\ninstances = 1\nmax_queue_size = 1024\n\n\
+             [dynamic_batching]\nmax_queue_delay_microseconds = 500\n",
+            passes.join(",")
+        );
+        std::fs::write(&config, text).with_context(|| format!("writing {}", config.display()))?;
+    }
+    std::fs::write(job.out.join("summary.md"), render(&job.path, stages))?;
+    std::fs::write(
+        job.out.join("summary.json"),
+        serde_json::to_string_pretty(stages)?,
+    )?;
+    Ok(())
+}
+
+fn render(path: &Path, stages: &[Stage]) -> String {
+    let mut s = format!(
+        "## kiln optimize --onnx {}\n\n\
+         | passes | nodes | latency b1 (ms) | latency b8 (ms) | weights | max rel. diff vs f32 | top-1 agreement |\n\
+         |---|---|---|---|---|---|---|\n",
+        path.display()
+    );
+    for st in stages {
+        s.push_str(&format!(
+            "| {} | {} | {:.3} | {:.3} | {:.2} MB | {:.2e} | {:.1}% |\n",
+            st.passes,
+            st.nodes,
+            st.latency_b1_ms,
+            st.latency_b8_ms,
+            st.weight_bytes as f64 / 1e6,
+            st.max_rel_diff_vs_f32,
+            st.top1_agreement_vs_f32 * 100.0
+        ));
+    }
+    s.push('\n');
+    for st in stages.iter().filter(|s| !s.changes.is_empty()) {
+        s.push_str(&format!("- {}: {}\n", st.passes, st.changes.join("; ")));
+    }
+    s.push_str(
+        "\nSeeded inputs (batch 8 for the differences); 5 warm-up, 3 repeats, median. \
+         Top-1 agreement: rows of the first output whose arg-max matches the imported model's.\n",
+    );
+    s
+}

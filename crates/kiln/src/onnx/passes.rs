@@ -1,0 +1,601 @@
+//! Rewrites of an imported model, each reported: BatchNorm folded into the convolution before
+//! it, and int8 dynamic quantization of linear layers and convolutions with constant weights
+//! onto Kiln's integer kernels (a following ReLU fused into their epilogue).
+//!
+//! The int8 scheme is the one Kiln's own graphs use (`crate::infer::int8`): weights per
+//! output channel, symmetric i8; activations per call, asymmetric u8 over their measured range.
+
+use burn::tensor::TensorData;
+use onnx_ir::Node;
+use onnx_ir::node::padding::{AutoPad, PaddingConfig2d};
+use serde::Serialize;
+
+use super::ops::Inputs;
+use super::value::Value;
+use super::{OnnxError, OnnxModel, StepOp};
+use crate::infer::ConvGeometry;
+use crate::infer::int8::{
+    ActivationQuant, ImageLayout, Kernel, PackedWeights, QuantizedActivations, matmul_dequantized,
+    pack_conv_weights, quantize_rows, range_of,
+};
+
+/// A pass over an imported model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnnxPass {
+    /// Fold each BatchNormalization into the convolution it reads (when nothing else reads
+    /// the convolution's output and every parameter is a constant); one that follows
+    /// something else becomes a precomputed per-channel `x · scale + shift`.
+    Fold,
+    /// Int8 dynamic quantization of Linear, Gemm, MatMul-by-a-constant and ungrouped Conv;
+    /// a ReLU that is the only reader of such a layer runs in its epilogue.
+    Int8,
+}
+
+impl OnnxPass {
+    /// Parses `fold,int8`; an unknown name is an error listing the known ones.
+    pub fn parse_list(list: &str) -> Result<Vec<OnnxPass>, OnnxError> {
+        list.split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(|s| match s {
+                "fold" => Ok(OnnxPass::Fold),
+                "int8" => Ok(OnnxPass::Int8),
+                other => Err(OnnxError::Unsupported(format!(
+                    "pass `{other}` on an ONNX model; the passes are fold and int8"
+                ))),
+            })
+            .collect()
+    }
+
+    /// The pass's name as `parse_list` takes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            OnnxPass::Fold => "fold",
+            OnnxPass::Int8 => "int8",
+        }
+    }
+}
+
+/// What one pass changed.
+#[derive(Debug, Clone, Serialize)]
+pub struct OnnxPassReport {
+    /// The pass.
+    pub pass: OnnxPass,
+    /// Nodes before and after.
+    pub nodes_before: usize,
+    /// Nodes after the pass.
+    pub nodes_after: usize,
+    /// One line per kind of change (`folded 20 BatchNormalization into Conv`).
+    pub changes: Vec<String>,
+}
+
+/// An int8 linear layer with its packed weights.
+#[derive(Debug)]
+pub struct QLinear {
+    weight: PackedWeights,
+    bias: Option<Vec<f32>>,
+    relu: bool,
+}
+
+/// An int8 convolution with its packed weights.
+#[derive(Debug)]
+pub struct QConv {
+    weight: PackedWeights,
+    bias: Option<Vec<f32>>,
+    geometry: ConvGeometry,
+    relu: bool,
+}
+
+fn first(ins: Inputs) -> Result<Value, OnnxError> {
+    ins.first()
+        .cloned()
+        .flatten()
+        .ok_or_else(|| OnnxError::Graph("an int8 layer has no input".into()))
+}
+
+fn host_value(
+    values: Vec<f32>,
+    dims: &[usize],
+    device: &burn::tensor::Device,
+) -> Result<Value, OnnxError> {
+    Value::from_data(TensorData::new(values, dims.to_vec()), device)
+}
+
+/// `x · scale + shift` with `scale`/`shift` `[1, C, 1, 1]` and `x` `[N, C, ...]`.
+pub(super) fn affine(ins: Inputs, scale: &Value, shift: &Value) -> Result<Vec<Value>, OnnxError> {
+    use super::ops::math::{Binary, binary};
+    let x = first(ins)?;
+    let rank = x.rank();
+    let c = x.dims().get(1).copied().unwrap_or(1);
+    let mut dims = vec![1; rank.max(2)];
+    dims[1] = c;
+    let (scale, shift) = (scale.clone().reshape(&dims)?, shift.clone().reshape(&dims)?);
+    Ok(vec![binary(
+        Binary::Add,
+        binary(Binary::Mul, x, scale)?,
+        shift,
+    )?])
+}
+
+impl QLinear {
+    /// `x · W + b` over the last axis of `x`, through the integer kernel.
+    pub(super) fn run(&self, ins: Inputs) -> Result<Vec<Value>, OnnxError> {
+        let x = first(ins)?;
+        let mut dims = x.dims();
+        let k = *dims.last().unwrap_or(&1);
+        if k != self.weight.cols {
+            return Err(OnnxError::Shape(format!(
+                "int8 linear layer expects {} features, got {:?}",
+                self.weight.cols, dims
+            )));
+        }
+        let host = x.to_f32s()?;
+        let quant = ActivationQuant::for_range(range_of(&host));
+        let a = QuantizedActivations::new(&host, k, quant, self.weight.kernel());
+        let (y, _) = matmul_dequantized(&a, &self.weight, self.bias.as_deref(), self.relu);
+        if let Some(last) = dims.last_mut() {
+            *last = self.weight.rows;
+        }
+        Ok(vec![host_value(y, &dims, &x.device())?])
+    }
+}
+
+impl QConv {
+    /// The convolution of NCHW `x`, through the integer implicit GEMM (its NHWC result
+    /// transposed back to NCHW).
+    pub(super) fn run(&self, ins: Inputs) -> Result<Vec<Value>, OnnxError> {
+        let x = first(ins)?;
+        let dims: [usize; 4] = x.dims().try_into().map_err(|d| {
+            OnnxError::Shape(format!("int8 convolution takes [N, C, H, W]; got {d:?}"))
+        })?;
+        let [b, _, h, w] = dims;
+        let g = &self.geometry;
+        let [top, left, bottom, right] = g.pads;
+        if h + top + bottom < g.dilation[0] * (g.kernel[0] - 1) + 1
+            || w + left + right < g.dilation[1] * (g.kernel[1] - 1) + 1
+        {
+            return Err(OnnxError::Shape(format!(
+                "input {h}×{w} is smaller than the {:?} kernel",
+                g.kernel
+            )));
+        }
+        let host = x.to_f32s()?;
+        let quant = ActivationQuant::for_range(range_of(&host));
+        let (a, ho, wo) = QuantizedActivations::for_conv(
+            &host,
+            dims,
+            ImageLayout::Nchw,
+            g,
+            quant,
+            self.weight.kernel(),
+        );
+        if a.cols != self.weight.cols {
+            return Err(OnnxError::Shape(format!(
+                "int8 convolution: the input's {} channels do not fit the weights",
+                dims[1]
+            )));
+        }
+        let (y, _) = matmul_dequantized(&a, &self.weight, self.bias.as_deref(), self.relu);
+        let nhwc = host_value(y, &[b, ho, wo, self.weight.rows], &x.device())?;
+        Ok(vec![super::ops::shape::transpose(nhwc, &[0, 3, 1, 2])?])
+    }
+}
+
+impl OnnxModel {
+    /// Applies `pass` and reports what it changed.
+    pub fn apply(&mut self, pass: OnnxPass) -> Result<OnnxPassReport, OnnxError> {
+        let nodes_before = self.steps.len();
+        let changes = match pass {
+            OnnxPass::Fold => self.fold_batch_norm()?,
+            OnnxPass::Int8 => self.quantize_int8()?,
+        };
+        // Constants nothing reads any more (folded or packed weights) are dropped.
+        for (slot, constant) in self.constants.iter_mut().enumerate() {
+            if self.uses[slot] == 0 && !self.output_slots.contains(&slot) {
+                *constant = None;
+            }
+        }
+        Ok(OnnxPassReport {
+            pass,
+            nodes_before,
+            nodes_after: self.steps.len(),
+            changes,
+        })
+    }
+
+    /// Bytes of the constants the model holds (int8 weights at one byte per element plus
+    /// their scales; what is loaded per instance).
+    pub fn weight_bytes(&self) -> usize {
+        let constants: usize = self
+            .constants
+            .iter()
+            .map(|c| c.as_ref().map_or(0, |v| v.len() * 4))
+            .sum();
+        let packed: usize = self
+            .steps
+            .iter()
+            .map(|s| match &s.op {
+                StepOp::QLinear(q) => q.weight.rows * (q.weight.cols + 4),
+                StepOp::QConv(q) => q.weight.rows * (q.weight.cols + 4),
+                StepOp::Affine { scale, shift } => (scale.len() + shift.len()) * 4,
+                StepOp::Onnx(_) => 0,
+            })
+            .sum();
+        constants + packed
+    }
+
+    /// The constant in `slot` as host floats, when it is one.
+    fn constant_f32s(&self, slot: Option<usize>) -> Option<(Vec<f32>, Vec<usize>)> {
+        let value = self.constants.get(slot?)?.as_ref()?;
+        Some((value.to_f32s().ok()?, value.dims()))
+    }
+
+    /// A new constant slot holding `values` with `dims`.
+    fn add_constant(&mut self, values: Vec<f32>, dims: &[usize]) -> Result<usize, OnnxError> {
+        let value = host_value(values, dims, &self.device)?;
+        self.constants.push(Some(value));
+        self.uses.push(0);
+        Ok(self.constants.len() - 1)
+    }
+
+    /// The step that writes `slot`, if one does.
+    fn producer(&self, slot: usize) -> Option<usize> {
+        self.steps.iter().position(|s| s.outputs.contains(&slot))
+    }
+
+    /// Removes step `at`, whose reads are given back (its inputs are read once less).
+    fn remove_step(&mut self, at: usize) {
+        let step = self.steps.remove(at);
+        for &s in step.inputs.iter().flatten() {
+            self.uses[s] = self.uses[s].saturating_sub(1);
+        }
+    }
+
+    /// Points input `index` of step `at` at `slot` (pushing the input when it is new).
+    fn rewire(&mut self, at: usize, index: usize, slot: usize) {
+        let inputs = &mut self.steps[at].inputs;
+        if inputs.len() <= index {
+            inputs.resize(index + 1, None);
+        }
+        if let Some(old) = inputs[index].replace(slot) {
+            self.uses[old] = self.uses[old].saturating_sub(1);
+        }
+        self.uses[slot] += 1;
+    }
+
+    fn fold_batch_norm(&mut self) -> Result<Vec<String>, OnnxError> {
+        let (mut folded, mut affine) = (0, 0);
+        let mut at = 0;
+        while at < self.steps.len() {
+            if let Some(conv) = self.foldable(at) {
+                self.fold_into(conv, at)?;
+                self.remove_step(at);
+                folded += 1;
+                continue;
+            }
+            if self.make_affine(at)? {
+                affine += 1;
+            }
+            at += 1;
+        }
+        Ok(vec![format!(
+            "folded {folded} BatchNormalization into the Conv before it; {affine} other(s) \
+             precomputed as x·scale + shift"
+        )])
+    }
+
+    /// Replaces BatchNormalization step `at` (constant parameters) by its precomputed
+    /// per-channel affine map. `true` when replaced.
+    fn make_affine(&mut self, at: usize) -> Result<bool, OnnxError> {
+        let Some(Node::BatchNormalization(n)) = self.steps[at].op.node() else {
+            return Ok(false);
+        };
+        let eps = match &n.config {
+            onnx_ir::node::batch_norm::BatchNormConfig::Static(c) => c.epsilon,
+            onnx_ir::node::batch_norm::BatchNormConfig::Runtime(c) => c.epsilon,
+        };
+        let params: Option<Vec<Vec<f32>>> = (1..5)
+            .map(|i| {
+                self.constant_f32s(self.steps[at].inputs.get(i).copied().flatten())
+                    .map(|(v, _)| v)
+            })
+            .collect();
+        let Some([scale, beta, mean, var]) = params.and_then(|p| <[Vec<f32>; 4]>::try_from(p).ok())
+        else {
+            return Ok(false);
+        };
+        let a: Vec<f32> = scale
+            .iter()
+            .zip(&var)
+            .map(|(s, v)| (*s as f64 / (*v as f64 + eps).sqrt()) as f32)
+            .collect();
+        let b: Vec<f32> = (0..a.len()).map(|c| beta[c] - mean[c] * a[c]).collect();
+        // `[1, C, 1, 1]`: broadcasts over NCHW images; lower ranks are lifted at run time.
+        let dims = [1, a.len(), 1, 1];
+        let (scale, shift) = (
+            host_value(a, &dims, &self.device)?,
+            host_value(b, &dims, &self.device)?,
+        );
+        let step = &mut self.steps[at];
+        for s in step.inputs.drain(1..).flatten() {
+            self.uses[s] = self.uses[s].saturating_sub(1);
+        }
+        step.op = StepOp::Affine { scale, shift };
+        step.op_name = "Affine".into();
+        Ok(true)
+    }
+
+    /// The convolution step that BatchNormalization step `at` can fold into.
+    fn foldable(&self, at: usize) -> Option<usize> {
+        let step = &self.steps[at];
+        let Some(Node::BatchNormalization(_)) = step.op.node() else {
+            return None;
+        };
+        let x = (*step.inputs.first()?)?;
+        let params_constant = step.inputs[1..]
+            .iter()
+            .take(4)
+            .all(|s| s.is_some_and(|s| self.constants[s].is_some()));
+        let conv = self.producer(x)?;
+        let conv_step = &self.steps[conv];
+        let weight_constant = matches!(conv_step.op.node(), Some(Node::Conv2d(_)))
+            && conv_step
+                .inputs
+                .get(1)
+                .copied()
+                .flatten()
+                .is_some_and(|s| self.constants[s].is_some())
+            && conv_step
+                .inputs
+                .get(2)
+                .copied()
+                .flatten()
+                .is_none_or(|s| self.constants[s].is_some());
+        (params_constant && weight_constant && self.uses[x] == 1 && !self.output_slots.contains(&x))
+            .then_some(conv)
+    }
+
+    /// Folds BatchNormalization step `bn` into convolution step `conv`: `W' = W·a`,
+    /// `b' = (b − mean)·a + beta` with `a = scale / √(var + ε)` per output channel.
+    fn fold_into(&mut self, conv: usize, bn: usize) -> Result<(), OnnxError> {
+        let eps = match self.steps[bn].op.node() {
+            Some(Node::BatchNormalization(n)) => match &n.config {
+                onnx_ir::node::batch_norm::BatchNormConfig::Static(c) => c.epsilon,
+                onnx_ir::node::batch_norm::BatchNormConfig::Runtime(c) => c.epsilon,
+            },
+            _ => return Err(OnnxError::Graph("fold: not a BatchNormalization".into())),
+        };
+        let param = |i: usize| {
+            self.constant_f32s(self.steps[bn].inputs.get(i).copied().flatten())
+                .map(|(v, _)| v)
+                .ok_or_else(|| {
+                    OnnxError::Graph("fold: a BatchNorm parameter is not constant".into())
+                })
+        };
+        let (scale, beta, mean, var) = (param(1)?, param(2)?, param(3)?, param(4)?);
+        let (weight, wdims) = self
+            .constant_f32s(self.steps[conv].inputs[1])
+            .ok_or_else(|| OnnxError::Graph("fold: the Conv weight is not constant".into()))?;
+        let co = wdims[0];
+        if [scale.len(), beta.len(), mean.len(), var.len()] != [co; 4] {
+            return Err(OnnxError::Shape(format!(
+                "fold: BatchNorm over {} channels after a Conv with {co}",
+                scale.len()
+            )));
+        }
+        let bias = self
+            .constant_f32s(self.steps[conv].inputs.get(2).copied().flatten())
+            .map(|(b, _)| b)
+            .unwrap_or_else(|| vec![0.0; co]);
+        let a: Vec<f32> = (0..co)
+            .map(|c| (scale[c] as f64 / (var[c] as f64 + eps).sqrt()) as f32)
+            .collect();
+        let per = weight.len() / co.max(1);
+        let new_weight: Vec<f32> = weight
+            .iter()
+            .enumerate()
+            .map(|(i, w)| w * a[i / per])
+            .collect();
+        let new_bias: Vec<f32> = (0..co)
+            .map(|c| (bias[c] - mean[c]) * a[c] + beta[c])
+            .collect();
+        let w_slot = self.add_constant(new_weight, &wdims)?;
+        let b_slot = self.add_constant(new_bias, &[co])?;
+        self.rewire(conv, 1, w_slot);
+        self.rewire(conv, 2, b_slot);
+        // The convolution now writes what the BatchNorm wrote.
+        let out = self.steps[bn].outputs[0];
+        self.steps[conv].outputs[0] = out;
+        Ok(())
+    }
+
+    fn quantize_int8(&mut self) -> Result<Vec<String>, OnnxError> {
+        let kernel = Kernel::detect();
+        let (mut linear, mut conv, mut relu, mut kept) = (0, 0, 0, 0);
+        for at in 0..self.steps.len() {
+            let replaced = match self.steps[at].op.node() {
+                Some(Node::Linear(n)) => self.int8_linear(at, n.config.transpose_weight, kernel)?,
+                Some(Node::MatMul(_)) => self.int8_linear(at, false, kernel)?,
+                Some(Node::Gemm(n))
+                    if n.config.alpha == 1.0
+                        && n.config.trans_a == 0
+                        && (n.config.beta == 1.0 || self.steps[at].inputs.len() < 3) =>
+                {
+                    self.int8_linear(at, n.config.trans_b != 0, kernel)?
+                }
+                Some(Node::Conv2d(_)) => self.int8_conv(at, kernel)?,
+                _ => continue,
+            };
+            match replaced {
+                Some(true) => linear += 1,
+                Some(false) => conv += 1,
+                None => kept += 1,
+            }
+        }
+        // ReLUs that alone read an int8 layer run in its epilogue.
+        let mut at = 0;
+        while at < self.steps.len() {
+            if let Some(layer) = self.fusable_relu(at) {
+                let out = self.steps[at].outputs[0];
+                match &mut self.steps[layer].op {
+                    StepOp::QLinear(q) => q.relu = true,
+                    StepOp::QConv(q) => q.relu = true,
+                    StepOp::Onnx(_) | StepOp::Affine { .. } => {
+                        unreachable!("fusable_relu returns int8 layers")
+                    }
+                }
+                self.steps[layer].outputs[0] = out;
+                self.remove_step(at);
+                relu += 1;
+                continue;
+            }
+            at += 1;
+        }
+        let mut changes = vec![format!(
+            "int8: {linear} linear layer(s), {conv} convolution(s); {relu} ReLU(s) fused"
+        )];
+        if kept > 0 {
+            changes.push(format!(
+                "{kept} layer(s) stay f32 (grouped or auto-padded convolutions, non-constant weights)"
+            ));
+        }
+        Ok(changes)
+    }
+
+    /// The int8 layer a ReLU at `at` can fuse into.
+    fn fusable_relu(&self, at: usize) -> Option<usize> {
+        let step = &self.steps[at];
+        let Some(Node::Relu(_)) = step.op.node() else {
+            return None;
+        };
+        let x = (*step.inputs.first()?)?;
+        let layer = self.producer(x)?;
+        let int8 = matches!(self.steps[layer].op, StepOp::QLinear(_) | StepOp::QConv(_));
+        (int8 && self.uses[x] == 1 && !self.output_slots.contains(&x)).then_some(layer)
+    }
+
+    /// Replaces step `at` by an int8 linear layer when its weight (input 1) is a constant
+    /// 2-D matrix (`[out, in]` when `out_major`, else `[in, out]`) and its bias (input 2)
+    /// absent or constant. `Some(true)` when replaced.
+    fn int8_linear(
+        &mut self,
+        at: usize,
+        out_major: bool,
+        kernel: Kernel,
+    ) -> Result<Option<bool>, OnnxError> {
+        let step = &self.steps[at];
+        let Some((w, dims)) = self.constant_f32s(step.inputs.get(1).copied().flatten()) else {
+            return Ok(None);
+        };
+        let bias_slot = step.inputs.get(2).copied().flatten();
+        let bias = match bias_slot {
+            Some(s) => match self.constant_f32s(Some(s)) {
+                Some((b, _)) => Some(b),
+                None => return Ok(None),
+            },
+            None => None,
+        };
+        if dims.len() != 2 {
+            return Ok(None);
+        }
+        let (out, inp) = if out_major {
+            (dims[0], dims[1])
+        } else {
+            (dims[1], dims[0])
+        };
+        if bias.as_ref().is_some_and(|b| b.len() != out) {
+            return Ok(None);
+        }
+        let rows: Vec<f32> = if out_major {
+            w
+        } else {
+            let mut t = vec![0f32; w.len()];
+            for i in 0..inp {
+                for o in 0..out {
+                    t[o * inp + i] = w[i * out + o];
+                }
+            }
+            t
+        };
+        let weight = PackedWeights::new(&quantize_rows(&rows, out, inp), kernel);
+        self.replace(
+            at,
+            StepOp::QLinear(QLinear {
+                weight,
+                bias,
+                relu: false,
+            }),
+        );
+        Ok(Some(true))
+    }
+
+    /// Replaces Conv step `at` by an int8 convolution (constant weight, one group, explicit
+    /// padding). `Some(false)` when replaced.
+    fn int8_conv(&mut self, at: usize, kernel: Kernel) -> Result<Option<bool>, OnnxError> {
+        let step = &self.steps[at];
+        let Some(Node::Conv2d(n)) = step.op.node() else {
+            return Ok(None);
+        };
+        let c = &n.config;
+        if c.groups != 1 || !matches!(c.auto_pad, AutoPad::NotSet | AutoPad::Valid) {
+            return Ok(None);
+        }
+        let pads = match c.padding {
+            PaddingConfig2d::Valid => [0; 4],
+            PaddingConfig2d::Explicit(top, left, bottom, right) => [top, left, bottom, right],
+        };
+        let geometry = ConvGeometry {
+            stride: c.stride,
+            pads: if c.auto_pad == AutoPad::Valid {
+                [0; 4]
+            } else {
+                pads
+            },
+            dilation: c.dilation,
+            groups: 1,
+            kernel: c.kernel_size,
+        };
+        let Some((w, dims)) = self.constant_f32s(step.inputs.get(1).copied().flatten()) else {
+            return Ok(None);
+        };
+        let bias = match step.inputs.get(2).copied().flatten() {
+            Some(s) => match self.constant_f32s(Some(s)) {
+                Some((b, _)) => Some(b),
+                None => return Ok(None),
+            },
+            None => None,
+        };
+        let [co, ci, kh, kw]: [usize; 4] = match dims.try_into() {
+            Ok(d) => d,
+            Err(_) => return Ok(None),
+        };
+        let q = quantize_rows(&w, co, ci * kh * kw);
+        let weight = pack_conv_weights(&q, ci, &geometry, kernel);
+        self.replace(
+            at,
+            StepOp::QConv(QConv {
+                weight,
+                bias,
+                geometry,
+                relu: false,
+            }),
+        );
+        Ok(Some(false))
+    }
+
+    /// Puts `op` in step `at`, which now reads only its first input.
+    fn replace(&mut self, at: usize, op: StepOp) {
+        let step = &mut self.steps[at];
+        for s in step.inputs.drain(1..).flatten() {
+            self.uses[s] = self.uses[s].saturating_sub(1);
+        }
+        step.op_name = match op {
+            StepOp::QLinear(_) => "QLinear".into(),
+            StepOp::QConv(_) => "QConv".into(),
+            StepOp::Affine { .. } => "Affine".into(),
+            StepOp::Onnx(ref n) => n.node_type().to_string(),
+        };
+        step.op = op;
+    }
+}
