@@ -134,6 +134,33 @@ class SegHead(nn.Module):
         return y, aux
 
 
+class OpMix(nn.Module):
+    """Operators the families above do not export, as PyTorch writes them: Split (chunk and
+    split with sizes), Pad (reflect and constant), AveragePool with padding in ceil mode not
+    counting the pad, dilated and asymmetrically padded convolutions, GlobalMaxPool, Where,
+    Max/Min, ReduceSum/ReduceMax, LeakyReLU, Softplus, ArgMax."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 8, 3, padding=(1, 2), dilation=(1, 2))
+        self.b = nn.Conv2d(4, 8, 3, stride=2)
+        self.head = nn.Linear(16, 6)
+
+    def forward(self, x):
+        y = self.a(F.pad(x, (1, 2, 0, 1), mode="reflect"))
+        p, q = torch.chunk(y, 2, dim=1)
+        y = p * torch.sigmoid(q)
+        y = F.avg_pool2d(y, 3, stride=2, padding=1, ceil_mode=True, count_include_pad=False)
+        y = F.pad(y, (1, 1, 1, 1), value=0.5)
+        y = F.leaky_relu(self.b(y), 0.1)
+        u, v, w = torch.split(y, [2, 2, 4], dim=1)
+        z = torch.cat([torch.maximum(u, v), torch.minimum(u, v), F.softplus(w)], dim=1)
+        pooled = torch.cat([F.adaptive_max_pool2d(z, 1).flatten(1), z.sum(dim=(2, 3))], dim=1)
+        pooled = torch.where(pooled > 0, pooled, pooled * 0.3)
+        logits = self.head(pooled)
+        return logits, logits.argmax(dim=1)
+
+
 def image_models():
     """(name, model, input shape without batch) for the classification families."""
     tv = torchvision.models
@@ -229,7 +256,7 @@ def reference(path, feeds_by_batch):
     return tensors
 
 
-def export(model, args, names, outputs, dynamic, path, dynamo=False, fold=True):
+def export(model, args, names, outputs, dynamic, path, dynamo=False, fold=True, opset=17):
     model.eval()
     if dynamo:
         batch = torch.export.Dim("batch", min=1, max=64)
@@ -241,7 +268,7 @@ def export(model, args, names, outputs, dynamic, path, dynamo=False, fold=True):
     else:
         torch.onnx.export(
             model, args, path, input_names=names, output_names=outputs, dynamic_axes=dynamic,
-            opset_version=17, dynamo=False, do_constant_folding=fold,
+            opset_version=opset, dynamo=False, do_constant_folding=fold,
         )
 
 
@@ -265,17 +292,21 @@ def main(out_dir):
     # Without the exporter's constant folding, BatchNorm stays a node after each Conv (as
     # other exporters and training-mode exports leave it): the input of Kiln's fold pass.
     jobs.append(("resnet_unfolded", resnet, (3, 32, 32), "unfolded"))
+    jobs.append(("opmix", OpMix(), (3, 23, 23), False))  # odd: ceil mode matters
     seg = SegHead()
     make_nontrivial(seg, gen, (3, 32, 32))
     jobs.append(("seghead", seg, (3, 32, 32), False))
 
     for name, model, shape, dynamo in jobs:
         path = os.path.join(out_dir, f"{name}.onnx")
-        outputs = ["out", "aux"] if name == "seghead" else ["logits"]
+        outputs = {"seghead": ["out", "aux"], "opmix": ["logits", "label"]}.get(name, ["logits"])
         dynamic = {"input": {0: "batch"}, **{o: {0: "batch"} for o in outputs}}
         with torch.no_grad():
+            # OpMix at opset 19: AveragePool's ceil mode means PyTorch's window clipping only
+            # from 19 on (ONNX Runtime's older kernel divides the clipped edge window by the
+            # whole kernel), and onnx-ir refuses ceil_mode below 19 for that reason.
             export(model.eval(), (torch.randn(2, *shape),), ["input"], outputs, dynamic, path,
-                   dynamo is True, fold=dynamo != "unfolded")
+                   dynamo is True, fold=dynamo != "unfolded", opset=19 if name == "opmix" else 17)
         feeds = {b: {"input": rng.standard_normal((b, *shape), dtype=np.float32)} for b in (1, 3)}
         save_safetensors(os.path.join(out_dir, f"{name}.ref.safetensors"), reference(path, feeds))
         print(f"{name}: {os.path.getsize(path) / 1e6:.2f} MB")

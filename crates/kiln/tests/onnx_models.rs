@@ -96,6 +96,7 @@ model_tests!(
     resnet,
     resnet_dynamo,
     resnet_unfolded,
+    opmix,
     resnext,
     mobilenet_v2,
     mobilenet_v3,

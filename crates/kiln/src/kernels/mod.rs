@@ -7,6 +7,7 @@
 //! - [`conv2d`], [`linear`](fn@linear), [`max_pool2d`]: the entry points models call; they run Kiln's kernel on the
 //!   `flex` device (with or without autodiff) and Burn's own op on every other device.
 
+pub mod activation;
 pub mod conv;
 mod extension;
 pub mod linear;

@@ -256,7 +256,7 @@ pub fn unary(op: Unary, x: Value) -> Result<Value, OnnxError> {
 fn float_unary<const D: usize>(op: Unary, x: Tensor<D>) -> Tensor<D> {
     match op {
         Unary::Relu => activation::relu(x),
-        Unary::Sigmoid => activation::sigmoid(x),
+        Unary::Sigmoid => crate::kernels::activation::sigmoid(x),
         Unary::Tanh => x.tanh(),
         Unary::Erf => x.erf(),
         Unary::Sqrt => x.sqrt(),

@@ -1,0 +1,115 @@
+//! A vectorized logistic sigmoid for inference on the CPU.
+//!
+//! Burn's `flex` sigmoid is a scalar `1 / (1 + expf(-x))` per element: 60% of EfficientNet-B0's
+//! batch-1 time in BENCHMARKS run 20 (49 SiLU and squeeze-excitation gates). Here `exp` is a
+//! branch-free Cody–Waite range reduction with a degree-6 polynomial (relative error below
+//! 2e-7 over the clamped range), written so the loop vectorizes: compiled for AVX2+FMA when
+//! the CPU has them (checked once at run time), plain SIMD otherwise, in parallel over chunks.
+
+use burn::tensor::{DType, Tensor, TensorData, activation};
+use rayon::prelude::*;
+
+use super::serves;
+
+/// Elements per parallel task: large enough that a task outweighs its scheduling.
+const CHUNK: usize = 1 << 15;
+
+/// `1 / (1 + e^(-x))`: Kiln's vectorized kernel for f32 on `flex`, Burn's sigmoid otherwise.
+/// Inference only: the result carries no autodiff graph of its own.
+pub fn sigmoid<const D: usize>(x: Tensor<D>) -> Tensor<D> {
+    if x.dtype() != DType::F32 || !serves(&x.device()) || x.is_require_grad() {
+        return activation::sigmoid(x);
+    }
+    let (device, dims) = (x.device(), x.dims());
+    let Ok(mut values) = x.clone().into_data().try_into_vec::<f32>() else {
+        return activation::sigmoid(x);
+    };
+    sigmoid_in_place(&mut values);
+    Tensor::from_data(TensorData::new(values, dims), &device)
+}
+
+/// Replaces each value by its sigmoid, in parallel chunks.
+pub fn sigmoid_in_place(values: &mut [f32]) {
+    if values.len() <= CHUNK {
+        sigmoid_slice(values);
+    } else {
+        values.par_chunks_mut(CHUNK).for_each(sigmoid_slice);
+    }
+}
+
+fn sigmoid_slice(values: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU has AVX2 and FMA (checked just above).
+            unsafe { sigmoid_avx2(values) };
+            return;
+        }
+    }
+    sigmoid_portable(values);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn sigmoid_avx2(values: &mut [f32]) {
+    sigmoid_portable(values);
+}
+
+#[inline(always)]
+fn sigmoid_portable(values: &mut [f32]) {
+    for v in values.iter_mut() {
+        *v = 1.0 / (1.0 + exp(-*v));
+    }
+}
+
+/// `e^x` without branches: `x = k·ln2 + r`, `e^x = 2^k · p(r)`, `|r| ≤ ln2/2`.
+#[inline(always)]
+fn exp(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    // ln 2 split in two so `k·ln2` subtracts exactly (Cody–Waite).
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    // Below −87.3 the result is subnormal or zero, above 88.3 infinite; clamping keeps the
+    // exponent arithmetic in range (the sigmoid is then exactly 0 or 1 anyway).
+    let x = x.clamp(-87.3, 88.3);
+    let k = (x * LOG2E).round_ties_even();
+    let r = (x - k * LN2_HI) - k * LN2_LO;
+    // Taylor coefficients 1/n! to degree 6: error < 2e-7 relative on |r| ≤ 0.347.
+    let p = 1.0
+        + r * (1.0
+            + r * (0.5
+                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+    let bits = ((k as i32 + 127) as u32) << 23;
+    p * f32::from_bits(bits)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Against f64: relative error below 1e-6 where the sigmoid is a normal f32 (|x| ≤ 80),
+    /// absolute error below 1e-7 beyond, exact 1 and ½ where they are exact.
+    #[test]
+    fn matches_f64_sigmoid() {
+        let xs: Vec<f32> = (-2000..=2000).map(|i| i as f32 * 0.05).collect();
+        let mut ys = xs.clone();
+        sigmoid_in_place(&mut ys);
+        let (mut relative, mut absolute) = (0f64, 0f64);
+        for (&x, &y) in xs.iter().zip(&ys) {
+            let want = 1.0 / (1.0 + (-(x as f64)).exp());
+            let err = (y as f64 - want).abs();
+            absolute = absolute.max(err);
+            if x.abs() <= 80.0 {
+                relative = relative.max(err / want);
+            }
+        }
+        assert!(relative < 1e-6, "relative error {relative:e}");
+        assert!(absolute < 1e-7, "absolute error {absolute:e}");
+        let mut edges = [f32::MAX, f32::MIN, 100.0, -100.0, 0.0];
+        sigmoid_in_place(&mut edges);
+        assert_eq!(edges[0], 1.0);
+        assert!(edges[1] < 1e-37 && edges[3] < 1e-37);
+        assert_eq!(edges[4], 0.5);
+        assert!(edges.iter().all(|v| v.is_finite() && *v >= 0.0));
+    }
+}
