@@ -21,8 +21,12 @@ use kiln::KilnConfig;
 use kiln::config::Level;
 use kiln::plan::{Hardware, Plan};
 
+/// Counted, so the memory watermark reads heap bytes in use (which fall when a halved
+/// micro-batch frees its activations) rather than RSS, which mimalloc's retained pages keep
+/// high (`kiln::observe::heap`).
 #[global_allocator]
-static ALLOCATOR: alloc::KilnAllocator = alloc::KilnAllocator;
+static ALLOCATOR: kiln::observe::heap::CountingAlloc<alloc::KilnAllocator> =
+    kiln::observe::heap::CountingAlloc::new(alloc::KilnAllocator);
 
 const EXAMPLES: &str = "\
 Examples:

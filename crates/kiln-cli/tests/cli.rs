@@ -106,6 +106,17 @@ fn plan_json_reports_sources() {
             .unwrap()
             .starts_with("probe")
     );
+    // OOM-adaptive batching is on at ultra, so the watermark it acts on is too: a share of
+    // this machine's memory, named as a probe.
+    let watermark = &v["settings"]["observe.memory_watermark_mib"];
+    assert!(watermark["value"].as_i64().unwrap() > 0, "{watermark}");
+    assert!(
+        watermark["source"]
+            .as_str()
+            .unwrap()
+            .starts_with("probe: 85% of "),
+        "{watermark}"
+    );
 }
 
 #[test]

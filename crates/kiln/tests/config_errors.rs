@@ -109,6 +109,7 @@ fn cuda_without_the_feature_says_how_to_get_it() {
         cores: 2,
         cuda_compiled: false,
         cuda_driver: false,
+        memory: None,
     };
     let msg = message(resolve(&c, &hw).unwrap_err());
     assert!(msg.contains("--features cuda"), "{msg}");
@@ -117,6 +118,7 @@ fn cuda_without_the_feature_says_how_to_get_it() {
         cores: 2,
         cuda_compiled: true,
         cuda_driver: false,
+        memory: None,
     };
     let msg = message(resolve(&c, &hw).unwrap_err());
     assert!(

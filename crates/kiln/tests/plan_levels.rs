@@ -11,6 +11,7 @@ fn hw() -> Hardware {
         cores: 7,
         cuda_compiled: false,
         cuda_driver: false,
+        memory: Some((24 << 30, "physical memory")),
     }
 }
 
@@ -45,6 +46,37 @@ fn advanced_adds_warmup_cosine_and_clipping() {
         p.get("train.grad_clip_norm").unwrap().source,
         Source::Level(Level::Advanced)
     );
+}
+
+/// OOM-adaptive batching is on at advanced; the watermark it acts on must be too, derived
+/// from the machine's memory with the probe named as its source.
+#[test]
+fn advanced_derives_a_memory_watermark_from_the_machine() {
+    let p = plan_at(Level::Advanced);
+    assert!(p.train.oom_adaptive);
+    // 85% of 24 GiB = 20889.6 MiB, whole MiB.
+    assert_eq!(p.train.memory_watermark, Some(20889 << 20));
+    let s = p.get("observe.memory_watermark_mib").unwrap();
+    assert_eq!(s.value.as_integer(), Some(20889));
+    match &s.source {
+        Source::Probe(why) => assert!(why.contains("85% of 24.0 GiB physical memory"), "{why}"),
+        other => panic!("watermark source {other}"),
+    }
+    assert!(
+        p.to_string()
+            .contains("probe: 85% of 24.0 GiB physical memory")
+    );
+    // A file value wins over the probe; 0 turns it off; unknown memory turns auto off.
+    let mut c = KilnConfig::default();
+    c.set_level(Level::Advanced);
+    c.set("observe.memory_watermark_mib", "0").unwrap();
+    assert_eq!(resolve(&c, &hw()).unwrap().train.memory_watermark, None);
+    let unknown = Hardware {
+        memory: None,
+        ..hw()
+    };
+    let p = resolve(&KilnConfig::default(), &unknown).unwrap();
+    assert_eq!(p.train.memory_watermark, None);
 }
 
 #[test]

@@ -377,13 +377,15 @@ pub static SETTINGS: &[SettingSpec] = &[
     },
     SettingSpec {
         key: "observe.memory_watermark_mib",
-        kind: Kind::Int {
+        kind: Kind::IntOrAuto {
             min: 0,
             max: 1 << 30,
         },
-        default: I(0),
+        default: S("auto"),
         levels: &[],
-        doc: "emit a memory_watermark event when resident memory reaches this many MiB (0 = off)",
+        doc: "emit a memory_watermark event (and, with train.oom_adaptive, halve the \
+              micro-batch) when memory in use reaches this many MiB (0 = off; auto = 85% of \
+              the cgroup limit or physical memory; host memory, also on a GPU)",
     },
     SettingSpec {
         key: "data.augment",

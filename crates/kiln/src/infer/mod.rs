@@ -88,8 +88,9 @@ impl InferenceSession {
         self.evaluate_with(data, batch, None)
     }
 
-    /// [`InferenceSession::evaluate`] with OOM-adaptive batching: when resident memory
-    /// reaches `watermark` bytes after a batch, the following batches are half as large (the
+    /// [`InferenceSession::evaluate`] with OOM-adaptive batching: when memory in use
+    /// ([`crate::observe::memory::in_use_reading`]) reaches `watermark` bytes after a batch,
+    /// the following batches are half as large, again after each batch still above (the
     /// results do not depend on the batch size); each change is reported in
     /// [`Predictions::batch_changes`] and logged.
     pub fn evaluate_with(
@@ -132,14 +133,16 @@ impl InferenceSession {
             }
             logits.extend(values);
             if let Some(m) = mark.as_mut()
-                && let Some(rss) = crate::observe::memory::current_rss_bytes()
-                && m.check(rss)
+                && let Some(in_use) = crate::observe::memory::in_use_reading()
+                && m.check(in_use)
                 && size >= 2
             {
                 size /= 2;
+                // As in training: a reading still above after the next batch halves again.
+                m.rearm();
                 tracing::warn!(
-                    "inference: resident memory {} reached the watermark {}; batch halved to {size}",
-                    crate::observe::memory::human_bytes(rss),
+                    "inference: memory in use {} reached the watermark {}; batch halved to {size}",
+                    crate::observe::memory::human_bytes(in_use),
                     crate::observe::memory::human_bytes(m.threshold())
                 );
                 batch_changes.push(BatchChange {

@@ -99,8 +99,9 @@ pub struct BatchAdaptedEvent {
 pub struct WatermarkEvent {
     /// Global optimizer step after which it was seen.
     pub step: u64,
-    /// Resident set size at that moment, bytes.
-    pub rss_bytes: u64,
+    /// Memory in use, bytes ([`crate::observe::memory::in_use_reading`]: the step's heap
+    /// peak where the heap is counted, resident memory otherwise).
+    pub in_use_bytes: u64,
     /// The watermark, bytes.
     pub threshold_bytes: u64,
 }

@@ -17,6 +17,45 @@ pub fn reset_peak_rss() -> bool {
     std::fs::write("/proc/self/clear_refs", "5").is_ok()
 }
 
+/// The reading a memory watermark compares: the peak of the counted heap since the previous
+/// reading where a [`super::heap::CountingAlloc`] is installed (the `kiln` binary installs
+/// one), so it falls once tensors are freed whatever the allocator keeps mapped; otherwise
+/// the current resident set size.
+pub fn in_use_reading() -> Option<u64> {
+    super::heap::take_peak_bytes().or_else(current_rss_bytes)
+}
+
+/// The memory this process may use, bytes, and where that figure comes from: the cgroup's
+/// limit when one is set (containers, CI runners), else the machine's physical memory.
+pub fn memory_limit() -> Option<(u64, &'static str)> {
+    let physical = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|text| {
+            let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+            line.split_whitespace().nth(1)?.parse::<u64>().ok()
+        })
+        .map(|kib| kib * 1024);
+    // cgroup v2, then v1; v1 writes a huge number when there is no limit.
+    let cgroup = [
+        "/sys/fs/cgroup/memory.max",
+        "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+    ]
+    .iter()
+    .find_map(|path| {
+        std::fs::read_to_string(path)
+            .ok()?
+            .trim()
+            .parse::<u64>()
+            .ok()
+    });
+    match (cgroup, physical) {
+        (Some(c), Some(p)) if c < p => Some((c, "cgroup memory limit")),
+        (Some(c), None) => Some((c, "cgroup memory limit")),
+        (_, Some(p)) => Some((p, "physical memory")),
+        (None, None) => None,
+    }
+}
+
 fn status_field(name: &str) -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = status.lines().find(|l| l.starts_with(name))?;
@@ -98,6 +137,13 @@ impl Watermark {
     /// The threshold in bytes.
     pub fn threshold(&self) -> u64 {
         self.threshold
+    }
+
+    /// Arms the watermark again at once, so that the next reading at or above the threshold
+    /// is a new crossing. The trainer calls it after halving its micro-batch: a reading still
+    /// above means halving was not enough, and it halves again.
+    pub fn rearm(&mut self) {
+        self.above = false;
     }
 
     /// Feeds a reading; returns true when it is a new crossing.

@@ -5,6 +5,7 @@
 //! step ([`Profiler`]); [`timed`] gives users' own code the same statistics.
 
 mod events;
+pub mod heap;
 pub mod memory;
 pub mod profile;
 mod sink;

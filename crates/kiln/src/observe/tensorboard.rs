@@ -279,11 +279,14 @@ impl EventSink for TensorBoardSink {
                 });
             }
             Event::MemoryWatermark(m) => {
-                let (step, rss) = (m.step as i64, m.rss_bytes);
+                let (step, bytes) = (m.step as i64, m.in_use_bytes);
                 self.write(|w| {
                     w.scalars(
                         step,
-                        &[("memory/watermark_rss_mib", (rss as f64 / 1048576.0) as f32)],
+                        &[(
+                            "memory/watermark_in_use_mib",
+                            (bytes as f64 / 1048576.0) as f32,
+                        )],
                     )
                 });
             }

@@ -48,6 +48,9 @@ pub struct Hardware {
     pub cuda_compiled: bool,
     /// Whether the NVIDIA driver library (`libcuda.so.1`) can be loaded.
     pub cuda_driver: bool,
+    /// Host memory this process may use, bytes, and what bounds it (the cgroup limit or
+    /// physical memory); `None` where the system does not say.
+    pub memory: Option<(u64, &'static str)>,
 }
 
 impl Hardware {
@@ -59,6 +62,7 @@ impl Hardware {
                 .unwrap_or(1),
             cuda_compiled: cfg!(feature = "cuda"),
             cuda_driver: cuda_driver_present(),
+            memory: crate::observe::memory::memory_limit(),
         }
     }
 

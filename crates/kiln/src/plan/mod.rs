@@ -184,6 +184,11 @@ fn probe_autos(settings: &mut [ResolvedSetting], hardware: &Hardware) -> Result<
                 s.value = toml::Value::String(b.name().into());
                 s.source = Source::Probe(hardware.backend_reason());
             }
+            ("observe.memory_watermark_mib", toml::Value::String(v)) if v == "auto" => {
+                let (mib, why) = auto_watermark_mib(hardware);
+                s.value = toml::Value::Integer(mib);
+                s.source = Source::Probe(why);
+            }
             ("device.threads", toml::Value::Integer(0)) => {
                 s.value = toml::Value::Integer(hardware.cores as i64);
                 s.source = Source::Probe(format!("{} CPU cores", hardware.cores));
@@ -192,6 +197,31 @@ fn probe_autos(settings: &mut [ResolvedSetting], hardware: &Hardware) -> Result<
         }
     }
     Ok(())
+}
+
+/// Share of the memory limit at which `auto` puts the watermark: high enough that a run
+/// which fits never adapts, low enough to leave the allocator and the OS room to act before
+/// the OOM killer does.
+const AUTO_WATERMARK_SHARE: f64 = 0.85;
+
+/// The `auto` watermark in MiB and the probe's description (0 = off where the system does
+/// not report its memory).
+fn auto_watermark_mib(hardware: &Hardware) -> (i64, String) {
+    match hardware.memory {
+        Some((bytes, what)) => {
+            let mib = (bytes as f64 * AUTO_WATERMARK_SHARE / 1048576.0) as i64;
+            (
+                mib.max(1),
+                format!(
+                    "{:.0}% of {} {}",
+                    AUTO_WATERMARK_SHARE * 100.0,
+                    crate::observe::memory::human_bytes(bytes),
+                    what
+                ),
+            )
+        }
+        None => (0, "memory size unknown on this system: off".into()),
+    }
 }
 
 fn build(config: &KilnConfig, settings: Vec<ResolvedSetting>, hw: &Hardware) -> Result<Plan> {

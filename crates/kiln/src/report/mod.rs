@@ -68,9 +68,9 @@ pub fn load_run(dir: &Path) -> Result<RunData> {
                 g.step, g.trouble, g.action
             )),
             Event::MemoryWatermark(m) => run.notes.push(format!(
-                "step {}: resident memory {} crossed the watermark {}",
+                "step {}: memory in use {} crossed the watermark {}",
                 m.step,
-                crate::observe::memory::human_bytes(m.rss_bytes),
+                crate::observe::memory::human_bytes(m.in_use_bytes),
                 crate::observe::memory::human_bytes(m.threshold_bytes)
             )),
             Event::BatchAdapted(b) => run.notes.push(format!(

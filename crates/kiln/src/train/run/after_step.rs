@@ -68,34 +68,42 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
         Ok(adapted)
     }
 
-    /// Reads resident memory against the watermark; on a crossing reports it and, with
+    /// Reads memory in use against the watermark; on a crossing reports it and, with
     /// `oom_adaptive`, halves the micro-batch. Returns whether it halved.
+    ///
+    /// After a halving the watermark re-arms at once: the reading after the next step (the
+    /// step's heap peak where the heap is counted) shows whether half was enough, and a
+    /// reading still above halves again, down to what fits or to a micro-batch of 1.
     fn check_watermark(&mut self) -> bool {
         let step = self.pos.global_step;
         let Some(mark) = self.watermark.as_mut() else {
             return false;
         };
-        let Some(rss) = memory::current_rss_bytes() else {
+        let Some(in_use) = memory::in_use_reading() else {
             return false;
         };
-        if !mark.check(rss) {
+        if !mark.check(in_use) {
             return false;
         }
         let threshold = mark.threshold();
         tracing::warn!(
             step,
-            "resident memory {} crossed the watermark {}",
-            memory::human_bytes(rss),
+            "memory in use {} crossed the watermark {}",
+            memory::human_bytes(in_use),
             memory::human_bytes(threshold)
         );
         self.trainer
             .sink
             .emit(&Event::MemoryWatermark(WatermarkEvent {
                 step,
-                rss_bytes: rss,
+                in_use_bytes: in_use,
                 threshold_bytes: threshold,
             }));
-        self.trainer.options.oom_adaptive && self.halve_micro_batch(step)
+        let halved = self.trainer.options.oom_adaptive && self.halve_micro_batch(step);
+        if halved && let Some(mark) = self.watermark.as_mut() {
+            mark.rearm();
+        }
+        halved
     }
 
     /// Halves the micro-batch and doubles accumulation (same effective batch, about half the

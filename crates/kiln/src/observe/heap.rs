@@ -1,0 +1,109 @@
+//! Heap bytes in use, counted at the allocator.
+//!
+//! Why: the memory watermark must see memory fall when the trainer halves its micro-batch.
+//! Resident memory (RSS) cannot show that under an allocator that keeps freed pages mapped
+//! (the `kiln` binary's mimalloc does, for speed: BENCHMARKS run 14), so a watermark on RSS
+//! fired once and never saw the effect of its own adaptation. [`CountingAlloc`] wraps any
+//! global allocator and counts the bytes live in it and their peak; a binary (or a test)
+//! that installs it gives the watermark a reading that falls when tensors are freed,
+//! whatever the allocator keeps. Without it, readings fall back to RSS.
+
+use std::alloc::{GlobalAlloc, Layout};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+static LIVE: AtomicU64 = AtomicU64::new(0);
+static PEAK: AtomicU64 = AtomicU64::new(0);
+static COUNTING: AtomicBool = AtomicBool::new(false);
+
+/// A global allocator that forwards to `A` and counts the bytes live in it.
+///
+/// ```
+/// #[global_allocator]
+/// static ALLOC: kiln::observe::heap::CountingAlloc<std::alloc::System> =
+///     kiln::observe::heap::CountingAlloc::new(std::alloc::System);
+///
+/// fn main() {
+///     let buffer = vec![0u8; 1 << 20];
+///     assert!(kiln::observe::heap::live_bytes().unwrap() >= buffer.len() as u64);
+/// }
+/// ```
+///
+/// The cost is two relaxed atomic operations per allocation and one per free.
+pub struct CountingAlloc<A>(A);
+
+impl<A> CountingAlloc<A> {
+    /// Wraps `inner`.
+    pub const fn new(inner: A) -> Self {
+        CountingAlloc(inner)
+    }
+}
+
+fn added(bytes: usize) {
+    let now = LIVE.fetch_add(bytes as u64, Ordering::Relaxed) + bytes as u64;
+    // A load first: the peak moves rarely, and fetch_max would write the line every time.
+    if now > PEAK.load(Ordering::Relaxed) {
+        PEAK.fetch_max(now, Ordering::Relaxed);
+    }
+    if !COUNTING.load(Ordering::Relaxed) {
+        COUNTING.store(true, Ordering::Relaxed);
+    }
+}
+
+fn removed(bytes: usize) {
+    LIVE.fetch_sub(bytes as u64, Ordering::Relaxed);
+}
+
+// SAFETY: every method forwards to `A` with the caller's arguments and only adds counting,
+// which never touches the memory itself.
+unsafe impl<A: GlobalAlloc> GlobalAlloc for CountingAlloc<A> {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: forwarded with the caller's guarantees.
+        let ptr = unsafe { self.0.alloc(layout) };
+        if !ptr.is_null() {
+            added(layout.size());
+        }
+        ptr
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: forwarded with the caller's guarantees.
+        unsafe { self.0.dealloc(ptr, layout) };
+        removed(layout.size());
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: forwarded with the caller's guarantees.
+        let ptr = unsafe { self.0.alloc_zeroed(layout) };
+        if !ptr.is_null() {
+            added(layout.size());
+        }
+        ptr
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: forwarded with the caller's guarantees.
+        let new = unsafe { self.0.realloc(ptr, layout, new_size) };
+        if !new.is_null() {
+            removed(layout.size());
+            added(new_size);
+        }
+        new
+    }
+}
+
+/// Bytes live in the counted heap, or `None` when no [`CountingAlloc`] is installed.
+pub fn live_bytes() -> Option<u64> {
+    COUNTING
+        .load(Ordering::Relaxed)
+        .then(|| LIVE.load(Ordering::Relaxed))
+}
+
+/// The most bytes live at once since the last call (or since the start), and starts a new
+/// window at what is live now; `None` when no [`CountingAlloc`] is installed.
+pub fn take_peak_bytes() -> Option<u64> {
+    if !COUNTING.load(Ordering::Relaxed) {
+        return None;
+    }
+    let live = LIVE.load(Ordering::Relaxed);
+    Some(PEAK.swap(live, Ordering::Relaxed).max(live))
+}
