@@ -72,6 +72,8 @@ const OPTIMIZE_EXAMPLES: &str = "\
 Examples:
   kiln optimize --model cnn --checkpoint runs/cnn --passes fold,int8 --out opt/cnn
   kiln optimize --model cnn --checkpoint runs/cnn --level advanced --out opt/cnn
+  kiln optimize --model cnn --checkpoint runs/cnn --passes strip,fold,f16 --device cuda \
+      --out opt/cnn-f16                                          half weights, on the GPU
   kiln optimize --onnx resnet18.onnx --out opt/resnet18          fold + int8, per-stage table
   kiln optimize --onnx bert.onnx --passes int8 --input-dims input_ids=128 \
       --input-dims attention_mask=128 --out opt/bert
@@ -91,6 +93,7 @@ const SERVE_EXAMPLES: &str = "\
 Examples:
   kiln serve --models opt                    KServe v2 (HTTP :8000, gRPC :8001) over opt/*/config.toml
   kiln serve --models repo --http-port 0 --no-grpc
+  kiln serve --models opt --device cpu       models with kind = \"KIND_AUTO\" (or none) on the CPU
 A model directory holds config.toml, e.g. for an exported ONNX file:
   backend = \"onnx\"
   file = \"model.onnx\"
@@ -273,6 +276,11 @@ struct OptimizeArgs {
     /// TOML config file whose `infer.passes` (and level) to use when --passes is not given.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
+    /// Device the model is optimized and timed on: auto (cuda when this kiln is built with
+    /// it and a driver loads, else the CPU), flex (the CPU) or cuda. Default: the config's
+    /// `device.backend` (auto).
+    #[arg(long)]
+    device: Option<String>,
     /// Output directory (model.kgraph, model.onnx when exportable, summary.md, summary.json).
     #[arg(long)]
     out: PathBuf,
@@ -537,7 +545,9 @@ fn run_onnx_optimize(args: OptimizeArgs) -> anyhow::Result<()> {
         kiln::plan::set_cpu_threads(args.threads);
     }
     let passes = kiln::onnx::OnnxPass::parse_list(args.passes.as_deref().unwrap_or("fold,int8"))?;
+    let plan = optimize_cmd::resolve_plan(&args)?;
     onnx_optimize::run(&onnx_optimize::OnnxOptimize {
+        device: plan.backend.device(),
         path: args.onnx.clone().unwrap_or_default(),
         passes,
         out: args.out.clone(),

@@ -17,6 +17,8 @@ use crate::onnx_bench::{input_shapes, make_inputs, time_kiln};
 
 /// What `kiln optimize --onnx` does.
 pub struct OnnxOptimize {
+    /// Where the model runs (`--device`, resolved through the plan).
+    pub device: Device,
     /// The model file.
     pub path: PathBuf,
     /// Passes in order.
@@ -48,7 +50,7 @@ struct Stage {
 
 /// Runs the passes stage by stage, measures each, writes the model directory.
 pub fn run(job: &OnnxOptimize) -> Result<()> {
-    let device = Device::flex();
+    let device = job.device.clone();
     let load = || {
         OnnxModel::load(&job.path, &device)
             .with_context(|| format!("loading {}", job.path.display()))

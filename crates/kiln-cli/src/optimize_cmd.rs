@@ -2,15 +2,13 @@
 //! each pass bought (latency b1, throughput b64, size on disk, accuracy, logit drift).
 
 use anyhow::{Context, Result};
-use burn::tensor::Device;
 use kiln::KilnConfig;
-use kiln::burn;
 use kiln::config::Level;
 use kiln::data::{Dataset, collate};
 use kiln::datasets::{self, Split};
 use kiln::infer::{self, InferenceSession, LogitDelta, Pass, onnx};
 use kiln::observe::timing::measure;
-use kiln::plan::Hardware;
+use kiln::plan::{Hardware, Plan};
 use kiln::zoo::ModelKind;
 use serde::Serialize;
 
@@ -35,8 +33,9 @@ struct Stage {
     changes: Vec<String>,
 }
 
-/// The passes the plan chooses (`infer.passes` at the config's and flag's level).
-fn plan_passes(args: &OptimizeArgs) -> Result<Vec<Pass>> {
+/// The plan for `kiln optimize`: the config file and level, with `--device` as
+/// `device.backend` (validated: a device this build or machine cannot run is an error).
+pub fn resolve_plan(args: &OptimizeArgs) -> Result<Plan> {
     let mut config = match &args.config {
         Some(path) => KilnConfig::load(path)?,
         None => KilnConfig::default(),
@@ -44,9 +43,13 @@ fn plan_passes(args: &OptimizeArgs) -> Result<Vec<Pass>> {
     if let Some(level) = &args.level {
         config.set_level(level.parse::<Level>()?);
     }
+    if let Some(device) = &args.device {
+        config.set("device.backend", device)?;
+    }
     let plan = kiln::plan::resolve(&config, &Hardware::probe())?;
     tracing::info!(
-        "passes from the plan at level {}: {}",
+        "device {}; passes from the plan at level {}: {}",
+        plan.backend.name(),
         plan.level,
         plan.infer_passes
             .iter()
@@ -54,7 +57,7 @@ fn plan_passes(args: &OptimizeArgs) -> Result<Vec<Pass>> {
             .collect::<Vec<_>>()
             .join(",")
     );
-    Ok(plan.infer_passes)
+    Ok(plan)
 }
 
 pub fn run(args: OptimizeArgs) -> Result<()> {
@@ -65,9 +68,10 @@ pub fn run(args: OptimizeArgs) -> Result<()> {
         anyhow::bail!("kiln optimize needs --model and --checkpoint (or --onnx FILE)");
     };
     let kind = ModelKind::from_name(model_name)?;
+    let plan = resolve_plan(&args)?;
     let passes = match &args.passes {
         Some(list) => Pass::parse_list(list)?,
-        None => plan_passes(&args)?,
+        None => plan.infer_passes.clone(),
     };
     let test = match &args.data {
         Some(dir) => datasets::load_dir(dir, Split::Test)?,
@@ -80,7 +84,7 @@ pub fn run(args: OptimizeArgs) -> Result<()> {
     } else {
         checkpoint.clone()
     };
-    let device = Device::flex();
+    let device = plan.backend.device();
     let model = infer::load_model(kind, shape[0], &checkpoint, &device)?;
 
     let mut stages = Vec::new();
@@ -176,7 +180,7 @@ fn time_batch(
     steps: usize,
 ) -> Result<f64> {
     let indices: Vec<usize> = (0..batch).map(|i| i % data.len()).collect();
-    let images = collate(data, &indices, &Device::flex())?.images;
+    let images = collate(data, &indices, session.device())?.images;
     let mut failure = None;
     let timing = measure(
         || {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use kiln_serve::{Repository, Server, ServerOptions};
+use kiln_serve::{InstanceKind, Repository, Server, ServerOptions};
 
 /// `kiln serve` arguments.
 #[derive(Args, Debug)]
@@ -41,6 +41,10 @@ pub struct ServeArgs {
     /// CPU threads for tensor work (0 = all cores).
     #[arg(long, default_value_t = 0)]
     threads: usize,
+    /// Where models run whose config.toml says `kind = "KIND_AUTO"` or nothing: auto (a GPU
+    /// when this kiln is built with CUDA and a driver loads, else the CPU), cpu or gpu.
+    #[arg(long, default_value = "auto")]
+    device: String,
 }
 
 /// Loads the repository, serves until Ctrl-C / SIGTERM, then drains in-flight requests.
@@ -48,13 +52,16 @@ pub fn run(args: ServeArgs) -> Result<()> {
     if args.threads > 0 {
         kiln::plan::set_cpu_threads(args.threads);
     }
+    let default_kind = InstanceKind::parse(&args.device)
+        .map_err(|_| anyhow::anyhow!("--device {:?}: use auto, cpu or gpu", args.device))?;
     let repository = Arc::new(
-        Repository::load(
+        Repository::load_on(
             &args.models,
             kiln_serve::Stages {
                 threads: args.stage_threads,
                 inline_bytes: args.inline_bytes,
             },
+            default_kind,
         )
         .with_context(|| format!("loading models from {}", args.models.display()))?,
     );

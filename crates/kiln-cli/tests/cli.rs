@@ -379,6 +379,8 @@ fn optimize_reports_each_pass_and_writes_the_model() {
         ckpt.to_str().unwrap(),
         "--passes",
         "fold",
+        "--device",
+        "flex",
         "--out",
         out2.to_str().unwrap(),
         "--steps",
@@ -386,6 +388,28 @@ fn optimize_reports_each_pass_and_writes_the_model() {
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(out2.join("model.onnx").exists());
+    // A device this build or machine cannot run is a clear error before any work.
+    let hw = kiln::plan::Hardware::probe();
+    if !(hw.cuda_compiled && hw.cuda_driver) {
+        let o = kiln(&[
+            "optimize",
+            "--model",
+            "mlp",
+            "--checkpoint",
+            ckpt.to_str().unwrap(),
+            "--device",
+            "cuda",
+            "--out",
+            dir.join("opt-gpu").to_str().unwrap(),
+        ]);
+        assert!(!o.status.success());
+        let err = stderr(&o);
+        assert!(
+            err.contains("device.backend = \"cuda\"")
+                && (err.contains("--features cuda") || err.contains("libcuda.so.1")),
+            "{err}"
+        );
+    }
     assert!(stdout(&o).contains("| fold |"), "{}", stdout(&o));
 
     // Without --passes the plan chooses (`infer.passes`): level basic = the exact rewrites.

@@ -10,6 +10,9 @@
 //! # non-batch dynamic axes of an input (the server batches fixed-shape samples)
 //! max_batch_size = 64
 //! instances = 2                   # model copies running batches in parallel
+//! kind = "KIND_AUTO"              # where they run (Triton's instance kinds): KIND_CPU,
+//!                                 # KIND_GPU (a kiln built with --features cuda), or
+//!                                 # KIND_AUTO (`kiln serve --device`, default: GPU if any)
 //! max_queue_size = 1024           # requests waiting; more are rejected (429 / RESOURCE_EXHAUSTED)
 //! timeout_microseconds = 0        # a request still queued after this is rejected; 0 = none
 //!
@@ -66,6 +69,51 @@ pub enum BackendConfig {
     },
 }
 
+/// Where a model's instances run: Triton's `instance_group` kinds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum InstanceKind {
+    /// The server's default (`kiln serve --device`; itself auto: a GPU when this kiln is
+    /// built with CUDA and a driver loads, else the CPU).
+    #[default]
+    Auto,
+    /// The CPU (Burn's `flex` backend).
+    Cpu,
+    /// The first CUDA device.
+    Gpu,
+}
+
+impl InstanceKind {
+    /// Triton's name (`KIND_CPU`).
+    pub fn name(self) -> &'static str {
+        match self {
+            InstanceKind::Auto => "KIND_AUTO",
+            InstanceKind::Cpu => "KIND_CPU",
+            InstanceKind::Gpu => "KIND_GPU",
+        }
+    }
+
+    /// Parses Triton's names and the `--device` words (auto, cpu/flex, gpu/cuda).
+    pub fn parse(text: &str) -> std::result::Result<Self, String> {
+        match text {
+            "KIND_AUTO" | "auto" => Ok(InstanceKind::Auto),
+            "KIND_CPU" | "cpu" | "flex" => Ok(InstanceKind::Cpu),
+            "KIND_GPU" | "gpu" | "cuda" => Ok(InstanceKind::Gpu),
+            other => Err(format!(
+                "kind = {other:?} is not an instance kind; use KIND_CPU, KIND_GPU or KIND_AUTO"
+            )),
+        }
+    }
+
+    /// This kind, or `default` when it is `Auto`.
+    pub fn or(self, default: InstanceKind) -> InstanceKind {
+        if self == InstanceKind::Auto {
+            default
+        } else {
+            self
+        }
+    }
+}
+
 /// Dynamic batching: Triton's `dynamic_batching` block.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DynamicBatching {
@@ -84,6 +132,8 @@ pub struct ModelConfig {
     pub max_batch_size: usize,
     /// Model copies executing batches in parallel.
     pub instances: usize,
+    /// Where the copies run.
+    pub kind: InstanceKind,
     /// Requests waiting for execution before new ones are rejected.
     pub max_queue_size: usize,
     /// Queue time after which a request is rejected instead of run.
@@ -110,6 +160,7 @@ struct RawConfig {
     max_batch_size: usize,
     #[serde(default = "one")]
     instances: usize,
+    kind: Option<String>,
     #[serde(default = "default_queue")]
     max_queue_size: usize,
     #[serde(default)]
@@ -273,10 +324,15 @@ impl ModelConfig {
                 })
             }
         };
+        let kind = match &raw.kind {
+            Some(text) => InstanceKind::parse(text)?,
+            None => InstanceKind::Auto,
+        };
         Ok(ModelConfig {
             backend,
             max_batch_size: raw.max_batch_size,
             instances: raw.instances,
+            kind,
             max_queue_size: raw.max_queue_size,
             timeout: (raw.timeout_microseconds > 0)
                 .then(|| Duration::from_micros(raw.timeout_microseconds)),
@@ -356,6 +412,10 @@ preferred_batch_size = [32, 8]
             (
                 "backend = \"identity\"\ndims = [4]\ninstances = 0",
                 "instances",
+            ),
+            (
+                "backend = \"identity\"\ndims = [4]\nkind = \"KIND_TPU\"",
+                "use KIND_CPU, KIND_GPU or KIND_AUTO",
             ),
         ];
         for (text, expected) in cases {

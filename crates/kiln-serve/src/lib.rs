@@ -27,7 +27,7 @@ pub mod server;
 pub mod tensor;
 pub mod triton_config;
 
-pub use config::{BackendConfig, DynamicBatching, ModelConfig};
+pub use config::{BackendConfig, DynamicBatching, InstanceKind, ModelConfig};
 pub use error::{Result, ServeError};
 pub use pipeline::Stages;
 pub use repository::Repository;

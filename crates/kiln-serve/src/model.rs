@@ -8,9 +8,10 @@ use std::path::Path;
 use burn::tensor::{Device, Tensor, TensorData};
 use kiln::infer::{InferenceSession, Pass, load_graph, load_model, lower, run_passes};
 use kiln::onnx::{OnnxModel, OnnxPass, Port, ValueKind};
+use kiln::plan::Hardware;
 use kiln::zoo::ModelKind;
 
-use crate::config::BackendConfig;
+use crate::config::{BackendConfig, InstanceKind};
 use crate::error::{Result, ServeError};
 use crate::tensor::{DataType, NamedTensor, TensorSpec, Values};
 
@@ -43,13 +44,38 @@ pub trait Backend: Send {
     fn execute(&mut self, inputs: Vec<Values>, batch: usize) -> Result<Vec<Values>>;
 }
 
-/// Builds `instances` copies of the configured backend and reports the model's signature.
-/// Weights are read, lowered and optimized once; each instance gets its own session over a
-/// copy of the resulting graph.
+/// The device for a model's instances of `kind` on this machine (`KIND_AUTO`: a GPU when
+/// this kiln is built with CUDA and a driver loads, else the CPU), with the kind it resolved
+/// to; a GPU this build or machine lacks is a load error that says why.
+pub fn instance_device(name: &str, kind: InstanceKind) -> Result<(InstanceKind, Device)> {
+    let word = match kind {
+        InstanceKind::Auto => "auto",
+        InstanceKind::Cpu => "flex",
+        InstanceKind::Gpu => "cuda",
+    };
+    let asked = format!("kind = \"{}\"", kind.name());
+    let (backend, device) =
+        Hardware::probe()
+            .device_named(word, &asked)
+            .map_err(|e| ServeError::Load {
+                model: name.to_string(),
+                message: e.to_string(),
+            })?;
+    let resolved = match backend {
+        kiln::plan::Backend::Flex => InstanceKind::Cpu,
+        kiln::plan::Backend::Cuda => InstanceKind::Gpu,
+    };
+    Ok((resolved, device))
+}
+
+/// Builds `instances` copies of the configured backend on `device` and reports the model's
+/// signature. Weights are read, lowered and optimized once; each instance gets its own
+/// session over a copy of the resulting graph.
 pub fn build_backends(
     name: &str,
     config: &BackendConfig,
     instances: usize,
+    device: &Device,
 ) -> Result<(Vec<Box<dyn Backend>>, ModelSpec)> {
     let fail = |e: kiln::KilnError| ServeError::Load {
         model: name.to_string(),
@@ -90,8 +116,7 @@ pub fn build_backends(
         } => {
             let kind = ModelKind::from_name(model).map_err(fail)?;
             let passes = Pass::parse_list(passes).map_err(fail)?;
-            let zoo =
-                load_model(kind, input_shape[0], checkpoint, &Device::flex()).map_err(fail)?;
+            let zoo = load_model(kind, input_shape[0], checkpoint, device).map_err(fail)?;
             let mut graph = lower(&zoo, kind.name(), *input_shape).map_err(fail)?;
             run_passes(&mut graph, &passes).map_err(fail)?;
             graph
@@ -100,15 +125,14 @@ pub fn build_backends(
             path,
             passes,
             input_dims,
-        } => return onnx_backends(name, path, passes, input_dims, instances),
+        } => return onnx_backends(name, path, passes, input_dims, instances, device),
         BackendConfig::Graph { path } => load_graph(path).map_err(fail)?,
     };
     let mut backends = Vec::with_capacity(instances);
     let mut spec = None;
     for _ in 0..instances {
-        let device = Device::flex();
-        let session = InferenceSession::from_graph(graph.clone(), &device).map_err(fail)?;
-        let (backend, s) = classifier(name, session, device)?;
+        let session = InferenceSession::from_graph(graph.clone(), device).map_err(fail)?;
+        let (backend, s) = classifier(name, session, device.clone())?;
         backends.push(backend);
         spec = Some(s);
     }
@@ -214,6 +238,7 @@ fn onnx_backends(
     passes: &str,
     input_dims: &BTreeMap<String, Vec<usize>>,
     instances: usize,
+    device: &Device,
 ) -> Result<(Vec<Box<dyn Backend>>, ModelSpec)> {
     let load_error = |message: String| ServeError::Load {
         model: name.to_string(),
@@ -225,8 +250,8 @@ fn onnx_backends(
     let mut backends: Vec<Box<dyn Backend>> = Vec::with_capacity(instances);
     let mut spec = None;
     for _ in 0..instances.max(1) {
-        let mut model = OnnxModel::from_bytes(&bytes, name, &Device::flex())
-            .map_err(|e| load_error(e.to_string()))?;
+        let mut model =
+            OnnxModel::from_bytes(&bytes, name, device).map_err(|e| load_error(e.to_string()))?;
         for &pass in &passes {
             let report = model.apply(pass).map_err(|e| load_error(e.to_string()))?;
             tracing::info!(model = name, pass = pass.name(), changes = ?report.changes, "pass applied");

@@ -24,7 +24,7 @@ use crate::codec::{self, Encoded, InferRequest, WireRequest};
 use crate::config::{DynamicBatching, ModelConfig};
 use crate::error::{Result, ServeError};
 use crate::metrics::ModelMetrics;
-use crate::model::{Backend, ModelSpec, build_backends, postprocess};
+use crate::model::{Backend, ModelSpec, build_backends, instance_device, postprocess};
 use crate::queue::{BoundedQueue, PushError};
 use crate::tensor::Values;
 
@@ -134,9 +134,13 @@ impl std::fmt::Debug for ModelRuntime {
 impl ModelRuntime {
     /// Builds `config.instances` backends and starts `stages.threads` pre- and postprocess
     /// threads each.
-    pub fn start(name: &str, config: ModelConfig, stages: Stages) -> Result<Arc<Self>> {
+    pub fn start(name: &str, mut config: ModelConfig, stages: Stages) -> Result<Arc<Self>> {
         let stage_threads = stages.threads;
-        let (backends, spec) = build_backends(name, &config.backend, config.instances)?;
+        // The kind as it resolved on this machine (KIND_AUTO becomes CPU or GPU), so the
+        // model's configuration reports where it really runs.
+        let (kind, device) = instance_device(name, config.kind)?;
+        config.kind = kind;
+        let (backends, spec) = build_backends(name, &config.backend, config.instances, &device)?;
         let capacity = config.max_queue_size;
         let runtime = Arc::new(ModelRuntime {
             name: name.to_string(),

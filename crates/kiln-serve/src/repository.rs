@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 
-use crate::config::ModelConfig;
+use crate::config::{InstanceKind, ModelConfig};
 use crate::error::{Result, ServeError};
 use crate::pipeline::{ModelRuntime, Stages};
 
@@ -39,6 +39,12 @@ impl Repository {
     /// or weights are bad is kept as [`Entry::Unavailable`] with the reason; the others
     /// serve. Only an unreadable `dir` is an error.
     pub fn load(dir: &Path, stages: Stages) -> Result<Self> {
+        Self::load_on(dir, stages, InstanceKind::Auto)
+    }
+
+    /// [`Repository::load`], with the models whose config says `KIND_AUTO` (or nothing) run
+    /// as `default` (`kiln serve --device`).
+    pub fn load_on(dir: &Path, stages: Stages, default: InstanceKind) -> Result<Self> {
         let listing = std::fs::read_dir(dir).map_err(|e| ServeError::Config {
             path: dir.display().to_string(),
             message: format!("cannot read the model repository ({e}); pass an existing directory"),
@@ -59,8 +65,10 @@ impl Repository {
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_default();
-            let entry = ModelConfig::load(&path)
-                .and_then(|config| ModelRuntime::start(&name, config, stages));
+            let entry = ModelConfig::load(&path).and_then(|mut config| {
+                config.kind = config.kind.or(default);
+                ModelRuntime::start(&name, config, stages)
+            });
             repo.insert(&name, entry);
         }
         Ok(repo)

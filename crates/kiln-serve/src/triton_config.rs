@@ -5,6 +5,7 @@ use std::sync::atomic::Ordering;
 
 use serde_json::{Value, json};
 
+use crate::config::InstanceKind;
 use crate::grpc::pb;
 use crate::pipeline::ModelRuntime;
 use crate::tensor::TensorSpec;
@@ -35,7 +36,7 @@ pub fn to_json(rt: &ModelRuntime) -> Value {
             "data_type": type_name(o),
             "dims": dims(o),
         })).collect::<Vec<_>>(),
-        "instance_group": [{"name": rt.name, "kind": "KIND_CPU", "count": c.instances}],
+        "instance_group": [{"name": rt.name, "kind": c.kind.name(), "count": c.instances}],
     });
     if let Some(b) = &c.dynamic_batching {
         config["dynamic_batching"] = json!({
@@ -81,7 +82,11 @@ pub fn to_proto(rt: &ModelRuntime) -> pb::ModelConfig {
         instance_group: vec![pb::ModelInstanceGroup {
             name: rt.name.clone(),
             count: c.instances as i32,
-            kind: pb::model_instance_group::Kind::Cpu as i32,
+            kind: match c.kind {
+                InstanceKind::Gpu => pb::model_instance_group::Kind::Gpu as i32,
+                InstanceKind::Cpu => pb::model_instance_group::Kind::Cpu as i32,
+                InstanceKind::Auto => pb::model_instance_group::Kind::Auto as i32,
+            },
         }],
         scheduling_choice: c.dynamic_batching.as_ref().map(|b| {
             pb::model_config::SchedulingChoice::DynamicBatching(pb::ModelDynamicBatching {

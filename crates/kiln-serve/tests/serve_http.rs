@@ -671,3 +671,55 @@ fn exported_onnx_models_serve_multiple_inputs_and_map_outputs() {
     assert_eq!(ready.status, 400);
     assert!(ready.error().contains("input_dims"), "{}", ready.error());
 }
+
+/// Triton's instance kinds: `KIND_CPU` runs on the CPU and says so in the model's
+/// configuration; `KIND_AUTO` resolves on this machine (the CPU without a CUDA build and a
+/// driver); `KIND_GPU` runs on the GPU where this kiln has one, and otherwise leaves the
+/// model unavailable with a reason that says how to get one, while the others serve.
+#[test]
+fn instance_kinds_run_where_they_say_or_say_why_not() {
+    let repo = tempdir("instance-kinds");
+    for (name, kind) in [
+        ("cpu", "KIND_CPU"),
+        ("auto", "KIND_AUTO"),
+        ("gpu", "KIND_GPU"),
+    ] {
+        write_model(
+            &repo,
+            name,
+            &format!("backend = \"identity\"\ndims = [2]\nkind = \"{kind}\"\n"),
+        );
+    }
+    let server = TestServer::start(&repo);
+    let hw = kiln::plan::Hardware::probe();
+    let gpu = hw.cuda_compiled && hw.cuda_driver;
+    let config = |name: &str| {
+        http(
+            server.http,
+            "GET",
+            &format!("/v2/models/{name}/config"),
+            &[],
+            b"",
+        )
+    };
+    let kind_of = |name: &str| config(name).json()["instance_group"][0]["kind"].clone();
+    assert_eq!(kind_of("cpu"), "KIND_CPU");
+    assert_eq!(kind_of("auto"), if gpu { "KIND_GPU" } else { "KIND_CPU" });
+    let ready = http(server.http, "GET", "/v2/models/gpu/ready", &[], b"");
+    if gpu {
+        assert_eq!(kind_of("gpu"), "KIND_GPU");
+    } else {
+        assert_eq!(ready.status, 400);
+        let why = ready.error();
+        assert!(
+            why.contains("kind = \"KIND_GPU\"") && why.contains("--features cuda"),
+            "{why}"
+        );
+    }
+    let out = post_json(
+        server.http,
+        "/v2/models/cpu/infer",
+        &infer_body("INPUT0", &[1, 2], &[1.0, 2.0]),
+    );
+    assert_eq!(out.status, 200, "{}", out.error());
+}

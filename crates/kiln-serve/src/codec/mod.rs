@@ -193,6 +193,13 @@ pub(crate) fn assemble_inputs(
     spec: &ModelSpec,
     decoded: Vec<Option<(usize, Values)>>,
 ) -> Result<(usize, Vec<Values>)> {
+    let quoted = |names: Vec<&str>| {
+        names
+            .iter()
+            .map(|n| format!("`{n}`"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     let missing: Vec<&str> = spec
         .inputs
         .iter()
@@ -202,11 +209,9 @@ pub(crate) fn assemble_inputs(
         .collect();
     if !missing.is_empty() {
         return Err(ServeError::InvalidRequest(format!(
-            "missing input(s) {missing:?}; the model takes {:?}",
-            spec.inputs
-                .iter()
-                .map(|i| i.name.as_str())
-                .collect::<Vec<_>>()
+            "missing input {}; the model takes {}",
+            quoted(missing),
+            quoted(spec.inputs.iter().map(|i| i.name.as_str()).collect())
         )));
     }
     let mut batch = None;

@@ -78,6 +78,11 @@ impl InferenceSession {
         self.executor.graph()
     }
 
+    /// The device the session runs on.
+    pub fn device(&self) -> &Device {
+        self.executor.device()
+    }
+
     /// Logits `[B, classes]` for images `[B, C, H, W]` on the session's device.
     pub fn forward(&self, images: Tensor<4>) -> Result<Tensor<2>> {
         self.executor.forward(images)

@@ -1,5 +1,9 @@
 //! The hardware probe: what this machine has, so `auto` settings resolve to real values.
 
+use burn::tensor::Device;
+
+use crate::error::{KilnError, Result};
+
 /// A tensor backend Kiln can run on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {
@@ -82,6 +86,48 @@ impl Hardware {
             (true, false) => "built with cuda but no NVIDIA driver; embedded CPU".into(),
             _ => "no cuda feature; embedded CPU".into(),
         }
+    }
+}
+
+impl Hardware {
+    /// `Ok` when this build and this machine can run `backend`; otherwise an error that says
+    /// what is missing and how to get it. `asked` names where the request came from
+    /// (`device.backend = "cuda"`, `--device cuda`, `kind = "KIND_GPU"`).
+    pub fn ensure_runs(&self, backend: Backend, asked: &str) -> Result<()> {
+        if backend == Backend::Cuda && !self.cuda_compiled {
+            return Err(KilnError::Inconsistent(format!(
+                "{asked} but this kiln was built without CUDA; rebuild with `cargo build \
+                 --release --features cuda` (docs/cuda.md) or use the CPU (flex)"
+            )));
+        }
+        if backend == Backend::Cuda && !self.cuda_driver {
+            return Err(KilnError::Inconsistent(format!(
+                "{asked} but no NVIDIA driver (libcuda.so.1) can be loaded on this machine; \
+                 install the driver (or add its directory to LD_LIBRARY_PATH) or use the CPU \
+                 (flex)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The device for a backend named `auto`, `flex` or `cuda` (as `--device` takes it):
+    /// `auto` is the best this machine runs; a backend it cannot run is an error naming
+    /// `asked`.
+    pub fn device_named(&self, name: &str, asked: &str) -> Result<(Backend, Device)> {
+        let backend = match name {
+            "auto" => self.best_backend(),
+            "flex" | "cpu" => Backend::Flex,
+            "cuda" | "gpu" => Backend::Cuda,
+            other => {
+                return Err(KilnError::InvalidValue {
+                    key: asked.into(),
+                    value: format!("{other:?}"),
+                    expected: "auto, flex (the CPU) or cuda".into(),
+                });
+            }
+        };
+        self.ensure_runs(backend, asked)?;
+        Ok((backend, backend.device()))
     }
 }
 

@@ -239,21 +239,7 @@ fn build(config: &KilnConfig, settings: Vec<ResolvedSetting>, hw: &Hardware) -> 
     let flag = |key: &str| get(key).as_bool().unwrap_or_default();
 
     let backend = Backend::from_name(&text("device.backend"));
-    if backend == Backend::Cuda && !hw.cuda_compiled {
-        return Err(KilnError::Inconsistent(
-            "device.backend = \"cuda\" but this kiln was built without CUDA; rebuild with \
-             `cargo build --release --features cuda` or use device.backend = \"flex\""
-                .into(),
-        ));
-    }
-    if backend == Backend::Cuda && !hw.cuda_driver {
-        return Err(KilnError::Inconsistent(
-            "device.backend = \"cuda\" but no NVIDIA driver (libcuda.so.1) can be loaded on \
-             this machine; install the driver (or add its directory to LD_LIBRARY_PATH) or use \
-             device.backend = \"flex\""
-                .into(),
-        ));
-    }
+    hw.ensure_runs(backend, "device.backend = \"cuda\"")?;
     let optimizer = match text("train.optimizer").as_str() {
         "adamw" => OptimizerKind::AdamW,
         "sgd" => OptimizerKind::Sgd,
