@@ -164,15 +164,17 @@ enum TuneCommand {
     Batch(TuneBatchArgs),
     /// The auto-optimizer: short measured trials over precision, micro-batch (effective batch
     /// kept), activation checkpointing and loader workers; writes the winner as a kiln.toml.
-    Auto(TuneAutoArgs),
+    Auto(Box<TuneAutoArgs>),
 }
 
 #[derive(Args, Debug)]
 struct TuneAutoArgs {
-    /// Zoo model: mlp (W1), cnn (W2), transformer (W4), resnet (W5).
-    #[arg(long, default_value = "cnn")]
-    model: String,
-    /// Effective batch to keep (default: the workload's standard batch).
+    /// The configuration the trials start from and the written plan keeps (`--config
+    /// kiln.toml`, `--level`, `--model`, `--lr`, `--threads`, ... as for `kiln train`).
+    #[command(flatten)]
+    config: ConfigArgs,
+    /// Effective batch to keep (default: the config's batch_size × grad_accum_steps when
+    /// it sets them, else the workload's standard batch).
     #[arg(long)]
     batch: Option<usize>,
     /// Timed steps per trial (after 2 warm-up steps).
@@ -187,9 +189,6 @@ struct TuneAutoArgs {
     /// Stop exploring once this much time is spent (e.g. 90s, 5m); the trial in flight ends.
     #[arg(long)]
     time_budget: Option<String>,
-    /// CPU threads (0 = one per core).
-    #[arg(long, default_value_t = 0)]
-    threads: usize,
     /// The report as JSON.
     #[arg(long)]
     json: bool,
@@ -498,7 +497,7 @@ fn main() {
         Command::Optimize(args) => optimize_cmd::run(args),
         Command::Profile(args) => profile_cmd::run(args),
         Command::Tune(TuneCommand::Batch(args)) => tune_cmd::run(args),
-        Command::Tune(TuneCommand::Auto(args)) => tune_auto_cmd::run(args),
+        Command::Tune(TuneCommand::Auto(args)) => tune_auto_cmd::run(*args),
         Command::Report(args) => kiln::report::write_report(&args.run_dir, args.out.as_deref())
             .map(|p| println!("report: {}", p.display()))
             .map_err(Into::into),

@@ -9,27 +9,32 @@ use kiln::data::{Dataset, SyntheticDataset};
 use kiln::datasets::{Split, bundled};
 use kiln::train::TrainOptions;
 use kiln::tune::auto::{Measured, auto_tune, grid_candidates, run_trial, to_toml};
-use kiln::zoo::ModelKind;
 
 use crate::TuneAutoArgs;
 
 pub fn run(args: TuneAutoArgs) -> Result<()> {
-    let model = ModelKind::from_name(&args.model)?;
-    let hardware = kiln::plan::Hardware::probe();
-    let threads = if args.threads == 0 {
-        hardware.cores
-    } else {
-        args.threads
-    };
-    kiln::plan::set_cpu_threads(threads);
+    // One road: the same config, level and flags as `kiln train` resolve the plan the
+    // trials start from, and the written file keeps them.
+    let config = args.config.to_config()?;
+    let plan = kiln::plan::resolve(&config, &kiln::plan::Hardware::probe())?;
+    plan.apply_runtime();
+    let model = plan.model;
+    let threads = plan.threads;
     let (default_batch, shape) = model.bench_shape();
-    let batch = args.batch.unwrap_or(default_batch);
+    let user_set = |key: &str| config.user_value(key).is_some();
+    let batch = args.batch.unwrap_or(
+        if user_set("train.batch_size") || user_set("train.grad_accum_steps") {
+            plan.train.batch_size * plan.train.grad_accum_steps
+        } else {
+            default_batch
+        },
+    );
     let data: Box<dyn Dataset> = if shape == [1, 28, 28] {
         Box::new(bundled(Split::Train)?)
     } else {
         Box::new(SyntheticDataset::new(batch * 16, shape, 10, 7))
     };
-    let base = TrainOptions::default();
+    let base: TrainOptions = plan.train.clone();
     let steps = args.steps;
     let mut trial = |c: &kiln::tune::auto::Candidate| {
         if !args.json {
@@ -49,7 +54,7 @@ pub fn run(args: TuneAutoArgs) -> Result<()> {
         None => None,
     };
     let report = auto_tune(batch, threads, false, budget, &mut trial)?;
-    let toml = to_toml(model, &report);
+    let toml = to_toml(&config, model, &report)?;
     kiln::fsutil::write_atomic(&args.out, toml.as_bytes())?;
     // The trials, next to the plan, for `kiln report`.
     let json_path = args.out.with_file_name("tune.json");

@@ -873,6 +873,54 @@ fn tune_auto_writes_a_plan_that_kiln_accepts() {
     let text = std::fs::read_to_string(&toml).unwrap();
     assert!(text.contains("# Written by `kiln tune auto`"), "{text}");
 
+    // One road for configuration: the user's kiln.toml is where the trials start and what
+    // the written plan keeps (its level, optimizer and learning rate), with the tuned keys
+    // replaced; flags apply as for `kiln train`.
+    let user = dir.join("user.toml");
+    std::fs::write(
+        &user,
+        "level = \"basic\"\n[train]\nmodel = \"mlp\"\noptimizer = \"sgd\"\nlr = 0.005\nbatch_size = 32\ngrad_accum_steps = 2\n",
+    )
+    .unwrap();
+    let tuned = dir.join("tuned.toml");
+    let o = kiln(&[
+        "tune",
+        "auto",
+        "--config",
+        user.to_str().unwrap(),
+        "--set",
+        "train.momentum=0.8",
+        "--steps",
+        "2",
+        "--out",
+        tuned.to_str().unwrap(),
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    let best = &v["report"]["best"]["candidate"];
+    let effective =
+        best["micro_batch"].as_u64().unwrap() * best["grad_accum_steps"].as_u64().unwrap();
+    assert_eq!(
+        effective, 64,
+        "the config's effective batch is kept: {best}"
+    );
+    let o = kiln(&["plan", "--config", tuned.to_str().unwrap(), "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let plan: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(plan["level"], "basic");
+    let value = |key: &str| plan["settings"][key]["value"].clone();
+    assert_eq!(value("train.optimizer"), "sgd");
+    assert_eq!(value("train.lr"), 0.005);
+    assert_eq!(value("train.momentum"), 0.8);
+    assert_eq!(value("train.model"), "mlp");
+    assert_eq!(value("train.batch_size"), best["micro_batch"]);
+    let text = std::fs::read_to_string(&tuned).unwrap();
+    assert!(
+        text.contains("Starts from") && text.contains("user.toml"),
+        "{text}"
+    );
+
     // A spent time budget stops the search after the baseline, and says so.
     let o = kiln(&[
         "tune",

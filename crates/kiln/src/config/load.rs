@@ -100,6 +100,41 @@ impl KilnConfig {
         self.set(key.trim(), raw.trim())
     }
 
+    /// Sets `key` to `value` as a command-line flag would, validated by the key's type
+    /// (an integer where a float is expected is taken).
+    pub fn set_value(&mut self, key: &str, value: toml::Value) -> Result<()> {
+        let spec = schema::find(key).ok_or_else(|| schema::unknown_key(key))?;
+        self.overrides
+            .insert(key.to_string(), spec.validate(&value)?);
+        Ok(())
+    }
+
+    /// What the user gave — the level (when chosen) and every value from the file and the
+    /// flags, flags winning — as a TOML document with one table per section, which
+    /// [`KilnConfig::load`] reads back as the same settings. Every value went through the
+    /// schema on the way in, so the text is valid by construction.
+    pub fn to_toml_string(&self) -> Result<String> {
+        let mut values = self.file_values.clone();
+        values.extend(self.overrides.clone());
+        let mut root = toml::Table::new();
+        if self.level_origin.is_some() {
+            root.insert(
+                "level".into(),
+                toml::Value::String(self.level.name().into()),
+            );
+        }
+        for (key, value) in values {
+            let (section, name) = key.split_once('.').unwrap_or(("", key.as_str()));
+            let table = root
+                .entry(section.to_string())
+                .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+            if let toml::Value::Table(t) = table {
+                t.insert(name.to_string(), value);
+            }
+        }
+        toml::to_string(&root).map_err(|e| KilnError::Inconsistent(format!("writing TOML: {e}")))
+    }
+
     /// The user-given value of a key (flag over file) and where it came from, if any.
     pub fn user_value(&self, key: &str) -> Option<(&toml::Value, Origin)> {
         if let Some(v) = self.overrides.get(key) {

@@ -25,6 +25,7 @@ use std::time::Instant;
 use burn::tensor::Device;
 use serde::Serialize;
 
+use crate::KilnConfig;
 use crate::data::{BatchSource, Dataset};
 use crate::error::Result;
 use crate::observe::MemorySink;
@@ -440,9 +441,38 @@ pub fn grid_candidates(effective_batch: usize, cores: usize) -> Vec<Candidate> {
     out
 }
 
-/// The winner as a `kiln.toml` the user can commit, with the reasons as comments.
-pub fn to_toml(model: ModelKind, report: &TuneReport) -> String {
+/// The winner as a `kiln.toml` the user can commit, with the reasons as comments: the
+/// user's own config (`base`: its level and every value from their file and flags) with the
+/// tuned keys set, written through the config's schema ([`KilnConfig::to_toml_string`]).
+pub fn to_toml(base: &KilnConfig, model: ModelKind, report: &TuneReport) -> Result<String> {
     let c = &report.best.candidate;
+    let mut config = base.clone();
+    // The trials ran at this level: write it even where it was the default.
+    config.set_level(base.level);
+    let tuned = [
+        ("train.model", toml::Value::String(model.name().into())),
+        (
+            "train.batch_size",
+            toml::Value::Integer(c.micro_batch as i64),
+        ),
+        (
+            "train.grad_accum_steps",
+            toml::Value::Integer(c.grad_accum_steps as i64),
+        ),
+        (
+            "train.activation_checkpointing",
+            toml::Value::Boolean(c.checkpointing),
+        ),
+        (
+            "precision.policy",
+            toml::Value::String(c.precision.name().into()),
+        ),
+        ("data.workers", toml::Value::Integer(c.workers as i64)),
+        ("device.kiln_kernels", toml::Value::Boolean(c.kiln_kernels)),
+    ];
+    for (key, value) in tuned {
+        config.set_value(key, value)?;
+    }
     let mut text = format!(
         "# Written by `kiln tune auto` for {} ({}): {:.0} samples/s vs {:.0} for the f32 \
          baseline ({:+.1}%).\n",
@@ -452,25 +482,20 @@ pub fn to_toml(model: ModelKind, report: &TuneReport) -> String {
         report.baseline.samples_per_s,
         100.0 * (report.best.samples_per_s / report.baseline.samples_per_s.max(1e-9) - 1.0)
     );
+    if let Some(file) = &base.file {
+        text.push_str(&format!(
+            "# Starts from {} (its settings kept, the tuned ones replaced).\n",
+            file.display()
+        ));
+    }
     for d in &report.decisions {
         text.push_str(&format!("#   {}\n", d.reason));
     }
     for s in &report.skipped {
         text.push_str(&format!("#   skipped {s}\n"));
     }
-    text.push_str(&format!(
-        "level = \"advanced\"\n\n[train]\nmodel = \"{}\"\nbatch_size = {}\ngrad_accum_steps = {}\n\
-         activation_checkpointing = {}\n\n[precision]\npolicy = \"{}\"\n\n[data]\nworkers = {}\n\n\
-         [device]\nkiln_kernels = {}\n",
-        model.name(),
-        c.micro_batch,
-        c.grad_accum_steps,
-        c.checkpointing,
-        c.precision.name(),
-        c.workers,
-        c.kiln_kernels
-    ));
-    text
+    text.push_str(&config.to_toml_string()?);
+    Ok(text)
 }
 
 #[cfg(test)]
@@ -574,7 +599,7 @@ mod tests {
         })
         .unwrap();
         assert!(!r.best.candidate.kiln_kernels, "{:?}", r.decisions);
-        let toml = to_toml(ModelKind::Cnn, &r);
+        let toml = to_toml(&KilnConfig::default(), ModelKind::Cnn, &r).unwrap();
         assert!(toml.contains("[device]\nkiln_kernels = false"), "{toml}");
         let on_gpu = auto_tune(64, 2, true, None, |c| Ok(fake(c))).unwrap();
         assert!(on_gpu.best.candidate.kiln_kernels);
