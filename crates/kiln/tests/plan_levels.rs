@@ -214,3 +214,47 @@ fn inference_passes_resolve_per_level() {
         "{msg}"
     );
 }
+
+/// Every name the schema accepts for an enum key resolves to that value, never to a silent
+/// default: the plan reads each name back from the resolved options.
+#[test]
+fn every_enum_name_the_schema_accepts_resolves_to_itself() {
+    use kiln::config::{Kind, schema::SETTINGS};
+    for spec in SETTINGS {
+        let Kind::Enum(names) = spec.kind else {
+            continue;
+        };
+        for name in names {
+            let mut c = KilnConfig::default();
+            c.set(spec.key, name).unwrap();
+            let plan = match resolve(&c, &hw()) {
+                Ok(plan) => plan,
+                // The one name this machine's hardware stub cannot run.
+                Err(e) if spec.key == "device.backend" && *name == "cuda" => {
+                    assert!(e.to_string().contains("--features cuda"), "{e}");
+                    continue;
+                }
+                Err(e) => panic!("{} = {name}: {e}", spec.key),
+            };
+            let back = match spec.key {
+                "train.optimizer" => plan.train.optimizer.name().to_string(),
+                "train.schedule" => plan.train.schedule.name().to_string(),
+                "precision.policy" => plan.train.precision.name().to_string(),
+                "precision.loss_scaling" => plan.train.scaler.mode.name().to_string(),
+                "guard.policy" => plan.train.guard.policy.name().to_string(),
+                "train.model" => plan.model.name().to_string(),
+                _ => plan
+                    .get(spec.key)
+                    .unwrap()
+                    .value
+                    .as_str()
+                    .unwrap()
+                    .to_string(),
+            };
+            // `auto` backends resolve to what the probe found.
+            if !(spec.key == "device.backend" && *name == "auto") {
+                assert_eq!(back, *name, "{}", spec.key);
+            }
+        }
+    }
+}

@@ -5,6 +5,35 @@
 //! [`schema::SETTINGS`] with its type, allowed values and per-level defaults, so validation,
 //! `kiln plan` and the documentation cannot drift apart.
 
+/// Gives an enum its config names in one place: `NAMES` (the values the schema's
+/// [`Kind::Enum`] accepts, in the order help lists them), `name()` and `from_name()`. Because
+/// the schema takes its list from `NAMES`, a value that validates always parses: the plan
+/// needs no silent fallback.
+macro_rules! config_names {
+    ($ty:ty { $($variant:ident => $text:literal),+ $(,)? }) => {
+        impl $ty {
+            /// Every config name, in the order help lists them.
+            pub const NAMES: &'static [&'static str] = &[$($text),+];
+
+            /// The name used in configs.
+            pub fn name(self) -> &'static str {
+                match self {
+                    $(Self::$variant => $text),+
+                }
+            }
+
+            /// Parses a config name; `None` for anything not in [`Self::NAMES`].
+            pub fn from_name(name: &str) -> Option<Self> {
+                match name {
+                    $($text => Some(Self::$variant),)+
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+pub(crate) use config_names;
+
 mod level;
 mod load;
 pub mod schema;

@@ -119,7 +119,7 @@ pub static SETTINGS: &[SettingSpec] = &[
     },
     SettingSpec {
         key: "train.optimizer",
-        kind: Kind::Enum(&["adam", "adamw", "sgd"]),
+        kind: Kind::Enum(crate::train::OptimizerKind::NAMES),
         default: S("adam"),
         levels: &[],
         doc: "optimizer: adam, adamw (decoupled weight decay) or sgd (with momentum)",
@@ -153,7 +153,7 @@ pub static SETTINGS: &[SettingSpec] = &[
     },
     SettingSpec {
         key: "train.schedule",
-        kind: Kind::Enum(&["constant", "cosine"]),
+        kind: Kind::Enum(crate::train::Schedule::NAMES),
         default: S("constant"),
         levels: &[(Level::Advanced, S("cosine")), (Level::Ultra, S("cosine"))],
         doc: "learning-rate schedule after warm-up: constant or cosine decay to min_lr_ratio x lr",
@@ -238,14 +238,14 @@ pub static SETTINGS: &[SettingSpec] = &[
     },
     SettingSpec {
         key: "precision.policy",
-        kind: Kind::Enum(&["f32", "bf16", "f16"]),
+        kind: Kind::Enum(crate::precision::Precision::NAMES),
         default: S("f32"),
         levels: &[],
         doc: "numeric precision: f32, or bf16/f16 mixed precision (matmul/conv in low precision, f32 master weights, reductions, norms and loss)",
     },
     SettingSpec {
         key: "precision.loss_scaling",
-        kind: Kind::Enum(&["auto", "dynamic", "off"]),
+        kind: Kind::Enum(crate::precision::ScalingMode::NAMES),
         default: S("auto"),
         levels: &[],
         doc: "loss scaling: auto = dynamic for f16, off for f32/bf16; dynamic = GradScaler semantics",
@@ -272,7 +272,7 @@ pub static SETTINGS: &[SettingSpec] = &[
     },
     SettingSpec {
         key: "guard.policy",
-        kind: Kind::Enum(&["skip", "rollback", "abort"]),
+        kind: Kind::Enum(crate::guard::GuardPolicy::NAMES),
         default: S("abort"),
         levels: &[(Level::Advanced, S("skip")), (Level::Ultra, S("rollback"))],
         doc: "on non-finite loss/gradients/parameters: skip the step, roll back to the last good snapshot, or abort",

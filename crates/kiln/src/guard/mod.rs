@@ -25,16 +25,7 @@ pub enum GuardPolicy {
     Abort,
 }
 
-impl GuardPolicy {
-    /// Parses a validated config name.
-    pub fn from_name(name: &str) -> Self {
-        match name {
-            "skip" => GuardPolicy::Skip,
-            "rollback" => GuardPolicy::Rollback,
-            _ => GuardPolicy::Abort,
-        }
-    }
-}
+crate::config::config_names!(GuardPolicy { Skip => "skip", Rollback => "rollback", Abort => "abort" });
 
 /// Guard settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

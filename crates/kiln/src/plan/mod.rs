@@ -240,15 +240,18 @@ fn build(config: &KilnConfig, settings: Vec<ResolvedSetting>, hw: &Hardware) -> 
 
     let backend = Backend::from_name(&text("device.backend"));
     hw.ensure_runs(backend, "device.backend = \"cuda\"")?;
-    let optimizer = match text("train.optimizer").as_str() {
-        "adamw" => OptimizerKind::AdamW,
-        "sgd" => OptimizerKind::Sgd,
-        _ => OptimizerKind::Adam,
-    };
-    let schedule = match text("train.schedule").as_str() {
-        "cosine" => Schedule::Cosine,
-        _ => Schedule::Constant,
-    };
+    let optimizer = named(
+        "train.optimizer",
+        &text("train.optimizer"),
+        OptimizerKind::from_name,
+        OptimizerKind::NAMES,
+    )?;
+    let schedule = named(
+        "train.schedule",
+        &text("train.schedule"),
+        Schedule::from_name,
+        Schedule::NAMES,
+    )?;
     let dir = |key: &str| Some(text(key)).filter(|t| !t.is_empty()).map(PathBuf::from);
     let train = TrainOptions {
         epochs: int("train.epochs") as usize,
@@ -276,14 +279,29 @@ fn build(config: &KilnConfig, settings: Vec<ResolvedSetting>, hw: &Hardware) -> 
             .filter(|m| *m > 0)
             .map(|m| m << 20),
         oom_adaptive: flag("train.oom_adaptive"),
-        precision: Precision::from_name(&text("precision.policy")).unwrap_or_default(),
+        precision: named(
+            "precision.policy",
+            &text("precision.policy"),
+            Precision::from_name,
+            Precision::NAMES,
+        )?,
         scaler: ScalerOptions {
-            mode: ScalingMode::from_name(&text("precision.loss_scaling")),
+            mode: named(
+                "precision.loss_scaling",
+                &text("precision.loss_scaling"),
+                ScalingMode::from_name,
+                ScalingMode::NAMES,
+            )?,
             init_scale: float("precision.init_scale") as f32,
             growth_interval: int("precision.growth_interval") as u32,
         },
         guard: GuardOptions {
-            policy: GuardPolicy::from_name(&text("guard.policy")),
+            policy: named(
+                "guard.policy",
+                &text("guard.policy"),
+                GuardPolicy::from_name,
+                GuardPolicy::NAMES,
+            )?,
             max_consecutive: int("guard.max_consecutive") as u32,
             check_params: flag("guard.check_params"),
             snapshot_every: int("guard.snapshot_every") as u64,
@@ -338,6 +356,17 @@ fn toml_to_json(v: &toml::Value) -> serde_json::Value {
         toml::Value::Boolean(b) => serde_json::Value::Bool(*b),
         other => serde_json::Value::String(other.to_string()),
     }
+}
+
+/// A named setting's value as its type. The schema validated the name against the same
+/// `NAMES` the type parses, so this fails only if the two were ever split again — and then
+/// with an error naming the key, never a silent default.
+fn named<T>(key: &str, value: &str, parse: fn(&str) -> Option<T>, names: &[&str]) -> Result<T> {
+    parse(value).ok_or_else(|| KilnError::InvalidValue {
+        key: key.into(),
+        value: format!("{value:?}"),
+        expected: format!("one of {}", names.join(", ")),
+    })
 }
 
 /// Every key Kiln accepts, for help texts.

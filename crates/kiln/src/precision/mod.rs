@@ -32,23 +32,11 @@ pub enum Precision {
     F16,
 }
 
+crate::config::config_names!(Precision { F32 => "f32", Bf16 => "bf16", F16 => "f16" });
+
 impl Precision {
     /// Every policy.
     pub const ALL: [Precision; 3] = [Precision::F32, Precision::Bf16, Precision::F16];
-
-    /// The name used in configs.
-    pub fn name(self) -> &'static str {
-        match self {
-            Precision::F32 => "f32",
-            Precision::Bf16 => "bf16",
-            Precision::F16 => "f16",
-        }
-    }
-
-    /// Parses a config name (`f32`, `bf16`, `f16`).
-    pub fn from_name(name: &str) -> Option<Self> {
-        Precision::ALL.into_iter().find(|p| p.name() == name)
-    }
 
     /// The dtype the autocast ops compute in (`None` = f32, the plain ops).
     pub fn compute_dtype(self) -> Option<FloatDType> {
@@ -80,16 +68,7 @@ pub enum ScalingMode {
     Off,
 }
 
-impl ScalingMode {
-    /// Parses a validated config name.
-    pub fn from_name(name: &str) -> Self {
-        match name {
-            "dynamic" => ScalingMode::Dynamic,
-            "off" => ScalingMode::Off,
-            _ => ScalingMode::Auto,
-        }
-    }
-}
+crate::config::config_names!(ScalingMode { Auto => "auto", Dynamic => "dynamic", Off => "off" });
 
 /// Loss-scaling settings of a run.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]

@@ -45,6 +45,8 @@ pub enum OptimizerKind {
     Sgd,
 }
 
+crate::config::config_names!(OptimizerKind { Adam => "adam", AdamW => "adamw", Sgd => "sgd" });
+
 /// Learning-rate schedule after warm-up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Schedule {
@@ -53,6 +55,8 @@ pub enum Schedule {
     /// Cosine decay from the peak rate to `min_lr_ratio × lr` at the last step.
     Cosine,
 }
+
+crate::config::config_names!(Schedule { Constant => "constant", Cosine => "cosine" });
 
 /// Everything the training loop needs to know; usually built by [`crate::plan::resolve`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
