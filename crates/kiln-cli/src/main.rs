@@ -540,9 +540,6 @@ fn parse_input_dims(
 
 /// `kiln optimize --onnx`: the ONNX passes, measured stage by stage ([`onnx_optimize`]).
 fn run_onnx_optimize(args: OptimizeArgs) -> anyhow::Result<()> {
-    if args.threads > 0 {
-        kiln::plan::set_cpu_threads(args.threads);
-    }
     let passes = kiln::onnx::OnnxPass::parse_list(args.passes.as_deref().unwrap_or("fold,int8"))?;
     let plan = optimize_cmd::resolve_plan(&args)?;
     onnx_optimize::run(&onnx_optimize::OnnxOptimize {

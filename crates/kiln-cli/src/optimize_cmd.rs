@@ -46,7 +46,13 @@ pub fn resolve_plan(args: &OptimizeArgs) -> Result<Plan> {
     if let Some(device) = &args.device {
         config.set("device.backend", device)?;
     }
+    if args.threads > 0 {
+        config.set("device.threads", &args.threads.to_string())?;
+    }
     let plan = kiln::plan::resolve(&config, &Hardware::probe())?;
+    // The plan's thread count and kernel switch (`device.kiln_kernels`), as `kiln train`
+    // applies them.
+    plan.apply_runtime();
     tracing::info!(
         "device {}; passes from the plan at level {}: {}",
         plan.backend.name(),
@@ -61,9 +67,6 @@ pub fn resolve_plan(args: &OptimizeArgs) -> Result<Plan> {
 }
 
 pub fn run(args: OptimizeArgs) -> Result<()> {
-    if args.threads > 0 {
-        kiln::plan::set_cpu_threads(args.threads);
-    }
     let (Some(model_name), Some(checkpoint)) = (&args.model, &args.checkpoint) else {
         anyhow::bail!("kiln optimize needs --model and --checkpoint (or --onnx FILE)");
     };

@@ -210,3 +210,55 @@ fn divergence_is_an_error_and_keeps_the_last_checkpoint() {
     let last = latest_checkpoint(&dir).unwrap().unwrap();
     Checkpoint::load(&last).expect("the last checkpoint must still verify");
 }
+
+/// `keep_checkpoints`: a run that checkpoints every step keeps only the newest N (each older
+/// one deleted after a newer one is on disk), the newest resumes, and 0 keeps every one.
+#[test]
+fn retention_keeps_the_newest_checkpoints() {
+    use kiln::train::checkpoints_in;
+    let data = bundled(Split::Train).unwrap().take(320);
+    let kind = ModelKind::Mlp;
+    let run = |dir: &std::path::Path, keep: usize| {
+        let mut sink = MemorySink::default();
+        Trainer::new(
+            TrainOptions {
+                max_steps: Some(7),
+                checkpoint_every_steps: Some(1),
+                keep_checkpoints: keep,
+                ..options(Some(dir.to_path_buf()))
+            },
+            Device::flex(),
+            &mut sink,
+        )
+        .fit(kind.name(), |d| kind.init(d), &data, None)
+        .unwrap();
+        let written = sink
+            .events
+            .iter()
+            .filter(|e| matches!(e, kiln::observe::Event::Checkpoint { .. }))
+            .count();
+        let steps: Vec<u64> = checkpoints_in(dir)
+            .unwrap()
+            .into_iter()
+            .map(|c| c.0)
+            .collect();
+        (written, steps)
+    };
+    let kept = common::tempdir("ckpt", "keep3");
+    let (written, steps) = run(&kept, 3);
+    assert!(written >= 7, "{written} checkpoints written");
+    assert_eq!(steps, vec![5, 6, 7]);
+    // The survivors verify, and the newest resumes.
+    for (_, path) in checkpoints_in(&kept).unwrap() {
+        Checkpoint::load(&path).unwrap();
+    }
+    let mut sink = NullSink;
+    let resumed = Trainer::new(options(Some(kept.clone())), Device::flex(), &mut sink)
+        .resume_from(&latest_checkpoint(&kept).unwrap().unwrap())
+        .fit(kind.name(), |d| kind.init(d), &data, None)
+        .unwrap();
+    assert_eq!(resumed.summary.steps, 10);
+    let all = common::tempdir("ckpt", "keepall");
+    let (_, steps) = run(&all, 0);
+    assert_eq!(steps, (1..=7).collect::<Vec<u64>>());
+}

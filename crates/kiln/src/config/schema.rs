@@ -237,6 +237,17 @@ pub static SETTINGS: &[SettingSpec] = &[
         doc: "also checkpoint every N optimizer steps (0 = at each epoch end only)",
     },
     SettingSpec {
+        key: "train.keep_checkpoints",
+        kind: Kind::Int {
+            min: 0,
+            max: 1 << 20,
+        },
+        default: I(crate::train::DEFAULT_KEEP_CHECKPOINTS as i64),
+        levels: &[],
+        doc: "checkpoints kept in train.checkpoint_dir: older ones are deleted once a newer one \
+              is on disk (0 = keep all)",
+    },
+    SettingSpec {
         key: "precision.policy",
         kind: Kind::Enum(crate::precision::Precision::NAMES),
         default: S("f32"),

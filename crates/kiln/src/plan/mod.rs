@@ -271,6 +271,7 @@ fn build(config: &KilnConfig, settings: Vec<ResolvedSetting>, hw: &Hardware) -> 
         eval_every_epochs: int("train.eval_every_epochs") as usize,
         checkpoint_dir: dir("train.checkpoint_dir"),
         checkpoint_every_steps: Some(int("train.checkpoint_every_steps") as u64).filter(|s| *s > 0),
+        keep_checkpoints: int("train.keep_checkpoints") as usize,
         shuffle: flag("data.shuffle"),
         workers: get("data.workers").as_integer().map(|w| w as usize),
         prefetch_factor: int("data.prefetch_factor") as usize,

@@ -129,27 +129,50 @@ impl Checkpoint {
     }
 }
 
-/// The newest checkpoint in `dir` (highest step), if any.
-pub fn latest_checkpoint(dir: &Path) -> Result<Option<PathBuf>> {
+/// The checkpoints in `dir` (files named `step-NNNNNNNN.kiln`), oldest first.
+pub fn checkpoints_in(dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
     let entries = match std::fs::read_dir(dir) {
         Ok(e) => e,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(KilnError::io(dir, e)),
     };
-    let mut best: Option<(u64, PathBuf)> = None;
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        let Some(step) = name
-            .to_str()
-            .and_then(|n| n.strip_prefix("step-"))
-            .and_then(|n| n.strip_suffix(".kiln"))
-            .and_then(|n| n.parse::<u64>().ok())
-        else {
-            continue;
-        };
-        if best.as_ref().is_none_or(|(s, _)| step > *s) {
-            best = Some((step, entry.path()));
+    let mut found: Vec<(u64, PathBuf)> = entries
+        .flatten()
+        .filter_map(|entry| {
+            let step = entry
+                .file_name()
+                .to_str()
+                .and_then(|n| n.strip_prefix("step-"))
+                .and_then(|n| n.strip_suffix(".kiln"))
+                .and_then(|n| n.parse::<u64>().ok())?;
+            Some((step, entry.path()))
+        })
+        .collect();
+    found.sort();
+    Ok(found)
+}
+
+/// The newest checkpoint in `dir` (highest step), if any.
+pub fn latest_checkpoint(dir: &Path) -> Result<Option<PathBuf>> {
+    Ok(checkpoints_in(dir)?.pop().map(|(_, p)| p))
+}
+
+/// Deletes all but the newest `keep` checkpoints in `dir` (`keep` 0: none deleted) and
+/// returns the paths it deleted. Called only after the newest is on disk, so a crash at any
+/// point leaves at least the checkpoints it meant to keep. A file that cannot be deleted is
+/// logged and skipped: retention must never fail a run.
+pub fn prune_checkpoints(dir: &Path, keep: usize) -> Result<Vec<PathBuf>> {
+    if keep == 0 {
+        return Ok(Vec::new());
+    }
+    let all = checkpoints_in(dir)?;
+    let surplus = all.len().saturating_sub(keep);
+    let mut deleted = Vec::new();
+    for (_, path) in all.into_iter().take(surplus) {
+        match std::fs::remove_file(&path) {
+            Ok(()) => deleted.push(path),
+            Err(e) => tracing::warn!("could not delete old checkpoint {}: {e}", path.display()),
         }
     }
-    Ok(best.map(|(_, p)| p))
+    Ok(deleted)
 }

@@ -20,7 +20,9 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-pub use checkpoint::{Checkpoint, CheckpointState, latest_checkpoint};
+pub use checkpoint::{
+    Checkpoint, CheckpointState, checkpoints_in, latest_checkpoint, prune_checkpoints,
+};
 pub use clip::{clip_global_norm, global_norm, scale_grads};
 pub use contract::{StepOutput, Targets, TrainStep};
 pub use eval::{Evaluation, evaluate, evaluate_source};
@@ -33,6 +35,10 @@ pub use trainer::{TrainOutcome, Trainer, seeded_init};
 use crate::data::{Augment, LoaderOptions};
 use crate::guard::GuardOptions;
 use crate::precision::{Precision, ScalerOptions};
+
+/// How many checkpoints a run keeps by default: the newest, and two before it in case the
+/// newest holds a diverged model (a W2 checkpoint is 14 MB; every one kept filled disks).
+pub const DEFAULT_KEEP_CHECKPOINTS: usize = 3;
 
 /// Which optimizer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -95,6 +101,9 @@ pub struct TrainOptions {
     pub checkpoint_dir: Option<PathBuf>,
     /// Checkpoint every N steps besides each epoch end.
     pub checkpoint_every_steps: Option<u64>,
+    /// Checkpoints kept in `checkpoint_dir`: after each new one is written and verified on
+    /// disk, all but the newest N are deleted (0 = keep every one).
+    pub keep_checkpoints: usize,
     /// Shuffle the training set each epoch.
     pub shuffle: bool,
     /// Loader worker threads; `None` measures a few steps per count at the start of the run
@@ -138,6 +147,7 @@ impl Default for TrainOptions {
             eval_every_epochs: 1,
             checkpoint_dir: None,
             checkpoint_every_steps: None,
+            keep_checkpoints: DEFAULT_KEEP_CHECKPOINTS,
             shuffle: true,
             workers: Some(0),
             prefetch_factor: 2,

@@ -10,7 +10,7 @@ use crate::error::{KilnError, Result};
 use crate::observe::{EpochSummary, Event};
 use crate::train::contract::TrainStep;
 use crate::train::restore::fingerprint;
-use crate::train::{Checkpoint, CheckpointState};
+use crate::train::{Checkpoint, CheckpointState, prune_checkpoints};
 
 impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
     /// Evaluates when due, reports the epoch and checkpoints at the next epoch's start.
@@ -99,6 +99,14 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
             path: path.display().to_string(),
             bytes,
         });
+        // Only now that the new one is on disk (fsynced and renamed into place).
+        let deleted = prune_checkpoints(&dir, self.trainer.options.keep_checkpoints)?;
+        if !deleted.is_empty() {
+            tracing::debug!(
+                count = deleted.len(),
+                "older checkpoints deleted (train.keep_checkpoints)"
+            );
+        }
         Ok(Some(path))
     }
 }
