@@ -254,7 +254,7 @@ fn retention_keeps_the_newest_checkpoints() {
     }
     let mut sink = NullSink;
     let resumed = Trainer::new(options(Some(kept.clone())), Device::flex(), &mut sink)
-        .resume_from(&latest_checkpoint(&kept).unwrap().unwrap())
+        .resume_from(latest_checkpoint(&kept).unwrap().unwrap())
         .fit(kind.name(), |d| kind.init(d), &data, None)
         .unwrap();
     assert_eq!(resumed.summary.steps, 10);
