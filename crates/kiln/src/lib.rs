@@ -89,6 +89,7 @@ pub mod data;
 pub mod datasets;
 pub mod error;
 pub mod fsutil;
+pub mod fuzz;
 pub mod guard;
 pub mod infer;
 pub mod kernels;

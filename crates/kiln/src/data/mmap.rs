@@ -371,10 +371,11 @@ fn parse_npy_header(bytes: &[u8]) -> std::result::Result<(usize, ElementType, Ve
         );
     }
     let shape_text = field("shape")?;
-    let close = shape_text
-        .find(')')
-        .ok_or("malformed shape in the .npy header")?;
-    let shape = shape_text[1..close]
+    // `(3, 2, 2)`: a tuple; anything else (the fuzzer found `)3, 2, 2)`) is malformed.
+    let malformed = || "malformed shape in the .npy header (expected a tuple like (3, 28, 28))";
+    let inner = shape_text.strip_prefix('(').ok_or_else(malformed)?;
+    let close = inner.find(')').ok_or_else(malformed)?;
+    let shape = inner[..close]
         .split(',')
         .map(str::trim)
         .filter(|s| !s.is_empty())
