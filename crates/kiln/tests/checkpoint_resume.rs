@@ -262,3 +262,51 @@ fn retention_keeps_the_newest_checkpoints() {
     let (_, steps) = run(&all, 0);
     assert_eq!(steps, (1..=7).collect::<Vec<u64>>());
 }
+
+/// A checkpoint write that fails (here: a directory squats on the file name, as a full disk
+/// or a dead mount would fail the write) stops the run with an error naming the file, leaves
+/// the last good checkpoint intact and no temp file behind, and that checkpoint resumes.
+#[test]
+fn a_failed_checkpoint_write_stops_with_a_clear_error_and_keeps_the_last_good_one() {
+    use kiln::train::checkpoints_in;
+    let data = bundled(Split::Train).unwrap().take(320);
+    let kind = ModelKind::Mlp;
+    let dir = common::tempdir("ckpt", "write-error");
+    std::fs::create_dir_all(dir.join(Checkpoint::file_name(3))).unwrap();
+    let opts = TrainOptions {
+        checkpoint_every_steps: Some(1),
+        ..options(Some(dir.clone()))
+    };
+    let mut sink = NullSink;
+    let err = Trainer::new(opts.clone(), Device::flex(), &mut sink)
+        .fit(kind.name(), |d| kind.init(d), &data, None)
+        .err()
+        .expect("the write at step 3 must fail the run");
+    let msg = err.to_string();
+    assert!(msg.contains("step-00000003.kiln"), "{msg}");
+    let files: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        !files.iter().any(|f| f.contains(".tmp")),
+        "temp file left behind: {files:?}"
+    );
+    let kept: Vec<u64> = checkpoints_in(&dir)
+        .unwrap()
+        .into_iter()
+        .filter(|(_, p)| p.is_file())
+        .map(|(s, _)| s)
+        .collect();
+    assert_eq!(kept, vec![1, 2]);
+    let last = dir.join(Checkpoint::file_name(2));
+    assert_eq!(Checkpoint::load(&last).unwrap().state.global_step, 2);
+    // Once the obstacle is gone, the run resumes from it.
+    std::fs::remove_dir(dir.join(Checkpoint::file_name(3))).unwrap();
+    let resumed = Trainer::new(opts, Device::flex(), &mut sink)
+        .resume_from(last)
+        .fit(kind.name(), |d| kind.init(d), &data, None)
+        .unwrap();
+    assert_eq!(resumed.summary.steps, 10);
+}
