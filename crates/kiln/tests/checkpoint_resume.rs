@@ -278,10 +278,14 @@ fn a_failed_checkpoint_write_stops_with_a_clear_error_and_keeps_the_last_good_on
         ..options(Some(dir.clone()))
     };
     let mut sink = NullSink;
-    let err = Trainer::new(opts.clone(), Device::flex(), &mut sink)
-        .fit(kind.name(), |d| kind.init(d), &data, None)
-        .err()
-        .expect("the write at step 3 must fail the run");
+    let Err(err) = Trainer::new(opts.clone(), Device::flex(), &mut sink).fit(
+        kind.name(),
+        |d| kind.init(d),
+        &data,
+        None,
+    ) else {
+        panic!("the write at step 3 must fail the run");
+    };
     let msg = err.to_string();
     assert!(msg.contains("step-00000003.kiln"), "{msg}");
     let files: Vec<String> = std::fs::read_dir(&dir)
