@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerates src/grpc/kserve_v2.rs from kserve_v2.proto. The generated file is committed so
+# Regenerates src/proto/kserve_v2.rs from kserve_v2.proto. The generated file is committed so
 # that building Kiln needs no protoc; run this only after editing the proto.
 # Needs: protoc (Debian: apt-get install protobuf-compiler) and network access to crates.io.
 set -euo pipefail
@@ -28,5 +28,5 @@ fn main() {
 RS
 cargo run --quiet --release --manifest-path "$work/Cargo.toml" -- \
   "$here/kserve_v2.proto" "$here" "$work/out"
-cp "$work/out/inference.rs" "$here/../src/grpc/kserve_v2.rs"
-echo "wrote $here/../src/grpc/kserve_v2.rs"
+cp "$work/out/inference.rs" "$here/../src/proto/kserve_v2.rs"
+echo "wrote $here/../src/proto/kserve_v2.rs"

@@ -21,6 +21,7 @@ pub mod http;
 pub mod metrics;
 pub mod model;
 pub mod pipeline;
+pub mod proto;
 pub mod queue;
 pub mod repository;
 pub mod server;

@@ -6,8 +6,8 @@ use std::sync::atomic::Ordering;
 use serde_json::{Value, json};
 
 use crate::config::InstanceKind;
-use crate::grpc::pb;
 use crate::pipeline::ModelRuntime;
+use crate::proto::pb;
 use crate::tensor::TensorSpec;
 
 fn dims(s: &TensorSpec) -> Vec<i64> {

@@ -7,8 +7,8 @@ pub mod grpc;
 pub mod http;
 
 use crate::error::{Result, ServeError};
-use crate::grpc::pb;
 use crate::model::ModelSpec;
+use crate::proto::pb;
 use crate::tensor::{DataType, NamedTensor, TensorSpec, Values};
 
 /// A request as it arrived, not yet decoded.

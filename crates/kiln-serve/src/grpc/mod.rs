@@ -1,10 +1,6 @@
 //! The KServe v2 gRPC service (`inference.GRPCInferenceService`) on tonic.
 
-/// Messages and service stubs generated from `proto/kserve_v2.proto`.
-#[allow(missing_docs, clippy::all, clippy::pedantic)]
-pub mod pb {
-    include!("kserve_v2.rs");
-}
+pub use crate::proto::pb;
 
 use std::sync::Arc;
 
