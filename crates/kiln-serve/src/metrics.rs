@@ -72,14 +72,16 @@ impl Histogram {
     }
 }
 
-/// Failure reasons counted separately (see `ServeError::metric_reason`).
-pub const FAILURE_REASONS: [&str; 6] = [
+/// Failure reasons counted separately (see `ServeError::metric_reason`; `cancelled`: the
+/// client went away before its answer, the request's work was dropped).
+pub const FAILURE_REASONS: [&str; 7] = [
     "invalid",
     "not_ready",
     "queue_full",
     "timeout",
     "shutdown",
     "internal",
+    "cancelled",
 ];
 
 /// Everything `/metrics` reports for one model.
@@ -90,7 +92,7 @@ pub struct ModelMetrics {
     /// Requests answered with outputs.
     pub success: AtomicU64,
     /// Requests answered with an error, by [`FAILURE_REASONS`] index.
-    pub failure: [AtomicU64; 6],
+    pub failure: [AtomicU64; FAILURE_REASONS.len()],
     /// Samples inferred (a request of batch 8 counts 8).
     pub inference_count: AtomicU64,
     /// Model executions (batches run).

@@ -186,8 +186,9 @@ impl ModelRuntime {
     /// timeout and shutdown come back as errors, never as a hang.
     pub async fn infer(&self, wire: WireRequest) -> Result<Encoded> {
         let started = Instant::now();
-        // A guard, so a request whose client hung up (future dropped) is still uncounted.
-        let _inflight = Inflight::enter(&self.metrics.inflight);
+        // A guard, so a request whose client hung up (future dropped) is still uncounted,
+        // and counted as `cancelled` unless it got to an answer.
+        let mut inflight = Inflight::enter(&self.metrics);
         let (reply, answer) = oneshot::channel();
         let queued = if self.stages.hand_off(wire.size()) {
             self.pre
@@ -220,6 +221,7 @@ impl ModelRuntime {
             }
             Err(e) => self.metrics.fail(e.metric_reason()),
         }
+        inflight.answered = true;
         result
     }
 
@@ -427,18 +429,34 @@ impl ModelRuntime {
 }
 
 /// Counts a request in flight for as long as it lives.
-struct Inflight<'a>(&'a std::sync::atomic::AtomicU64);
+/// A request in flight: counted in `kiln_inflight_requests` until dropped, and as a
+/// `cancelled` failure if dropped before it was answered (the client disconnected and the
+/// server dropped the request's future).
+struct Inflight<'a> {
+    metrics: &'a ModelMetrics,
+    answered: bool,
+}
 
 impl<'a> Inflight<'a> {
-    fn enter(counter: &'a std::sync::atomic::AtomicU64) -> Self {
-        counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Inflight(counter)
+    fn enter(metrics: &'a ModelMetrics) -> Self {
+        metrics
+            .inflight
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Inflight {
+            metrics,
+            answered: false,
+        }
     }
 }
 
 impl Drop for Inflight<'_> {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        if !self.answered {
+            self.metrics.fail("cancelled");
+        }
+        self.metrics
+            .inflight
+            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
     }
 }
 

@@ -723,3 +723,70 @@ fn instance_kinds_run_where_they_say_or_say_why_not() {
     );
     assert_eq!(out.status, 200, "{}", out.error());
 }
+
+/// Server faults from the client side: clients that hang up while their request runs are
+/// counted as `cancelled` and leave nothing in flight; a client that sends half a body and
+/// disconnects, and one that dribbles its headers, never reach the model; afterwards the
+/// server answers as before.
+#[test]
+fn clients_that_disconnect_or_dawdle_are_cleaned_up_and_counted() {
+    use std::io::Write;
+    let repo = tempdir("disconnect");
+    write_model(
+        &repo,
+        "slow",
+        "backend = \"identity\"\ndims = [1]\nexecute_delay_microseconds = 300000\n",
+    );
+    let server = TestServer::start(&repo);
+    let path = "/v2/models/slow/infer";
+    let body = infer_body("INPUT0", &[1, 1], &[1.0]).to_string();
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let m = server.model("slow");
+    // Hang up while the request runs (the model takes 300 ms).
+    let hung_up = 4;
+    for _ in 0..hung_up {
+        let mut s = std::net::TcpStream::connect(server.http).unwrap();
+        s.write_all(request.as_bytes()).unwrap();
+        thread::sleep(Duration::from_millis(20));
+        drop(s);
+    }
+    // Half a body, then gone; headers one byte at a time, then gone.
+    let mut s = std::net::TcpStream::connect(server.http).unwrap();
+    s.write_all(&request.as_bytes()[..request.len() - body.len() / 2])
+        .unwrap();
+    drop(s);
+    let mut s = std::net::TcpStream::connect(server.http).unwrap();
+    for b in request.as_bytes()[..20].iter() {
+        s.write_all(&[*b]).unwrap();
+        thread::sleep(Duration::from_millis(5));
+    }
+    drop(s);
+    // Everything dropped is cleaned up: nothing stays in flight.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while (m.metrics.inflight.load(Ordering::Relaxed) > 0
+        || m.metrics.failures("cancelled") < hung_up)
+        && Instant::now() < deadline
+    {
+        thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(m.metrics.inflight.load(Ordering::Relaxed), 0);
+    assert_eq!(m.metrics.failures("cancelled"), hung_up);
+    assert_eq!(
+        m.metrics.failures("invalid"),
+        0,
+        "the half body never reached the model"
+    );
+    let metrics = http(server.http, "GET", "/metrics", &[], b"");
+    let text = String::from_utf8_lossy(&metrics.body).into_owned();
+    assert!(
+        text.contains("kiln_request_failure_total{model=\"slow\",reason=\"cancelled\"} 4"),
+        "{text}"
+    );
+    // And it still serves.
+    let ok = post_json(server.http, path, &infer_body("INPUT0", &[1, 1], &[2.0]));
+    assert_eq!(ok.status, 200, "{}", ok.error());
+    assert_eq!(m.metrics.inflight.load(Ordering::Relaxed), 0);
+}
