@@ -161,7 +161,7 @@ struct ReportArgs {
 enum TuneCommand {
     /// The largest batch that fits a memory budget, and the fastest one: power-of-two growth
     /// then binary search, each trial a few real training steps in a child process.
-    Batch(TuneBatchArgs),
+    Batch(Box<TuneBatchArgs>),
     /// The auto-optimizer: short measured trials over precision, micro-batch (effective batch
     /// kept), activation checkpointing and loader workers; writes the winner as a kiln.toml.
     Auto(Box<TuneAutoArgs>),
@@ -196,9 +196,11 @@ struct TuneAutoArgs {
 
 #[derive(Args, Debug)]
 struct TuneBatchArgs {
-    /// Zoo model: mlp (W1), cnn (W2), transformer (W4), resnet (W5).
-    #[arg(long, default_value = "cnn")]
-    model: String,
+    /// The configuration each trial trains with (`--config kiln.toml`, `--level`, `--model`,
+    /// `--precision`, `--threads`, `--set ...` as for `kiln train`); the batch size is what
+    /// the search varies.
+    #[command(flatten)]
+    config: ConfigArgs,
     /// Memory budget (host RSS on CPU), e.g. 8GiB, 512MiB.
     #[arg(long, default_value = "8GiB")]
     memory_budget: String,
@@ -217,12 +219,6 @@ struct TuneBatchArgs {
     /// Timed training steps per trial (after 2 warm-up steps).
     #[arg(long, default_value_t = 3)]
     steps: u64,
-    /// Precision policy of the trials: f32, bf16, f16.
-    #[arg(long, default_value = "f32")]
-    precision: String,
-    /// CPU threads (0 = one per core).
-    #[arg(long, default_value_t = 0)]
-    threads: usize,
     /// The result as JSON.
     #[arg(long)]
     json: bool,
@@ -496,7 +492,7 @@ fn main() {
         Command::Optimize(args) if args.onnx.is_some() => run_onnx_optimize(args),
         Command::Optimize(args) => optimize_cmd::run(args),
         Command::Profile(args) => profile_cmd::run(args),
-        Command::Tune(TuneCommand::Batch(args)) => tune_cmd::run(args),
+        Command::Tune(TuneCommand::Batch(args)) => tune_cmd::run(*args),
         Command::Tune(TuneCommand::Auto(args)) => tune_auto_cmd::run(*args),
         Command::Report(args) => kiln::report::write_report(&args.run_dir, args.out.as_deref())
             .map(|p| println!("report: {}", p.display()))

@@ -11,7 +11,6 @@ use kiln::Trainer;
 use kiln::burn;
 use kiln::data::SyntheticDataset;
 use kiln::observe::{MemorySink, memory};
-use kiln::precision::Precision;
 use kiln::train::TrainOptions;
 use kiln::tune::{SearchMode, SearchOptions, TrialOutcome, parse_size, search};
 use kiln::zoo::ModelKind;
@@ -22,21 +21,13 @@ use crate::TuneBatchArgs;
 const WARMUP: u64 = 2;
 
 pub fn run(args: TuneBatchArgs) -> Result<()> {
-    let model = ModelKind::from_name(&args.model)?;
-    let precision = Precision::from_name(&args.precision).with_context(|| {
-        format!(
-            "unknown precision `{}`: expected f32, bf16 or f16",
-            args.precision
-        )
-    })?;
-    let threads = if args.threads == 0 {
-        kiln::plan::Hardware::probe().cores
-    } else {
-        args.threads
-    };
+    // One road: the trials train with the plan `kiln train` would resolve from the same
+    // config and flags; only the batch size varies.
+    let plan = args.config.resolve()?;
+    plan.apply_runtime();
+    let (model, threads) = (plan.model, plan.threads);
     if let Some(batch) = args.trial {
-        kiln::plan::set_cpu_threads(threads);
-        return trial(model, precision, batch, args.steps);
+        return trial(model, &plan.train, batch, args.steps);
     }
     let options = SearchOptions {
         budget: parse_size(&args.memory_budget)?,
@@ -50,7 +41,7 @@ pub fn run(args: TuneBatchArgs) -> Result<()> {
         if !args.json {
             eprintln!("kiln tune batch: trying batch {batch} ...");
         }
-        run_child(&exe, &args, batch, threads)
+        run_child(&exe, batch)
     })?;
     if args.json {
         println!("{}", serde_json::to_string(&result)?);
@@ -86,22 +77,16 @@ pub fn run(args: TuneBatchArgs) -> Result<()> {
     Ok(())
 }
 
-fn run_child(
-    exe: &std::path::Path,
-    args: &TuneBatchArgs,
-    batch: usize,
-    threads: usize,
-) -> TrialOutcome {
+/// Runs one trial in a child process: this same command line (so the same config, level
+/// and flags) plus `--trial BATCH`.
+fn run_child(exe: &std::path::Path, batch: usize) -> TrialOutcome {
     let failed = |error: String| TrialOutcome {
         peak_bytes: None,
         samples_per_s: None,
         error: Some(error),
     };
     let out = Command::new(exe)
-        .args(["tune", "batch", "--model", &args.model])
-        .args(["--precision", &args.precision])
-        .args(["--steps", &args.steps.to_string()])
-        .args(["--threads", &threads.to_string()])
+        .args(std::env::args_os().skip(1))
         .args(["--trial", &batch.to_string()])
         .output();
     let out = match out {
@@ -134,9 +119,9 @@ fn run_child(
     }
 }
 
-/// Child side: `steps` timed training steps at `batch` on synthetic data of the model's shape;
-/// prints one JSON line with the peak RSS and the throughput.
-fn trial(model: ModelKind, precision: Precision, batch: usize, steps: u64) -> Result<()> {
+/// Child side: `steps` timed training steps at `batch` with the plan's options, on synthetic
+/// data of the model's shape; prints one JSON line with the peak RSS and the throughput.
+fn trial(model: ModelKind, base: &TrainOptions, batch: usize, steps: u64) -> Result<()> {
     let (_, shape) = model.bench_shape();
     let total = WARMUP + steps.max(1);
     let data = SyntheticDataset::new(batch * total as usize, shape, 10, 7);
@@ -144,12 +129,17 @@ fn trial(model: ModelKind, precision: Precision, batch: usize, steps: u64) -> Re
     Trainer::new(
         TrainOptions {
             batch_size: batch,
+            grad_accum_steps: 1,
             max_steps: Some(total),
+            epochs: 1000,
             eval_every_epochs: 0,
             workers: Some(0),
-            precision,
-            scaler: kiln::precision::ScalerOptions::default(),
-            ..TrainOptions::default()
+            checkpoint_dir: None,
+            checkpoint_every_steps: None,
+            // The trial measures what this batch needs: adapting it would hide the answer.
+            memory_watermark: None,
+            oom_adaptive: false,
+            ..base.clone()
         },
         Device::flex(),
         &mut sink,
