@@ -790,3 +790,46 @@ fn clients_that_disconnect_or_dawdle_are_cleaned_up_and_counted() {
     assert_eq!(ok.status, 200, "{}", ok.error());
     assert_eq!(m.metrics.inflight.load(Ordering::Relaxed), 0);
 }
+
+/// An instance whose forward fails (`tests/data/fails_above_batch_2.onnx`, written by
+/// `tools/make_failing_onnx.py`: y = x + x[0:2], which cannot broadcast for a batch of 3 or
+/// more): the failing request gets a 500 that names the model and is counted as `internal`;
+/// the instance keeps serving the batches it can run; nothing stays in flight.
+#[test]
+fn an_instance_whose_forward_fails_answers_500_and_keeps_serving() {
+    let repo = tempdir("failing-instance");
+    let model = repo.join("flaky");
+    std::fs::create_dir_all(&model).unwrap();
+    std::fs::copy(
+        concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/data/fails_above_batch_2.onnx"
+        ),
+        model.join("model.onnx"),
+    )
+    .unwrap();
+    std::fs::write(
+        model.join("config.toml"),
+        "backend = \"onnx\"\nfile = \"model.onnx\"\nmax_batch_size = 8\n",
+    )
+    .unwrap();
+    let server = TestServer::start(&repo);
+    let path = "/v2/models/flaky/infer";
+    let three = post_json(server.http, path, &infer_body("x", &[3, 4], &[1.0; 12]));
+    assert_eq!(
+        three.status,
+        500,
+        "{}",
+        String::from_utf8_lossy(&three.body)
+    );
+    assert!(three.error().contains("flaky"), "{}", three.error());
+    for _ in 0..3 {
+        let two = post_json(server.http, path, &infer_body("x", &[2, 4], &[1.5; 8]));
+        assert_eq!(two.status, 200, "{}", two.error());
+        assert_eq!(two.json()["outputs"][0]["data"], json!(vec![3.0; 8]));
+    }
+    let m = server.model("flaky");
+    assert_eq!(m.metrics.failures("internal"), 1);
+    assert_eq!(m.metrics.success.load(Ordering::Relaxed), 3);
+    assert_eq!(m.metrics.inflight.load(Ordering::Relaxed), 0);
+}
