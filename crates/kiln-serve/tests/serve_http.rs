@@ -833,3 +833,52 @@ fn an_instance_whose_forward_fails_answers_500_and_keeps_serving() {
     assert_eq!(m.metrics.success.load(Ordering::Relaxed), 3);
     assert_eq!(m.metrics.inflight.load(Ordering::Relaxed), 0);
 }
+
+/// A slow client — it asks for a large answer and never reads it — holds only its own
+/// connection: other clients are answered meanwhile, the request leaves the in-flight gauge
+/// once answered, and dropping the reader leaves the server serving.
+#[test]
+fn a_client_that_never_reads_its_answer_holds_up_no_one_else() {
+    use std::io::Write;
+    let repo = tempdir("slow-reader");
+    write_model(&repo, "big", "backend = \"identity\"\ndims = [262144]\n");
+    write_model(&repo, "small", "backend = \"identity\"\ndims = [1]\n");
+    let server = TestServer::start(&repo);
+    // ~1 M floats each way: a response far larger than the socket buffers.
+    let body = infer_body("INPUT0", &[1, 262144], &vec![0.25; 262144]).to_string();
+    let request = format!(
+        "POST /v2/models/big/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut slow = std::net::TcpStream::connect(server.http).unwrap();
+    slow.write_all(request.as_bytes()).unwrap();
+    // The slow client reads nothing; everyone else is served.
+    let started = Instant::now();
+    for i in 0..20 {
+        let ok = post_json(
+            server.http,
+            "/v2/models/small/infer",
+            &infer_body("INPUT0", &[1, 1], &[i as f32]),
+        );
+        assert_eq!(ok.status, 200, "{}", ok.error());
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "other clients waited on the slow one"
+    );
+    let big = server.model("big");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while big.metrics.success.load(Ordering::Relaxed) == 0 && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(20));
+    }
+    // Its answer was computed (and is waiting in the socket), not refused or lost.
+    assert_eq!(big.metrics.success.load(Ordering::Relaxed), 1);
+    assert_eq!(big.metrics.inflight.load(Ordering::Relaxed), 0);
+    drop(slow);
+    let again = post_json(
+        server.http,
+        "/v2/models/small/infer",
+        &infer_body("INPUT0", &[1, 1], &[7.0]),
+    );
+    assert_eq!(again.status, 200, "{}", again.error());
+}
