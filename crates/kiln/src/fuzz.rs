@@ -134,9 +134,59 @@ pub struct Target<'a> {
     pub regressions: Option<&'a Path>,
 }
 
+/// How long one input may take before the run counts it as a hang.
+pub const HANG_SECONDS: u64 = 30;
+
+/// Aborts the process, naming the input, when no case finishes for [`HANG_SECONDS`]: a parser
+/// that loops on some input must fail the run, not stall CI. Dropping it stops the watch.
+struct Watchdog {
+    done: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    finished: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Watchdog {
+    fn start(target: String, current: PathBuf) -> Self {
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+        let done = std::sync::Arc::new(AtomicBool::new(false));
+        let finished = std::sync::Arc::new(AtomicUsize::new(0));
+        let (d, f) = (done.clone(), finished.clone());
+        std::thread::spawn(move || {
+            let (mut seen, mut since) = (0, std::time::Instant::now());
+            while !d.load(Ordering::Relaxed) {
+                std::thread::sleep(std::time::Duration::from_millis(200));
+                let now = f.load(Ordering::Relaxed);
+                if now != seen {
+                    (seen, since) = (now, std::time::Instant::now());
+                } else if since.elapsed().as_secs() >= HANG_SECONDS {
+                    eprintln!(
+                        "{target}: input {now} ran {HANG_SECONDS} s without finishing (a hang); \
+                         it is saved at {} — keep it in the regressions directory once fixed",
+                        current.display()
+                    );
+                    std::process::abort();
+                }
+            }
+        });
+        Watchdog { done, finished }
+    }
+
+    fn finished_one(&self) {
+        self.finished
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        self.done.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 /// Runs `parse` on the target's regression files and its mutated cases. A panic fails with
-/// the input saved under the temp directory and its path in the message; an error must say
-/// something. Returns how many inputs parsed without error.
+/// the input saved under the temp directory and its path in the message; a hang (no input
+/// done for [`HANG_SECONDS`]) aborts the process naming the saved input, as does an
+/// allocation an untrusted length drove past what the machine has (the `WORDS` edits write
+/// such lengths); an error must say something. Returns how many inputs parsed without error.
 pub fn run<E: Display>(
     target: &Target<'_>,
     mut parse: impl FnMut(&[u8]) -> Result<(), E>,
@@ -154,9 +204,19 @@ pub fn run<E: Display>(
             mutated
         });
     }
+    // The input under test, on disk, for a hang or an abort to point at.
+    let current = std::env::temp_dir().join(format!(
+        "kiln-fuzz-{}-current-{}",
+        target.name,
+        std::process::id()
+    ));
+    let watchdog = Watchdog::start(target.name.to_string(), current.clone());
     let mut accepted = 0;
     for (i, input) in inputs.iter().enumerate() {
-        match catch_unwind(AssertUnwindSafe(|| parse(input))) {
+        let _ = std::fs::write(&current, input);
+        let outcome = catch_unwind(AssertUnwindSafe(|| parse(input)));
+        watchdog.finished_one();
+        match outcome {
             Ok(Ok(())) => accepted += 1,
             Ok(Err(e)) => assert!(
                 !e.to_string().trim().is_empty(),
@@ -189,6 +249,8 @@ pub fn run<E: Display>(
             }
         }
     }
+    drop(watchdog);
+    let _ = std::fs::remove_file(&current);
     accepted
 }
 
