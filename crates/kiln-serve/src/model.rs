@@ -48,24 +48,24 @@ pub trait Backend: Send {
 /// this kiln is built with CUDA and a driver loads, else the CPU), with the kind it resolved
 /// to; a GPU this build or machine lacks is a load error that says why.
 pub fn instance_device(name: &str, kind: InstanceKind) -> Result<(InstanceKind, Device)> {
-    let word = match kind {
-        InstanceKind::Auto => "auto",
-        InstanceKind::Cpu => "flex",
-        InstanceKind::Gpu => "cuda",
+    use kiln::plan::Backend;
+    let hardware = Hardware::probe();
+    let backend = match kind {
+        InstanceKind::Auto => hardware.best_backend(),
+        InstanceKind::Cpu => Backend::Flex,
+        InstanceKind::Gpu => Backend::Cuda,
     };
-    let asked = format!("kind = \"{}\"", kind.name());
-    let (backend, device) =
-        Hardware::probe()
-            .device_named(word, &asked)
-            .map_err(|e| ServeError::Load {
-                model: name.to_string(),
-                message: e.to_string(),
-            })?;
+    hardware
+        .ensure_runs(backend, &format!("kind = \"{}\"", kind.name()))
+        .map_err(|e| ServeError::Load {
+            model: name.to_string(),
+            message: e.to_string(),
+        })?;
     let resolved = match backend {
-        kiln::plan::Backend::Flex => InstanceKind::Cpu,
-        kiln::plan::Backend::Cuda => InstanceKind::Gpu,
+        Backend::Flex => InstanceKind::Cpu,
+        Backend::Cuda => InstanceKind::Gpu,
     };
-    Ok((resolved, device))
+    Ok((resolved, backend.device()))
 }
 
 /// Builds `instances` copies of the configured backend on `device` and reports the model's

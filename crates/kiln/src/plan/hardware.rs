@@ -1,7 +1,5 @@
 //! The hardware probe: what this machine has, so `auto` settings resolve to real values.
 
-use burn::tensor::Device;
-
 use crate::error::{KilnError, Result};
 
 /// A tensor backend Kiln can run on.
@@ -108,26 +106,6 @@ impl Hardware {
             )));
         }
         Ok(())
-    }
-
-    /// The device for a backend named `auto`, `flex` or `cuda` (as `--device` takes it):
-    /// `auto` is the best this machine runs; a backend it cannot run is an error naming
-    /// `asked`.
-    pub fn device_named(&self, name: &str, asked: &str) -> Result<(Backend, Device)> {
-        let backend = match name {
-            "auto" => self.best_backend(),
-            "flex" | "cpu" => Backend::Flex,
-            "cuda" | "gpu" => Backend::Cuda,
-            other => {
-                return Err(KilnError::InvalidValue {
-                    key: asked.into(),
-                    value: format!("{other:?}"),
-                    expected: "auto, flex (the CPU) or cuda".into(),
-                });
-            }
-        };
-        self.ensure_runs(backend, asked)?;
-        Ok((backend, backend.device()))
     }
 }
 
