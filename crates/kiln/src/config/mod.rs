@@ -30,7 +30,25 @@ macro_rules! config_names {
                 }
             }
         }
+
+        impl $crate::config::ConfigName for $ty {
+            const NAMES: &'static [&'static str] = <$ty>::NAMES;
+
+            fn from_name(name: &str) -> Option<Self> {
+                <$ty>::from_name(name)
+            }
+        }
     };
+}
+
+/// A setting whose values are a fixed set of names ([`config_names!`] implements it), so
+/// the plan can read any of them the same way.
+pub trait ConfigName: Sized {
+    /// Every config name.
+    const NAMES: &'static [&'static str];
+
+    /// Parses a config name; `None` for anything not in `NAMES`.
+    fn from_name(name: &str) -> Option<Self>;
 }
 pub(crate) use config_names;
 

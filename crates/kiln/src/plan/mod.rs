@@ -9,7 +9,7 @@ use std::path::PathBuf;
 pub use hardware::{Backend, Hardware};
 
 use crate::config::schema::{self, SETTINGS};
-use crate::config::{KilnConfig, Level, Origin};
+use crate::config::{ConfigName, KilnConfig, Level, Origin};
 use crate::data::Augment;
 use crate::error::{KilnError, Result};
 use crate::guard::{GuardOptions, GuardPolicy};
@@ -240,18 +240,8 @@ fn build(config: &KilnConfig, settings: Vec<ResolvedSetting>, hw: &Hardware) -> 
 
     let backend = Backend::from_name(&text("device.backend"));
     hw.ensure_runs(backend, "device.backend = \"cuda\"")?;
-    let optimizer = named(
-        "train.optimizer",
-        &text("train.optimizer"),
-        OptimizerKind::from_name,
-        OptimizerKind::NAMES,
-    )?;
-    let schedule = named(
-        "train.schedule",
-        &text("train.schedule"),
-        Schedule::from_name,
-        Schedule::NAMES,
-    )?;
+    let optimizer = named::<OptimizerKind>("train.optimizer", &text)?;
+    let schedule = named::<Schedule>("train.schedule", &text)?;
     let dir = |key: &str| Some(text(key)).filter(|t| !t.is_empty()).map(PathBuf::from);
     let train = TrainOptions {
         epochs: int("train.epochs") as usize,
@@ -280,29 +270,14 @@ fn build(config: &KilnConfig, settings: Vec<ResolvedSetting>, hw: &Hardware) -> 
             .filter(|m| *m > 0)
             .map(|m| m << 20),
         oom_adaptive: flag("train.oom_adaptive"),
-        precision: named(
-            "precision.policy",
-            &text("precision.policy"),
-            Precision::from_name,
-            Precision::NAMES,
-        )?,
+        precision: named::<Precision>("precision.policy", &text)?,
         scaler: ScalerOptions {
-            mode: named(
-                "precision.loss_scaling",
-                &text("precision.loss_scaling"),
-                ScalingMode::from_name,
-                ScalingMode::NAMES,
-            )?,
+            mode: named::<ScalingMode>("precision.loss_scaling", &text)?,
             init_scale: float("precision.init_scale") as f32,
             growth_interval: int("precision.growth_interval") as u32,
         },
         guard: GuardOptions {
-            policy: named(
-                "guard.policy",
-                &text("guard.policy"),
-                GuardPolicy::from_name,
-                GuardPolicy::NAMES,
-            )?,
+            policy: named::<GuardPolicy>("guard.policy", &text)?,
             max_consecutive: int("guard.max_consecutive") as u32,
             check_params: flag("guard.check_params"),
             snapshot_every: int("guard.snapshot_every") as u64,
@@ -362,11 +337,12 @@ fn toml_to_json(v: &toml::Value) -> serde_json::Value {
 /// A named setting's value as its type. The schema validated the name against the same
 /// `NAMES` the type parses, so this fails only if the two were ever split again — and then
 /// with an error naming the key, never a silent default.
-fn named<T>(key: &str, value: &str, parse: fn(&str) -> Option<T>, names: &[&str]) -> Result<T> {
-    parse(value).ok_or_else(|| KilnError::InvalidValue {
+fn named<T: ConfigName>(key: &str, text: &impl Fn(&str) -> String) -> Result<T> {
+    let value = text(key);
+    T::from_name(&value).ok_or_else(|| KilnError::InvalidValue {
         key: key.into(),
         value: format!("{value:?}"),
-        expected: format!("one of {}", names.join(", ")),
+        expected: format!("one of {}", T::NAMES.join(", ")),
     })
 }
 
