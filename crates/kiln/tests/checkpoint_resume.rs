@@ -6,8 +6,7 @@ use burn::tensor::Device;
 use kiln::datasets::{Split, bundled};
 use kiln::observe::{MemorySink, NullSink};
 use kiln::train::{
-    Checkpoint, CheckpointState, OptimizerKind, Schedule, TrainOptions, flatten_params,
-    latest_checkpoint,
+    Checkpoint, OptimizerKind, Schedule, TrainOptions, flatten_params, latest_checkpoint,
 };
 use kiln::zoo::ModelKind;
 use kiln::{KilnError, Trainer, burn};
@@ -29,20 +28,7 @@ fn options(dir: Option<std::path::PathBuf>) -> TrainOptions {
 
 #[test]
 fn checkpoint_bytes_round_trip_and_detect_corruption() {
-    let ckpt = Checkpoint {
-        state: CheckpointState {
-            model: "mlp".into(),
-            epoch: 1,
-            step_in_epoch: 3,
-            global_step: 9,
-            fingerprint: vec![("train.lr".into(), "0.001".into())],
-            epoch_loss_sum: 12.5,
-            epoch_samples: 96,
-            scaler: None,
-        },
-        model: vec![1, 2, 3, 4],
-        optimizer: vec![9; 100],
-    };
+    let ckpt = common::sample_checkpoint();
     let dir = common::tempdir("ckpt", "bytes");
     let path = dir.join(Checkpoint::file_name(9));
     ckpt.save(&path).unwrap();

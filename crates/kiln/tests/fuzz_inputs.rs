@@ -15,7 +15,7 @@ use kiln::datasets::idx;
 use kiln::fuzz::{Target, cases, run};
 use kiln::infer;
 use kiln::onnx::OnnxModel;
-use kiln::train::{Checkpoint, CheckpointState};
+use kiln::train::Checkpoint;
 use kiln::zoo::ModelKind;
 use kiln::{KilnConfig, plan};
 
@@ -54,21 +54,7 @@ fn config_toml() {
 
 #[test]
 fn checkpoints() {
-    let ckpt = Checkpoint {
-        state: CheckpointState {
-            model: "mlp".into(),
-            epoch: 1,
-            step_in_epoch: 3,
-            global_step: 9,
-            fingerprint: vec![("train.lr".into(), "0.001".into())],
-            epoch_loss_sum: 12.5,
-            epoch_samples: 96,
-            scaler: None,
-        },
-        model: vec![7; 64],
-        optimizer: vec![9; 64],
-    };
-    let seed = ckpt.to_bytes().unwrap();
+    let seed = common::sample_checkpoint().to_bytes().unwrap();
     run(&target("checkpoint", &seed, true, cases()), |bytes| {
         Checkpoint::from_bytes(bytes, Path::new("fuzz.kiln")).map(drop)
     });

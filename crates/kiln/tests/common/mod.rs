@@ -98,3 +98,22 @@ pub fn profiled_run(steps: u64, options: TrainOptions) -> (Vec<SpanRecord>, Memo
     });
     (profiler.spans(), sink)
 }
+
+/// A small, valid checkpoint (an MLP at global step 9, placeholder record bytes): the seed of
+/// the checkpoint round-trip and fuzz tests.
+pub fn sample_checkpoint() -> kiln::train::Checkpoint {
+    kiln::train::Checkpoint {
+        state: kiln::train::CheckpointState {
+            model: "mlp".into(),
+            epoch: 1,
+            step_in_epoch: 3,
+            global_step: 9,
+            fingerprint: vec![("train.lr".into(), "0.001".into())],
+            epoch_loss_sum: 12.5,
+            epoch_samples: 96,
+            scaler: None,
+        },
+        model: vec![1, 2, 3, 4],
+        optimizer: vec![9; 100],
+    }
+}
