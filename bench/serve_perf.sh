@@ -27,23 +27,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-venv="${TMPDIR:-/tmp}/kiln-perf-venv"
-if [ "$setup" = 1 ]; then
-  [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-  "$venv/bin/pip" install --quiet "tritonclient[http,grpc]==2.50.0" nvidia-cuda-runtime-cu12
-  if ! ldconfig -p | grep -q libb64.so.0d; then
-    apt-get install -y -q libb64-0d >/dev/null || { echo "install Debian's libb64-0d" >&2; exit 1; }
-  fi
-fi
-pa="${PERF_ANALYZER:-}"
-if [ -z "$pa" ]; then
-  if command -v perf_analyzer >/dev/null; then pa=$(command -v perf_analyzer)
-  elif [ -x "$venv/bin/perf_analyzer" ]; then pa="$venv/bin/perf_analyzer"
-  else echo "perf_analyzer not found: run bench/serve_perf.sh --setup (or set PERF_ANALYZER)" >&2; exit 1
-  fi
-fi
-cudart=$(ls -d "$venv"/lib/python3*/site-packages/nvidia/cuda_runtime/lib 2>/dev/null | head -1 || true)
-[ -n "$cudart" ] && export LD_LIBRARY_PATH="$cudart${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+. bench/perf_analyzer.sh   # sets $pa (installs it with --setup); the cwd is the repo root
 
 work=target/serve-bench
 rm -rf "$work" && mkdir -p "$work/models"
