@@ -9,37 +9,12 @@ use std::sync::atomic::Ordering;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use common::{TestServer, http, images, post_json, tempdir, write_cnn_model, write_model};
+use common::{
+    TestServer, concurrent_posts, http, images, infer_body, post_json, tempdir, write_cnn_model,
+    write_failing_model, write_model,
+};
 use kiln_serve::Stages;
 use serde_json::{Value, json};
-
-fn infer_body(name: &str, shape: &[usize], data: &[f32]) -> Value {
-    json!({ "inputs": [{ "name": name, "datatype": "FP32", "shape": shape, "data": data }] })
-}
-
-/// POSTs every body at once, one thread each; (status, error message or "") per body.
-fn concurrent_posts(
-    addr: std::net::SocketAddr,
-    path: &str,
-    bodies: impl Iterator<Item = Value>,
-) -> Vec<(u16, String)> {
-    thread::scope(|s| {
-        let handles: Vec<_> = bodies
-            .map(|body| {
-                s.spawn(move || {
-                    let r = post_json(addr, path, &body);
-                    let message = if r.status == 200 {
-                        String::new()
-                    } else {
-                        r.error()
-                    };
-                    (r.status, message)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    })
-}
 
 #[test]
 fn dynamic_batching_answers_each_request_as_if_alone() {
@@ -798,21 +773,7 @@ fn clients_that_disconnect_or_dawdle_are_cleaned_up_and_counted() {
 #[test]
 fn an_instance_whose_forward_fails_answers_500_and_keeps_serving() {
     let repo = tempdir("failing-instance");
-    let model = repo.join("flaky");
-    std::fs::create_dir_all(&model).unwrap();
-    std::fs::copy(
-        concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/tests/data/fails_above_batch_2.onnx"
-        ),
-        model.join("model.onnx"),
-    )
-    .unwrap();
-    std::fs::write(
-        model.join("config.toml"),
-        "backend = \"onnx\"\nfile = \"model.onnx\"\nmax_batch_size = 8\n",
-    )
-    .unwrap();
+    write_failing_model(&repo, "flaky");
     let server = TestServer::start(&repo);
     let path = "/v2/models/flaky/infer";
     let three = post_json(server.http, path, &infer_body("x", &[3, 4], &[1.0; 12]));

@@ -1,26 +1,50 @@
-//! Seeded mutation fuzzing for the parsers of outside input (Kiln's own tests and kiln-serve's
-//! use it; so can a user's).
+//! Mutation fuzzing for the parsers of outside input (Kiln's own tests and kiln-serve's use
+//! it; so can a user's).
 //!
-//! Why not a coverage-guided fuzzer: CI runs on stable Rust in bounded time. Each target here
-//! starts from a real, valid input, applies a few seeded edits per case (bit flips, boundary
-//! bytes, huge or zero 8-byte length fields, truncation, duplicated and inserted runs) and
-//! requires a clear error or a valid result, never a panic. Formats with a trailing SHA-256
-//! (checkpoints, graphs) re-seal half the cases so the parser behind the checksum is reached.
+//! Each target starts from a real, valid input. A case is a string of fuzzer bytes that
+//! [`mutate`] decodes with [`arbitrary::Unstructured`] into one to four edits of that input
+//! (bit flips, boundary bytes, huge or zero 8-byte length fields, truncation, duplicated and
+//! inserted runs); the parser must give a clear error or a valid result, never a panic, never
+//! a hang, and never more heap than the target's stated [`HeapLimit`]. Formats with a
+//! trailing SHA-256 (checkpoints, graphs) re-seal half the cases so the parser behind the
+//! checksum is reached.
+//!
+//! Why this shape: CI runs on stable Rust in bounded time, so [`run`] draws each case's bytes
+//! from a seeded generator and runs a fixed number of them. Because a case is just bytes
+//! decoded by `arbitrary` (the crate `cargo fuzz` targets use), the same function takes a
+//! coverage-guided fuzzer's input unchanged, on a nightly toolchain:
+//!
+//! ```ignore
+//! // fuzz/fuzz_targets/idx.rs (cargo fuzz init; cargo fuzz run idx)
+//! libfuzzer_sys::fuzz_target!(|data: &[u8]| {
+//!     let input = kiln::fuzz::mutate(SEED, data);
+//!     let _ = kiln::datasets::idx::parse(&input, std::path::Path::new("fuzz"));
+//! });
+//! ```
 //!
 //! Cases per target: `KILN_FUZZ_CASES` (default [`DEFAULT_CASES`]), seed `KILN_FUZZ_SEED`. A
-//! panicking input is saved to the temp directory and named in the failure; kept in a
+//! failing input is saved to the temp directory and named in the failure; kept in a
 //! regressions directory (files named `<target>-...`), it is replayed first on every run.
+//! The heap limit is checked when the process counts its heap
+//! ([`crate::observe::heap::CountingAlloc`] installed, as Kiln's fuzz tests do), on the
+//! parsing thread (other tests run beside it).
 
 use std::fmt::Display;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 
+use arbitrary::Unstructured;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use sha2::{Digest, Sha256};
 
+use crate::observe::heap;
+
 /// Cases per target when `KILN_FUZZ_CASES` is not set: a few seconds for all targets in CI.
 pub const DEFAULT_CASES: usize = 150;
+
+/// Fuzzer bytes drawn per generated case: enough for four edits with inserted runs.
+const CASE_BYTES: usize = 96;
 
 /// Cases per target: `KILN_FUZZ_CASES`, else [`DEFAULT_CASES`].
 pub fn cases() -> usize {
@@ -55,34 +79,42 @@ const WORDS: [u64; 6] = [
     0x7fff_ffff_ffff_ffff,
 ];
 
-/// One to four random edits of `seed`.
-pub fn mutate(seed: &[u8], rng: &mut StdRng) -> Vec<u8> {
+/// `seed` with one to four edits decoded from the fuzzer bytes `data`: the same bytes give
+/// the same input, whoever supplies them (this module's seeded generator, or a
+/// coverage-guided fuzzer). Bytes that run out decode as zeros, so any `data` is valid.
+pub fn mutate(seed: &[u8], data: &[u8]) -> Vec<u8> {
+    let mut u = Unstructured::new(data);
     let mut out = seed.to_vec();
-    for _ in 0..rng.random_range(1..=4) {
-        let at = rng.random_range(0..out.len().max(1));
-        match rng.random_range(0..7) {
-            0 if !out.is_empty() => out[at] ^= 1 << rng.random_range(0..8),
-            1 if !out.is_empty() => out[at] = BYTES[rng.random_range(0..BYTES.len())],
+    let edits = u.int_in_range(1..=4u8).unwrap_or(1);
+    for _ in 0..edits {
+        // An exhausted `Unstructured` answers the smallest value: every call below has one.
+        let index = |u: &mut Unstructured, len: usize| u.choose_index(len.max(1)).unwrap_or(0);
+        let at = index(&mut u, out.len());
+        let kind = u.choose_index(7).unwrap_or(0);
+        match kind {
+            0 if !out.is_empty() => out[at] ^= 1 << u.int_in_range(0..=7u8).unwrap_or(0),
+            1 if !out.is_empty() => out[at] = BYTES[index(&mut u, BYTES.len())],
             2 if out.len() >= 8 => {
-                let at = rng.random_range(0..=out.len() - 8);
-                let word = WORDS[rng.random_range(0..WORDS.len())];
+                let at = index(&mut u, out.len() - 7);
+                let word = WORDS[index(&mut u, WORDS.len())];
                 out[at..at + 8].copy_from_slice(&word.to_le_bytes());
             }
             3 => out.truncate(at),
             4 if !out.is_empty() => {
-                let end = (at + rng.random_range(1..64)).min(out.len());
+                let end = (at + u.int_in_range(1..=63usize).unwrap_or(1)).min(out.len());
                 let run = out[at..end].to_vec();
-                let to = rng.random_range(0..=out.len());
+                let to = index(&mut u, out.len() + 1);
                 out.splice(to..to, run);
             }
             5 => {
-                let run: Vec<u8> = (0..rng.random_range(1..16)).map(|_| rng.random()).collect();
+                let len = u.int_in_range(1..=15usize).unwrap_or(1);
+                let run: Vec<u8> = (0..len).map(|_| u.arbitrary().unwrap_or(0)).collect();
                 let to = at.min(out.len());
                 out.splice(to..to, run);
             }
             _ => {
-                let to = rng.random_range(0..=out.len());
-                out.insert(to, BYTES[rng.random_range(0..BYTES.len())]);
+                let to = index(&mut u, out.len() + 1);
+                out.insert(to, BYTES[index(&mut u, BYTES.len())]);
             }
         }
     }
@@ -119,6 +151,36 @@ pub fn regressions(dir: &Path, target: &str) -> Vec<Vec<u8>> {
     files.iter().filter_map(|p| std::fs::read(p).ok()).collect()
 }
 
+/// The most heap one input may make a parser hold at once: `fixed + per_input_byte × len`.
+///
+/// Why a stated limit: a parser that sizes a buffer from a length field it read can be made
+/// to allocate without bound by a few bytes of input. Each target states what its format
+/// needs (a copy or two of the input, plus the decoded tensors), and [`run`] fails an input
+/// that drives more.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeapLimit {
+    /// Bytes allowed whatever the input's size (tables, thread pools, error messages).
+    pub fixed: u64,
+    /// Bytes allowed per byte of input (copies and decoded forms of what it holds).
+    pub per_input_byte: u64,
+}
+
+impl HeapLimit {
+    /// A limit of `fixed_mib` MiB plus `per_input_byte` bytes per input byte.
+    pub const fn new(fixed_mib: u64, per_input_byte: u64) -> Self {
+        HeapLimit {
+            fixed: fixed_mib << 20,
+            per_input_byte,
+        }
+    }
+
+    /// The limit for an input of `len` bytes.
+    pub fn bytes(&self, len: usize) -> u64 {
+        self.fixed
+            .saturating_add(self.per_input_byte.saturating_mul(len as u64))
+    }
+}
+
 /// One fuzz target.
 #[derive(Debug, Clone)]
 pub struct Target<'a> {
@@ -132,14 +194,31 @@ pub struct Target<'a> {
     pub cases: usize,
     /// Directory of kept crashers to replay first.
     pub regressions: Option<&'a Path>,
+    /// The most heap one input may make the parser hold (checked when the heap is counted).
+    pub heap: HeapLimit,
+}
+
+/// What a [`run`] saw.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Summary {
+    /// Inputs that parsed without error.
+    pub accepted: usize,
+    /// Inputs run (regressions and generated cases).
+    pub inputs: usize,
+    /// The largest heap growth one input caused, in bytes (`None`: the heap is not counted).
+    pub heap_peak: Option<u64>,
+    /// The largest share of its [`HeapLimit`] one input used (`None`: not counted).
+    pub heap_share: Option<f64>,
 }
 
 /// How long one input may take before the run counts it as a hang.
 pub const HANG_SECONDS: u64 = 30;
 
 /// Aborts the process, naming the input, when no case finishes for [`HANG_SECONDS`]: a parser
-/// that loops on some input must fail the run, not stall CI. Dropping it stops the watch.
+/// that loops on some input must fail the run, not stall CI. Dropping it stops the watch and
+/// removes the on-disk copy of the input under test.
 struct Watchdog {
+    current: PathBuf,
     done: std::sync::Arc<std::sync::atomic::AtomicBool>,
     finished: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
@@ -149,7 +228,7 @@ impl Watchdog {
         use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
         let done = std::sync::Arc::new(AtomicBool::new(false));
         let finished = std::sync::Arc::new(AtomicUsize::new(0));
-        let (d, f) = (done.clone(), finished.clone());
+        let (d, f, path) = (done.clone(), finished.clone(), current.clone());
         std::thread::spawn(move || {
             let (mut seen, mut since) = (0, std::time::Instant::now());
             while !d.load(Ordering::Relaxed) {
@@ -161,13 +240,17 @@ impl Watchdog {
                     eprintln!(
                         "{target}: input {now} ran {HANG_SECONDS} s without finishing (a hang); \
                          it is saved at {} — keep it in the regressions directory once fixed",
-                        current.display()
+                        path.display()
                     );
                     std::process::abort();
                 }
             }
         });
-        Watchdog { done, finished }
+        Watchdog {
+            current,
+            done,
+            finished,
+        }
     }
 
     fn finished_one(&self) {
@@ -179,31 +262,49 @@ impl Watchdog {
 impl Drop for Watchdog {
     fn drop(&mut self) {
         self.done.store(true, std::sync::atomic::Ordering::Relaxed);
+        // Finished or failed by a panic (whose input is saved apart): the copy is not needed.
+        let _ = std::fs::remove_file(&self.current);
     }
 }
 
-/// Runs `parse` on the target's regression files and its mutated cases. A panic fails with
-/// the input saved under the temp directory and its path in the message; a hang (no input
-/// done for [`HANG_SECONDS`]) aborts the process naming the saved input, as does an
-/// allocation an untrusted length drove past what the machine has (the `WORDS` edits write
-/// such lengths); an error must say something. Returns how many inputs parsed without error.
+/// Saves a failing input under the temp directory and says where, for the failure message.
+fn save_failing(target: &str, i: usize, input: &[u8]) -> String {
+    let path = std::env::temp_dir().join(format!(
+        "kiln-fuzz-{target}-crash-{}-{i:05}",
+        std::process::id()
+    ));
+    if std::fs::write(&path, input).is_ok() {
+        format!("saved to {}", path.display())
+    } else {
+        "could not be saved".into()
+    }
+}
+
+/// Runs `parse` on the target's regression files and its generated cases. A panic, or an
+/// input that made the parser hold more heap than [`Target::heap`] allows, fails with the
+/// input saved under the temp directory and its path in the message; a hang (no input done
+/// for [`HANG_SECONDS`]) aborts the process naming the saved input, as does an allocation an
+/// untrusted length drove past what the machine has (the `WORDS` edits write such lengths);
+/// an error must say something.
 pub fn run<E: Display>(
     target: &Target<'_>,
     mut parse: impl FnMut(&[u8]) -> Result<(), E>,
-) -> usize {
+) -> Summary {
     let mut rng = rng(target.name);
     let mut inputs = target
         .regressions
         .map(|dir| regressions(dir, target.name))
         .unwrap_or_default();
     for case in 0..target.cases {
-        let mutated = mutate(target.seed, &mut rng);
+        let data: Vec<u8> = (0..CASE_BYTES).map(|_| rng.random()).collect();
+        let mutated = mutate(target.seed, &data);
         inputs.push(if target.sealed && case % 2 == 0 {
             reseal(mutated)
         } else {
             mutated
         });
     }
+    let counted = heap::live_bytes().is_some();
     // The input under test, on disk, for a hang or an abort to point at.
     let current = std::env::temp_dir().join(format!(
         "kiln-fuzz-{}-current-{}",
@@ -211,13 +312,20 @@ pub fn run<E: Display>(
         std::process::id()
     ));
     let watchdog = Watchdog::start(target.name.to_string(), current.clone());
-    let mut accepted = 0;
+    let mut summary = Summary {
+        accepted: 0,
+        inputs: inputs.len(),
+        heap_peak: counted.then_some(0),
+        heap_share: counted.then_some(0.0),
+    };
     for (i, input) in inputs.iter().enumerate() {
         let _ = std::fs::write(&current, input);
-        let outcome = catch_unwind(AssertUnwindSafe(|| parse(input)));
+        // Counted on this thread: other tests run beside this one.
+        let (outcome, grown) =
+            heap::thread_peak_during(|| catch_unwind(AssertUnwindSafe(|| parse(input))));
         watchdog.finished_one();
         match outcome {
-            Ok(Ok(())) => accepted += 1,
+            Ok(Ok(())) => summary.accepted += 1,
             Ok(Err(e)) => assert!(
                 !e.to_string().trim().is_empty(),
                 "{}: input {i} gave an empty error",
@@ -229,29 +337,36 @@ pub fn run<E: Display>(
                     .cloned()
                     .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
                     .unwrap_or_default();
-                let path = std::env::temp_dir().join(format!(
-                    "kiln-fuzz-{}-crash-{}-{i:05}",
-                    target.name,
-                    std::process::id()
-                ));
-                let saved = std::fs::write(&path, input).is_ok();
                 panic!(
                     "{}: input {i} panicked ({what}); {} — keep it in the regressions \
                      directory as `{}-<what>` once fixed",
                     target.name,
-                    if saved {
-                        format!("saved to {}", path.display())
-                    } else {
-                        "could not be saved".into()
-                    },
+                    save_failing(target.name, i, input),
                     target.name
                 );
             }
         }
+        if let Some(grown) = grown {
+            let limit = target.heap.bytes(input.len());
+            assert!(
+                grown <= limit,
+                "{}: input {i} ({} bytes) made the parser hold {grown} bytes of heap, over the \
+                 stated limit of {limit} ({:?}); {} — keep it in the regressions directory as \
+                 `{}-<what>` once fixed",
+                target.name,
+                input.len(),
+                target.heap,
+                save_failing(target.name, i, input),
+                target.name
+            );
+            summary.heap_peak = summary.heap_peak.map(|p| p.max(grown));
+            summary.heap_share = summary
+                .heap_share
+                .map(|s| s.max(grown as f64 / limit as f64));
+        }
     }
     drop(watchdog);
-    let _ = std::fs::remove_file(&current);
-    accepted
+    summary
 }
 
 #[cfg(test)]
@@ -259,14 +374,39 @@ mod tests {
     use super::*;
 
     #[test]
-    fn mutations_are_seeded_and_reseal_fixes_the_digest() {
+    fn mutations_are_decoded_from_the_fuzzer_bytes() {
         let seed = b"0123456789abcdefghijklmnopqrstuvwxyz0123456789";
-        let a = mutate(seed, &mut rng("t"));
-        let b = mutate(seed, &mut rng("t"));
-        assert_eq!(a, b, "same target, same cases");
+        let data: Vec<u8> = (0..CASE_BYTES).map(|_| rng("t").random()).collect();
+        assert_eq!(
+            mutate(seed, &data),
+            mutate(seed, &data),
+            "same bytes, same input"
+        );
+        // Every byte string is a valid case, the empty one included (one edit of zeros).
+        assert_ne!(mutate(seed, &[]), seed.to_vec());
+        let mut r = rng("t");
+        let distinct: std::collections::HashSet<Vec<u8>> = (0..50)
+            .map(|_| {
+                let data: Vec<u8> = (0..CASE_BYTES).map(|_| r.random()).collect();
+                mutate(seed, &data)
+            })
+            .collect();
+        assert!(
+            distinct.len() > 40,
+            "cases barely differ: {}",
+            distinct.len()
+        );
         let mut sealed = vec![1u8; 40];
         sealed.extend_from_slice(&[0u8; 32]);
         let sealed = reseal(sealed);
         assert_eq!(&sealed[40..], Sha256::digest([1u8; 40]).as_slice());
+    }
+
+    #[test]
+    fn heap_limit_scales_with_the_input() {
+        let limit = HeapLimit::new(2, 3);
+        assert_eq!(limit.bytes(0), 2 << 20);
+        assert_eq!(limit.bytes(10), (2 << 20) + 30);
+        assert_eq!(HeapLimit::new(1, u64::MAX).bytes(2), u64::MAX);
     }
 }

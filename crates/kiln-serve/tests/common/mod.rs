@@ -28,6 +28,25 @@ pub fn write_model(repo: &Path, name: &str, config: &str) -> PathBuf {
     dir
 }
 
+/// Writes model `name` serving `tests/data/fails_above_batch_2.onnx` (written by
+/// `tools/make_failing_onnx.py`: y = x + x[0:2], whose forward fails for a batch of 3 or
+/// more) with `max_batch_size = 8`.
+pub fn write_failing_model(repo: &Path, name: &str) {
+    let dir = write_model(
+        repo,
+        name,
+        "backend = \"onnx\"\nfile = \"model.onnx\"\nmax_batch_size = 8\n",
+    );
+    std::fs::copy(
+        concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/data/fails_above_batch_2.onnx"
+        ),
+        dir.join("model.onnx"),
+    )
+    .unwrap();
+}
+
 /// Writes model `name` serving a freshly initialized W3 CNN graph (`model.kgraph`), with
 /// `settings` appended to its config; returns the graph's path.
 pub fn write_cnn_model(repo: &Path, name: &str, settings: &str) -> PathBuf {
@@ -265,4 +284,33 @@ pub fn images(seed: u64, batch: usize) -> Vec<f32> {
             (s >> 40) as f32 / (1u64 << 24) as f32
         })
         .collect()
+}
+
+/// A KServe v2 JSON body with one FP32 input.
+pub fn infer_body(name: &str, shape: &[usize], data: &[f32]) -> serde_json::Value {
+    serde_json::json!({ "inputs": [{ "name": name, "datatype": "FP32", "shape": shape, "data": data }] })
+}
+
+/// POSTs every body at once, one thread each; (status, error message or "") per body.
+pub fn concurrent_posts(
+    addr: std::net::SocketAddr,
+    path: &str,
+    bodies: impl Iterator<Item = serde_json::Value>,
+) -> Vec<(u16, String)> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = bodies
+            .map(|body| {
+                s.spawn(move || {
+                    let r = post_json(addr, path, &body);
+                    let message = if r.status == 200 {
+                        String::new()
+                    } else {
+                        r.error()
+                    };
+                    (r.status, message)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
 }

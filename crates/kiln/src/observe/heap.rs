@@ -9,11 +9,21 @@
 //! whatever the allocator keeps. Without it, readings fall back to RSS.
 
 use std::alloc::{GlobalAlloc, Layout};
+use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 static LIVE: AtomicU64 = AtomicU64::new(0);
 static PEAK: AtomicU64 = AtomicU64::new(0);
 static COUNTING: AtomicBool = AtomicBool::new(false);
+
+thread_local! {
+    // Bytes this thread allocated minus those it freed, and that figure's peak: what one
+    // call on this thread held, apart from other threads (tests run side by side). Signed:
+    // a thread may free what another allocated. Const-initialized without a destructor, so
+    // the allocator may touch them at any time without allocating or registering anything.
+    static THREAD_LIVE: Cell<i64> = const { Cell::new(0) };
+    static THREAD_PEAK: Cell<i64> = const { Cell::new(0) };
+}
 
 /// A global allocator that forwards to `A` and counts the bytes live in it.
 ///
@@ -28,7 +38,8 @@ static COUNTING: AtomicBool = AtomicBool::new(false);
 /// }
 /// ```
 ///
-/// The cost is two relaxed atomic operations per allocation and one per free.
+/// The cost is two relaxed atomic operations and two thread-local updates per allocation, one
+/// of each per free.
 pub struct CountingAlloc<A>(A);
 
 impl<A> CountingAlloc<A> {
@@ -47,10 +58,16 @@ fn added(bytes: usize) {
     if !COUNTING.load(Ordering::Relaxed) {
         COUNTING.store(true, Ordering::Relaxed);
     }
+    let _ = THREAD_LIVE.try_with(|live| {
+        let now = live.get() + bytes as i64;
+        live.set(now);
+        let _ = THREAD_PEAK.try_with(|peak| peak.set(peak.get().max(now)));
+    });
 }
 
 fn removed(bytes: usize) {
     LIVE.fetch_sub(bytes as u64, Ordering::Relaxed);
+    let _ = THREAD_LIVE.try_with(|live| live.set(live.get() - bytes as i64));
 }
 
 // SAFETY: every method forwards to `A` with the caller's arguments and only adds counting,
@@ -106,4 +123,18 @@ pub fn take_peak_bytes() -> Option<u64> {
     }
     let live = LIVE.load(Ordering::Relaxed);
     Some(PEAK.swap(live, Ordering::Relaxed).max(live))
+}
+
+/// Runs `f` and returns its result with the most heap it held at once on this thread, in
+/// bytes above what the thread held when it started (`None` when no [`CountingAlloc`] is
+/// installed). Allocations `f` leaves to other threads (a thread pool) are not counted.
+pub fn thread_peak_during<R>(f: impl FnOnce() -> R) -> (R, Option<u64>) {
+    let start = THREAD_LIVE.with(Cell::get);
+    THREAD_PEAK.with(|peak| peak.set(start));
+    let result = f();
+    let peak = THREAD_PEAK.with(Cell::get);
+    let grown = COUNTING
+        .load(Ordering::Relaxed)
+        .then(|| peak.saturating_sub(start).max(0) as u64);
+    (result, grown)
 }
