@@ -233,13 +233,13 @@ fn measure_case(
     let steps = steps.unwrap_or_else(|| default_steps(w.model, mode));
     let timing = match (mode, case) {
         // The baseline is Burn as a Burn user runs it: Burn's own ops, not Kiln's kernels
-        // (each case runs in its own process, so the switch does not leak into other cases).
+        // (switched off for this thread while the case runs; plain Burn never hops threads).
         ("train", "burn") => {
-            kiln::kernels::set_enabled(false);
+            let _burn_ops = kiln::kernels::Scope::enter(false);
             plain_burn_train(w.model, batch, shape, steps)
         }
         ("infer", "burn") => {
-            kiln::kernels::set_enabled(false);
+            let _burn_ops = kiln::kernels::Scope::enter(false);
             plain_burn_infer(w.model, batch, shape, steps)
         }
         ("infer", "kiln" | "kiln-system") => session_infer(w.model, &[], batch, shape, steps)?,

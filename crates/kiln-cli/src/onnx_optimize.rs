@@ -19,6 +19,8 @@ use crate::onnx_bench::{input_shapes, make_inputs, time_kiln};
 pub struct OnnxOptimize {
     /// Where the model runs (`--device`, resolved through the plan).
     pub device: Device,
+    /// Whether the model runs on Kiln's kernels (the plan's `device.kiln_kernels`).
+    pub kiln_kernels: bool,
     /// The model file.
     pub path: PathBuf,
     /// Passes in order.
@@ -53,6 +55,7 @@ pub fn run(job: &OnnxOptimize) -> Result<()> {
     let device = job.device.clone();
     let load = || {
         OnnxModel::load(&job.path, &device)
+            .map(|m| m.with_kiln_kernels(job.kiln_kernels))
             .with_context(|| format!("loading {}", job.path.display()))
     };
     let mut model = load()?;

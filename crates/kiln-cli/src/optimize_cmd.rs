@@ -50,8 +50,8 @@ pub fn resolve_plan(args: &OptimizeArgs) -> Result<Plan> {
         config.set("device.threads", &args.threads.to_string())?;
     }
     let plan = kiln::plan::resolve(&config, &Hardware::probe())?;
-    // The plan's thread count and kernel switch (`device.kiln_kernels`), as `kiln train`
-    // applies them.
+    // The plan's thread count, as `kiln train` applies it (the kernel switch goes to each
+    // session).
     plan.apply_runtime();
     tracing::info!(
         "device {}; passes from the plan at level {}: {}",
@@ -95,7 +95,8 @@ pub fn run(args: OptimizeArgs) -> Result<()> {
     let mut last = None;
     for upto in 0..=passes.len() {
         let applied = &passes[..upto];
-        let session = InferenceSession::new(&model, kind.name(), shape, applied, &device)?;
+        let session = InferenceSession::new(&model, kind.name(), shape, applied, &device)?
+            .with_kiln_kernels(plan.kiln_kernels);
         let predictions = session.evaluate(&test, 250)?;
         let reference = reference.get_or_insert_with(|| predictions.logits.clone());
         let stage = Stage {

@@ -140,6 +140,9 @@ pub struct ModelConfig {
     pub timeout: Option<Duration>,
     /// `None`: each request runs alone, as it arrived.
     pub dynamic_batching: Option<DynamicBatching>,
+    /// Whether the model runs on Kiln's CPU kernels (`kiln_kernels`, default true; false =
+    /// Burn's own ops, as `device.kiln_kernels = false` does for training).
+    pub kiln_kernels: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -156,6 +159,7 @@ struct RawConfig {
     input_dims: Option<BTreeMap<String, Vec<usize>>>,
     datatype: Option<String>,
     execute_delay_microseconds: Option<u64>,
+    kiln_kernels: Option<bool>,
     #[serde(default = "default_max_batch")]
     max_batch_size: usize,
     #[serde(default = "one")]
@@ -275,11 +279,18 @@ impl ModelConfig {
                 "execute_delay_microseconds",
                 raw.execute_delay_microseconds.is_some(),
             ),
+            ("kiln_kernels", raw.kiln_kernels.is_some()),
         ];
         let allowed: &[&str] = match &backend {
-            BackendConfig::Zoo { .. } => &["model", "checkpoint", "passes", "input_shape"],
-            BackendConfig::Graph { .. } => &["graph"],
-            BackendConfig::Onnx { .. } => &["file", "passes", "input_dims"],
+            BackendConfig::Zoo { .. } => &[
+                "model",
+                "checkpoint",
+                "passes",
+                "input_shape",
+                "kiln_kernels",
+            ],
+            BackendConfig::Graph { .. } => &["graph", "kiln_kernels"],
+            BackendConfig::Onnx { .. } => &["file", "passes", "input_dims", "kiln_kernels"],
             BackendConfig::Identity { .. } => &["dims", "datatype", "execute_delay_microseconds"],
         };
         let stray: Vec<&str> = set
@@ -337,6 +348,7 @@ impl ModelConfig {
             timeout: (raw.timeout_microseconds > 0)
                 .then(|| Duration::from_micros(raw.timeout_microseconds)),
             dynamic_batching,
+            kiln_kernels: raw.kiln_kernels.unwrap_or(true),
         })
     }
 }
@@ -382,6 +394,18 @@ preferred_batch_size = [32, 8]
         let b = c.dynamic_batching.unwrap();
         assert_eq!(b.preferred_batch_sizes, vec![8, 32]);
         assert_eq!(b.max_queue_delay, Duration::from_micros(250));
+        assert!(c.kiln_kernels, "Kiln's kernels are on unless switched off");
+    }
+
+    #[test]
+    fn kiln_kernels_switch_per_model_where_a_model_runs_kernels() {
+        let c = parse("backend = \"onnx\"\nfile = \"m.onnx\"\nkiln_kernels = false").unwrap();
+        assert!(!c.kiln_kernels);
+        let err = parse("backend = \"identity\"\ndims = [4]\nkiln_kernels = false").unwrap_err();
+        assert!(
+            err.contains("kiln_kernels") && err.contains("identity"),
+            "{err}"
+        );
     }
 
     #[test]

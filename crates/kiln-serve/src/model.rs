@@ -70,11 +70,12 @@ pub fn instance_device(name: &str, kind: InstanceKind) -> Result<(InstanceKind, 
 
 /// Builds `instances` copies of the configured backend on `device` and reports the model's
 /// signature. Weights are read, lowered and optimized once; each instance gets its own
-/// session over a copy of the resulting graph.
+/// session over a copy of the resulting graph, running on Kiln's kernels if `kiln_kernels`.
 pub fn build_backends(
     name: &str,
     config: &BackendConfig,
     instances: usize,
+    kiln_kernels: bool,
     device: &Device,
 ) -> Result<(Vec<Box<dyn Backend>>, ModelSpec)> {
     let fail = |e: kiln::KilnError| ServeError::Load {
@@ -125,13 +126,23 @@ pub fn build_backends(
             path,
             passes,
             input_dims,
-        } => return onnx_backends(name, path, passes, input_dims, instances, device),
+        } => {
+            let onnx = OnnxBackends {
+                passes,
+                input_dims,
+                instances,
+                kiln_kernels,
+            };
+            return onnx_backends(name, path, &onnx, device);
+        }
         BackendConfig::Graph { path } => load_graph(path).map_err(fail)?,
     };
     let mut backends = Vec::with_capacity(instances);
     let mut spec = None;
     for _ in 0..instances {
-        let session = InferenceSession::from_graph(graph.clone(), device).map_err(fail)?;
+        let session = InferenceSession::from_graph(graph.clone(), device)
+            .map_err(fail)?
+            .with_kiln_kernels(kiln_kernels);
         let (backend, s) = classifier(name, session, device.clone())?;
         backends.push(backend);
         spec = Some(s);
@@ -232,14 +243,26 @@ impl Backend for Classifier {
 /// `instances` copies of the ONNX model in `path`, each loaded through `kiln::onnx`. The
 /// signature comes from the file: inputs as declared (their non-batch dynamic axes fixed by
 /// `input_dims`), outputs measured by one warm-up batch of zeros.
+/// How to build an ONNX model's instances.
+struct OnnxBackends<'a> {
+    passes: &'a str,
+    input_dims: &'a BTreeMap<String, Vec<usize>>,
+    instances: usize,
+    kiln_kernels: bool,
+}
+
 fn onnx_backends(
     name: &str,
     path: &Path,
-    passes: &str,
-    input_dims: &BTreeMap<String, Vec<usize>>,
-    instances: usize,
+    onnx: &OnnxBackends<'_>,
     device: &Device,
 ) -> Result<(Vec<Box<dyn Backend>>, ModelSpec)> {
+    let OnnxBackends {
+        passes,
+        input_dims,
+        instances,
+        kiln_kernels,
+    } = *onnx;
     let load_error = |message: String| ServeError::Load {
         model: name.to_string(),
         message,
@@ -250,8 +273,9 @@ fn onnx_backends(
     let mut backends: Vec<Box<dyn Backend>> = Vec::with_capacity(instances);
     let mut spec = None;
     for _ in 0..instances.max(1) {
-        let mut model =
-            OnnxModel::from_bytes(&bytes, name, device).map_err(|e| load_error(e.to_string()))?;
+        let mut model = OnnxModel::from_bytes(&bytes, name, device)
+            .map_err(|e| load_error(e.to_string()))?
+            .with_kiln_kernels(kiln_kernels);
         for &pass in &passes {
             let report = model.apply(pass).map_err(|e| load_error(e.to_string()))?;
             tracing::info!(model = name, pass = pass.name(), changes = ?report.changes, "pass applied");

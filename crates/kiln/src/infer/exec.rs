@@ -113,6 +113,9 @@ pub struct Executor {
     /// The half precision convolutions, linear layers and attention products run in (the
     /// graph's, from the `f16` / `bf16` passes); `None` = f32 throughout.
     compute: Option<FloatDType>,
+    /// Whether the forward uses Kiln's kernels (`device.kiln_kernels`), on whatever thread
+    /// it runs.
+    kiln_kernels: bool,
 }
 
 fn tensor<const D: usize>(w: &Weight, device: &Device) -> Result<Tensor<D>> {
@@ -284,7 +287,18 @@ impl Executor {
             ops,
             device: device.clone(),
             compute,
+            kiln_kernels: true,
         })
+    }
+
+    /// Switches Kiln's kernels on or off for this executor's forwards (on by default).
+    pub fn set_kiln_kernels(&mut self, enabled: bool) {
+        self.kiln_kernels = enabled;
+    }
+
+    /// Whether this executor's forwards use Kiln's kernels.
+    pub fn kiln_kernels(&self) -> bool {
+        self.kiln_kernels
     }
 
     /// The graph being run.
@@ -321,6 +335,9 @@ impl Executor {
     }
 
     fn forward_here(&self, images: Tensor<4>) -> Result<Tensor<2>> {
+        // Entered here, on the thread that runs the ops (the forward may have hopped to the
+        // pool).
+        let _kernels = crate::kernels::Scope::enter(self.kiln_kernels);
         let [_, c, h, w] = images.dims();
         if [c, h, w] != self.graph.input_shape {
             return Err(KilnError::Shape(format!(

@@ -68,6 +68,18 @@ impl InferenceSession {
         })
     }
 
+    /// The session with Kiln's kernels switched on or off for its forwards (on by default;
+    /// the plan's `device.kiln_kernels`).
+    pub fn with_kiln_kernels(mut self, enabled: bool) -> Self {
+        self.executor.set_kiln_kernels(enabled);
+        self
+    }
+
+    /// Whether the session's forwards use Kiln's kernels.
+    pub fn kiln_kernels(&self) -> bool {
+        self.executor.kiln_kernels()
+    }
+
     /// What each pass changed.
     pub fn reports(&self) -> &[PassReport] {
         &self.reports

@@ -21,6 +21,7 @@ pub fn sigmoid<const D: usize>(x: Tensor<D>) -> Tensor<D> {
         return activation::sigmoid(x);
     }
     let (device, dims) = (x.device(), x.dims());
+    let _op = tracing::trace_span!("kiln.sigmoid", shape = ?dims).entered();
     let Ok(mut values) = x.clone().into_data().try_into_vec::<f32>() else {
         return activation::sigmoid(x);
     };

@@ -13,7 +13,8 @@ mod extension;
 pub mod linear;
 pub mod pool;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::cell::Cell;
+use std::marker::PhantomData;
 
 use burn::backend::{Dispatch, DispatchDevice};
 use burn::nn::PaddingConfig2d;
@@ -26,18 +27,50 @@ use burn::tensor::{DType, Device, Tensor};
 
 pub use extension::KilnKernels;
 
-/// Process-wide switch (the plan's `device.kiln_kernels`); on unless turned off.
-static ENABLED: AtomicBool = AtomicBool::new(true);
-
-/// Turns Kiln's kernels on or off for the whole process (off = Burn's own ops everywhere, as
-/// a plain Burn program runs; the benchmarks' baseline does this).
-pub fn set_enabled(enabled: bool) {
-    ENABLED.store(enabled, Ordering::Relaxed);
+thread_local! {
+    // The switch in force on this thread (`device.kiln_kernels`): set by a [`Scope`], on
+    // otherwise. Per thread, like autocast: a tuner trial, a baseline and a server instance
+    // each choose for their own thread without touching anyone else's.
+    static ENABLED: Cell<bool> = const { Cell::new(true) };
 }
 
-/// Whether Kiln's kernels are switched on.
+/// Kiln's kernels switched on or off on this thread until the scope is dropped (then the
+/// previous setting returns). The trainer enters one for [`crate::train::TrainOptions`]'s
+/// `kiln_kernels`, inference sessions for theirs; off = Burn's own ops, as a plain Burn
+/// program runs (the benchmarks' baseline).
+///
+/// ```
+/// let _burn_only = kiln::kernels::Scope::enter(false);
+/// assert!(!kiln::kernels::enabled());
+/// drop(_burn_only);
+/// assert!(kiln::kernels::enabled());
+/// ```
+#[must_use = "the setting lasts only while the scope is alive"]
+pub struct Scope {
+    previous: bool,
+    // A scope restores its own thread's setting: it must be dropped where it was entered.
+    _not_send: PhantomData<*const ()>,
+}
+
+impl Scope {
+    /// Switches Kiln's kernels on or off on this thread until the scope is dropped.
+    pub fn enter(enabled: bool) -> Scope {
+        Scope {
+            previous: ENABLED.with(|e| e.replace(enabled)),
+            _not_send: PhantomData,
+        }
+    }
+}
+
+impl Drop for Scope {
+    fn drop(&mut self) {
+        ENABLED.with(|e| e.set(self.previous));
+    }
+}
+
+/// Whether Kiln's kernels are switched on on this thread.
 pub fn enabled() -> bool {
-    ENABLED.load(Ordering::Relaxed)
+    ENABLED.with(Cell::get)
 }
 
 /// Whether Kiln's CPU kernels serve this device: switched on, and the `flex` backend (with or
@@ -70,6 +103,13 @@ pub fn conv2d(
     if options.groups != 1 || !f32_only || !serves(&x.device()) {
         return burn_conv2d(x, weight, bias, options);
     }
+    let _op = tracing::trace_span!(
+        "kiln.conv2d",
+        input = ?x.dims(),
+        weight = ?weight.dims(),
+        flops = conv2d_flops(x.dims(), weight.dims(), &options)
+    )
+    .entered();
     // The extension takes a bias tensor always (its dispatch glue routes plain tensors only);
     // a constant zero bias costs one fill of the output, which the GEMM then accumulates onto.
     let bias = bias.unwrap_or_else(|| Tensor::zeros([weight.dims()[0]], &x.device()));
@@ -80,6 +120,17 @@ pub fn conv2d(
         options,
     );
     Tensor::from_dispatch(out)
+}
+
+/// Multiply-adds ×2 of a convolution of `input` `[N, C, H, W]` by `weight` `[O, C/g, KH, KW]`.
+fn conv2d_flops(input: [usize; 4], weight: [usize; 4], options: &ConvOptions<2>) -> u64 {
+    let out = |i: usize| {
+        let span = options.dilation[i] * (weight[2 + i] - 1) + 1;
+        (input[2 + i] + options.padding[i].0 + options.padding[i].1).saturating_sub(span)
+            / options.stride[i].max(1)
+            + 1
+    };
+    2 * (input[0] * weight[0] * out(0) * out(1) * weight[1] * weight[2] * weight[3]) as u64
 }
 
 /// `x · weight + bias` over the last dimension of `x` (`weight` `[inputs, outputs]`, Burn's
@@ -97,7 +148,15 @@ pub fn linear<const D: usize>(
     if D < 2 || dims[D - 1] != inputs || !f32_only || !serves(&x.device()) {
         return burn_linear(x, weight, bias);
     }
-    let rows = dims[..D - 1].iter().product();
+    let rows: usize = dims[..D - 1].iter().product();
+    let _op = tracing::trace_span!(
+        "kiln.linear",
+        rows,
+        inputs,
+        outputs,
+        flops = 2 * (rows * inputs * outputs) as u64
+    )
+    .entered();
     let device = x.device();
     let bias = bias.unwrap_or_else(|| Tensor::zeros([outputs], &device));
     let y = <Dispatch as KilnKernels>::kiln_linear(
@@ -116,6 +175,7 @@ pub fn max_pool2d(x: Tensor<4>, kernel: [usize; 2], stride: [usize; 2]) -> Tenso
     if x.dtype() != DType::F32 || !serves(&x.device()) {
         return burn_max_pool2d(x, MaxPoolOptions::new(kernel).with_stride(stride));
     }
+    let _op = tracing::trace_span!("kiln.max_pool2d", input = ?x.dims(), ?kernel).entered();
     let out = <Dispatch as KilnKernels>::kiln_max_pool2d(x.into_dispatch(), kernel, stride);
     Tensor::from_dispatch(out)
 }

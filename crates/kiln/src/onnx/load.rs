@@ -155,6 +155,7 @@ pub fn load(bytes: &[u8], name: &str, device: &Device) -> Result<OnnxModel, Onnx
         steps,
         uses,
         device: device.clone(),
+        kiln_kernels: true,
     })
 }
 

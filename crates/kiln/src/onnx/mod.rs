@@ -137,6 +137,8 @@ pub struct OnnxModel {
     /// Readers of each slot (graph outputs count one more, so they are never taken).
     uses: Vec<usize>,
     device: Device,
+    /// Whether runs use Kiln's kernels (`device.kiln_kernels`), on whatever thread they run.
+    kiln_kernels: bool,
 }
 
 impl OnnxModel {
@@ -174,6 +176,18 @@ impl OnnxModel {
     /// The device it runs on.
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// The model with Kiln's kernels switched on or off for its runs (on by default; the
+    /// plan's `device.kiln_kernels`).
+    pub fn with_kiln_kernels(mut self, enabled: bool) -> Self {
+        self.kiln_kernels = enabled;
+        self
+    }
+
+    /// Whether the model's runs use Kiln's kernels.
+    pub fn kiln_kernels(&self) -> bool {
+        self.kiln_kernels
     }
 
     /// How many nodes of each operator run (after onnx-ir's simplification and the passes).
@@ -214,6 +228,8 @@ impl OnnxModel {
     }
 
     fn run_here(&self, inputs: Vec<Value>) -> Result<Vec<Value>, OnnxError> {
+        // Entered here, on the thread that runs the ops (the run may have hopped to the pool).
+        let _kernels = crate::kernels::Scope::enter(self.kiln_kernels);
         let mut slots = self.constants.clone();
         for (&slot, value) in self.input_slots.iter().zip(inputs) {
             slots[slot] = Some(value);

@@ -282,6 +282,7 @@ fn build(config: &KilnConfig, settings: Vec<ResolvedSetting>, hw: &Hardware) -> 
             check_params: flag("guard.check_params"),
             snapshot_every: int("guard.snapshot_every") as u64,
         },
+        kiln_kernels: flag("device.kiln_kernels"),
     };
     if train.checkpoint_every_steps.is_some() && train.checkpoint_dir.is_none() {
         return Err(KilnError::Inconsistent(
@@ -352,11 +353,12 @@ pub fn known_keys() -> impl Iterator<Item = &'static str> {
 }
 
 impl Plan {
-    /// Applies the process-wide runtime settings of the plan (CPU thread count, Kiln's
-    /// kernels). Call once, before any tensor work; later calls keep the first thread count.
+    /// Applies the plan's one process-wide runtime setting, the CPU thread count. Call once,
+    /// before any tensor work; later calls keep the first thread count. (The kernel switch
+    /// is not process-wide: it travels in [`TrainOptions::kiln_kernels`] and in each
+    /// inference session.)
     pub fn apply_runtime(&self) {
         set_cpu_threads(self.threads);
-        crate::kernels::set_enabled(self.kiln_kernels);
     }
 }
 

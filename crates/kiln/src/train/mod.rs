@@ -125,6 +125,16 @@ pub struct TrainOptions {
     pub scaler: ScalerOptions,
     /// Numerical-stability guard.
     pub guard: GuardOptions,
+    /// Whether the step uses Kiln's kernels on the CPU (`device.kiln_kernels`; off = Burn's own
+    /// ops). The trainer switches them for its thread only ([`crate::kernels::Scope`]).
+    #[serde(default = "kiln_kernels_default")]
+    pub kiln_kernels: bool,
+}
+
+/// Kiln's kernels are on unless a plan says otherwise (and in options saved before the
+/// setting existed).
+fn kiln_kernels_default() -> bool {
+    true
 }
 
 impl Default for TrainOptions {
@@ -157,6 +167,7 @@ impl Default for TrainOptions {
             precision: Precision::F32,
             scaler: ScalerOptions::default(),
             guard: GuardOptions::default(),
+            kiln_kernels: true,
         }
     }
 }

@@ -125,6 +125,9 @@ impl<'s> Trainer<'s> {
         valid: Option<&dyn BatchSource<Batch = B>>,
     ) -> Result<TrainOutcome<M>> {
         let opts = self.options.clone();
+        // The kernel switch holds for this run on this thread (the step, evaluation and
+        // checkpoints run here; loader workers run no model ops).
+        let _kernels = crate::kernels::Scope::enter(opts.kiln_kernels);
         validate(&opts, train, valid)?;
         let device = self.training_device();
         let model = seeded_init(&device, opts.seed, init);

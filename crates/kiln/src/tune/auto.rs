@@ -162,6 +162,7 @@ fn measure(
         grad_accum_steps: candidate.grad_accum_steps,
         activation_checkpointing: candidate.checkpointing,
         workers: Some(candidate.workers),
+        kiln_kernels: candidate.kiln_kernels,
         max_steps: Some(WARMUP_STEPS + steps.max(1)),
         epochs: 1000,
         eval_every_epochs: 0,
@@ -171,13 +172,7 @@ fn measure(
         ..base.clone()
     };
     let mut sink = MemorySink::default();
-    // The switch is process-wide: set for this trial, restored after it (trials run one at
-    // a time).
-    let kernels_before = crate::kernels::enabled();
-    crate::kernels::set_enabled(candidate.kiln_kernels);
-    let fitted = fit(options, &mut sink);
-    crate::kernels::set_enabled(kernels_before);
-    fitted?;
+    fit(options, &mut sink)?;
     let timed: Vec<(f64, f64, f64, usize)> = sink
         .steps()
         .filter(|s| s.step > WARMUP_STEPS)
@@ -586,6 +581,32 @@ mod tests {
                 .any(|d| d.reason.contains("not confirmed"))
         );
         assert!(r.decisions.iter().any(|d| d.reason.contains("numerics")));
+    }
+
+    #[test]
+    fn a_trial_trains_with_its_candidates_settings_and_touches_no_global_switch() {
+        let candidate = Candidate {
+            precision: Precision::Bf16,
+            micro_batch: 16,
+            grad_accum_steps: 4,
+            checkpointing: true,
+            workers: 3,
+            kiln_kernels: false,
+        };
+        let mut seen = None;
+        let _ = measure(&TrainOptions::default(), &candidate, 2, |options, _| {
+            seen = Some(options);
+            Ok(())
+        });
+        let o = seen.expect("the trial ran");
+        assert_eq!(
+            (o.precision, o.batch_size, o.grad_accum_steps),
+            (Precision::Bf16, 16, 4)
+        );
+        assert!(o.activation_checkpointing && !o.kiln_kernels);
+        assert_eq!(o.workers, Some(3));
+        // The switch travels in the options; this thread's setting is untouched.
+        assert!(crate::kernels::enabled());
     }
 
     #[test]
