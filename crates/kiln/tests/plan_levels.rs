@@ -258,3 +258,35 @@ fn every_enum_name_the_schema_accepts_resolves_to_itself() {
         }
     }
 }
+
+#[test]
+fn the_plan_says_whether_burns_fusion_and_autotune_run_and_why() {
+    let flex = plan_at(Level::Advanced);
+    let g = &flex.graph_compilation;
+    assert!(!g.fusion && !g.autotune);
+    assert!(
+        g.why.contains("eagerly") && g.why.contains("cuda build"),
+        "{}",
+        g.why
+    );
+    let shown = flex.to_string();
+    assert!(
+        shown.contains("burn fusion: off, autotune: off on flex"),
+        "{shown}"
+    );
+    assert_eq!(flex.to_json()["graph_compilation"]["fusion"], false);
+    // A cuda build on a machine with the driver: the CUDA backend gets both.
+    let gpu = Hardware {
+        cuda_compiled: true,
+        cuda_driver: true,
+        ..hw()
+    };
+    let mut c = KilnConfig::default();
+    c.set("device.backend", "cuda").unwrap();
+    let cuda = resolve(&c, &gpu).unwrap();
+    assert!(cuda.graph_compilation.fusion && cuda.graph_compilation.autotune);
+    assert!(
+        cuda.to_string()
+            .contains("burn fusion: on, autotune: on on cuda")
+    );
+}

@@ -82,6 +82,45 @@ pub struct Plan {
     pub infer_passes: Vec<crate::infer::Pass>,
     /// The hardware the plan was resolved against.
     pub hardware: Hardware,
+    /// Whether Burn's own operation fusion and autotune run on the plan's backend, and why.
+    pub graph_compilation: GraphCompilation,
+}
+
+/// Burn's own graph-level optimizations on a backend: operation fusion (`burn-fusion`,
+/// which records ops lazily and compiles fused kernels) and kernel autotune. Both are CubeCL
+/// features, compiled into Kiln's `cuda` build; `flex` runs every op eagerly.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GraphCompilation {
+    /// Burn's operation fusion is on.
+    pub fusion: bool,
+    /// Burn's kernel autotune is on.
+    pub autotune: bool,
+    /// Why, in words.
+    pub why: String,
+}
+
+impl GraphCompilation {
+    /// What `backend` gets in this build.
+    pub fn for_backend(backend: Backend) -> Self {
+        match backend {
+            Backend::Flex => GraphCompilation {
+                fusion: false,
+                autotune: false,
+                why: "flex runs every op eagerly; Burn's fusion and autotune are CubeCL \
+                      features, compiled into the cuda build. On the CPU, Kiln's own kernels \
+                      take their place: docs/kernels.md"
+                    .into(),
+            },
+            Backend::Cuda => GraphCompilation {
+                fusion: true,
+                autotune: true,
+                why: "compiled into the cuda build (burn/fusion, burn/autotune): ops are \
+                      recorded and fused into generated kernels; kernel variants are timed \
+                      once per shape and the fastest cached"
+                    .into(),
+            },
+        }
+    }
 }
 
 impl Plan {
@@ -107,6 +146,11 @@ impl Plan {
             "level_source": self.level_source.to_string(),
             "settings": settings,
             "hardware": {"cores": self.hardware.cores, "cuda_compiled": self.hardware.cuda_compiled},
+            "graph_compilation": {
+                "fusion": self.graph_compilation.fusion,
+                "autotune": self.graph_compilation.autotune,
+                "why": self.graph_compilation.why,
+            },
         })
     }
 }
@@ -142,7 +186,15 @@ impl fmt::Display for Plan {
                 s.doc
             )?;
         }
-        Ok(())
+        let on = |b: bool| if b { "on" } else { "off" };
+        writeln!(
+            f,
+            "burn fusion: {}, autotune: {} on {}. {}",
+            on(self.graph_compilation.fusion),
+            on(self.graph_compilation.autotune),
+            self.backend.name(),
+            self.graph_compilation.why
+        )
     }
 }
 
@@ -320,6 +372,7 @@ fn build(config: &KilnConfig, settings: Vec<ResolvedSetting>, hw: &Hardware) -> 
         data_dir: dir("data.dir"),
         infer_passes,
         hardware: hw.clone(),
+        graph_compilation: GraphCompilation::for_backend(backend),
         settings,
     })
 }
