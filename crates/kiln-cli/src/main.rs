@@ -201,9 +201,6 @@ struct TuneBatchArgs {
     /// the search varies.
     #[command(flatten)]
     config: ConfigArgs,
-    /// Memory budget (host RSS on CPU), e.g. 8GiB, 512MiB.
-    #[arg(long, default_value = "8GiB")]
-    memory_budget: String,
     /// Candidate generation: power (double, then binary search) or binsearch.
     #[arg(long, default_value = "power")]
     mode: String,
@@ -391,6 +388,10 @@ struct ConfigArgs {
     /// CPU threads (0 = one per core).
     #[arg(long)]
     threads: Option<String>,
+    /// Memory the run may use, e.g. 8GiB, 512MiB (`device.memory_budget_mib`; default: the
+    /// cgroup limit or physical memory). The auto watermark takes 85% of it.
+    #[arg(long, value_name = "SIZE")]
+    memory_budget: Option<String>,
     /// Any config key, e.g. --set train.warmup_steps=100 (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<String>,
@@ -461,6 +462,10 @@ impl ConfigArgs {
                 };
                 config.set(key, &v)?;
             }
+        }
+        if let Some(size) = &self.memory_budget {
+            let mib = kiln::tune::parse_size(size)?.div_ceil(1 << 20);
+            config.set("device.memory_budget_mib", &mib.to_string())?;
         }
         for pair in &self.set {
             config.set_pair(pair)?;

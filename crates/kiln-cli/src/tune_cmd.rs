@@ -12,7 +12,7 @@ use kiln::burn;
 use kiln::data::SyntheticDataset;
 use kiln::observe::{MemorySink, memory};
 use kiln::train::TrainOptions;
-use kiln::tune::{SearchMode, SearchOptions, TrialOutcome, parse_size, search};
+use kiln::tune::{SearchMode, SearchOptions, TrialOutcome, search};
 use kiln::zoo::ModelKind;
 
 use crate::TuneBatchArgs;
@@ -29,8 +29,13 @@ pub fn run(args: TuneBatchArgs) -> Result<()> {
     if let Some(batch) = args.trial {
         return trial(model, &plan.train, batch, args.steps);
     }
+    // The budget: --memory-budget / device.memory_budget_mib, else the machine's memory.
+    let budget = plan
+        .memory_budget
+        .or(plan.hardware.memory.map(|(bytes, _)| bytes))
+        .context("this system does not report its memory size: pass --memory-budget (e.g. 8GiB)")?;
     let options = SearchOptions {
-        budget: parse_size(&args.memory_budget)?,
+        budget,
         margin: args.margin,
         mode: SearchMode::from_name(&args.mode)?,
         start: args.start,

@@ -117,6 +117,27 @@ fn plan_json_reports_sources() {
             .starts_with("probe: 85% of "),
         "{watermark}"
     );
+    // `--memory-budget` (any command with the config flags) replaces the machine's memory
+    // under the watermark; one the machine cannot give is a clear error.
+    let o = kiln(&[
+        "plan",
+        "--level",
+        "advanced",
+        "--memory-budget",
+        "512MiB",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(v["settings"]["device.memory_budget_mib"]["value"], 512);
+    assert_eq!(v["settings"]["observe.memory_watermark_mib"]["value"], 435);
+    let o = kiln(&["plan", "--memory-budget", "100TiB"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("device.memory_budget_mib"),
+        "{}",
+        stderr(&o)
+    );
 }
 
 #[test]
@@ -756,25 +777,28 @@ fn profile_names_the_bottleneck_data_bound_then_not() {
 
 #[test]
 fn tune_batch_finds_the_largest_batch_under_a_small_budget() {
-    let search = |budget: &str| {
-        let o = kiln(&[
+    let search = |budget: Option<&str>| {
+        let mut args = vec![
             "tune",
             "batch",
             "--model",
             "mlp",
-            "--memory-budget",
-            budget,
             "--max-batch",
             "8192",
             "--steps",
             "2",
             "--json",
-        ]);
+        ];
+        if let Some(budget) = budget {
+            args.extend(["--memory-budget", budget]);
+        }
+        let o = kiln(&args);
         assert!(o.status.success(), "{}", stderr(&o));
         serde_json::from_str::<serde_json::Value>(stdout(&o).trim()).unwrap()
     };
-    // Unbounded: every size fits; the memory it takes grows with the batch.
-    let free = search("64GiB");
+    // No budget given: the machine's memory, in which every size fits; the memory it takes
+    // grows with the batch.
+    let free = search(None);
     assert_eq!(free["largest_safe"], 8192, "{free}");
     let peak = |r: &serde_json::Value, b: u64| {
         r["trials"]
@@ -789,7 +813,7 @@ fn tune_batch_finds_the_largest_batch_under_a_small_budget() {
     assert!(large > small + (16 << 20), "{small} vs {large}");
     // A budget whose usable part lies halfway: the search must stop inside the range.
     let budget = ((small + large) / 2) as f64 / 0.9;
-    let r = search(&format!("{}", budget as u64));
+    let r = search(Some(&format!("{}", budget as u64)));
     let lo = r["largest_safe"].as_u64().unwrap();
     assert!(lo < 8192, "{r}");
     let limit = r["limit"].as_u64().unwrap();

@@ -79,6 +79,43 @@ fn advanced_derives_a_memory_watermark_from_the_machine() {
     assert_eq!(p.train.memory_watermark, None);
 }
 
+/// A memory budget (`--memory-budget`, `device.memory_budget_mib`) takes the machine's place
+/// under the auto watermark; a budget the machine cannot give is refused, naming both.
+#[test]
+fn a_memory_budget_sets_the_auto_watermark_and_an_impossible_one_is_refused() {
+    let mut c = KilnConfig::default();
+    c.set_level(Level::Advanced);
+    c.set("device.memory_budget_mib", "2048").unwrap();
+    let p = resolve(&c, &hw()).unwrap();
+    assert_eq!(p.memory_budget, Some(2048 << 20));
+    // 85% of 2048 MiB = 1740.8 MiB, whole MiB.
+    assert_eq!(p.train.memory_watermark, Some(1740 << 20));
+    match &p.get("observe.memory_watermark_mib").unwrap().source {
+        Source::Probe(why) => assert!(
+            why.contains("85% of 2.0 GiB memory budget (device.memory_budget_mib)"),
+            "{why}"
+        ),
+        other => panic!("watermark source {other}"),
+    }
+    // Unknown machine memory: the budget alone decides.
+    let unknown = Hardware {
+        memory: None,
+        ..hw()
+    };
+    assert_eq!(
+        resolve(&c, &unknown).unwrap().train.memory_watermark,
+        Some(1740 << 20)
+    );
+    c.set("device.memory_budget_mib", "65536").unwrap();
+    let err = resolve(&c, &hw()).unwrap_err().to_string();
+    assert!(
+        err.contains("device.memory_budget_mib = 65536")
+            && err.contains("24.0 GiB physical memory")
+            && err.contains("set 0"),
+        "{err}"
+    );
+}
+
 #[test]
 fn ultra_adds_activation_checkpointing() {
     let p = plan_at(Level::Ultra);

@@ -330,6 +330,18 @@ pub static SETTINGS: &[SettingSpec] = &[
         doc: "CPU worker threads for the flex backend (0 = one per core, probed)",
     },
     SettingSpec {
+        key: "device.memory_budget_mib",
+        kind: Kind::Int {
+            min: 0,
+            max: 1 << 30,
+        },
+        default: I(0),
+        levels: &[],
+        doc: "memory a run may use, in MiB (0 = the cgroup limit or physical memory; \
+              --memory-budget 2GiB): the auto watermark takes 85% of it, kiln tune batch \
+              searches under it",
+    },
+    SettingSpec {
         key: "infer.passes",
         kind: Kind::Text,
         default: S("strip,fold"),
@@ -396,7 +408,8 @@ pub static SETTINGS: &[SettingSpec] = &[
         levels: &[],
         doc: "emit a memory_watermark event (and, with train.oom_adaptive, halve the \
               micro-batch) when memory in use reaches this many MiB (0 = off; auto = 85% of \
-              the cgroup limit or physical memory; host memory, also on a GPU)",
+              device.memory_budget_mib, else of the cgroup limit or physical memory; host \
+              memory, also on a GPU)",
     },
     SettingSpec {
         key: "data.augment",

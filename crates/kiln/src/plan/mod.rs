@@ -76,6 +76,8 @@ pub struct Plan {
     pub threads: usize,
     /// Whether Kiln's CPU kernels replace Burn's ops where they apply.
     pub kiln_kernels: bool,
+    /// The memory a run may use, in bytes (`device.memory_budget_mib`; `None` = the machine's).
+    pub memory_budget: Option<u64>,
     /// IDX data directory, or `None` for the bundled subset.
     pub data_dir: Option<PathBuf>,
     /// The inference passes (`infer.passes`), in order.
@@ -229,6 +231,7 @@ pub fn resolve(config: &KilnConfig, hardware: &Hardware) -> Result<Plan> {
 
 /// Replaces `auto`/`0` settings with probed values and records the probe as their source.
 fn probe_autos(settings: &mut [ResolvedSetting], hardware: &Hardware) -> Result<()> {
+    let budget = memory_budget(settings, hardware)?;
     for s in settings.iter_mut() {
         match (s.key, &s.value) {
             ("device.backend", toml::Value::String(v)) if v == "auto" => {
@@ -237,7 +240,7 @@ fn probe_autos(settings: &mut [ResolvedSetting], hardware: &Hardware) -> Result<
                 s.source = Source::Probe(hardware.backend_reason());
             }
             ("observe.memory_watermark_mib", toml::Value::String(v)) if v == "auto" => {
-                let (mib, why) = auto_watermark_mib(hardware);
+                let (mib, why) = auto_watermark_mib(budget, hardware);
                 s.value = toml::Value::Integer(mib);
                 s.source = Source::Probe(why);
             }
@@ -256,10 +259,39 @@ fn probe_autos(settings: &mut [ResolvedSetting], hardware: &Hardware) -> Result<
 /// the OOM killer does.
 const AUTO_WATERMARK_SHARE: f64 = 0.85;
 
-/// The `auto` watermark in MiB and the probe's description (0 = off where the system does
-/// not report its memory).
-fn auto_watermark_mib(hardware: &Hardware) -> (i64, String) {
-    match hardware.memory {
+/// `device.memory_budget_mib` in bytes (`None` = 0, the machine's memory); a budget above
+/// what the machine has is refused, naming both.
+fn memory_budget(settings: &[ResolvedSetting], hardware: &Hardware) -> Result<Option<u64>> {
+    let mib = settings
+        .iter()
+        .find(|s| s.key == "device.memory_budget_mib")
+        .and_then(|s| s.value.as_integer())
+        .unwrap_or(0);
+    if mib <= 0 {
+        return Ok(None);
+    }
+    let bytes = (mib as u64) << 20;
+    if let Some((have, what)) = hardware.memory
+        && bytes > have
+    {
+        return Err(KilnError::Inconsistent(format!(
+            "device.memory_budget_mib = {mib} ({}) is more than this machine's {} {what}; \
+             lower it, or set 0 to use the machine's memory",
+            crate::observe::memory::human_bytes(bytes),
+            crate::observe::memory::human_bytes(have)
+        )));
+    }
+    Ok(Some(bytes))
+}
+
+/// The `auto` watermark in MiB and the probe's description: a share of the memory budget
+/// when one is set, else of the machine's memory (0 = off where the system does not report
+/// it).
+fn auto_watermark_mib(budget: Option<u64>, hardware: &Hardware) -> (i64, String) {
+    let limit = budget
+        .map(|b| (b, "memory budget (device.memory_budget_mib)"))
+        .or(hardware.memory);
+    match limit {
         Some((bytes, what)) => {
             let mib = (bytes as f64 * AUTO_WATERMARK_SHARE / 1048576.0) as i64;
             (
@@ -369,6 +401,9 @@ fn build(config: &KilnConfig, settings: Vec<ResolvedSetting>, hw: &Hardware) -> 
         backend,
         threads: int("device.threads") as usize,
         kiln_kernels: flag("device.kiln_kernels"),
+        memory_budget: Some(int("device.memory_budget_mib") as u64)
+            .filter(|m| *m > 0)
+            .map(|m| m << 20),
         data_dir: dir("data.dir"),
         infer_passes,
         hardware: hw.clone(),
