@@ -244,9 +244,14 @@ struct ProfileArgs {
 
 #[derive(Args, Debug)]
 struct OptimizeArgs {
-    /// Zoo model: mlp (W1), cnn (W2/W3), transformer (W4), resnet (W5).
-    #[arg(long, required_unless_present = "onnx")]
-    model: Option<String>,
+    /// The configuration the model is optimized under, as for `kiln train`: `--model` (zoo
+    /// model: mlp, cnn, transformer, resnet), `--config kiln.toml` and `--level` (whose
+    /// `infer.passes` apply when --passes is not given, and whose `device.kiln_kernels`
+    /// the sessions use), `--device` (auto: cuda when this kiln is built with it and a
+    /// driver loads, else the CPU; flex; cuda), `--threads`, `--data` (the test split for the
+    /// accuracy column; default: bundled), `--set KEY=VALUE`.
+    #[command(flatten)]
+    config: ConfigArgs,
     /// A checkpoint file, or a checkpoint directory (its newest checkpoint is used).
     #[arg(long, required_unless_present = "onnx")]
     checkpoint: Option<PathBuf>,
@@ -262,26 +267,9 @@ struct OptimizeArgs {
     /// plan's `infer.passes` (advanced: strip,fold,int8; basic: strip,fold).
     #[arg(long)]
     passes: Option<String>,
-    /// Optimization level whose `infer.passes` to use when --passes is not given.
-    #[arg(long)]
-    level: Option<String>,
-    /// TOML config file whose `infer.passes` (and level) to use when --passes is not given.
-    #[arg(long, value_name = "FILE")]
-    config: Option<PathBuf>,
-    /// Device the model is optimized and timed on: auto (cuda when this kiln is built with
-    /// it and a driver loads, else the CPU), flex (the CPU) or cuda. Default: the config's
-    /// `device.backend` (auto).
-    #[arg(long)]
-    device: Option<String>,
     /// Output directory (model.kgraph, model.onnx when exportable, summary.md, summary.json).
     #[arg(long)]
     out: PathBuf,
-    /// Directory with MNIST-format IDX files for the accuracy column (default: bundled).
-    #[arg(long)]
-    data: Option<PathBuf>,
-    /// CPU threads (0 = one per core).
-    #[arg(long, default_value_t = 0)]
-    threads: usize,
     /// Timed forwards per repeat (3 repeats after 5 warm-up).
     #[arg(long, default_value_t = 20)]
     steps: usize,

@@ -2,13 +2,11 @@
 //! each pass bought (latency b1, throughput b64, size on disk, accuracy, logit drift).
 
 use anyhow::{Context, Result};
-use kiln::KilnConfig;
-use kiln::config::Level;
 use kiln::data::{Dataset, collate};
 use kiln::datasets::{self, Split};
 use kiln::infer::{self, InferenceSession, LogitDelta, Pass, onnx};
 use kiln::observe::timing::measure;
-use kiln::plan::{Hardware, Plan};
+use kiln::plan::Plan;
 use kiln::zoo::ModelKind;
 use serde::Serialize;
 
@@ -33,23 +31,10 @@ struct Stage {
     changes: Vec<String>,
 }
 
-/// The plan for `kiln optimize`: the config file and level, with `--device` as
-/// `device.backend` (validated: a device this build or machine cannot run is an error).
+/// The plan for `kiln optimize`: the same road as `kiln train` (config file, level, flags;
+/// `--device` validated: a device this build or machine cannot run is an error).
 pub fn resolve_plan(args: &OptimizeArgs) -> Result<Plan> {
-    let mut config = match &args.config {
-        Some(path) => KilnConfig::load(path)?,
-        None => KilnConfig::default(),
-    };
-    if let Some(level) = &args.level {
-        config.set_level(level.parse::<Level>()?);
-    }
-    if let Some(device) = &args.device {
-        config.set("device.backend", device)?;
-    }
-    if args.threads > 0 {
-        config.set("device.threads", &args.threads.to_string())?;
-    }
-    let plan = kiln::plan::resolve(&config, &Hardware::probe())?;
+    let plan = args.config.resolve()?;
     // The plan's thread count, as `kiln train` applies it (the kernel switch goes to each
     // session).
     plan.apply_runtime();
@@ -67,19 +52,27 @@ pub fn resolve_plan(args: &OptimizeArgs) -> Result<Plan> {
 }
 
 pub fn run(args: OptimizeArgs) -> Result<()> {
-    let (Some(model_name), Some(checkpoint)) = (&args.model, &args.checkpoint) else {
-        anyhow::bail!("kiln optimize needs --model and --checkpoint (or --onnx FILE)");
+    let Some(checkpoint) = &args.checkpoint else {
+        anyhow::bail!("kiln optimize needs --checkpoint (or --onnx FILE)");
     };
-    let kind = ModelKind::from_name(model_name)?;
+    if args.config.model.is_none() && args.config.config.is_none() {
+        anyhow::bail!(
+            "kiln optimize needs the checkpoint's model: --model (mlp, cnn, transformer, \
+             resnet) or a --config file with train.model"
+        );
+    }
     let plan = resolve_plan(&args)?;
+    let kind = plan.model;
     let passes = match &args.passes {
         Some(list) => Pass::parse_list(list)?,
         None => plan.infer_passes.clone(),
     };
-    let test = match &args.data {
-        Some(dir) => datasets::load_dir(dir, Split::Test)?,
-        None => datasets::bundled(Split::Test)?,
+    // The test split of the run's data (any format `kiln train` reads), else the bundled one.
+    let test: Box<dyn Dataset> = match &plan.data_dir {
+        Some(dir) => datasets::open_dir(dir)?.1,
+        None => Box::new(datasets::bundled(Split::Test)?),
     };
+    let test = test.as_ref();
     let shape = test.item_shape();
     let checkpoint = if checkpoint.is_dir() {
         kiln::train::latest_checkpoint(checkpoint)?
@@ -97,7 +90,7 @@ pub fn run(args: OptimizeArgs) -> Result<()> {
         let applied = &passes[..upto];
         let session = InferenceSession::new(&model, kind.name(), shape, applied, &device)?
             .with_kiln_kernels(plan.kiln_kernels);
-        let predictions = session.evaluate(&test, 250)?;
+        let predictions = session.evaluate(test, 250)?;
         let reference = reference.get_or_insert_with(|| predictions.logits.clone());
         let stage = Stage {
             passes: if applied.is_empty() {
@@ -109,8 +102,8 @@ pub fn run(args: OptimizeArgs) -> Result<()> {
                     .collect::<Vec<_>>()
                     .join("+")
             },
-            latency_b1_ms: time_batch(&session, &test, 1, args.steps)?,
-            throughput_b64: 64.0 / (time_batch(&session, &test, 64, args.steps)? / 1e3),
+            latency_b1_ms: time_batch(&session, test, 1, args.steps)?,
+            throughput_b64: 64.0 / (time_batch(&session, test, 64, args.steps)? / 1e3),
             size_bytes: infer::graph_to_bytes(session.graph())?.len(),
             accuracy: predictions.accuracy,
             logits_vs_f32: LogitDelta::between(&predictions.logits, reference),
