@@ -99,6 +99,34 @@ fn the_trace_is_valid_trace_event_format_and_its_spans_nest_and_cover_the_steps(
             step.dur_us
         );
     }
+    // Operations inside the phases: each Kiln kernel call is a span within the forward or
+    // the backward that ran it, with its shape and FLOPs.
+    let within = |op: &str, phase: &str| {
+        spans.iter().filter(|s| s.name == op).any(|o| {
+            spans.iter().any(|p| {
+                p.name == phase
+                    && p.thread == o.thread
+                    && p.start_us <= o.start_us + EPS
+                    && o.start_us + o.dur_us <= p.start_us + p.dur_us + EPS
+            })
+        })
+    };
+    assert!(
+        within("kiln.linear", "forward"),
+        "no kiln.linear span in a forward"
+    );
+    for grad in ["kiln.linear.grad_input", "kiln.linear.grad_weight"] {
+        assert!(within(grad, "backward"), "no {grad} span in a backward");
+    }
+    let linear = spans.iter().find(|s| s.name == "kiln.linear").unwrap();
+    assert!(
+        linear
+            .fields
+            .iter()
+            .any(|(k, v)| k == "flops" && v.parse::<u64>().unwrap() > 0),
+        "{:?}",
+        linear.fields
+    );
     // The user's timer is a span in the trace and has statistics.
     assert!(
         spans

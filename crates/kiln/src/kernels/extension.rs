@@ -227,6 +227,13 @@ impl KilnKernels for Flex {
         else {
             return Flex::conv2d_x_backward(x, weight, output_grad, options);
         };
+        let _op = tracing::trace_span!(
+            "kiln.conv2d.grad_input",
+            batch = s.batch,
+            cin = s.cin,
+            cout = s.cout
+        )
+        .entered();
         let mut dx = vec![0f32; s.input_len()];
         conv2d_input_grad(&s, &values(&output_grad), &values(&weight), &mut dx);
         flex_tensor(dx, [s.batch, s.cin, s.h, s.w])
@@ -243,6 +250,13 @@ impl KilnKernels for Flex {
         else {
             return Flex::conv2d_weight_backward(x, weight, output_grad, options);
         };
+        let _op = tracing::trace_span!(
+            "kiln.conv2d.grad_weight",
+            batch = s.batch,
+            cin = s.cin,
+            cout = s.cout
+        )
+        .entered();
         let mut dw = vec![0f32; s.weight_len()];
         conv2d_weight_grad(&s, &values(&x), &values(&output_grad), &mut dw);
         flex_tensor(dw, [s.cout, s.cin, s.kh, s.kw])
@@ -286,6 +300,8 @@ impl KilnKernels for Flex {
             inputs,
             outputs,
         };
+        let _op =
+            tracing::trace_span!("kiln.linear.grad_input", s.rows, s.inputs, s.outputs).entered();
         let mut dx = vec![0f32; s.rows * s.inputs];
         linear_input_grad(&s, &values(&output_grad), &values(&weight), &mut dx);
         flex_tensor(dx, [s.rows, s.inputs])
@@ -303,6 +319,8 @@ impl KilnKernels for Flex {
             inputs,
             outputs,
         };
+        let _op =
+            tracing::trace_span!("kiln.linear.grad_weight", s.rows, s.inputs, s.outputs).entered();
         let mut dw = vec![0f32; s.inputs * s.outputs];
         linear_weight_grad(&s, &values(&x), &values(&output_grad), &mut dw);
         flex_tensor(dw, [s.inputs, s.outputs])
@@ -370,6 +388,7 @@ impl KilnKernels for Flex {
             )
             .x_grad;
         };
+        let _op = tracing::trace_span!("kiln.max_pool2d.grad_input", planes = s.planes).entered();
         let dims = x.shape();
         let idx = indices.to_contiguous();
         let idx = idx.as_slice::<i64>().unwrap_or(&[]);

@@ -334,9 +334,16 @@ pub fn phase_table(spans: &[SpanRecord]) -> Vec<PhaseStats> {
 pub fn render_table(table: &[PhaseStats]) -> String {
     use std::fmt::Write;
     let mut out = String::new();
+    // Op spans (`kiln.conv2d.grad_weight`) are longer than phase names.
+    let w = table
+        .iter()
+        .map(|p| p.name.len())
+        .max()
+        .unwrap_or(0)
+        .max(14);
     let _ = writeln!(
         out,
-        "{:<14} {:>6} {:>11} {:>9} {:>9} {:>9} {:>7} {:>12} {:>10}",
+        "{:<w$} {:>6} {:>11} {:>9} {:>9} {:>9} {:>7} {:>12} {:>10}",
         "phase",
         "count",
         "total ms",
@@ -350,7 +357,7 @@ pub fn render_table(table: &[PhaseStats]) -> String {
     for p in table {
         let _ = writeln!(
             out,
-            "{:<14} {:>6} {:>11.2} {:>9.3} {:>9.3} {:>9.3} {:>6.1}% {:>12} {:>10}",
+            "{:<w$} {:>6} {:>11.2} {:>9.3} {:>9.3} {:>9.3} {:>6.1}% {:>12} {:>10}",
             p.name,
             p.count,
             p.total_ms,
@@ -372,7 +379,7 @@ pub fn render_table(table: &[PhaseStats]) -> String {
         for p in by_memory.iter().take(5) {
             let _ = writeln!(
                 out,
-                "  {:<14} +{}",
+                "  {:<w$} +{}",
                 p.name,
                 super::memory::human_bytes(p.max_rss_growth as u64)
             );
