@@ -5,18 +5,19 @@
 //! written, so a quantized chain neither transposes nor re-scans its activations.
 
 use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
-use burn::tensor::module::adaptive_avg_pool2d;
 use burn::tensor::ops::ConvOptions;
 use burn::tensor::{Device, FloatDType, Tensor, TensorData};
 use rayon::prelude::*;
 
 use super::graph::{ConvGeometry, Graph, Op, QuantWeight, ValueId, Weight, batch_norm_affine};
-use super::int8::{
+use crate::error::{KilnError, Result};
+use crate::kernels::int8::{
     ActivationQuant, ImageLayout, Kernel, PackedWeights, QuantizedActivations, matmul_dequantized,
     pack_conv_weights, range_of,
 };
-use crate::error::{KilnError, Result};
-use crate::kernels::pool::{PoolShape, max_pool2d_forward, max_pool2d_nhwc};
+use crate::kernels::pool::{PoolShape, max_pool2d_forward};
+
+mod ops;
 
 /// A value flowing through the graph: on the device, or on the host between int8 ops (so a
 /// chain of quantized layers never round-trips through the device).
@@ -355,7 +356,7 @@ impl Executor {
                 let value = take_or_clone(&mut values, &mut remaining, v, &node.name)?;
                 inputs.push(value);
             }
-            let out = run(op, inputs, &self.device, self.compute)
+            let out = ops::run(op, inputs, &self.device, self.compute)
                 .map_err(|e| KilnError::Inference(format!("node `{}`: {e}", node.name)))?;
             values[node.output] = Some(out);
         }
@@ -581,307 +582,6 @@ fn host(v: Value) -> (Vec<f32>, Vec<usize>) {
             }
         }
     }
-}
-
-fn run(
-    op: &Prepared,
-    mut inputs: Vec<Value>,
-    device: &Device,
-    compute: Option<FloatDType>,
-) -> std::result::Result<Value, String> {
-    // Half-precision ops take their input cast down and give their result back in f32, so
-    // every other op sees f32 (the autocast policy of mixed-precision training).
-    let x = inputs.remove(0);
-    Ok(match op {
-        Prepared::Conv {
-            weight,
-            bias,
-            options,
-        } => Value::Image(to_f32(crate::kernels::conv2d(
-            to_compute(image(x, device)?, compute),
-            weight.clone(),
-            bias.clone(),
-            options.clone(),
-        ))),
-        Prepared::Linear { weight, bias } => {
-            if value_dims(&x).len() == 3 {
-                // Per token: the sequence's rows are one batch of vectors.
-                check_features(&value_dims(&x), weight)?;
-                let t = seq(x, device)?;
-                let [b, n, d] = t.dims();
-                let y = to_f32(crate::kernels::linear(
-                    to_compute(t.reshape([b * n, d]), compute),
-                    weight.clone(),
-                    bias.clone(),
-                ));
-                let out = y.dims()[1];
-                Value::Seq(y.reshape([b, n, out]))
-            } else {
-                let rows = flat(x, device)?;
-                check_features(&rows.dims(), weight)?;
-                Value::Flat(to_f32(crate::kernels::linear(
-                    to_compute(rows, compute),
-                    weight.clone(),
-                    bias.clone(),
-                )))
-            }
-        }
-        Prepared::Affine { scale, shift } => {
-            let [c] = scale.dims();
-            match x {
-                Value::Flat(t) => {
-                    Value::Flat(t * scale.clone().reshape([1, c]) + shift.clone().reshape([1, c]))
-                }
-                other => Value::Image(
-                    image(other, device)? * scale.clone().reshape([1, c, 1, 1])
-                        + shift.clone().reshape([1, c, 1, 1]),
-                ),
-            }
-        }
-        Prepared::Relu => match x {
-            Value::Image(t) => Value::Image(burn::tensor::activation::relu(t)),
-            Value::Flat(t) => Value::Flat(burn::tensor::activation::relu(t)),
-            Value::Seq(t) => Value::Seq(burn::tensor::activation::relu(t)),
-            Value::Host(mut data, dims) => {
-                data.par_iter_mut().for_each(|v| *v = v.max(0.0));
-                Value::Host(data, dims)
-            }
-            Value::Nhwc {
-                mut data,
-                dims,
-                flat,
-                range,
-            } => {
-                data.par_iter_mut().for_each(|v| *v = v.max(0.0));
-                Value::Nhwc {
-                    data,
-                    dims,
-                    flat,
-                    // ReLU maps the range's low end to 0 and keeps its high end.
-                    range: range.map(|(_, hi)| (0.0, hi)),
-                }
-            }
-        },
-        Prepared::MaxPool(pool) => match x {
-            Value::Nhwc {
-                data,
-                dims: [b, h, w, c],
-                flat: false,
-                range,
-            } => {
-                let s = PoolShape::nchw([b, 1, h, w], pool.kernel_size, pool.stride);
-                let y = max_pool2d_nhwc(&s, c, &data);
-                // The pooled values' max is the input's when the windows cover every input
-                // pixel; their min (clamped to 0) is unchanged when the input's is 0 (ReLU
-                // outputs). Otherwise the range is measured afresh.
-                let covers = h >= s.kh
-                    && w >= s.kw
-                    && (h - s.kh).is_multiple_of(s.stride[0])
-                    && (w - s.kw).is_multiple_of(s.stride[1]);
-                let range = range.filter(|(lo, _)| covers && *lo == 0.0);
-                Value::Nhwc {
-                    data: y,
-                    dims: [b, s.out_h(), s.out_w(), c],
-                    flat: false,
-                    range,
-                }
-            }
-            Value::Host(data, dims) if dims.len() == 4 => {
-                let (y, out) = host_max_pool(&data, &dims, pool.kernel_size, pool.stride);
-                Value::Host(y, out)
-            }
-            other => Value::Image(crate::kernels::max_pool2d_layer(
-                pool,
-                image(other, device)?,
-            )),
-        },
-        Prepared::Reshape(shape) => {
-            let b = value_dims(&x).first().copied().unwrap_or(1);
-            let rows = flat(x, device)?;
-            let features = rows.dims()[1];
-            if shape.iter().product::<usize>() != features {
-                return Err(format!(
-                    "cannot reshape {features} features per sample to {shape:?}"
-                ));
-            }
-            match shape[..] {
-                [f] => Value::Flat(rows.reshape([b, f])),
-                [t, d] => Value::Seq(rows.reshape([b, t, d])),
-                [c, h, w] => Value::Image(rows.reshape([b, c, h, w])),
-                _ => return Err(format!("reshape to {shape:?} per sample: 1 to 3 dims only")),
-            }
-        }
-        Prepared::AddConstant(constant) => add_broadcast(x, constant.clone(), device)?,
-        Prepared::LayerNorm { gamma, beta, eps } => {
-            use burn::tensor::module::layer_norm;
-            let features = value_dims(&x).last().copied().unwrap_or(0);
-            if features != gamma.dims()[0] {
-                return Err(format!(
-                    "normalizes {} features, the value has {features}",
-                    gamma.dims()[0]
-                ));
-            }
-            match x {
-                Value::Flat(t) => Value::Flat(layer_norm(t, gamma.clone(), beta.clone(), *eps)),
-                other => Value::Seq(layer_norm(
-                    seq(other, device)?,
-                    gamma.clone(),
-                    beta.clone(),
-                    *eps,
-                )),
-            }
-        }
-        Prepared::Attention { heads, head_dim } => {
-            let mut rest = inputs.into_iter();
-            let (Some(k), Some(v)) = (rest.next(), rest.next()) else {
-                return Err("attention needs three inputs (q, k, v)".into());
-            };
-            Value::Seq(attention(
-                seq(x, device)?,
-                seq(k, device)?,
-                seq(v, device)?,
-                *heads,
-                *head_dim,
-                compute,
-            )?)
-        }
-        Prepared::TokenMean => {
-            let t = seq(x, device)?;
-            let [b, _, d] = t.dims();
-            Value::Flat(t.mean_dim(1).reshape([b, d]))
-        }
-        Prepared::GlobalAvgPool => Value::Image(adaptive_avg_pool2d(image(x, device)?, [1, 1])),
-        Prepared::Flatten => match x {
-            Value::Image(t) => Value::Flat(t.flatten(1, 3)),
-            Value::Host(data, dims) => {
-                let b = dims.first().copied().unwrap_or(1);
-                let f = data.len() / b.max(1);
-                Value::Host(data, vec![b, f])
-            }
-            flat @ Value::Flat(_) => flat,
-            Value::Seq(t) => Value::Flat(t.flatten(1, 2)),
-            Value::Nhwc {
-                data, dims, range, ..
-            } => Value::Nhwc {
-                data,
-                dims,
-                flat: true,
-                range,
-            },
-        },
-        Prepared::Add => {
-            let y = inputs.pop().ok_or("Add needs two inputs")?;
-            match (x, y) {
-                // Two channels-last results of int8 layers (a residual block): added in
-                // place on the host.
-                (
-                    Value::Nhwc {
-                        mut data,
-                        dims,
-                        flat,
-                        ..
-                    },
-                    Value::Nhwc {
-                        data: other,
-                        dims: other_dims,
-                        flat: other_flat,
-                        ..
-                    },
-                ) if (dims, flat) == (other_dims, other_flat) => {
-                    data.par_iter_mut()
-                        .zip(other.par_iter())
-                        .for_each(|(a, b)| *a += b);
-                    Value::Nhwc {
-                        data,
-                        dims,
-                        flat,
-                        range: None,
-                    }
-                }
-                (Value::Flat(a), y) => Value::Flat(a + flat(y, device)?),
-                (a, y) if value_dims(&a).len() == 3 => {
-                    Value::Seq(seq(a, device)? + seq(y, device)?)
-                }
-                (a, y) => Value::Image(image(a, device)? + image(y, device)?),
-            }
-        }
-        Prepared::Identity => x,
-        Prepared::QLinear {
-            weight,
-            source,
-            nhwc,
-            bias,
-            relu,
-        } => {
-            if let Value::Nhwc {
-                data, dims, range, ..
-            } = &x
-            {
-                let [b, h, w, c] = *dims;
-                let k = h * w * c;
-                if k != weight.cols {
-                    return Err(format!("expects {} features, got {k}", weight.cols));
-                }
-                let (packed_for, packed) =
-                    nhwc.get_or_init(|| ([h, w, c], nhwc_columns(source, [h, w, c])));
-                // A different image size than the first call's cannot happen for a model
-                // with a fixed input; repack for it rather than misread.
-                let repacked;
-                let packed = if *packed_for == [h, w, c] {
-                    packed
-                } else {
-                    repacked = nhwc_columns(source, [h, w, c]);
-                    &repacked
-                };
-                let y = quantized_matmul(data, *range, k, packed, bias.as_deref(), *relu);
-                return Ok(Value::Host(y, vec![b, weight.rows]));
-            }
-            let (values, dims) = host(x);
-            // A sequence `[B, T, D]` is B·T rows of D features; anything else is flattened
-            // per sample.
-            let (k, out_dims) = match dims[..] {
-                [b, t, d] => (d, vec![b, t, weight.rows]),
-                _ => {
-                    let b = dims.first().copied().unwrap_or(1);
-                    (values.len() / b.max(1), vec![b, weight.rows])
-                }
-            };
-            if k != weight.cols {
-                return Err(format!("expects {} features, got {k}", weight.cols));
-            }
-            let y = quantized_matmul(&values, None, k, weight, bias.as_deref(), *relu);
-            Value::Host(y, out_dims)
-        }
-        Prepared::QConv {
-            weight,
-            bias,
-            geometry,
-            relu,
-        } => {
-            let (values, dims, layout, range) = match x {
-                Value::Nhwc {
-                    data,
-                    dims: [b, h, w, c],
-                    flat: false,
-                    range,
-                } => (data, [b, c, h, w], ImageLayout::Nhwc, range),
-                other => {
-                    let (values, dims) = host(other);
-                    let dims: [usize; 4] = dims
-                        .try_into()
-                        .map_err(|d| format!("expects an image, got {d:?}"))?;
-                    (values, dims, ImageLayout::Nchw, None)
-                }
-            };
-            let input = ConvInput {
-                values: &values,
-                dims,
-                layout,
-                range,
-            };
-            quantized_conv(input, weight, bias.as_deref(), geometry, *relu)?
-        }
-    })
 }
 
 /// Max pooling without padding on host values `[B, C, H, W]` (Kiln's pooling kernel).

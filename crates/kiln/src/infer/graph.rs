@@ -7,6 +7,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::precision::Precision;
 
+// The int8 kernels' weight and geometry types are part of the graph (and its file format).
+pub use crate::kernels::int8::{ConvGeometry, QuantWeight};
+
 /// A constant tensor on the host (weights, statistics).
 ///
 /// `values` are f32 in memory whatever the weight's [`Precision`]; a half-precision weight
@@ -162,50 +165,6 @@ impl TryFrom<WeightRepr> for Weight {
             precision: r.precision,
         })
     }
-}
-
-mod i8_bytes {
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(v: &[i8], s: S) -> Result<S::Ok, S::Error> {
-        let bytes: Vec<u8> = v.iter().map(|x| *x as u8).collect();
-        s.serialize_bytes(&bytes)
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<i8>, D::Error> {
-        let bytes = serde_bytes::ByteBuf::deserialize(d)?;
-        Ok(bytes.iter().map(|b| *b as i8).collect())
-    }
-}
-
-/// Per-output-channel symmetric int8 weights of a quantized layer.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct QuantWeight {
-    /// Output channels (rows of `values`).
-    pub rows: usize,
-    /// Inputs per output channel (`in` for a linear, `in/groups · kh · kw` for a conv).
-    pub cols: usize,
-    /// Row-major int8 values, `rows × cols`: output channel-major, so each row is the dot
-    /// product's weight vector.
-    #[serde(with = "i8_bytes")]
-    pub values: Vec<i8>,
-    /// Dequantization scale of each output channel: `w ≈ values · scale`.
-    pub scales: Vec<f32>,
-}
-
-/// 2-D convolution geometry.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ConvGeometry {
-    /// Stride (h, w).
-    pub stride: [usize; 2],
-    /// Padding (top, left, bottom, right), ONNX's order.
-    pub pads: [usize; 4],
-    /// Dilation (h, w).
-    pub dilation: [usize; 2],
-    /// Groups.
-    pub groups: usize,
-    /// Kernel size (h, w).
-    pub kernel: [usize; 2],
 }
 
 /// One operation.

@@ -8,7 +8,7 @@
 
 mod exec;
 mod graph;
-pub mod int8;
+
 mod lower;
 pub mod onnx;
 mod passes;

@@ -4,12 +4,15 @@
 //! - [`conv`]: f32 convolution (forward, input and weight gradients) as one GEMM per image.
 //! - [`linear`](mod@linear): f32 fully connected layer and its gradients, transposes read through strides.
 //! - [`pool`]: f32 max pooling with arg-max indices and its backward scatter.
+//! - [`int8`]: int8 dynamic quantization and the integer GEMM (AVX-512 VNNI, AVX2 and
+//!   portable kernels, one file each) the inference passes use.
 //! - [`conv2d`], [`linear`](fn@linear), [`max_pool2d`]: the entry points models call; they run Kiln's kernel on the
 //!   `flex` device (with or without autodiff) and Burn's own op on every other device.
 
 pub mod activation;
 pub mod conv;
 mod extension;
+pub mod int8;
 pub mod linear;
 pub mod pool;
 

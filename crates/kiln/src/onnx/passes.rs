@@ -2,7 +2,7 @@
 //! it, and int8 dynamic quantization of linear layers and convolutions with constant weights
 //! onto Kiln's integer kernels (a following ReLU fused into their epilogue).
 //!
-//! The int8 scheme is the one Kiln's own graphs use (`crate::infer::int8`): weights per
+//! The int8 scheme is the one Kiln's own graphs use (`crate::kernels::int8`): weights per
 //! output channel, symmetric i8; activations per call, asymmetric u8 over their measured range.
 
 use burn::tensor::TensorData;
@@ -14,7 +14,7 @@ use super::ops::Inputs;
 use super::value::Value;
 use super::{OnnxError, OnnxModel, StepOp};
 use crate::infer::ConvGeometry;
-use crate::infer::int8::{
+use crate::kernels::int8::{
     ActivationQuant, ImageLayout, Kernel, PackedWeights, QuantizedActivations, matmul_dequantized,
     pack_conv_weights, quantize_rows, range_of,
 };

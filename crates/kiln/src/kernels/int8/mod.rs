@@ -23,7 +23,61 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
-use super::graph::{ConvGeometry, QuantWeight};
+use serde::{Deserialize, Serialize};
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod blocks;
+mod portable;
+#[cfg(test)]
+mod tests;
+#[cfg(target_arch = "x86_64")]
+mod vnni;
+
+mod i8_bytes {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &[i8], s: S) -> Result<S::Ok, S::Error> {
+        let bytes: Vec<u8> = v.iter().map(|x| *x as u8).collect();
+        s.serialize_bytes(&bytes)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<i8>, D::Error> {
+        let bytes = serde_bytes::ByteBuf::deserialize(d)?;
+        Ok(bytes.iter().map(|b| *b as i8).collect())
+    }
+}
+
+/// Per-output-channel symmetric int8 weights of a quantized layer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct QuantWeight {
+    /// Output channels (rows of `values`).
+    pub rows: usize,
+    /// Inputs per output channel (`in` for a linear, `in/groups · kh · kw` for a conv).
+    pub cols: usize,
+    /// Row-major int8 values, `rows × cols`: output channel-major, so each row is the dot
+    /// product's weight vector.
+    #[serde(with = "i8_bytes")]
+    pub values: Vec<i8>,
+    /// Dequantization scale of each output channel: `w ≈ values · scale`.
+    pub scales: Vec<f32>,
+}
+
+/// 2-D convolution geometry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConvGeometry {
+    /// Stride (h, w).
+    pub stride: [usize; 2],
+    /// Padding (top, left, bottom, right), ONNX's order.
+    pub pads: [usize; 4],
+    /// Dilation (h, w).
+    pub dilation: [usize; 2],
+    /// Groups.
+    pub groups: usize,
+    /// Kernel size (h, w).
+    pub kernel: [usize; 2],
+}
 
 /// Bytes past a convolution's image that a padded K-group may read (< one group; generous).
 const K_SLACK: usize = 64;
@@ -242,7 +296,7 @@ fn min_max(x: &[f32]) -> (f32, f32) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: AVX2 was detected just above.
-        return unsafe { min_max_avx2(x) };
+        return unsafe { avx2::min_max(x) };
     }
     min_max_portable(x)
 }
@@ -252,27 +306,6 @@ fn min_max_portable(x: &[f32]) -> (f32, f32) {
     x.iter().fold((0f32, 0f32), |(lo, hi), v| {
         (if *v < lo { *v } else { lo }, if *v > hi { *v } else { hi })
     })
-}
-
-/// [`min_max`] over 8-lane registers. `vminps(x, acc)` returns `acc` when `x` is NaN, so NaNs
-/// are skipped exactly as in the portable loop.
-///
-/// # Safety
-/// The CPU must support AVX2.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn min_max_avx2(x: &[f32]) -> (f32, f32) {
-    use std::arch::x86_64::*;
-    let chunks = x.chunks_exact(8);
-    let tail = chunks.remainder();
-    let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-    for c in chunks {
-        // SAFETY: `c` holds 8 f32s.
-        let v = unsafe { _mm256_loadu_ps(c.as_ptr()) };
-        lo = _mm256_min_ps(v, lo);
-        hi = _mm256_max_ps(v, hi);
-    }
-    widest(min_max_portable(tail), lanes_range(lo, hi))
 }
 
 /// `(min(x, 0), max(x, 0))` of activations, NaNs ignored: the range dynamic quantization
@@ -754,7 +787,7 @@ unsafe fn dequantize_rect(
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: AVX2 was detected; the rest is the caller's contract.
-        return unsafe { dequantize_rect_avx2(acc, acc_stride, rows, columns, out, out_stride) };
+        return unsafe { avx2::dequantize_rect(acc, acc_stride, rows, columns, out, out_stride) };
     }
     let (cols, mut range) = (columns.scale.len(), (0f32, 0f32));
     for r in 0..rows {
@@ -800,65 +833,6 @@ unsafe fn dequantize_row_from(
     range
 }
 
-/// The range held in two 8-lane registers of running minima and maxima.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn lanes_range(lo: std::arch::x86_64::__m256, hi: std::arch::x86_64::__m256) -> (f32, f32) {
-    use std::arch::x86_64::_mm256_storeu_ps;
-    let (mut l, mut h) = ([0f32; 8], [0f32; 8]);
-    // SAFETY: each array holds 8 f32s.
-    unsafe {
-        _mm256_storeu_ps(l.as_mut_ptr(), lo);
-        _mm256_storeu_ps(h.as_mut_ptr(), hi);
-    }
-    (min_max_portable(&l).0, min_max_portable(&h).1)
-}
-
-/// [`dequantize_rect`] eight columns at a time (multiply then add, not FMA, so the values are
-/// bit-identical to the portable loop's).
-///
-/// # Safety
-/// As [`dequantize_rect`], and the CPU must support AVX2.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn dequantize_rect_avx2(
-    acc: &[i32],
-    acc_stride: usize,
-    rows: usize,
-    columns: &Columns,
-    out: *mut f32,
-    out_stride: usize,
-) -> (f32, f32) {
-    use std::arch::x86_64::*;
-    let cols = columns.scale.len();
-    let full = cols / 8 * 8;
-    let floor = _mm256_set1_ps(columns.floor);
-    let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-    let mut range = (0f32, 0f32);
-    for r in 0..rows {
-        let row = &acc[r * acc_stride..][..cols];
-        // SAFETY: inside the caller's rectangle.
-        let dst = unsafe { out.add(r * out_stride) };
-        for j in (0..full).step_by(8) {
-            // SAFETY: j + 8 ≤ cols for the accumulator row, the constants and the output.
-            unsafe {
-                let a = _mm256_cvtepi32_ps(_mm256_loadu_si256(row.as_ptr().add(j) as *const _));
-                let s = _mm256_loadu_ps(columns.scale.as_ptr().add(j));
-                let o = _mm256_loadu_ps(columns.offset.as_ptr().add(j));
-                let v = _mm256_max_ps(_mm256_add_ps(_mm256_mul_ps(a, s), o), floor);
-                _mm256_storeu_ps(dst.add(j), v);
-                lo = _mm256_min_ps(v, lo);
-                hi = _mm256_max_ps(v, hi);
-            }
-        }
-        // SAFETY: the row's columns from `full` on, inside the caller's rectangle.
-        range = widest(range, unsafe {
-            dequantize_row_from(row, columns, full, dst)
-        });
-    }
-    widest(range, lanes_range(lo, hi))
-}
-
 /// A raw output pointer shared by the tasks of [`gemm_with`]'s epilogues, each writing its
 /// own disjoint elements.
 #[derive(Clone, Copy)]
@@ -895,27 +869,8 @@ unsafe fn rectangle(
         // SAFETY: as above, for AVX2.
         Kernel::Avx2 => unsafe { avx2::rectangle(a, w, rows, blocks, out, n_pad) },
         _ => {
-            let (g, l) = (2, 8);
-            let (i0, b0) = (rows.start, blocks.start);
-            for i in rows {
-                let base = a.bases[i];
-                for b in blocks.clone() {
-                    let mut acc = [0i32; 8];
-                    for (q, off) in a.k_offsets.iter().enumerate() {
-                        let x = &a.wide[base + off..][..g];
-                        let wq = &w.wide[(b * w.groups + q) * l * g..][..l * g];
-                        for (lane, acc) in acc.iter_mut().enumerate() {
-                            for e in 0..g {
-                                *acc += x[e] as i32 * wq[lane * g + e] as i32;
-                            }
-                        }
-                    }
-                    for (lane, v) in acc.iter().enumerate() {
-                        // SAFETY: inside this task's rectangle (caller's contract).
-                        unsafe { *out.add((i - i0) * n_pad + (b - b0) * l + lane) = *v };
-                    }
-                }
-            }
+            // SAFETY: the caller's contract, unchanged.
+            unsafe { portable::rectangle(a, w, rows, blocks, out, n_pad) }
         }
     }
 }
@@ -937,448 +892,4 @@ fn affine(
         .map(|(j, (s, sc))| bias.map_or(0.0, |b| b[j]) - (z * s) as f32 * sc)
         .collect();
     (scale, offset)
-}
-
-/// Walks a rectangle in register blocks of `r_full` rows × two channel blocks, with single
-/// rows and single channel blocks at the edges: `f(i, b, full_rows, two_blocks)`.
-#[cfg(target_arch = "x86_64")]
-fn walk_blocks(
-    rows: std::ops::Range<usize>,
-    blocks: std::ops::Range<usize>,
-    r_full: usize,
-    mut f: impl FnMut(usize, usize, bool, bool),
-) {
-    let mut b = blocks.start;
-    while b < blocks.end {
-        let two = blocks.end - b >= 2;
-        let mut i = rows.start;
-        while i < rows.end {
-            let full = rows.end - i >= r_full;
-            f(i, b, full, two);
-            i += if full { r_full } else { 1 };
-        }
-        b += if two { 2 } else { 1 };
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-mod vnni {
-    use std::arch::x86_64::*;
-
-    use super::{PackedWeights, QuantizedActivations, walk_blocks};
-
-    /// `R` rows × `C` channel blocks of 16: R·C accumulators, C weight registers, one
-    /// broadcast; per K-group of 4, R·C `vpdpbusd`.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn block<const R: usize, const C: usize>(
-        a: *const u8,
-        bases: &[usize],
-        k_offsets: &[usize],
-        w: *const u8,
-        groups: usize,
-        out: *mut i32,
-        n_pad: usize,
-    ) {
-        let mut acc = [[_mm512_setzero_si512(); C]; R];
-        let rows: [*const u8; R] = std::array::from_fn(|r| a.wrapping_add(bases[r]));
-        for (q, &off) in k_offsets.iter().enumerate() {
-            let mut wv = [_mm512_setzero_si512(); C];
-            for (c, v) in wv.iter_mut().enumerate() {
-                // SAFETY: block c of this chunk holds `groups` × 64 bytes.
-                *v = unsafe { _mm512_loadu_si512(w.add((c * groups + q) * 64) as *const __m512i) };
-            }
-            for (r, acc_r) in acc.iter_mut().enumerate() {
-                // SAFETY: bases + k_offsets address the operand's own K-groups (4 bytes each).
-                let quad = unsafe { (rows[r].add(off) as *const i32).read_unaligned() };
-                let av = _mm512_set1_epi32(quad);
-                for (acc, v) in acc_r.iter_mut().zip(&wv) {
-                    *acc = _mm512_dpbusd_epi32(*acc, av, *v);
-                }
-            }
-        }
-        for (r, acc_r) in acc.iter().enumerate() {
-            for (c, v) in acc_r.iter().enumerate() {
-                // SAFETY: the caller's rectangle covers these 16 outputs.
-                unsafe { _mm512_storeu_si512(out.add(r * n_pad + c * 16) as *mut __m512i, *v) };
-            }
-        }
-    }
-
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    pub(super) unsafe fn rectangle(
-        a: &QuantizedActivations,
-        w: &PackedWeights,
-        rows: std::ops::Range<usize>,
-        blocks: std::ops::Range<usize>,
-        out: *mut i32,
-        n_pad: usize,
-    ) {
-        let g = w.groups;
-        let (i0, b0) = (rows.start, blocks.start);
-        let (ap, ks) = (a.bytes.as_ptr(), &a.k_offsets[..]);
-        walk_blocks(rows, blocks, 6, |i, b, full, two| {
-            let (wp, bs) = (w.bytes[b * g * 64..].as_ptr(), &a.bases[i..]);
-            // SAFETY: rows i.. and blocks b.. are inside the packed operands and this task's
-            // rectangle of `out`; the CPU features were detected before packing for VNNI.
-            unsafe {
-                let o = out.add((i - i0) * n_pad + (b - b0) * 16);
-                match (full, two) {
-                    (true, true) => block::<6, 2>(ap, bs, ks, wp, g, o, n_pad),
-                    (true, false) => block::<6, 1>(ap, bs, ks, wp, g, o, n_pad),
-                    (false, true) => block::<1, 2>(ap, bs, ks, wp, g, o, n_pad),
-                    (false, false) => block::<1, 1>(ap, bs, ks, wp, g, o, n_pad),
-                }
-            }
-        });
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-mod avx2 {
-    use std::arch::x86_64::*;
-
-    use super::{PackedWeights, QuantizedActivations, walk_blocks};
-
-    /// `R` rows × `C` channel blocks of 8 (≤ 4 × 2: 8 accumulators + 2 weights + 1 broadcast
-    /// of the 16 ymm registers); per K-pair, R·C `vpmaddwd` + add.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn block<const R: usize, const C: usize>(
-        a: *const i16,
-        bases: &[usize],
-        k_offsets: &[usize],
-        w: *const i16,
-        groups: usize,
-        out: *mut i32,
-        n_pad: usize,
-    ) {
-        let mut acc = [[_mm256_setzero_si256(); C]; R];
-        let rows: [*const i16; R] = std::array::from_fn(|r| a.wrapping_add(bases[r]));
-        for (q, &off) in k_offsets.iter().enumerate() {
-            let mut wv = [_mm256_setzero_si256(); C];
-            for (c, v) in wv.iter_mut().enumerate() {
-                // SAFETY: block c holds `groups` × 16 i16.
-                *v = unsafe { _mm256_loadu_si256(w.add((c * groups + q) * 16) as *const __m256i) };
-            }
-            for (r, acc_r) in acc.iter_mut().enumerate() {
-                // SAFETY: bases + k_offsets address the operand's own K-pairs.
-                let pair = unsafe { (rows[r].add(off) as *const i32).read_unaligned() };
-                let av = _mm256_set1_epi32(pair);
-                for (acc, v) in acc_r.iter_mut().zip(&wv) {
-                    *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(av, *v));
-                }
-            }
-        }
-        for (r, acc_r) in acc.iter().enumerate() {
-            for (c, v) in acc_r.iter().enumerate() {
-                // SAFETY: the caller's rectangle covers these 8 outputs.
-                unsafe { _mm256_storeu_si256(out.add(r * n_pad + c * 8) as *mut __m256i, *v) };
-            }
-        }
-    }
-
-    #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn rectangle(
-        a: &QuantizedActivations,
-        w: &PackedWeights,
-        rows: std::ops::Range<usize>,
-        blocks: std::ops::Range<usize>,
-        out: *mut i32,
-        n_pad: usize,
-    ) {
-        let g = w.groups;
-        let (i0, b0) = (rows.start, blocks.start);
-        let (ap, ks) = (a.wide.as_ptr(), &a.k_offsets[..]);
-        walk_blocks(rows, blocks, 4, |i, b, full, two| {
-            let (wp, bs) = (w.wide[b * g * 16..].as_ptr(), &a.bases[i..]);
-            // SAFETY: as in the VNNI kernel, for AVX2.
-            unsafe {
-                let o = out.add((i - i0) * n_pad + (b - b0) * 8);
-                match (full, two) {
-                    (true, true) => block::<4, 2>(ap, bs, ks, wp, g, o, n_pad),
-                    (true, false) => block::<4, 1>(ap, bs, ks, wp, g, o, n_pad),
-                    (false, true) => block::<1, 2>(ap, bs, ks, wp, g, o, n_pad),
-                    (false, false) => block::<1, 1>(ap, bs, ks, wp, g, o, n_pad),
-                }
-            }
-        });
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn lcg(seed: &mut u64) -> f32 {
-        *seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((*seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
-    }
-
-    /// Every kernel this CPU has computes exactly the scalar integers, for odd shapes that
-    /// hit every remainder path and both partitionings (m ≥ n and m < n).
-    #[test]
-    fn every_kernel_computes_the_exact_integers() {
-        let mut kernels = vec![Kernel::Scalar];
-        let best = Kernel::detect();
-        if best != Kernel::Scalar {
-            kernels.push(Kernel::Avx2);
-        }
-        if best == Kernel::Vnni512 {
-            kernels.push(Kernel::Vnni512);
-        }
-        let mut seed = 7;
-        for (m, n, k) in [
-            (1, 1, 1),
-            (3, 5, 17),
-            (64, 10, 100),
-            (7, 130, 33),
-            (130, 6, 200),
-        ] {
-            let xv: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
-            let wv: Vec<f32> = (0..n * k).map(|_| lcg(&mut seed)).collect();
-            let quant = ActivationQuant::for_values(&xv);
-            let qw = quantize_rows(&wv, n, k);
-            let qx: Vec<u8> = xv.iter().map(|v| quant.quantize(*v)).collect();
-            for &kernel in &kernels {
-                let a = QuantizedActivations::new(&xv, k, quant, kernel);
-                let w = PackedWeights::new(&qw, kernel);
-                let got = gemm(&a, &w);
-                for i in 0..m {
-                    for j in 0..n {
-                        let want: i32 = (0..k)
-                            .map(|t| qx[i * k + t] as i32 * qw.values[j * k + t] as i32)
-                            .sum();
-                        assert_eq!(
-                            got[i * n + j],
-                            want,
-                            "{kernel:?} ({m},{n},{k}) at ({i},{j})"
-                        );
-                    }
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn dequantized_product_is_close_to_f32() {
-        let mut seed = 3;
-        let (m, n, k) = (8, 12, 300);
-        let xv: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed).max(0.0)).collect(); // ReLU-like
-        let wv: Vec<f32> = (0..n * k).map(|_| lcg(&mut seed) * 0.1).collect();
-        let quant = ActivationQuant::for_values(&xv);
-        let kernel = Kernel::detect();
-        let a = QuantizedActivations::new(&xv, k, quant, kernel);
-        let w = PackedWeights::new(&quantize_rows(&wv, n, k), kernel);
-        let (y, range) = matmul_dequantized(&a, &w, None, false);
-        assert_eq!(range, range_of(&y));
-        let mut worst = 0f32;
-        let mut norm = 0f32;
-        for i in 0..m {
-            for j in 0..n {
-                let exact: f32 = (0..k).map(|t| xv[i * k + t] * wv[j * k + t]).sum();
-                worst = worst.max((y[i * n + j] - exact).abs());
-                norm = norm.max(exact.abs());
-            }
-        }
-        assert!(worst / norm < 0.02, "relative error {}", worst / norm);
-    }
-
-    #[test]
-    fn quantization_round_trips_within_half_a_step() {
-        let w = [0.5f32, -1.0, 0.25, 0.0, 2.0, -2.0];
-        let q = quantize_rows(&w, 2, 3);
-        assert_eq!(q.values[1], -127);
-        assert_eq!(q.values[4], 127);
-        for r in 0..2 {
-            for c in 0..3 {
-                let back = q.values[r * 3 + c] as f32 * q.scales[r];
-                assert!((back - w[r * 3 + c]).abs() <= q.scales[r] / 2.0 + 1e-7);
-            }
-        }
-        let z = quantize_rows(&[0.0; 4], 1, 4);
-        assert_eq!(z.scales, vec![1.0]);
-        // Zero is exactly representable in the activations (padding relies on it).
-        let p = ActivationQuant::for_values(&[-0.3, 0.0, 1.7]);
-        assert_eq!(p.quantize(0.0), p.zero_point);
-        assert_eq!(p.quantize(-0.3), 0);
-        assert_eq!(p.quantize(1.7), 255);
-        assert_eq!(round(2.5), 2.0);
-        assert_eq!(round(-1.5), -2.0);
-        assert_eq!(round(3.49), 3.0);
-    }
-
-    /// The implicit-GEMM convolution computes exactly the integers of a direct convolution
-    /// over the quantized input (zero point in the padding), for every kernel, with odd
-    /// channel counts, asymmetric padding, stride and dilation.
-    #[test]
-    fn implicit_gemm_conv_matches_direct_integer_convolution() {
-        let mut kernels = vec![Kernel::Scalar];
-        if Kernel::detect() != Kernel::Scalar {
-            kernels.push(Kernel::Avx2);
-        }
-        if Kernel::detect() == Kernel::Vnni512 {
-            kernels.push(Kernel::Vnni512);
-        }
-        let mut seed = 11;
-        // Per-tap runs (dilation 2 along x) with 3 channels, and kernel-row runs (dilation 1)
-        // with 1 channel (W3's first layer: K = 3 rows × 4) and with 5 channels.
-        let cases = [([1usize, 2usize], 3usize), ([1, 1], 1), ([2, 1], 5)];
-        for (dilation, ci) in cases {
-            let (b, h, w, co) = (2, 7, 6, 5);
-            let geometry = ConvGeometry {
-                stride: [2, 1],
-                pads: [1, 0, 2, 1],
-                dilation,
-                groups: 1,
-                kernel: [3, 2],
-            };
-            let x: Vec<f32> = (0..b * ci * h * w).map(|_| lcg(&mut seed)).collect();
-            let wv: Vec<f32> = (0..co * ci * 6).map(|_| lcg(&mut seed)).collect();
-            let qw = quantize_rows(&wv, co, ci * 6);
-            let quant = ActivationQuant::for_values(&x);
-            let qx = |n: usize, c: usize, y: isize, xx: isize| -> i32 {
-                if y < 0 || xx < 0 || y >= h as isize || xx >= w as isize {
-                    quant.zero_point as i32
-                } else {
-                    quant.quantize(x[((n * ci + c) * h + y as usize) * w + xx as usize]) as i32
-                }
-            };
-            for &kernel in &kernels {
-                let (a, ho, wo) = QuantizedActivations::for_conv(
-                    &x,
-                    [b, ci, h, w],
-                    ImageLayout::Nchw,
-                    &geometry,
-                    quant,
-                    kernel,
-                );
-                let span = |k: usize, d: usize| d * (k - 1) + 1;
-                assert_eq!(
-                    (ho, wo),
-                    (
-                        (10 - span(3, dilation[0])) / 2 + 1,
-                        7 - span(2, dilation[1]) + 1
-                    )
-                );
-                let pw = pack_conv_weights(&qw, ci, &geometry, kernel);
-                let acc = gemm(&a, &pw);
-                // The same images stored channels-last give the same operand.
-                let mut nhwc = vec![0f32; x.len()];
-                for n in 0..b {
-                    for c in 0..ci {
-                        for p in 0..h * w {
-                            nhwc[(n * h * w + p) * ci + c] = x[(n * ci + c) * h * w + p];
-                        }
-                    }
-                }
-                let (a_nhwc, ..) = QuantizedActivations::for_conv(
-                    &nhwc,
-                    [b, ci, h, w],
-                    ImageLayout::Nhwc,
-                    &geometry,
-                    quant,
-                    kernel,
-                );
-                assert_eq!(gemm(&a_nhwc, &pw), acc, "{kernel:?} channels-last");
-                for n in 0..b {
-                    for oy in 0..ho {
-                        for ox in 0..wo {
-                            for o in 0..co {
-                                let mut want = 0i32;
-                                for c in 0..ci {
-                                    for ky in 0..3 {
-                                        for kx in 0..2 {
-                                            let y = (oy * 2 + ky * dilation[0]) as isize - 1;
-                                            let xx = (ox + kx * dilation[1]) as isize;
-                                            want += qx(n, c, y, xx)
-                                                * qw.values[((o * ci + c) * 3 + ky) * 2 + kx]
-                                                    as i32;
-                                        }
-                                    }
-                                }
-                                let row = (n * ho + oy) * wo + ox;
-                                assert_eq!(
-                                    acc[row * co + o],
-                                    want,
-                                    "{kernel:?} d{dilation:?} ci{ci} n{n} ({oy},{ox}) o{o}"
-                                );
-                            }
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    /// The AVX2 range scan equals the portable one (NaNs skipped, 0 always inside, every tail
-    /// length), and both equal a plain fold.
-    #[test]
-    fn range_scan_skips_nans_and_covers_zero() {
-        let mut seed = 3;
-        for len in [0, 1, 7, 8, 9, 31, 64, 100] {
-            let mut x: Vec<f32> = (0..len).map(|_| lcg(&mut seed) * 4.0 + 1.0).collect();
-            if len > 2 {
-                x[len / 2] = f32::NAN;
-            }
-            let finite = x.iter().filter(|v| !v.is_nan());
-            let want = finite.fold((0f32, 0f32), |(l, h), v| (l.min(*v), h.max(*v)));
-            assert_eq!(min_max_portable(&x), want, "len {len}");
-            assert_eq!(min_max(&x), want, "len {len}");
-        }
-        let big: Vec<f32> = (0..100_000).map(|i| (i as f32 - 30_000.0) / 7.0).collect();
-        assert_eq!(range_of(&big), (-30_000.0 / 7.0, 69_999.0 / 7.0));
-        assert_eq!(range_of(&[-2.0, -1.0]), (-2.0, 0.0));
-    }
-
-    /// The AVX2 epilogue writes the portable loop's values bit for bit (multiply then add, the
-    /// floor, the tail columns) and reports the range of what it wrote.
-    #[test]
-    fn dequantizing_epilogue_is_exact_and_measures_its_range() {
-        let mut seed = 5;
-        let (rows, cols, acc_stride, out_stride) = (5, 21, 24, 30);
-        let acc: Vec<i32> = (0..rows * acc_stride)
-            .map(|_| (lcg(&mut seed) * 20_000.0) as i32)
-            .collect();
-        let scale: Vec<f32> = (0..cols).map(|_| lcg(&mut seed).abs() * 1e-3).collect();
-        let offset: Vec<f32> = (0..cols).map(|_| lcg(&mut seed)).collect();
-        for floor in [0.0, f32::NEG_INFINITY] {
-            let columns = Columns {
-                scale: &scale,
-                offset: &offset,
-                floor,
-            };
-            let mut want = vec![f32::NAN; rows * out_stride];
-            for r in 0..rows {
-                for j in 0..cols {
-                    let v = acc[r * acc_stride + j] as f32 * scale[j] + offset[j];
-                    want[r * out_stride + j] = v.max(floor);
-                }
-            }
-            let written: Vec<f32> = (0..rows)
-                .flat_map(|r| want[r * out_stride..][..cols].to_vec())
-                .collect();
-            let mut out = vec![f32::NAN; rows * out_stride];
-            // SAFETY: `out` holds rows × out_stride f32s.
-            let range = unsafe {
-                dequantize_rect(
-                    &acc,
-                    acc_stride,
-                    rows,
-                    &columns,
-                    out.as_mut_ptr(),
-                    out_stride,
-                )
-            };
-            assert_eq!(
-                out.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                "floor {floor}"
-            );
-            assert_eq!(range, range_of(&written), "floor {floor}");
-            assert!(floor < 0.0 || range.0 == 0.0);
-        }
-    }
 }
