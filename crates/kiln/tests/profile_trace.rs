@@ -141,3 +141,61 @@ fn the_trace_is_valid_trace_event_format_and_its_spans_nest_and_cover_the_steps(
     assert_eq!(step_row.count, 12);
     assert!(step_row.p95_ms >= step_row.p50_ms && step_row.total_ms > 0.0);
 }
+
+/// Inference is profiled per node: every executor node of an imported ONNX model and of a
+/// Kiln inference session is a span named by its operator, with the Kiln kernel calls
+/// inside; the table has a row per operator.
+#[test]
+fn inference_nodes_are_spans_grouped_by_operator() {
+    use kiln::burn::tensor::{Device, Distribution, Tensor, TensorData};
+    use tracing_subscriber::layer::SubscriberExt;
+    let device = Device::flex();
+    let onnx = kiln::onnx::OnnxModel::load(
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/onnx/opmix.onnx"),
+        &device,
+    )
+    .unwrap();
+    let dims: Vec<usize> = onnx.inputs()[0]
+        .dims
+        .iter()
+        .map(|d| d.unwrap_or(2))
+        .collect();
+    let input = TensorData::new(vec![0.5f32; dims.iter().product()], dims);
+    let model = kiln::zoo::ModelKind::Cnn.init(&device);
+    let session =
+        kiln::infer::InferenceSession::new(&model, "cnn", [1, 28, 28], &[], &device).unwrap();
+    let images = Tensor::<4>::random([2, 1, 28, 28], Distribution::Default, &device);
+    let profiler = observe::Profiler::new();
+    // On a pool thread, where a large forward would hop to anyway, so the thread's
+    // subscriber sees every node.
+    rayon::scope(|_| {
+        let subscriber = tracing_subscriber::registry().with(profiler.layer());
+        tracing::subscriber::with_default(subscriber, || {
+            onnx.run_data(vec![input]).unwrap();
+            session.forward(images).unwrap();
+        });
+    });
+    let spans = profiler.spans();
+    let labels: Vec<String> = spans.iter().map(|s| s.label()).collect();
+    for want in ["onnx.node Conv2d", "infer.node Conv", "infer.node Linear"] {
+        assert!(
+            labels.iter().any(|l| l == want),
+            "no {want:?} in {labels:?}"
+        );
+    }
+    // The kernel call sits inside its node.
+    let conv = spans
+        .iter()
+        .find(|s| s.label() == "infer.node Conv")
+        .unwrap();
+    assert!(spans.iter().any(|k| k.name == "kiln.conv2d"
+        && k.thread == conv.thread
+        && k.start_us >= conv.start_us
+        && k.start_us + k.dur_us <= conv.start_us + conv.dur_us + 0.01));
+    let table = observe::phase_table(&spans);
+    assert!(
+        table
+            .iter()
+            .any(|p| p.name == "onnx.node Conv2d" && p.count >= 2)
+    );
+}

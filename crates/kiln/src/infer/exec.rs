@@ -99,6 +99,30 @@ enum Prepared {
     },
 }
 
+impl Prepared {
+    /// The operation's name, for profiles.
+    fn name(&self) -> &'static str {
+        match self {
+            Prepared::Conv { .. } => "Conv",
+            Prepared::Linear { .. } => "Linear",
+            Prepared::Affine { .. } => "Affine",
+            Prepared::Relu => "Relu",
+            Prepared::MaxPool(_) => "MaxPool",
+            Prepared::GlobalAvgPool => "GlobalAvgPool",
+            Prepared::Flatten => "Flatten",
+            Prepared::Add => "Add",
+            Prepared::Identity => "Identity",
+            Prepared::Reshape(_) => "Reshape",
+            Prepared::AddConstant(_) => "AddConstant",
+            Prepared::LayerNorm { .. } => "LayerNorm",
+            Prepared::Attention { .. } => "Attention",
+            Prepared::TokenMean => "TokenMean",
+            Prepared::QLinear { .. } => "QLinear",
+            Prepared::QConv { .. } => "QConv",
+        }
+    }
+}
+
 /// Batches from this size on run their forward on a pool thread ([`Executor::forward`]).
 const POOL_HOP_MIN_BATCH: usize = 8;
 /// Graphs with this many nodes run their forward on a pool thread at any batch size: their

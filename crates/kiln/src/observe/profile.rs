@@ -45,6 +45,20 @@ pub struct SpanRecord {
     pub rss_end: Option<u64>,
 }
 
+impl SpanRecord {
+    /// What the trace and the table call the span: a [`crate::observe::timed`] call by its
+    /// name, an executor node (a span with an `op` field, e.g. `onnx.node` with `op = Conv`)
+    /// by its span name and operator, every other span by its name.
+    pub fn label(&self) -> String {
+        let field = |key: &str| self.fields.iter().find(|(k, _)| k == key).map(|(_, v)| v);
+        match (self.name, field("op"), field("name")) {
+            ("timed", _, Some(name)) => name.clone(),
+            (span, Some(op), _) => format!("{span} {op}"),
+            (span, _, _) => span.to_string(),
+        }
+    }
+}
+
 struct Recorder {
     origin: Instant,
     spans: Mutex<Vec<SpanRecord>>,
@@ -239,11 +253,8 @@ pub fn chrome_trace(spans: &[SpanRecord]) -> serde_json::Value {
                 serde_json::json!((b as i64 - a as i64) / 1024),
             );
         }
-        // `timed("name", ..)` spans show under the user's name.
-        let name = match s.fields.iter().find(|(k, _)| k == "name") {
-            Some((_, v)) if s.name == "timed" => v.clone(),
-            _ => s.name.to_string(),
-        };
+        // `timed("name", ..)` spans show under the user's name, nodes under their operator.
+        let name = s.label();
         events.push(serde_json::json!({
             "name": name, "cat": "kiln", "ph": "X", "pid": 1, "tid": s.thread,
             "ts": s.start_us, "dur": s.dur_us, "args": args,
@@ -264,11 +275,11 @@ pub fn chrome_trace(spans: &[SpanRecord]) -> serde_json::Value {
     serde_json::json!({"traceEvents": events, "displayTimeUnit": "ms"})
 }
 
-/// Aggregated statistics of one span name.
+/// Aggregated statistics of one span name (or executor operator).
 #[derive(Debug, Clone, Serialize)]
 pub struct PhaseStats {
-    /// Span name.
-    pub name: &'static str,
+    /// Span name ([`SpanRecord::label`]).
+    pub name: String,
     /// Times it ran.
     pub count: usize,
     /// Total milliseconds.
@@ -287,7 +298,7 @@ pub struct PhaseStats {
     pub peak_rss: u64,
 }
 
-/// Groups spans by name, sorted by total time (descending).
+/// Groups spans by [`SpanRecord::label`], sorted by total time (descending).
 pub fn phase_table(spans: &[SpanRecord]) -> Vec<PhaseStats> {
     let wall_us = {
         let roots = spans.iter().filter(|s| s.depth == 0);
@@ -298,9 +309,9 @@ pub fn phase_table(spans: &[SpanRecord]) -> Vec<PhaseStats> {
         let end = roots.map(|s| s.start_us + s.dur_us).fold(0.0, f64::max);
         (end - start).max(1e-9)
     };
-    let mut groups: BTreeMap<&'static str, Vec<&SpanRecord>> = BTreeMap::new();
+    let mut groups: BTreeMap<String, Vec<&SpanRecord>> = BTreeMap::new();
     for s in spans {
-        groups.entry(s.name).or_default().push(s);
+        groups.entry(s.label()).or_default().push(s);
     }
     let mut table: Vec<PhaseStats> = groups
         .into_iter()

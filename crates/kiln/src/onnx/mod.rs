@@ -251,6 +251,10 @@ impl OnnxModel {
                     })
                 })
                 .collect();
+            // One span per node (TRACE: free unless a profiler listens), grouped by operator
+            // in the profile's table.
+            let _node =
+                tracing::trace_span!("onnx.node", op = %step.op_name, node = %step.name).entered();
             let outs = catch_unwind(AssertUnwindSafe(|| match &step.op {
                 StepOp::Onnx(node) => ops::run(node, &ins, &self.device),
                 StepOp::QLinear(q) => q.run(&ins),

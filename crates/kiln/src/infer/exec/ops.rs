@@ -29,6 +29,9 @@ pub(super) fn run(
     device: &Device,
     compute: Option<FloatDType>,
 ) -> OpResult {
+    // One span per node (TRACE: free unless a profiler listens); the profile's table groups
+    // them by operator.
+    let _node = tracing::trace_span!("infer.node", op = op.name()).entered();
     let x = inputs.remove(0);
     match op {
         Prepared::Conv {
