@@ -188,7 +188,7 @@ fn inference_nodes_are_spans_grouped_by_operator() {
         .iter()
         .find(|s| s.label() == "infer.node Conv")
         .unwrap();
-    assert!(spans.iter().any(|k| k.name == "kiln.conv2d"
+    assert!(spans.iter().any(|k| k.name == "kiln.conv2d_nhwc"
         && k.thread == conv.thread
         && k.start_us >= conv.start_us
         && k.start_us + k.dur_us <= conv.start_us + conv.dur_us + 0.01));

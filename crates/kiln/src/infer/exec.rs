@@ -52,6 +52,11 @@ enum Prepared {
         weight: Tensor<4>,
         bias: Option<Tensor<1>>,
         options: ConvOptions<2>,
+        /// The host form for Kiln's channels-last kernel (f32, no groups); `None` = Burn's
+        /// layout only.
+        nhwc: Option<Box<NhwcConv>>,
+        /// ReLU fused into the output (the graph's next node was a ReLU reading only this).
+        relu: bool,
     },
     Linear {
         weight: Tensor<2>,
@@ -97,6 +102,66 @@ enum Prepared {
         geometry: ConvGeometry,
         relu: bool,
     },
+}
+
+/// A convolution's weights and shape for [`crate::kernels::conv::conv2d_nhwc_forward`].
+#[derive(Debug)]
+struct NhwcConv {
+    /// `[kh·kw·cin, cout]`.
+    packed: Vec<f32>,
+    bias: Option<Vec<f32>>,
+    /// `[cout, cin, kh, kw]`.
+    dims: [usize; 4],
+    geometry: ConvGeometry,
+}
+
+impl NhwcConv {
+    /// The host form of an f32 convolution without groups; `None` where the kernel does not
+    /// apply.
+    fn new(weight: &Weight, bias: Option<&Weight>, g: &ConvGeometry) -> Option<Self> {
+        let dims: [usize; 4] = weight.shape.clone().try_into().ok()?;
+        let f32_only = weight.precision == crate::precision::Precision::F32
+            && bias.is_none_or(|b| b.precision == crate::precision::Precision::F32);
+        if g.groups != 1 || !f32_only || weight.values.len() != dims.iter().product::<usize>() {
+            return None;
+        }
+        let shape = nhwc_shape(
+            dims,
+            g,
+            [1, dims[1], g.kernel[0].max(1), g.kernel[1].max(1)],
+        );
+        Some(NhwcConv {
+            packed: crate::kernels::conv::pack_weight_for_nhwc(&shape, &weight.values),
+            bias: bias.map(|b| b.values.clone()),
+            dims,
+            geometry: *g,
+        })
+    }
+
+    /// The kernel's shape for a `[batch, cin, h, w]` input.
+    fn shape(&self, [batch, _, h, w]: [usize; 4]) -> crate::kernels::conv::ConvShape {
+        nhwc_shape(self.dims, &self.geometry, [batch, self.dims[1], h, w])
+    }
+}
+
+fn nhwc_shape(
+    [cout, cin, kh, kw]: [usize; 4],
+    g: &ConvGeometry,
+    [batch, _, h, w]: [usize; 4],
+) -> crate::kernels::conv::ConvShape {
+    let [top, left, bottom, right] = g.pads;
+    crate::kernels::conv::ConvShape {
+        batch,
+        cin,
+        h,
+        w,
+        cout,
+        kh,
+        kw,
+        stride: g.stride,
+        padding: [(top, bottom), (left, right)],
+        dilation: g.dilation,
+    }
 }
 
 impl Prepared {
@@ -220,6 +285,11 @@ impl Executor {
                         .map(|b| tensor(b, device).map(|t| to_compute(t, compute)))
                         .transpose()?,
                     options: conv_options(g),
+                    nhwc: compute
+                        .is_none()
+                        .then(|| NhwcConv::new(weight, bias.as_ref(), g).map(Box::new))
+                        .flatten(),
+                    relu: false,
                 },
                 Op::Linear { weight, bias } => Prepared::Linear {
                     weight: to_compute(tensor(weight, device)?, compute),
@@ -307,6 +377,7 @@ impl Executor {
                 },
             });
         }
+        fuse_conv_relu(&graph, &mut ops);
         Ok(Executor {
             graph,
             ops,
@@ -405,6 +476,24 @@ fn take_or_clone(
     value.ok_or_else(|| KilnError::Inference(format!("node `{node}` reads undefined value {v}")))
 }
 
+/// Folds each ReLU that is the only reader of a convolution's output into the convolution
+/// (its kernel applies it while the output is in cache); the ReLU node passes its input on.
+fn fuse_conv_relu(graph: &Graph, ops: &mut [Prepared]) {
+    for (j, node) in graph.nodes.iter().enumerate() {
+        let [input] = node.inputs[..] else { continue };
+        if !matches!(ops[j], Prepared::Relu) || graph.uses(input) != 1 {
+            continue;
+        }
+        let Some(i) = graph.nodes[..j].iter().rposition(|n| n.output == input) else {
+            continue;
+        };
+        if let Prepared::Conv { relu, .. } = &mut ops[i] {
+            *relu = true;
+            ops[j] = Prepared::Identity;
+        }
+    }
+}
+
 fn conv_options(g: &ConvGeometry) -> ConvOptions<2> {
     let [top, left, bottom, right] = g.pads;
     ConvOptions::new_with_padding(
@@ -449,6 +538,26 @@ fn nhwc_to_nchw(x: &[f32], [b, h, w, c]: [usize; 4]) -> Vec<f32> {
             for (p, px) in img.chunks_exact(c).enumerate() {
                 for (ch, v) in px.iter().enumerate() {
                     out[ch * plane + p] = *v;
+                }
+            }
+        });
+    y
+}
+
+/// Transposes `[B, C, H, W]` values to channels-last `[B, H, W, C]`.
+fn nchw_to_nhwc(x: &[f32], [b, c, h, w]: [usize; 4]) -> Vec<f32> {
+    let plane = h * w;
+    let mut y = vec![0f32; x.len()];
+    if y.is_empty() {
+        return y;
+    }
+    y.par_chunks_mut(c * plane)
+        .zip(x.par_chunks(c * plane))
+        .take(b)
+        .for_each(|(out, img)| {
+            for (ch, channel) in img.chunks_exact(plane).enumerate() {
+                for (p, v) in channel.iter().enumerate() {
+                    out[p * c + ch] = *v;
                 }
             }
         });

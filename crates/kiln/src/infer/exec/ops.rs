@@ -11,9 +11,9 @@ use burn::tensor::{Device, FloatDType, Tensor};
 use rayon::prelude::*;
 
 use super::{
-    ConvInput, Prepared, Value, add_broadcast, attention, check_features, flat, host,
-    host_max_pool, image, nhwc_columns, quantized_conv, quantized_matmul, seq, to_compute, to_f32,
-    value_dims,
+    ConvInput, NhwcConv, Prepared, Value, add_broadcast, attention, check_features, flat, host,
+    host_max_pool, image, nchw_to_nhwc, nhwc_columns, quantized_conv, quantized_matmul, seq,
+    to_compute, to_f32, value_dims,
 };
 use crate::infer::graph::{ConvGeometry, QuantWeight};
 use crate::kernels::int8::{ImageLayout, PackedWeights};
@@ -38,7 +38,12 @@ pub(super) fn run(
             weight,
             bias,
             options,
-        } => conv(x, weight, bias, options, device, compute),
+            nhwc,
+            relu,
+        } => match nhwc {
+            Some(host) if crate::kernels::serves(device) => conv_nhwc(x, host, *relu),
+            _ => conv(x, weight, bias, options, device, compute, *relu),
+        },
         Prepared::Linear { weight, bias } => linear(x, weight, bias, device, compute),
         Prepared::Affine { scale, shift } => affine(x, scale, shift, device),
         Prepared::Relu => Ok(relu(x)),
@@ -79,7 +84,8 @@ pub(super) fn run(
     }
 }
 
-/// f32 (or half-precision) convolution through Kiln's kernel entry point.
+/// f32 (or half-precision) convolution through Kiln's kernel entry point (Burn's op on other
+/// devices), then the fused ReLU if any.
 fn conv(
     x: Value,
     weight: &Tensor<4>,
@@ -87,13 +93,60 @@ fn conv(
     options: &ConvOptions<2>,
     device: &Device,
     compute: Option<FloatDType>,
+    relu: bool,
 ) -> OpResult {
-    Ok(Value::Image(to_f32(crate::kernels::conv2d(
+    let y = to_f32(crate::kernels::conv2d(
         to_compute(image(x, device)?, compute),
         weight.clone(),
         bias.clone(),
         options.clone(),
-    ))))
+    ));
+    Ok(Value::Image(if relu {
+        burn::tensor::activation::relu(y)
+    } else {
+        y
+    }))
+}
+
+/// f32 convolution on the host in channels-last layout (Kiln's kernel, ReLU fused): the
+/// result stays channels-last for the next convolution, pooling or int8 layer.
+fn conv_nhwc(x: Value, conv: &NhwcConv, relu: bool) -> OpResult {
+    let (data, [b, h, w, c]) = match x {
+        Value::Nhwc {
+            data,
+            dims,
+            flat: false,
+            ..
+        } => (data, dims),
+        other => {
+            let (values, dims) = host(other);
+            let [b, c, h, w]: [usize; 4] = dims
+                .try_into()
+                .map_err(|d| format!("expects an image, got {d:?}"))?;
+            (nchw_to_nhwc(&values, [b, c, h, w]), [b, h, w, c])
+        }
+    };
+    let s = conv.shape([b, c, h, w]);
+    if c != s.cin {
+        return Err(format!("expects {} input channels, got {c}", s.cin));
+    }
+    let mut out = vec![0f32; s.output_len()];
+    let _op =
+        tracing::trace_span!("kiln.conv2d_nhwc", input = ?[b, h, w, c], cout = s.cout).entered();
+    crate::kernels::conv::conv2d_nhwc_forward(
+        &s,
+        &data,
+        &conv.packed,
+        conv.bias.as_deref(),
+        relu,
+        &mut out,
+    );
+    Ok(Value::Nhwc {
+        data: out,
+        dims: [b, s.out_h(), s.out_w(), s.cout],
+        flat: false,
+        range: None,
+    })
 }
 
 /// A linear layer over flat features, or per token of a sequence.
