@@ -526,38 +526,28 @@ fn image(v: Value, device: &Device) -> std::result::Result<Tensor<4>, String> {
 
 /// Transposes channels-last `[B, H, W, C]` values to `[B, C, H, W]`.
 fn nhwc_to_nchw(x: &[f32], [b, h, w, c]: [usize; 4]) -> Vec<f32> {
-    let plane = h * w;
-    let mut y = vec![0f32; x.len()];
-    if y.is_empty() {
-        return y;
-    }
-    y.par_chunks_mut(c * plane)
-        .zip(x.par_chunks(c * plane))
-        .take(b)
-        .for_each(|(out, img)| {
-            for (p, px) in img.chunks_exact(c).enumerate() {
-                for (ch, v) in px.iter().enumerate() {
-                    out[ch * plane + p] = *v;
-                }
-            }
-        });
-    y
+    transpose_images(x, b, [h * w, c])
 }
 
 /// Transposes `[B, C, H, W]` values to channels-last `[B, H, W, C]`.
 fn nchw_to_nhwc(x: &[f32], [b, c, h, w]: [usize; 4]) -> Vec<f32> {
-    let plane = h * w;
+    transpose_images(x, b, [c, h * w])
+}
+
+/// Transposes each of `b` row-major `[rows, cols]` matrices in `x` (one per image), in
+/// parallel over the images.
+fn transpose_images(x: &[f32], b: usize, [rows, cols]: [usize; 2]) -> Vec<f32> {
     let mut y = vec![0f32; x.len()];
     if y.is_empty() {
         return y;
     }
-    y.par_chunks_mut(c * plane)
-        .zip(x.par_chunks(c * plane))
+    y.par_chunks_mut(rows * cols)
+        .zip(x.par_chunks(rows * cols))
         .take(b)
         .for_each(|(out, img)| {
-            for (ch, channel) in img.chunks_exact(plane).enumerate() {
-                for (p, v) in channel.iter().enumerate() {
-                    out[p * c + ch] = *v;
+            for (r, row) in img.chunks_exact(cols).enumerate() {
+                for (col, v) in row.iter().enumerate() {
+                    out[col * rows + r] = *v;
                 }
             }
         });

@@ -267,6 +267,26 @@ fn per_image<'a, 'b>(
     }
 }
 
+/// Checks a forward's operand lengths and plans it: `(k, pixels, threads per GEMM)`, or
+/// `None` when there is nothing to compute. One image per task when there are enough images
+/// to keep every thread busy; otherwise each image's GEMM is itself split over the threads.
+fn forward_plan(
+    s: &ConvShape,
+    x: &[f32],
+    weight: &[f32],
+    out: &[f32],
+) -> Option<(usize, usize, usize)> {
+    assert_eq!(x.len(), s.input_len(), "conv2d input length");
+    assert_eq!(weight.len(), s.weight_len(), "conv2d weight length");
+    assert_eq!(out.len(), s.output_len(), "conv2d output length");
+    let (k, p) = (s.k(), s.pixels());
+    if s.cout * p == 0 || s.batch == 0 {
+        return None;
+    }
+    let threads = pool_threads();
+    Some((k, p, if s.batch >= threads { 1 } else { threads }))
+}
+
 /// Forward convolution: `out` `[batch, cout, oh, ow]` from `x` `[batch, cin, h, w]`, `weight`
 /// `[cout, cin, kh, kw]` and an optional `bias` `[cout]`.
 pub fn conv2d_forward(
@@ -276,18 +296,10 @@ pub fn conv2d_forward(
     bias: Option<&[f32]>,
     out: &mut [f32],
 ) {
-    assert_eq!(x.len(), s.input_len(), "conv2d input length");
-    assert_eq!(weight.len(), s.weight_len(), "conv2d weight length");
-    assert_eq!(out.len(), s.output_len(), "conv2d output length");
-    let (k, p) = (s.k(), s.pixels());
-    let image_out = s.cout * p;
-    if image_out == 0 || s.batch == 0 {
+    let Some((k, p, gemm_threads)) = forward_plan(s, x, weight, out) else {
         return;
-    }
-    let threads = pool_threads();
-    // One image per task when there are enough images to keep every thread busy; otherwise
-    // each image's GEMM is itself split over the threads.
-    let gemm_threads = if s.batch >= threads { 1 } else { threads };
+    };
+    let image_out = s.cout * p;
     let run = |cols: &mut Vec<f32>, (image, out): (&[f32], &mut [f32])| {
         let accumulate = match bias {
             Some(b) => {
@@ -385,16 +397,10 @@ pub fn conv2d_nhwc_forward(
     relu: bool,
     out: &mut [f32],
 ) {
-    assert_eq!(x.len(), s.input_len(), "conv2d input length");
-    assert_eq!(packed.len(), s.weight_len(), "conv2d weight length");
-    assert_eq!(out.len(), s.output_len(), "conv2d output length");
-    let (k, p) = (s.k(), s.pixels());
-    let image_out = s.cout * p;
-    if image_out == 0 || s.batch == 0 {
+    let Some((k, p, gemm_threads)) = forward_plan(s, x, packed, out) else {
         return;
-    }
-    let threads = pool_threads();
-    let gemm_threads = if s.batch >= threads { 1 } else { threads };
+    };
+    let image_out = s.cout * p;
     let run = |patches: &mut Vec<f32>, (image, out): (&[f32], &mut [f32])| {
         let accumulate = match bias {
             Some(b) => {
