@@ -61,12 +61,17 @@ enum Prepared {
     Linear {
         weight: Tensor<2>,
         bias: Option<Tensor<1>>,
+        /// The weight with its rows in channels-last order, made (once) when the input
+        /// arrives as a flattened [`Value::Nhwc`], so the input needs no transpose.
+        nhwc: Box<std::sync::OnceLock<([usize; 3], Tensor<2>)>>,
     },
     /// Inference BatchNorm as a per-channel affine map, uploaded once (`[C]`; reshaped to
     /// broadcast over the input's rank at run time, which is a view).
     Affine {
         scale: Tensor<1>,
         shift: Tensor<1>,
+        /// The same on the host, for channels-last values (applied in place, no transpose).
+        host: Box<(Vec<f32>, Vec<f32>)>,
     },
     Relu,
     MaxPool(MaxPool2d),
@@ -297,6 +302,7 @@ impl Executor {
                         .as_ref()
                         .map(|b| tensor(b, device).map(|t| to_compute(t, compute)))
                         .transpose()?,
+                    nhwc: Box::default(),
                 },
                 Op::BatchNorm {
                     gamma,
@@ -308,8 +314,9 @@ impl Executor {
                     let (scale, shift) = batch_norm_affine(gamma, beta, mean, var, *eps);
                     let c = scale.len();
                     Prepared::Affine {
-                        scale: host_tensor(scale, [c], device),
-                        shift: host_tensor(shift, [c], device),
+                        scale: host_tensor(scale.clone(), [c], device),
+                        shift: host_tensor(shift.clone(), [c], device),
+                        host: Box::new((scale, shift)),
                     }
                 }
                 Op::Relu => Prepared::Relu,
@@ -736,6 +743,22 @@ fn quantized_matmul(
 }
 /// The int8 linear weights with their columns reordered from the model's flatten order
 /// (channel, y, x) to channels-last (y, x, channel) for an input of `[h, w, c]` images.
+/// A linear weight `[C·H·W, out]` (rows in NCHW-flatten order) with its rows reordered to
+/// channels-last `(h, w, c)` order.
+fn nhwc_rows(weight: &Tensor<2>, [h, w, c]: [usize; 3]) -> Tensor<2> {
+    let [inputs, _] = weight.dims();
+    let plane = h * w;
+    let index: Vec<i64> = (0..plane)
+        .flat_map(|p| (0..c).map(move |ch| (ch * plane + p) as i64))
+        .collect();
+    debug_assert_eq!(index.len(), inputs);
+    let index = Tensor::<1, burn::tensor::Int>::from_data(
+        TensorData::new(index, [inputs]),
+        &weight.device(),
+    );
+    weight.clone().select(0, index)
+}
+
 fn nhwc_columns(w: &QuantWeight, [h, w_, c]: [usize; 3]) -> PackedWeights {
     let plane = h * w_;
     let mut values = vec![0i8; w.values.len()];

@@ -267,9 +267,16 @@ fn per_image<'a, 'b>(
     }
 }
 
+/// Multiply-adds per image below which one image's GEMM runs on the calling thread: handing
+/// a GEMM of this size to the pool and waiting costs more than the second thread saves.
+/// Measured on W3 at batch 1 (conv2: 10.6 M multiply-adds, 2 threads, dev-2c-epyc): the
+/// whole forward 0.53 ms with a two-thread GEMM, 0.43 ms with one.
+const SEQUENTIAL_MACS: usize = 16 << 20;
+
 /// Checks a forward's operand lengths and plans it: `(k, pixels, threads per GEMM)`, or
 /// `None` when there is nothing to compute. One image per task when there are enough images
-/// to keep every thread busy; otherwise each image's GEMM is itself split over the threads.
+/// to keep every thread busy; otherwise each image's GEMM is itself split over the threads,
+/// unless it is below [`SEQUENTIAL_MACS`].
 fn forward_plan(
     s: &ConvShape,
     x: &[f32],
@@ -284,7 +291,16 @@ fn forward_plan(
         return None;
     }
     let threads = pool_threads();
-    Some((k, p, if s.batch >= threads { 1 } else { threads }))
+    let small = s.cout * p * k < SEQUENTIAL_MACS;
+    Some((
+        k,
+        p,
+        if s.batch >= threads || small {
+            1
+        } else {
+            threads
+        },
+    ))
 }
 
 /// Forward convolution: `out` `[batch, cout, oh, ow]` from `x` `[batch, cin, h, w]`, `weight`

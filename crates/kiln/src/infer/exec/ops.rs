@@ -12,8 +12,8 @@ use rayon::prelude::*;
 
 use super::{
     ConvInput, NhwcConv, Prepared, Value, add_broadcast, attention, check_features, flat, host,
-    host_max_pool, image, nchw_to_nhwc, nhwc_columns, quantized_conv, quantized_matmul, seq,
-    to_compute, to_f32, value_dims,
+    host_max_pool, host_tensor, image, nchw_to_nhwc, nhwc_columns, nhwc_rows, quantized_conv,
+    quantized_matmul, seq, to_compute, to_f32, value_dims,
 };
 use crate::infer::graph::{ConvGeometry, QuantWeight};
 use crate::kernels::int8::{ImageLayout, PackedWeights};
@@ -44,8 +44,32 @@ pub(super) fn run(
             Some(host) if crate::kernels::serves(device) => conv_nhwc(x, host, *relu),
             _ => conv(x, weight, bias, options, device, compute, *relu),
         },
-        Prepared::Linear { weight, bias } => linear(x, weight, bias, device, compute),
-        Prepared::Affine { scale, shift } => affine(x, scale, shift, device),
+        Prepared::Linear { weight, bias, nhwc } => match x {
+            // A flattened channels-last image: the weight's rows are reordered once instead
+            // of transposing every input.
+            Value::Nhwc {
+                data,
+                dims: [b, h, w, c],
+                flat: true,
+                ..
+            } if compute.is_none() && weight.dims()[0] == h * w * c => {
+                let (packed_for, reordered) =
+                    nhwc.get_or_init(|| ([h, w, c], nhwc_rows(weight, [h, w, c])));
+                let weight = if *packed_for == [h, w, c] {
+                    reordered.clone()
+                } else {
+                    nhwc_rows(weight, [h, w, c])
+                };
+                let rows = host_tensor(data, [b, h * w * c], device);
+                Ok(Value::Flat(crate::kernels::linear(
+                    rows,
+                    weight,
+                    bias.clone(),
+                )))
+            }
+            x => linear(x, weight, bias, device, compute),
+        },
+        Prepared::Affine { scale, shift, host } => affine(x, [scale, shift], host, device),
         Prepared::Relu => Ok(relu(x)),
         Prepared::MaxPool(pool) => max_pool(x, pool, device),
         Prepared::Reshape(shape) => reshape(x, shape, device),
@@ -180,10 +204,36 @@ fn linear(
     }
 }
 
-/// Inference BatchNorm: `x · scale + shift` per channel.
-fn affine(x: Value, scale: &Tensor<1>, shift: &Tensor<1>, device: &Device) -> OpResult {
+/// Inference BatchNorm: `x · scale + shift` per channel; in place on channels-last values.
+fn affine(
+    x: Value,
+    [scale, shift]: [&Tensor<1>; 2],
+    host: &(Vec<f32>, Vec<f32>),
+    device: &Device,
+) -> OpResult {
     let [c] = scale.dims();
     Ok(match x {
+        Value::Nhwc {
+            mut data,
+            dims,
+            flat: false,
+            ..
+        } if dims[3] == c => {
+            let (scale, shift) = host;
+            data.par_chunks_mut(c * 256).for_each(|pixels| {
+                for px in pixels.chunks_exact_mut(c) {
+                    for ((v, s), t) in px.iter_mut().zip(scale).zip(shift) {
+                        *v = *v * s + t;
+                    }
+                }
+            });
+            Value::Nhwc {
+                data,
+                dims,
+                flat: false,
+                range: None,
+            }
+        }
         Value::Flat(t) => {
             Value::Flat(t * scale.clone().reshape([1, c]) + shift.clone().reshape([1, c]))
         }
