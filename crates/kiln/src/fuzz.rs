@@ -14,7 +14,7 @@
 //! decoded by `arbitrary` (the crate `cargo fuzz` targets use), the same function takes a
 //! coverage-guided fuzzer's input unchanged, on a nightly toolchain:
 //!
-//! ```ignore
+//! ```text
 //! // fuzz/fuzz_targets/idx.rs (cargo fuzz init; cargo fuzz run idx)
 //! libfuzzer_sys::fuzz_target!(|data: &[u8]| {
 //!     let input = kiln::fuzz::mutate(SEED, data);
