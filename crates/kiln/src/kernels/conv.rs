@@ -10,6 +10,8 @@
 //! bias is the GEMM's initial value. Images are spread over the threads; a single image uses a
 //! multi-threaded GEMM instead.
 
+use std::ops::Range;
+
 use gemm::{Parallelism, gemm};
 use rayon::prelude::*;
 
@@ -370,55 +372,48 @@ pub fn pack_weight_for_nhwc(s: &ConvShape, weight: &[f32]) -> Vec<f32> {
     packed
 }
 
-/// Gathers one channels-last image `[h, w, cin]` into `patches` `[oh·ow, kh·kw·cin]` (zeros
-/// where the kernel reads padding): each kernel tap copies a run of `cin` contiguous values.
-fn nhwc_patches(s: &ConvShape, image: &[f32], patches: &mut [f32]) {
-    let (oh, ow, cin) = (s.out_h(), s.out_w(), s.cin);
-    let k = s.k();
-    for oy in 0..oh {
-        for ox in 0..ow {
-            let row = &mut patches[(oy * ow + ox) * k..][..k];
-            for ky in 0..s.kh {
-                let iy = (oy * s.stride[0] + ky * s.dilation[0]) as isize - s.padding[0].0 as isize;
-                for kx in 0..s.kw {
-                    let ix =
-                        (ox * s.stride[1] + kx * s.dilation[1]) as isize - s.padding[1].0 as isize;
-                    let dst = &mut row[(ky * s.kw + kx) * cin..][..cin];
-                    if iy < 0 || ix < 0 || iy >= s.h as isize || ix >= s.w as isize {
-                        dst.fill(0.0);
-                    } else {
-                        let at = (iy as usize * s.w + ix as usize) * cin;
-                        dst.copy_from_slice(&image[at..at + cin]);
-                    }
+/// Gathers output pixels `rows` of one channels-last image `[h, w, cin]` into `patches`
+/// `[rows.len(), kh·kw·cin]` (zeros where the kernel reads padding): each kernel tap copies a
+/// run of `cin` contiguous values.
+fn nhwc_patches(s: &ConvShape, image: &[f32], rows: Range<usize>, patches: &mut [f32]) {
+    let (ow, cin, k) = (s.out_w(), s.cin, s.k());
+    for (pixel, row) in rows.zip(patches.chunks_exact_mut(k)) {
+        let (oy, ox) = (pixel / ow, pixel % ow);
+        for ky in 0..s.kh {
+            let iy = (oy * s.stride[0] + ky * s.dilation[0]) as isize - s.padding[0].0 as isize;
+            for kx in 0..s.kw {
+                let ix = (ox * s.stride[1] + kx * s.dilation[1]) as isize - s.padding[1].0 as isize;
+                let dst = &mut row[(ky * s.kw + kx) * cin..][..cin];
+                if iy < 0 || ix < 0 || iy >= s.h as isize || ix >= s.w as isize {
+                    dst.fill(0.0);
+                } else {
+                    let at = (iy as usize * s.w + ix as usize) * cin;
+                    dst.copy_from_slice(&image[at..at + cin]);
                 }
             }
         }
     }
 }
 
-/// Forward convolution for inference in channels-last layout: `out` `[batch, oh, ow, cout]`
-/// from `x` `[batch, h, w, cin]` and `packed` ([`pack_weight_for_nhwc`]), the bias as the
-/// GEMM's initial value and, with `relu`, ReLU applied to each image's output right after its
-/// GEMM, while it is still in cache (one pass fewer over memory than a separate op).
-///
-/// Why channels-last: the GEMM's output rows are pixels, so it is written in the layout the
-/// next convolution, pooling and int8 layers read without a transpose, and the patch gather
-/// copies whole channel runs instead of single values (a 1×1 convolution reads the image as
-/// is).
-pub fn conv2d_nhwc_forward(
-    s: &ConvShape,
-    x: &[f32],
-    packed: &[f32],
-    bias: Option<&[f32]>,
+/// Multiply-adds per image above which one image's channels-last convolution is split over
+/// the threads by output pixels (each task gathers and multiplies its own rows; one fork-join
+/// per image instead of the GEMM's own synchronization). W3's conv2 (10.6 M) is split; its
+/// conv1 (0.2 M) is not.
+const SPLIT_MACS: usize = 2 << 20;
+
+/// What one channels-last convolution computes: the operands of [`conv2d_nhwc_forward`].
+struct NhwcOperands<'a> {
+    s: &'a ConvShape,
+    packed: &'a [f32],
+    bias: Option<&'a [f32]>,
     relu: bool,
-    out: &mut [f32],
-) {
-    let Some((k, p, gemm_threads)) = forward_plan(s, x, packed, out) else {
-        return;
-    };
-    let image_out = s.cout * p;
-    let run = |patches: &mut Vec<f32>, (image, out): (&[f32], &mut [f32])| {
-        let accumulate = match bias {
+}
+
+impl NhwcOperands<'_> {
+    /// Output pixels `rows` of one image into `out` `[rows.len(), cout]`, on this thread.
+    fn rows(&self, image: &[f32], rows: Range<usize>, out: &mut [f32], patches: &mut Vec<f32>) {
+        let (s, k, n) = (self.s, self.s.k(), rows.len());
+        let accumulate = match self.bias {
             Some(b) => {
                 for px in out.chunks_exact_mut(s.cout) {
                     px.copy_from_slice(b);
@@ -428,32 +423,86 @@ pub fn conv2d_nhwc_forward(
             None => false,
         };
         let lhs: &[f32] = if s.is_pointwise() {
-            image
+            &image[rows.start * k..rows.end * k]
         } else {
-            patches.resize(p * k, 0.0);
-            nhwc_patches(s, image, patches);
+            patches.resize(n * k, 0.0);
+            nhwc_patches(s, image, rows, patches);
             patches
         };
         matmul(
-            (p, s.cout, k),
+            (n, s.cout, k),
             out,
             accumulate,
             lhs,
             (k, 1),
-            packed,
+            self.packed,
             (s.cout, 1),
-            gemm_threads,
+            1,
         );
-        if relu {
+        if self.relu {
             for v in out.iter_mut() {
                 *v = v.max(0.0);
             }
         }
+    }
+}
+
+/// Forward convolution for inference in channels-last layout: `out` `[batch, oh, ow, cout]`
+/// from `x` `[batch, h, w, cin]` and `packed` ([`pack_weight_for_nhwc`]), the bias as the
+/// GEMM's initial value and, with `relu`, ReLU applied to each block of output right after its
+/// GEMM, while it is still in cache (one pass fewer over memory than a separate op).
+///
+/// Why channels-last: the GEMM's output rows are pixels, so it is written in the layout the
+/// next convolution, pooling and int8 layers read without a transpose, the patch gather
+/// copies whole channel runs instead of single values (a 1×1 convolution reads the image as
+/// is), and an image splits over the threads by output pixels, each task gathering only its
+/// own rows.
+pub fn conv2d_nhwc_forward(
+    s: &ConvShape,
+    x: &[f32],
+    packed: &[f32],
+    bias: Option<&[f32]>,
+    relu: bool,
+    out: &mut [f32],
+) {
+    let Some((k, p, _)) = forward_plan(s, x, packed, out) else {
+        return;
     };
-    let pairs = x
+    let ops = NhwcOperands {
+        s,
+        packed,
+        bias,
+        relu,
+    };
+    let image_out = s.cout * p;
+    let threads = pool_threads();
+    let images = x
         .chunks_exact(s.image_len())
         .zip(out.chunks_exact_mut(image_out));
-    per_image(pairs, gemm_threads == 1, run);
+    if s.batch >= threads {
+        images
+            .collect::<Vec<_>>()
+            .into_par_iter()
+            .for_each_init(Vec::new, |patches, (image, out)| {
+                ops.rows(image, 0..p, out, patches)
+            });
+        return;
+    }
+    let split = s.cout * p * k >= SPLIT_MACS;
+    let mut patches = Vec::new();
+    for (image, out) in images {
+        if !split {
+            ops.rows(image, 0..p, out, &mut patches);
+            continue;
+        }
+        let per_task = p.div_ceil(threads);
+        out.par_chunks_mut(per_task * s.cout)
+            .enumerate()
+            .for_each_init(Vec::new, |patches, (t, out)| {
+                let start = t * per_task;
+                ops.rows(image, start..start + out.len() / s.cout, out, patches)
+            });
+    }
 }
 
 /// Gradient of the input: `dx` `[batch, cin, h, w]` from the output gradient `dout`
