@@ -130,13 +130,8 @@ impl NhwcConv {
         if g.groups != 1 || !f32_only || weight.values.len() != dims.iter().product::<usize>() {
             return None;
         }
-        let shape = nhwc_shape(
-            dims,
-            g,
-            [1, dims[1], g.kernel[0].max(1), g.kernel[1].max(1)],
-        );
         Some(NhwcConv {
-            packed: crate::kernels::conv::pack_weight_for_nhwc(&shape, &weight.values),
+            packed: crate::kernels::conv::pack_weight_for_nhwc(dims, &weight.values),
             bias: bias.map(|b| b.values.clone()),
             dims,
             geometry: *g,

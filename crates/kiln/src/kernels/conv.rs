@@ -98,7 +98,14 @@ impl ConvShape {
     }
 }
 
-fn out_len(len: usize, k: usize, stride: usize, pad: (usize, usize), dilation: usize) -> usize {
+/// Output length of one spatial dimension.
+pub(super) fn out_len(
+    len: usize,
+    k: usize,
+    stride: usize,
+    pad: (usize, usize),
+    dilation: usize,
+) -> usize {
     let span = dilation * (k - 1) + 1;
     (len + pad.0 + pad.1).saturating_sub(span) / stride + 1
 }
@@ -269,40 +276,22 @@ fn per_image<'a, 'b>(
     }
 }
 
-/// Multiply-adds per image below which one image's GEMM runs on the calling thread: handing
-/// a GEMM of this size to the pool and waiting costs more than the second thread saves.
-/// Measured on W3 at batch 1 (conv2: 10.6 M multiply-adds, 2 threads, dev-2c-epyc): the
-/// whole forward 0.53 ms with a two-thread GEMM, 0.43 ms with one.
+/// Multiply-adds per image below which [`conv2d_forward`] runs one image's GEMM on the calling
+/// thread: handing a GEMM of this size to the pool and waiting costs more than the second
+/// thread saves. Measured on W3 at batch 1 with the channels-last kernel while it still used
+/// this rule (conv2: 10.6 M multiply-adds, 2 threads, dev-2c-epyc): the whole forward 0.53 ms
+/// with a two-thread GEMM, 0.43 ms with one. The NCHW kernel's GEMM pays the same hand-off;
+/// its own batch-1 figure was not measured separately.
 const SEQUENTIAL_MACS: usize = 16 << 20;
 
-/// Checks a forward's operand lengths and plans it: `(k, pixels, threads per GEMM)`, or
-/// `None` when there is nothing to compute. One image per task when there are enough images
-/// to keep every thread busy; otherwise each image's GEMM is itself split over the threads,
-/// unless it is below [`SEQUENTIAL_MACS`].
-fn forward_plan(
-    s: &ConvShape,
-    x: &[f32],
-    weight: &[f32],
-    out: &[f32],
-) -> Option<(usize, usize, usize)> {
+/// Checks a forward's operand lengths: `(k, pixels)`, or `None` when there is nothing to
+/// compute.
+fn check_forward(s: &ConvShape, x: &[f32], weight: &[f32], out: &[f32]) -> Option<(usize, usize)> {
     assert_eq!(x.len(), s.input_len(), "conv2d input length");
     assert_eq!(weight.len(), s.weight_len(), "conv2d weight length");
     assert_eq!(out.len(), s.output_len(), "conv2d output length");
     let (k, p) = (s.k(), s.pixels());
-    if s.cout * p == 0 || s.batch == 0 {
-        return None;
-    }
-    let threads = pool_threads();
-    let small = s.cout * p * k < SEQUENTIAL_MACS;
-    Some((
-        k,
-        p,
-        if s.batch >= threads || small {
-            1
-        } else {
-            threads
-        },
-    ))
+    (s.cout * p != 0 && s.batch != 0).then_some((k, p))
 }
 
 /// Forward convolution: `out` `[batch, cout, oh, ow]` from `x` `[batch, cin, h, w]`, `weight`
@@ -314,10 +303,18 @@ pub fn conv2d_forward(
     bias: Option<&[f32]>,
     out: &mut [f32],
 ) {
-    let Some((k, p, gemm_threads)) = forward_plan(s, x, weight, out) else {
+    let Some((k, p)) = check_forward(s, x, weight, out) else {
         return;
     };
     let image_out = s.cout * p;
+    let threads = pool_threads();
+    // One image per task when there are enough images to keep every thread busy; otherwise
+    // each image's GEMM is itself split over the threads, unless it is small.
+    let gemm_threads = if s.batch >= threads || image_out * k < SEQUENTIAL_MACS {
+        1
+    } else {
+        threads
+    };
     let run = |cols: &mut Vec<f32>, (image, out): (&[f32], &mut [f32])| {
         let accumulate = match bias {
             Some(b) => {
@@ -355,15 +352,15 @@ pub fn conv2d_forward(
 /// A convolution's weight `[cout, cin, kh, kw]` reordered for [`conv2d_nhwc_forward`]:
 /// `[kh·kw·cin, cout]`, row `(ky, kx, c)`, so each output pixel is one row of patches times
 /// this matrix.
-pub fn pack_weight_for_nhwc(s: &ConvShape, weight: &[f32]) -> Vec<f32> {
-    assert_eq!(weight.len(), s.weight_len(), "conv2d weight length");
+pub fn pack_weight_for_nhwc([cout, cin, kh, kw]: [usize; 4], weight: &[f32]) -> Vec<f32> {
+    assert_eq!(weight.len(), cout * cin * kh * kw, "conv2d weight length");
     let mut packed = vec![0f32; weight.len()];
-    for o in 0..s.cout {
-        for c in 0..s.cin {
-            for ky in 0..s.kh {
-                for kx in 0..s.kw {
-                    let from = ((o * s.cin + c) * s.kh + ky) * s.kw + kx;
-                    let to = ((ky * s.kw + kx) * s.cin + c) * s.cout + o;
+    for o in 0..cout {
+        for c in 0..cin {
+            for ky in 0..kh {
+                for kx in 0..kw {
+                    let from = ((o * cin + c) * kh + ky) * kw + kx;
+                    let to = ((ky * kw + kx) * cin + c) * cout + o;
                     packed[to] = weight[from];
                 }
             }
@@ -465,7 +462,7 @@ pub fn conv2d_nhwc_forward(
     relu: bool,
     out: &mut [f32],
 ) {
-    let Some((k, p, _)) = forward_plan(s, x, packed, out) else {
+    let Some((k, p)) = check_forward(s, x, packed, out) else {
         return;
     };
     let ops = NhwcOperands {
@@ -479,23 +476,15 @@ pub fn conv2d_nhwc_forward(
     let images = x
         .chunks_exact(s.image_len())
         .zip(out.chunks_exact_mut(image_out));
-    if s.batch >= threads {
-        images
-            .collect::<Vec<_>>()
-            .into_par_iter()
-            .for_each_init(Vec::new, |patches, (image, out)| {
-                ops.rows(image, 0..p, out, patches)
-            });
+    // Enough images for every thread, or a small one: each image whole, on one thread.
+    if s.batch >= threads || image_out * k < SPLIT_MACS {
+        per_image(images, s.batch >= threads, |patches, (image, out)| {
+            ops.rows(image, 0..p, out, patches)
+        });
         return;
     }
-    let split = s.cout * p * k >= SPLIT_MACS;
-    let mut patches = Vec::new();
+    let per_task = p.div_ceil(threads);
     for (image, out) in images {
-        if !split {
-            ops.rows(image, 0..p, out, &mut patches);
-            continue;
-        }
-        let per_task = p.div_ceil(threads);
         out.par_chunks_mut(per_task * s.cout)
             .enumerate()
             .for_each_init(Vec::new, |patches, (t, out)| {
@@ -783,7 +772,7 @@ mod tests {
             let w = values(s.weight_len(), 100 + i as u64);
             let b = values(s.cout, 200 + i as u64);
             let x_nhwc = to_nhwc(&x, [s.batch, s.cin, s.h, s.w]);
-            let packed = pack_weight_for_nhwc(&s, &w);
+            let packed = pack_weight_for_nhwc([s.cout, s.cin, s.kh, s.kw], &w);
             let dims = [s.batch, s.cout, s.out_h(), s.out_w()];
             for (bias, relu) in [(Some(&b[..]), false), (None, false), (Some(&b[..]), true)] {
                 let mut out = vec![f32::NAN; s.output_len()];

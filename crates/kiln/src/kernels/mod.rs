@@ -128,10 +128,13 @@ pub fn conv2d(
 /// Multiply-adds ×2 of a convolution of `input` `[N, C, H, W]` by `weight` `[O, C/g, KH, KW]`.
 fn conv2d_flops(input: [usize; 4], weight: [usize; 4], options: &ConvOptions<2>) -> u64 {
     let out = |i: usize| {
-        let span = options.dilation[i] * (weight[2 + i] - 1) + 1;
-        (input[2 + i] + options.padding[i].0 + options.padding[i].1).saturating_sub(span)
-            / options.stride[i].max(1)
-            + 1
+        conv::out_len(
+            input[2 + i],
+            weight[2 + i],
+            options.stride[i].max(1),
+            options.padding[i],
+            options.dilation[i],
+        )
     };
     2 * (input[0] * weight[0] * out(0) * out(1) * weight[1] * weight[2] * weight[3]) as u64
 }
