@@ -736,36 +736,37 @@ fn quantized_matmul(
     let a = QuantizedActivations::new(x, k, quant, weight.kernel());
     matmul_dequantized(&a, weight, bias, relu).0
 }
-/// The int8 linear weights with their columns reordered from the model's flatten order
-/// (channel, y, x) to channels-last (y, x, channel) for an input of `[h, w, c]` images.
+
+/// For each position of a flattened channels-last `[h, w, c]` image, the position the same
+/// value has in the model's NCHW-flatten order (channel, y, x): the order a weight written
+/// for NCHW inputs needs to read channels-last ones.
+fn channels_last_order([h, w, c]: [usize; 3]) -> impl Iterator<Item = usize> {
+    let plane = h * w;
+    (0..plane).flat_map(move |p| (0..c).map(move |ch| ch * plane + p))
+}
+
 /// A linear weight `[C·H·W, out]` (rows in NCHW-flatten order) with its rows reordered to
 /// channels-last `(h, w, c)` order.
-fn nhwc_rows(weight: &Tensor<2>, [h, w, c]: [usize; 3]) -> Tensor<2> {
-    let [inputs, _] = weight.dims();
-    let plane = h * w;
-    let index: Vec<i64> = (0..plane)
-        .flat_map(|p| (0..c).map(move |ch| (ch * plane + p) as i64))
-        .collect();
-    debug_assert_eq!(index.len(), inputs);
-    let index = Tensor::<1, burn::tensor::Int>::from_data(
-        TensorData::new(index, [inputs]),
-        &weight.device(),
-    );
+fn nhwc_rows(weight: &Tensor<2>, hwc: [usize; 3]) -> Tensor<2> {
+    let index: Vec<i64> = channels_last_order(hwc).map(|i| i as i64).collect();
+    let len = index.len();
+    let index =
+        Tensor::<1, burn::tensor::Int>::from_data(TensorData::new(index, [len]), &weight.device());
     weight.clone().select(0, index)
 }
 
-fn nhwc_columns(w: &QuantWeight, [h, w_, c]: [usize; 3]) -> PackedWeights {
-    let plane = h * w_;
+/// The int8 linear weights with their columns reordered from the model's flatten order
+/// (channel, y, x) to channels-last (y, x, channel) for an input of `[h, w, c]` images.
+fn nhwc_columns(w: &QuantWeight, hwc: [usize; 3]) -> PackedWeights {
+    let order: Vec<usize> = channels_last_order(hwc).collect();
     let mut values = vec![0i8; w.values.len()];
     for (src, dst) in w
         .values
         .chunks_exact(w.cols)
         .zip(values.chunks_exact_mut(w.cols))
     {
-        for ch in 0..c {
-            for p in 0..plane {
-                dst[p * c + ch] = src[ch * plane + p];
-            }
+        for (d, &from) in dst.iter_mut().zip(&order) {
+            *d = src[from];
         }
     }
     let reordered = QuantWeight {
@@ -773,6 +774,22 @@ fn nhwc_columns(w: &QuantWeight, [h, w_, c]: [usize; 3]) -> PackedWeights {
         ..w.clone()
     };
     PackedWeights::new(&reordered, Kernel::detect())
+}
+
+/// The weights `cell` holds for channels-last inputs of `[h, w, c]` images, made by `make` on
+/// first use. A different image size than the first call's cannot happen for a model with a
+/// fixed input; the weights are made afresh for it rather than misread.
+fn for_image<'a, T: Clone>(
+    cell: &'a std::sync::OnceLock<([usize; 3], T)>,
+    hwc: [usize; 3],
+    make: impl Fn([usize; 3]) -> T,
+) -> std::borrow::Cow<'a, T> {
+    let (made_for, made) = cell.get_or_init(|| (hwc, make(hwc)));
+    if *made_for == hwc {
+        std::borrow::Cow::Borrowed(made)
+    } else {
+        std::borrow::Cow::Owned(make(hwc))
+    }
 }
 
 /// An int8 convolution's input: `[B, C, H, W]` images stored in `layout`, with their range

@@ -11,9 +11,9 @@ use burn::tensor::{Device, FloatDType, Tensor};
 use rayon::prelude::*;
 
 use super::{
-    ConvInput, NhwcConv, Prepared, Value, add_broadcast, attention, check_features, flat, host,
-    host_max_pool, host_tensor, image, nchw_to_nhwc, nhwc_columns, nhwc_rows, quantized_conv,
-    quantized_matmul, seq, to_compute, to_f32, value_dims,
+    ConvInput, NhwcConv, Prepared, Value, add_broadcast, attention, check_features, flat,
+    for_image, host, host_max_pool, host_tensor, image, nchw_to_nhwc, nhwc_columns, nhwc_rows,
+    quantized_conv, quantized_matmul, seq, to_compute, to_f32, value_dims,
 };
 use crate::infer::graph::{ConvGeometry, QuantWeight};
 use crate::kernels::int8::{ImageLayout, PackedWeights};
@@ -44,31 +44,7 @@ pub(super) fn run(
             Some(host) if crate::kernels::serves(device) => conv_nhwc(x, host, *relu),
             _ => conv(x, weight, bias, options, device, compute, *relu),
         },
-        Prepared::Linear { weight, bias, nhwc } => match x {
-            // A flattened channels-last image: the weight's rows are reordered once instead
-            // of transposing every input.
-            Value::Nhwc {
-                data,
-                dims: [b, h, w, c],
-                flat: true,
-                ..
-            } if compute.is_none() && weight.dims()[0] == h * w * c => {
-                let (packed_for, reordered) =
-                    nhwc.get_or_init(|| ([h, w, c], nhwc_rows(weight, [h, w, c])));
-                let weight = if *packed_for == [h, w, c] {
-                    reordered.clone()
-                } else {
-                    nhwc_rows(weight, [h, w, c])
-                };
-                let rows = host_tensor(data, [b, h * w * c], device);
-                Ok(Value::Flat(crate::kernels::linear(
-                    rows,
-                    weight,
-                    bias.clone(),
-                )))
-            }
-            x => linear(x, weight, bias, device, compute),
-        },
+        Prepared::Linear { weight, bias, nhwc } => linear(x, weight, bias, nhwc, device, compute),
         Prepared::Affine { scale, shift, host } => affine(x, [scale, shift], host, device),
         Prepared::Relu => Ok(relu(x)),
         Prepared::MaxPool(pool) => max_pool(x, pool, device),
@@ -173,8 +149,38 @@ fn conv_nhwc(x: Value, conv: &NhwcConv, relu: bool) -> OpResult {
     })
 }
 
-/// A linear layer over flat features, or per token of a sequence.
+/// A linear layer over flat features, or per token of a sequence. A flattened channels-last
+/// image is read through the weight's rows reordered once (`nhwc`) instead of transposing
+/// every input.
 fn linear(
+    x: Value,
+    weight: &Tensor<2>,
+    bias: &Option<Tensor<1>>,
+    nhwc: &std::sync::OnceLock<([usize; 3], Tensor<2>)>,
+    device: &Device,
+    compute: Option<FloatDType>,
+) -> OpResult {
+    match x {
+        Value::Nhwc {
+            data,
+            dims: [b, h, w, c],
+            flat: true,
+            ..
+        } if compute.is_none() && weight.dims()[0] == h * w * c => {
+            let reordered = for_image(nhwc, [h, w, c], |hwc| nhwc_rows(weight, hwc));
+            let rows = host_tensor(data, [b, h * w * c], device);
+            Ok(Value::Flat(crate::kernels::linear(
+                rows,
+                reordered.into_owned(),
+                bias.clone(),
+            )))
+        }
+        x => linear_rows(x, weight, bias, device, compute),
+    }
+}
+
+/// [`linear`] on anything but a flattened channels-last image.
+fn linear_rows(
     x: Value,
     weight: &Tensor<2>,
     bias: &Option<Tensor<1>>,
@@ -465,18 +471,8 @@ fn qlinear(x: Value, weights: QLinearWeights<'_>, bias: &Option<Vec<f32>>, relu:
         if k != weight.cols {
             return Err(format!("expects {} features, got {k}", weight.cols));
         }
-        let (packed_for, packed) =
-            nhwc.get_or_init(|| ([h, w, c], nhwc_columns(source, [h, w, c])));
-        // A different image size than the first call's cannot happen for a model with a
-        // fixed input; repack for it rather than misread.
-        let repacked;
-        let packed = if *packed_for == [h, w, c] {
-            packed
-        } else {
-            repacked = nhwc_columns(source, [h, w, c]);
-            &repacked
-        };
-        let y = quantized_matmul(data, *range, k, packed, bias.as_deref(), relu);
+        let packed = for_image(nhwc, [h, w, c], |hwc| nhwc_columns(source, hwc));
+        let y = quantized_matmul(data, *range, k, &packed, bias.as_deref(), relu);
         return Ok(Value::Host(y, vec![b, weight.rows]));
     }
     let (values, dims) = host(x);
