@@ -533,7 +533,7 @@ fn run_onnx_optimize(args: OptimizeArgs) -> anyhow::Result<()> {
     let plan = optimize_cmd::resolve_plan(&args)?;
     onnx_optimize::run(&onnx_optimize::OnnxOptimize {
         device: plan.backend.device(),
-        kiln_kernels: plan.kiln_kernels,
+        kiln_kernels: plan.train.kiln_kernels,
         path: args.onnx.clone().unwrap_or_default(),
         passes,
         out: args.out.clone(),

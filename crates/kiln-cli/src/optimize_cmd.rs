@@ -89,7 +89,7 @@ pub fn run(args: OptimizeArgs) -> Result<()> {
     for upto in 0..=passes.len() {
         let applied = &passes[..upto];
         let session = InferenceSession::new(&model, kind.name(), shape, applied, &device)?
-            .with_kiln_kernels(plan.kiln_kernels);
+            .with_kiln_kernels(plan.train.kiln_kernels);
         let predictions = session.evaluate(test, 250)?;
         let reference = reference.get_or_insert_with(|| predictions.logits.clone());
         let stage = Stage {

@@ -74,8 +74,6 @@ pub struct Plan {
     pub backend: Backend,
     /// Threads for the CPU backend.
     pub threads: usize,
-    /// Whether Kiln's CPU kernels replace Burn's ops where they apply.
-    pub kiln_kernels: bool,
     /// The memory a run may use, in bytes (`device.memory_budget_mib`; `None` = the machine's).
     pub memory_budget: Option<u64>,
     /// IDX data directory, or `None` for the bundled subset.
@@ -400,10 +398,7 @@ fn build(config: &KilnConfig, settings: Vec<ResolvedSetting>, hw: &Hardware) -> 
         train,
         backend,
         threads: int("device.threads") as usize,
-        kiln_kernels: flag("device.kiln_kernels"),
-        memory_budget: Some(int("device.memory_budget_mib") as u64)
-            .filter(|m| *m > 0)
-            .map(|m| m << 20),
+        memory_budget: memory_budget(&settings, hw)?,
         data_dir: dir("data.dir"),
         infer_passes,
         hardware: hw.clone(),
