@@ -11,7 +11,7 @@ use kiln::onnx::{OnnxModel, OnnxPass, Port, ValueKind};
 use kiln::plan::Hardware;
 use kiln::zoo::ModelKind;
 
-use crate::config::{BackendConfig, InstanceKind};
+use crate::config::{BackendConfig, InstanceKind, ModelConfig};
 use crate::error::{Result, ServeError};
 use crate::tensor::{DataType, NamedTensor, TensorSpec, Values};
 
@@ -68,21 +68,21 @@ pub fn instance_device(name: &str, kind: InstanceKind) -> Result<(InstanceKind, 
     Ok((resolved, backend.device()))
 }
 
-/// Builds `instances` copies of the configured backend on `device` and reports the model's
-/// signature. Weights are read, lowered and optimized once; each instance gets its own
-/// session over a copy of the resulting graph, running on Kiln's kernels if `kiln_kernels`.
+/// Builds `config.instances` copies of the configured backend on `device` and reports the
+/// model's signature. Weights are read, lowered and optimized once; each instance gets its
+/// own session over a copy of the resulting graph, running on Kiln's kernels if
+/// `config.kiln_kernels`.
 pub fn build_backends(
     name: &str,
-    config: &BackendConfig,
-    instances: usize,
-    kiln_kernels: bool,
+    config: &ModelConfig,
     device: &Device,
 ) -> Result<(Vec<Box<dyn Backend>>, ModelSpec)> {
+    let (instances, kiln_kernels) = (config.instances, config.kiln_kernels);
     let fail = |e: kiln::KilnError| ServeError::Load {
         model: name.to_string(),
         message: e.to_string(),
     };
-    let graph = match config {
+    let graph = match &config.backend {
         BackendConfig::Identity {
             dims,
             datatype,
@@ -126,15 +126,7 @@ pub fn build_backends(
             path,
             passes,
             input_dims,
-        } => {
-            let onnx = OnnxBackends {
-                passes,
-                input_dims,
-                instances,
-                kiln_kernels,
-            };
-            return onnx_backends(name, path, &onnx, device);
-        }
+        } => return onnx_backends(name, path, passes, input_dims, config, device),
         BackendConfig::Graph { path } => load_graph(path).map_err(fail)?,
     };
     let mut backends = Vec::with_capacity(instances);
@@ -240,29 +232,19 @@ impl Backend for Classifier {
     }
 }
 
-/// `instances` copies of the ONNX model in `path`, each loaded through `kiln::onnx`. The
-/// signature comes from the file: inputs as declared (their non-batch dynamic axes fixed by
-/// `input_dims`), outputs measured by one warm-up batch of zeros.
-/// How to build an ONNX model's instances.
-struct OnnxBackends<'a> {
-    passes: &'a str,
-    input_dims: &'a BTreeMap<String, Vec<usize>>,
-    instances: usize,
-    kiln_kernels: bool,
-}
-
+/// `config.instances` copies of the ONNX model in `path`, each loaded through `kiln::onnx`
+/// with `passes` applied and `config.kiln_kernels`. The signature comes from the file: inputs
+/// as declared (their non-batch dynamic axes fixed by `input_dims`), outputs measured by one
+/// warm-up batch of zeros.
 fn onnx_backends(
     name: &str,
     path: &Path,
-    onnx: &OnnxBackends<'_>,
+    passes: &str,
+    input_dims: &BTreeMap<String, Vec<usize>>,
+    config: &ModelConfig,
     device: &Device,
 ) -> Result<(Vec<Box<dyn Backend>>, ModelSpec)> {
-    let OnnxBackends {
-        passes,
-        input_dims,
-        instances,
-        kiln_kernels,
-    } = *onnx;
+    let (instances, kiln_kernels) = (config.instances, config.kiln_kernels);
     let load_error = |message: String| ServeError::Load {
         model: name.to_string(),
         message,

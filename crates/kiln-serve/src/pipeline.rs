@@ -140,13 +140,7 @@ impl ModelRuntime {
         // model's configuration reports where it really runs.
         let (kind, device) = instance_device(name, config.kind)?;
         config.kind = kind;
-        let (backends, spec) = build_backends(
-            name,
-            &config.backend,
-            config.instances,
-            config.kiln_kernels,
-            &device,
-        )?;
+        let (backends, spec) = build_backends(name, &config, &device)?;
         let capacity = config.max_queue_size;
         let runtime = Arc::new(ModelRuntime {
             name: name.to_string(),
