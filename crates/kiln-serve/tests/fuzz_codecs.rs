@@ -13,10 +13,10 @@ use kiln_serve::proto::pb;
 use kiln_serve::tensor::{DataType, TensorSpec};
 use prost::Message;
 
-// The heap is counted so that every target's stated `HeapLimit` is checked.
+// Each thread's heap is counted so that every target's stated `HeapLimit` is checked.
 #[global_allocator]
-static ALLOC: kiln::observe::heap::CountingAlloc<std::alloc::System> =
-    kiln::observe::heap::CountingAlloc::new(std::alloc::System);
+static ALLOC: kiln::observe::heap::CountingAlloc<std::alloc::System, true> =
+    kiln::observe::heap::CountingAlloc::per_thread(std::alloc::System);
 
 // The stated heap limits (docs/reliability.md) for one request, on the decoding thread: the
 // decoded tensors and the parsed JSON tree are proportional to the body; a shape or size the

@@ -25,9 +25,9 @@
 //! Cases per target: `KILN_FUZZ_CASES` (default [`DEFAULT_CASES`]), seed `KILN_FUZZ_SEED`. A
 //! failing input is saved to the temp directory and named in the failure; kept in a
 //! regressions directory (files named `<target>-...`), it is replayed first on every run.
-//! The heap limit is checked when the process counts its heap
-//! ([`crate::observe::heap::CountingAlloc`] installed, as Kiln's fuzz tests do), on the
-//! parsing thread (other tests run beside it).
+//! The heap limit is checked when the process counts each thread's heap
+//! ([`crate::observe::heap::CountingAlloc::per_thread`] installed, as Kiln's fuzz tests do),
+//! on the parsing thread (other tests run beside it).
 
 use std::fmt::Display;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -194,7 +194,7 @@ pub struct Target<'a> {
     pub cases: usize,
     /// Directory of kept crashers to replay first.
     pub regressions: Option<&'a Path>,
-    /// The most heap one input may make the parser hold (checked when the heap is counted).
+    /// The most heap one input may make the parser hold (checked when each thread's heap is counted).
     pub heap: HeapLimit,
 }
 
@@ -304,7 +304,7 @@ pub fn run<E: Display>(
             mutated
         });
     }
-    let counted = heap::live_bytes().is_some();
+    let counted = heap::threads_counted();
     // The input under test, on disk, for a hang or an abort to point at.
     let current = std::env::temp_dir().join(format!(
         "kiln-fuzz-{}-current-{}",
@@ -376,7 +376,8 @@ mod tests {
     #[test]
     fn mutations_are_decoded_from_the_fuzzer_bytes() {
         let seed = b"0123456789abcdefghijklmnopqrstuvwxyz0123456789";
-        let data: Vec<u8> = (0..CASE_BYTES).map(|_| rng("t").random()).collect();
+        let mut r = rng("t");
+        let data: Vec<u8> = (0..CASE_BYTES).map(|_| r.random()).collect();
         assert_eq!(
             mutate(seed, &data),
             mutate(seed, &data),

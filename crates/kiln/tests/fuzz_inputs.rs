@@ -19,10 +19,10 @@ use kiln::train::Checkpoint;
 use kiln::zoo::ModelKind;
 use kiln::{KilnConfig, plan};
 
-// The heap is counted so that every target's stated `HeapLimit` is checked.
+// Each thread's heap is counted so that every target's stated `HeapLimit` is checked.
 #[global_allocator]
-static ALLOC: kiln::observe::heap::CountingAlloc<std::alloc::System> =
-    kiln::observe::heap::CountingAlloc::new(std::alloc::System);
+static ALLOC: kiln::observe::heap::CountingAlloc<std::alloc::System, true> =
+    kiln::observe::heap::CountingAlloc::per_thread(std::alloc::System);
 
 // The stated heap limits (docs/reliability.md): the most heap one input may make each
 // parser hold at once on its thread, as a fixed allowance plus bytes per input byte. The

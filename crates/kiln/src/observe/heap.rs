@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 static LIVE: AtomicU64 = AtomicU64::new(0);
 static PEAK: AtomicU64 = AtomicU64::new(0);
 static COUNTING: AtomicBool = AtomicBool::new(false);
+static COUNTING_THREADS: AtomicBool = AtomicBool::new(false);
 
 thread_local! {
     // Bytes this thread allocated minus those it freed, and that figure's peak: what one
@@ -38,18 +39,27 @@ thread_local! {
 /// }
 /// ```
 ///
-/// The cost is two relaxed atomic operations and two thread-local updates per allocation, one
-/// of each per free.
-pub struct CountingAlloc<A>(A);
+/// The cost is two relaxed atomic operations per allocation and one per free.
+/// [`CountingAlloc::per_thread`] also counts each thread's own bytes, for
+/// [`thread_peak_during`] (the fuzz tests' heap limits), at two thread-local updates more
+/// per allocation and one per free; the `kiln` binary does not need it and does not pay it.
+pub struct CountingAlloc<A, const PER_THREAD: bool = false>(A);
 
 impl<A> CountingAlloc<A> {
-    /// Wraps `inner`.
+    /// Wraps `inner`, counting the whole process.
     pub const fn new(inner: A) -> Self {
         CountingAlloc(inner)
     }
 }
 
-fn added(bytes: usize) {
+impl<A> CountingAlloc<A, true> {
+    /// Wraps `inner`, counting the whole process and each thread.
+    pub const fn per_thread(inner: A) -> Self {
+        CountingAlloc(inner)
+    }
+}
+
+fn added<const PER_THREAD: bool>(bytes: usize) {
     let now = LIVE.fetch_add(bytes as u64, Ordering::Relaxed) + bytes as u64;
     // A load first: the peak moves rarely, and fetch_max would write the line every time.
     if now > PEAK.load(Ordering::Relaxed) {
@@ -58,6 +68,12 @@ fn added(bytes: usize) {
     if !COUNTING.load(Ordering::Relaxed) {
         COUNTING.store(true, Ordering::Relaxed);
     }
+    if !PER_THREAD {
+        return;
+    }
+    if !COUNTING_THREADS.load(Ordering::Relaxed) {
+        COUNTING_THREADS.store(true, Ordering::Relaxed);
+    }
     let _ = THREAD_LIVE.try_with(|live| {
         let now = live.get() + bytes as i64;
         live.set(now);
@@ -65,19 +81,21 @@ fn added(bytes: usize) {
     });
 }
 
-fn removed(bytes: usize) {
+fn removed<const PER_THREAD: bool>(bytes: usize) {
     LIVE.fetch_sub(bytes as u64, Ordering::Relaxed);
-    let _ = THREAD_LIVE.try_with(|live| live.set(live.get() - bytes as i64));
+    if PER_THREAD {
+        let _ = THREAD_LIVE.try_with(|live| live.set(live.get() - bytes as i64));
+    }
 }
 
 // SAFETY: every method forwards to `A` with the caller's arguments and only adds counting,
 // which never touches the memory itself.
-unsafe impl<A: GlobalAlloc> GlobalAlloc for CountingAlloc<A> {
+unsafe impl<A: GlobalAlloc, const PER_THREAD: bool> GlobalAlloc for CountingAlloc<A, PER_THREAD> {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         // SAFETY: forwarded with the caller's guarantees.
         let ptr = unsafe { self.0.alloc(layout) };
         if !ptr.is_null() {
-            added(layout.size());
+            added::<PER_THREAD>(layout.size());
         }
         ptr
     }
@@ -85,14 +103,14 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for CountingAlloc<A> {
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         // SAFETY: forwarded with the caller's guarantees.
         unsafe { self.0.dealloc(ptr, layout) };
-        removed(layout.size());
+        removed::<PER_THREAD>(layout.size());
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         // SAFETY: forwarded with the caller's guarantees.
         let ptr = unsafe { self.0.alloc_zeroed(layout) };
         if !ptr.is_null() {
-            added(layout.size());
+            added::<PER_THREAD>(layout.size());
         }
         ptr
     }
@@ -101,8 +119,8 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for CountingAlloc<A> {
         // SAFETY: forwarded with the caller's guarantees.
         let new = unsafe { self.0.realloc(ptr, layout, new_size) };
         if !new.is_null() {
-            removed(layout.size());
-            added(new_size);
+            removed::<PER_THREAD>(layout.size());
+            added::<PER_THREAD>(new_size);
         }
         new
     }
@@ -126,15 +144,22 @@ pub fn take_peak_bytes() -> Option<u64> {
 }
 
 /// Runs `f` and returns its result with the most heap it held at once on this thread, in
-/// bytes above what the thread held when it started (`None` when no [`CountingAlloc`] is
-/// installed). Allocations `f` leaves to other threads (a thread pool) are not counted.
+/// bytes above what the thread held when it started (`None` unless a
+/// [`CountingAlloc::per_thread`] is installed). Allocations `f` leaves to other threads (a
+/// thread pool) are not counted.
 pub fn thread_peak_during<R>(f: impl FnOnce() -> R) -> (R, Option<u64>) {
     let start = THREAD_LIVE.with(Cell::get);
     THREAD_PEAK.with(|peak| peak.set(start));
     let result = f();
     let peak = THREAD_PEAK.with(Cell::get);
-    let grown = COUNTING
+    let grown = COUNTING_THREADS
         .load(Ordering::Relaxed)
         .then(|| peak.saturating_sub(start).max(0) as u64);
     (result, grown)
+}
+
+/// Whether each thread's heap is counted (a [`CountingAlloc::per_thread`] is installed and
+/// has allocated): [`thread_peak_during`] then measures.
+pub fn threads_counted() -> bool {
+    COUNTING_THREADS.load(Ordering::Relaxed)
 }
