@@ -31,13 +31,8 @@ done
 
 work=target/serve-bench
 rm -rf "$work" && mkdir -p "$work/models"
-cargo build --release -q -p kiln-cli
-kiln=./target/release/kiln
-
-echo "== train W3 (1 epoch) and write its f32 inference graph" >&2
-$kiln train --model cnn --epochs 1 --checkpoint-dir "$work/ckpt" --threads "$threads" >"$work/train.log" 2>&1
-$kiln optimize --model cnn --checkpoint "$work/ckpt" --passes strip --out "$work/models/w3_batching" \
-  --steps 3 --threads "$threads" >"$work/optimize.log" 2>&1
+. bench/w3_graph.sh        # sets $kiln, defines w3_graph
+w3_graph "$work" "$work/models/w3_batching"
 cat >"$work/models/w3_batching/config.toml" <<TOML
 backend = "graph"
 graph = "model.kgraph"

@@ -26,13 +26,8 @@ done
 
 work=target/soak
 rm -rf "$work" && mkdir -p "$work/models/w3"
-cargo build --release -q -p kiln-cli
-kiln=./target/release/kiln
-
-echo "== train W3 (1 epoch) and write its f32 inference graph" >&2
-$kiln train --model cnn --epochs 1 --checkpoint-dir "$work/ckpt" --threads "$threads" >"$work/train.log" 2>&1
-$kiln optimize --model cnn --checkpoint "$work/ckpt" --passes strip --out "$work/opt" \
-  --steps 3 --threads "$threads" >"$work/optimize.log" 2>&1
+. bench/w3_graph.sh        # sets $kiln, defines w3_graph
+w3_graph "$work" "$work/opt"
 cp "$work/opt/model.kgraph" "$work/models/w3/"
 # The queue holds every request perf_analyzer can have outstanding, so overload shows as
 # queueing latency; a request the server could not take would be a 429 and count as lost.
