@@ -30,9 +30,8 @@ pub fn run(args: TuneBatchArgs) -> Result<()> {
         return trial(model, &plan.train, batch, args.steps);
     }
     // The budget: --memory-budget / device.memory_budget_mib, else the machine's memory.
-    let budget = plan
-        .memory_budget
-        .or(plan.hardware.memory.map(|(bytes, _)| bytes))
+    let (budget, _) = plan
+        .memory_limit()
         .context("this system does not report its memory size: pass --memory-budget (e.g. 8GiB)")?;
     let options = SearchOptions {
         budget,

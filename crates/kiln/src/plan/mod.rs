@@ -124,6 +124,13 @@ impl GraphCompilation {
 }
 
 impl Plan {
+    /// The memory this run may use, in bytes, and what that figure is: `--memory-budget`
+    /// (`device.memory_budget_mib`) when given, else the machine's memory (the cgroup limit
+    /// or physical memory; `None` where the system does not report it).
+    pub fn memory_limit(&self) -> Option<(u64, &'static str)> {
+        memory_limit(self.memory_budget, &self.hardware)
+    }
+
     /// The resolved value of a key.
     pub fn get(&self, key: &str) -> Option<&ResolvedSetting> {
         self.settings.iter().find(|s| s.key == key)
@@ -282,14 +289,19 @@ fn memory_budget(settings: &[ResolvedSetting], hardware: &Hardware) -> Result<Op
     Ok(Some(bytes))
 }
 
+/// The memory a run may use, in bytes, and what that figure is: the budget when one is set,
+/// else the machine's memory (`None` where the system does not report it).
+fn memory_limit(budget: Option<u64>, hardware: &Hardware) -> Option<(u64, &'static str)> {
+    budget
+        .map(|b| (b, "memory budget (device.memory_budget_mib)"))
+        .or(hardware.memory)
+}
+
 /// The `auto` watermark in MiB and the probe's description: a share of the memory budget
 /// when one is set, else of the machine's memory (0 = off where the system does not report
 /// it).
 fn auto_watermark_mib(budget: Option<u64>, hardware: &Hardware) -> (i64, String) {
-    let limit = budget
-        .map(|b| (b, "memory budget (device.memory_budget_mib)"))
-        .or(hardware.memory);
-    match limit {
+    match memory_limit(budget, hardware) {
         Some((bytes, what)) => {
             let mib = (bytes as f64 * AUTO_WATERMARK_SHARE / 1048576.0) as i64;
             (
