@@ -112,6 +112,9 @@ pub enum KilnError {
         /// What is wrong and how to fix it.
         problem: String,
     },
+    /// A real-time stream problem (frame shape, region, gate or threshold setting).
+    #[error("stream: {0}")]
+    Stream(String),
     /// An inference graph or session could not be built or run.
     #[error("inference: {0}")]
     Inference(String),

@@ -99,6 +99,7 @@ pub mod onnx;
 pub mod plan;
 pub mod precision;
 pub mod report;
+pub mod stream;
 pub mod train;
 pub mod tune;
 pub mod zoo;

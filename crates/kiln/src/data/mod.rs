@@ -64,6 +64,22 @@ pub trait Dataset: Send + Sync {
     fn fill(&self, index: usize, out: &mut [f32]) -> Result<usize>;
 }
 
+/// A borrowed dataset is a dataset, so adaptors that own their inner dataset (a cache, a
+/// downscaled view) also take one the caller keeps.
+impl<D: Dataset + ?Sized> Dataset for &D {
+    fn len(&self) -> usize {
+        (**self).len()
+    }
+
+    fn item_shape(&self) -> [usize; 3] {
+        (**self).item_shape()
+    }
+
+    fn fill(&self, index: usize, out: &mut [f32]) -> Result<usize> {
+        (**self).fill(index, out)
+    }
+}
+
 /// A batch on a device.
 #[derive(Debug, Clone)]
 pub struct Batch {

@@ -8,9 +8,13 @@
 //! | W3 | `cnn` (infer) | W2's forward pass only                                       |
 //! | W4 | `transformer` | 28 row-tokens → d_model 128, 4 heads, ff 512, 2 layers       |
 //! | W5 | `resnet`      | ResNet-18 (BasicBlock \[2,2,2,2\], 64-128-256-512, BatchNorm)  |
+//!
+//! For real-time inference ([`crate::stream`]): [`MultiExitCnn`] (W2 with an early exit
+//! head) and [`CoarseCnn`] (the half-resolution model of a multi-scale cascade).
 
 mod cnn;
 mod mlp;
+mod multi_exit;
 mod resnet;
 mod transformer;
 
@@ -19,6 +23,7 @@ use burn::tensor::{Device, Tensor};
 
 pub use cnn::Cnn;
 pub use mlp::Mlp;
+pub use multi_exit::{CoarseCnn, EXIT_LOSS_WEIGHTS, MultiExitCnn};
 pub use resnet::{ResNet, ResNetConfig};
 pub use transformer::EncoderClassifier;
 

@@ -1,0 +1,197 @@
+//! One stream's state and the per-frame pipeline: frame gate → changed regions → one batch
+//! through the classifier (plain, early-exit or multi-scale) → results in frame coordinates.
+
+use burn::tensor::Device;
+use serde::{Deserialize, Serialize};
+
+use super::gate::{FrameGate, GateConfig, GateDecision};
+use super::roi::{RegionTracker, Roi, crop_batch};
+use super::{Frame, FrameClassifier, Prediction};
+use crate::error::{KilnError, Result};
+
+/// Which techniques a stream uses around its classifier (the classifier itself brings early
+/// exit or multi-scale).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StreamConfig {
+    /// Temporal coherence: reuse every result when the whole frame is unchanged.
+    pub frame_gate: Option<GateConfig>,
+    /// The regions classified in each frame, in frame coordinates; `None` = the whole frame.
+    pub regions: Option<Vec<Roi>>,
+    /// Regions of interest: run only the regions whose content changed (each gated like a
+    /// frame); `None` = every region every computed frame.
+    pub region_gate: Option<GateConfig>,
+}
+
+/// How much of a frame the model ran on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FramePath {
+    /// No model call: every result reused.
+    Reused,
+    /// Some regions ran, the others reused their results.
+    Partial,
+    /// Every region ran.
+    Full,
+}
+
+/// One region's result in a frame.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct RegionResult {
+    /// Where in the frame.
+    pub roi: Roi,
+    /// Its classification (computed on this frame or reused).
+    pub prediction: Prediction,
+    /// Whether the model ran on this region in this frame.
+    pub fresh: bool,
+}
+
+/// What processing one frame produced.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FrameOutcome {
+    /// One result per region, in layout order.
+    pub regions: Vec<RegionResult>,
+    /// How much of the frame ran.
+    pub path: FramePath,
+}
+
+/// The state of one stream (a video, a sequence of `kiln serve`): its gates and last results.
+/// The classifier is passed per frame, so many streams share one model.
+#[derive(Debug, Clone)]
+pub struct StreamProcessor {
+    shape: [usize; 3],
+    regions: Vec<Roi>,
+    frame_gate: Option<FrameGate>,
+    tracker: Option<RegionTracker>,
+    last: Vec<Option<Prediction>>,
+    device: Device,
+}
+
+impl StreamProcessor {
+    /// A stream of frames of `shape` (`[C, H, W]`) whose model runs on `device`; an error
+    /// when a region lies outside the frame or a gate setting cannot work.
+    pub fn new(shape: [usize; 3], config: &StreamConfig, device: &Device) -> Result<Self> {
+        let regions = config
+            .regions
+            .clone()
+            .unwrap_or_else(|| vec![Roi::whole(shape)]);
+        if regions.is_empty() {
+            return Err(KilnError::Stream(
+                "the region list is empty; give at least one region or none for the whole frame"
+                    .into(),
+            ));
+        }
+        for r in &regions {
+            r.check_inside(shape)?;
+        }
+        let frame_gate = config.frame_gate.map(FrameGate::new).transpose()?;
+        let tracker = config
+            .region_gate
+            .map(|g| RegionTracker::new(regions.clone(), shape, g))
+            .transpose()?;
+        Ok(StreamProcessor {
+            shape,
+            last: vec![None; regions.len()],
+            regions,
+            frame_gate,
+            tracker,
+            device: device.clone(),
+        })
+    }
+
+    /// The frame shape this stream takes.
+    pub fn shape(&self) -> [usize; 3] {
+        self.shape
+    }
+
+    /// Processes the next frame with `model`. A frame of another shape is an error that
+    /// leaves the stream's state as it was; when the model fails, the regions it was to run
+    /// lose their results, so the next frame runs them rather than reuse a stale one.
+    pub fn process(&mut self, frame: &Frame, model: &dyn FrameClassifier) -> Result<FrameOutcome> {
+        if frame.shape() != self.shape {
+            return Err(KilnError::Stream(format!(
+                "frame is {:?} but this stream's frames are {:?}",
+                frame.shape(),
+                self.shape
+            )));
+        }
+        let first = self.last.iter().any(Option::is_none);
+        let reuse_frame = match &mut self.frame_gate {
+            Some(g) => g.check(frame.pixels()) == GateDecision::Reuse && !first,
+            None => false,
+        };
+        let run: Vec<usize> = if reuse_frame {
+            Vec::new()
+        } else {
+            match &mut self.tracker {
+                Some(t) => {
+                    let mut changed = t.changed(frame)?;
+                    // A region without a result yet runs whatever its gate says.
+                    for (i, p) in self.last.iter().enumerate() {
+                        if p.is_none() && !changed.contains(&i) {
+                            changed.push(i);
+                        }
+                    }
+                    changed.sort_unstable();
+                    changed
+                }
+                None => (0..self.regions.len()).collect(),
+            }
+        };
+        if !run.is_empty() {
+            let rois: Vec<Roi> = run.iter().map(|&i| self.regions[i]).collect();
+            let predictions = {
+                let _span = tracing::trace_span!("stream.model", regions = rois.len()).entered();
+                crop_batch(frame, &rois, model.input_shape(), &self.device)
+                    .and_then(|batch| model.classify(batch))
+                    .and_then(|p| {
+                        if p.len() == run.len() {
+                            Ok(p)
+                        } else {
+                            Err(KilnError::Stream(format!(
+                                "the classifier returned {} predictions for {} regions",
+                                p.len(),
+                                run.len()
+                            )))
+                        }
+                    })
+            };
+            let predictions = match predictions {
+                Ok(p) => p,
+                Err(e) => {
+                    // The gates already took this frame as their reference; forgetting the
+                    // regions' results makes the next frame run them instead of reusing a
+                    // result of an older frame.
+                    for &i in &run {
+                        self.last[i] = None;
+                    }
+                    return Err(e);
+                }
+            };
+            for (&i, p) in run.iter().zip(predictions) {
+                self.last[i] = Some(p);
+            }
+        }
+        let regions = self
+            .regions
+            .iter()
+            .zip(&self.last)
+            .enumerate()
+            .map(|(i, (roi, p))| {
+                let prediction = p.ok_or_else(|| {
+                    KilnError::Stream(format!("region {i} has no result after its first frame"))
+                })?;
+                Ok(RegionResult {
+                    roi: *roi,
+                    prediction,
+                    fresh: run.contains(&i),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let path = match run.len() {
+            0 => FramePath::Reused,
+            n if n == self.regions.len() => FramePath::Full,
+            _ => FramePath::Partial,
+        };
+        Ok(FrameOutcome { regions, path })
+    }
+}

@@ -1,0 +1,230 @@
+//! Real-time inference end to end: the zoo's stream models trained on the bundled MNIST (seen
+//! as the stream shows digits), the synthetic video, and each technique alone and mixed
+//! measured against the full model on every region of every frame: the accuracy band and the
+//! share of work skipped. Speed itself is `kiln bench --mode stream`'s, not a test's.
+
+use std::collections::BTreeMap;
+
+use burn::tensor::Device;
+use kiln::datasets::{Split, bundled};
+use kiln::stream::{
+    BurnClassifier, EarlyExit, Frame, FrameClassifier, FullDepth, GateConfig, MultiScale, Roi,
+    StreamConfig, StreamProcessor, StreamRun, SyntheticVideo, VideoSpec, run_stream, train_models,
+};
+
+fn share(paths: &BTreeMap<String, usize>, key: &str) -> f64 {
+    let total: usize = paths.values().sum();
+    *paths.get(key).unwrap_or(&0) as f64 / total.max(1) as f64
+}
+
+fn show(run: &StreamRun) {
+    eprintln!(
+        "{:<16} acc {:.4} agree {:?} frames {:?} regions {:?}",
+        run.name, run.accuracy, run.agreement, run.frame_paths, run.region_paths
+    );
+}
+
+#[test]
+fn each_technique_and_their_mix_keep_accuracy_while_skipping_work() {
+    let device = Device::flex();
+    let train = bundled(Split::Train).unwrap();
+    let test = bundled(Split::Test).unwrap();
+    let spec = VideoSpec {
+        frames: 300,
+        ..VideoSpec::default()
+    };
+    let models = train_models(&train, &test, &spec, 2, &device).unwrap();
+    assert!(
+        models.multi_exit_accuracy > 0.9,
+        "{}",
+        models.multi_exit_accuracy
+    );
+    assert!(models.coarse_accuracy > 0.85, "{}", models.coarse_accuracy);
+    let video = SyntheticVideo::generate(&test, &spec).unwrap();
+    let grid = StreamConfig {
+        regions: Some(video.regions.clone()),
+        ..StreamConfig::default()
+    };
+    let full = FullDepth(models.multi_exit.clone());
+    let reference = run_stream("full", &video, &grid, &full, &device, None).unwrap();
+    show(&reference);
+    assert!(
+        reference.accuracy > 0.85,
+        "the full model knows the stream's digits"
+    );
+    assert_eq!(share(&reference.region_paths, "full"), 1.0);
+    let refp = Some(reference.predictions.as_slice());
+
+    let temporal = StreamConfig {
+        frame_gate: Some(GateConfig {
+            threshold: 0.05,
+            max_reuse_age: 30,
+        }),
+        ..grid.clone()
+    };
+    let roi = StreamConfig {
+        region_gate: Some(GateConfig {
+            threshold: 0.08,
+            max_reuse_age: 30,
+        }),
+        ..grid.clone()
+    };
+    let early = EarlyExit::new(models.multi_exit.clone(), vec![0.9]).unwrap();
+    let coarse = BurnClassifier::new(models.coarse.clone(), [1, 14, 14]);
+    let multi = MultiScale::new(coarse, FullDepth(models.multi_exit.clone()), 0.9).unwrap();
+    // (name, config, model, the path that must carry part of the work, its least share)
+    let runs: Vec<(&str, &StreamConfig, &dyn FrameClassifier, &str, f64)> = vec![
+        ("temporal", &temporal, &full, "reused", 0.25),
+        ("roi", &roi, &full, "reused", 0.6),
+        ("early-exit", &grid, &early, "exit0", 0.2),
+        ("multi-scale", &grid, &multi, "coarse", 0.2),
+        ("roi+early-exit", &roi, &early, "reused", 0.6),
+    ];
+    for (name, config, model, path, least) in runs {
+        let run = run_stream(name, &video, config, model, &device, refp).unwrap();
+        show(&run);
+        let agreement = run.agreement.unwrap();
+        assert!(
+            agreement >= 0.98,
+            "{name}: agreement with the full model {agreement}"
+        );
+        assert!(
+            run.accuracy >= reference.accuracy - 0.01,
+            "{name}: accuracy {} vs full {}",
+            run.accuracy,
+            reference.accuracy
+        );
+        let got = share(&run.region_paths, path);
+        assert!(got >= least, "{name}: share of `{path}` {got} < {least}");
+        if name == "roi+early-exit" {
+            assert!(
+                share(&run.region_paths, "exit0") > 0.0,
+                "the mix also exits early"
+            );
+        }
+    }
+}
+
+/// A model that answers class 0 with full confidence, counting its calls.
+struct Counting {
+    calls: std::cell::Cell<usize>,
+}
+
+impl FrameClassifier for Counting {
+    fn input_shape(&self) -> [usize; 3] {
+        [1, 4, 4]
+    }
+
+    fn classify(
+        &self,
+        images: burn::tensor::Tensor<4>,
+    ) -> kiln::Result<Vec<kiln::stream::Prediction>> {
+        self.calls.set(self.calls.get() + 1);
+        let rows = images.dims()[0];
+        Ok(vec![
+            kiln::stream::Prediction {
+                class: 0,
+                confidence: 1.0,
+                route: kiln::stream::Route::Full,
+            };
+            rows
+        ])
+    }
+}
+
+#[test]
+fn bad_frames_regions_and_settings_get_clear_errors_and_leave_the_stream_usable() {
+    let device = Device::flex();
+    let model = Counting {
+        calls: std::cell::Cell::new(0),
+    };
+    let config = StreamConfig {
+        regions: Some(vec![Roi::new(0, 0, 4, 4), Roi::new(4, 0, 4, 4)]),
+        region_gate: Some(GateConfig {
+            threshold: 0.1,
+            max_reuse_age: 5,
+        }),
+        ..StreamConfig::default()
+    };
+    let mut stream = StreamProcessor::new([1, 4, 8], &config, &device).unwrap();
+    let frame = Frame::new([1, 4, 8], vec![0.0; 32]).unwrap();
+    let first = stream.process(&frame, &model).unwrap();
+    assert_eq!(first.regions.len(), 2);
+    assert_eq!(model.calls.get(), 1, "both regions in one batch");
+
+    let wrong = Frame::new([1, 8, 4], vec![0.0; 32]).unwrap();
+    let err = stream.process(&wrong, &model).unwrap_err().to_string();
+    assert!(
+        err.contains("[1, 8, 4]") && err.contains("[1, 4, 8]"),
+        "{err}"
+    );
+    // The stream goes on as before: an unchanged frame reuses both results.
+    let again = stream.process(&frame, &model).unwrap();
+    assert!(again.regions.iter().all(|r| !r.fresh));
+    assert_eq!(model.calls.get(), 1);
+
+    let err = Frame::new([1, 4, 8], vec![0.0; 31])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("needs 32 values, got 31"), "{err}");
+    let outside = StreamConfig {
+        regions: Some(vec![Roi::new(6, 0, 4, 4)]),
+        ..StreamConfig::default()
+    };
+    let err = StreamProcessor::new([1, 4, 8], &outside, &device)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("outside the 8×4 frame"), "{err}");
+    let nan_gate = StreamConfig {
+        frame_gate: Some(GateConfig {
+            threshold: f32::NAN,
+            max_reuse_age: 1,
+        }),
+        ..StreamConfig::default()
+    };
+    assert!(StreamProcessor::new([1, 4, 8], &nan_gate, &device).is_err());
+
+    let cnn = kiln::zoo::MultiExitCnn::new(&device);
+    let err = EarlyExit::new(cnn.clone(), vec![0.5, 0.5])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("2 exits needs 1"), "{err}");
+    let err = EarlyExit::new(cnn.clone(), vec![1.5])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("outside [0, 1]"), "{err}");
+    let coarse = BurnClassifier::new(kiln::zoo::CoarseCnn::new(&device), [1, 14, 14]);
+    let err = MultiScale::new(coarse, FullDepth(cnn), 0.5);
+    assert!(err.is_ok(), "14×14 under 28×28 is a factor of 2");
+    let odd = BurnClassifier::new(kiln::zoo::CoarseCnn::new(&device), [1, 10, 10]);
+    let err = MultiScale::new(odd, FullDepth(kiln::zoo::MultiExitCnn::new(&device)), 0.5)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("integer factor"), "{err}");
+}
+
+#[test]
+fn early_exit_answers_every_sample_from_the_right_exit_in_order() {
+    let device = Device::flex();
+    let cnn = kiln::zoo::MultiExitCnn::new(&device);
+    let images = burn::tensor::Tensor::<4>::random(
+        [6, 1, 28, 28],
+        burn::tensor::Distribution::Normal(0.0, 1.0),
+        &device,
+    );
+    let full = FullDepth(cnn.clone()).classify(images.clone()).unwrap();
+    // Threshold 0: exit 0 answers all; threshold 1: (almost) all go deep and equal the full
+    // network's answers, row for row.
+    let none_deep = EarlyExit::new(cnn.clone(), vec![0.0]).unwrap();
+    let p = none_deep.classify(images.clone()).unwrap();
+    assert!(p.iter().all(|p| p.route == kiln::stream::Route::Exit(0)));
+    let all_deep = EarlyExit::new(cnn, vec![1.0]).unwrap();
+    let p = all_deep.classify(images).unwrap();
+    assert_eq!(p.len(), 6);
+    for (a, b) in p.iter().zip(&full) {
+        if a.route == kiln::stream::Route::Exit(1) {
+            assert_eq!(a.class, b.class);
+            assert!((a.confidence - b.confidence).abs() < 1e-5);
+        }
+    }
+}
