@@ -135,6 +135,16 @@ pub fn run(args: BenchArgs) -> Result<()> {
         kiln::plan::set_cpu_threads(threads);
         return crate::data_bench::run(threads, args.steps, args.json);
     }
+    if args.mode.as_deref() == Some("stream") {
+        kiln::plan::set_cpu_threads(threads);
+        return crate::stream_bench::run(&crate::stream_bench::StreamBench {
+            threads,
+            frames: args.frames,
+            epochs: args.epochs,
+            json: args.json,
+            svg: args.svg.as_deref(),
+        });
+    }
     if let Some(case) = &args.case {
         // Child mode: measure one case and print one JSON line.
         let workload = find(&args.workload)?;

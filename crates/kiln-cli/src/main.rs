@@ -9,6 +9,7 @@ mod optimize_cmd;
 mod profile_cmd;
 mod progress;
 mod serve_cmd;
+mod stream_bench;
 mod train_cmd;
 mod tune_auto_cmd;
 mod tune_cmd;
@@ -283,10 +284,11 @@ struct BenchArgs {
     /// W1..W5 or all.
     #[arg(long, default_value = "all")]
     workload: String,
-    /// train, infer, precision (f32 vs bf16 vs f16), or data (the loader alone for 0..2x
-    /// threads workers vs PyTorch's DataLoader, and data wait in W2 training). Default: infer
-    /// for W3, train otherwise.
-    #[arg(long, value_parser = ["train", "infer", "precision", "data"])]
+    /// train, infer, precision (f32 vs bf16 vs f16), data (the loader alone for 0..2x
+    /// threads workers vs PyTorch's DataLoader, and data wait in W2 training), or stream (the
+    /// real-time techniques on the synthetic video vs the full model on every frame; trains
+    /// its models first). Default: infer for W3, train otherwise.
+    #[arg(long, value_parser = ["train", "infer", "precision", "data", "stream"])]
     mode: Option<String>,
     /// Batch size (default: the workload's standard batch; W3 measures 1 and 64).
     #[arg(long)]
@@ -313,6 +315,16 @@ struct BenchArgs {
     /// quantize_dynamic); max diff is then between the two int8 models.
     #[arg(long, requires = "onnx")]
     int8: bool,
+    /// With --mode stream: frames of the synthetic video (default 1200).
+    #[arg(long, default_value_t = 1200)]
+    frames: usize,
+    /// With --mode stream: training epochs of its models (default 3).
+    #[arg(long, default_value_t = 3)]
+    epochs: usize,
+    /// With --mode stream: also write the accuracy-vs-speed-up curve of the threshold sweeps
+    /// as an SVG file.
+    #[arg(long, value_name = "FILE")]
+    svg: Option<PathBuf>,
     /// Internal: measure one case in this process (`burn`, `kiln-basic`, ...).
     #[arg(long, hide = true)]
     case: Option<String>,

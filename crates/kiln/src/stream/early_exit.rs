@@ -59,7 +59,9 @@ impl<M: MultiExit> FrameClassifier for FullDepth<M> {
     }
 }
 
-/// Runs a [`MultiExit`] model, stopping each sample at its first confident head.
+/// Runs a [`MultiExit`] model, stopping each sample at its first confident head. Give it the
+/// model's inference copy (`model.valid()` of a trained Burn module): on the autodiff device
+/// every forward records a graph that nothing frees.
 #[derive(Debug)]
 pub struct EarlyExit<M> {
     model: M,

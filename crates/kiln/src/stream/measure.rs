@@ -7,6 +7,7 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
+use burn::module::Module;
 use burn::tensor::Device;
 use serde::Serialize;
 
@@ -128,7 +129,7 @@ pub fn run_stream(
     })
 }
 
-/// The zoo's stream models, trained.
+/// The zoo's stream models, trained, on the inference device (no autodiff).
 #[derive(Debug)]
 pub struct StreamModels {
     /// W2 with an early exit.
@@ -201,7 +202,9 @@ pub fn train_models(
     Ok(StreamModels {
         multi_exit_accuracy: accuracy(&full.epochs),
         coarse_accuracy: accuracy(&coarse.epochs),
-        multi_exit: full.model,
-        coarse: coarse.model,
+        // Off the autodiff device: a forward there records a graph that no backward frees
+        // (2.5 MB a frame on the video).
+        multi_exit: full.model.valid(),
+        coarse: coarse.model.valid(),
     })
 }

@@ -166,9 +166,14 @@ pub struct BurnClassifier<M> {
 }
 
 impl<M: Classifier> BurnClassifier<M> {
-    /// Wraps `model`, whose inputs are `[C, H, W]` = `input_shape`.
+    /// Wraps `model`, whose inputs are `[C, H, W]` = `input_shape`. A model straight from
+    /// training lives on the autodiff device, where every forward records a graph that no
+    /// backward frees; the wrapper keeps its inference copy ([`Module::valid`]).
     pub fn new(model: M, input_shape: [usize; 3]) -> Self {
-        BurnClassifier { model, input_shape }
+        BurnClassifier {
+            model: model.valid(),
+            input_shape,
+        }
     }
 
     /// The wrapped model.
