@@ -318,6 +318,71 @@ fn train_in_f16_and_bench_each_precision() {
     assert_eq!(cases, ["\"f32\"", "\"bf16\"", "\"f16\""]);
 }
 
+/// `kiln bench --mode stream`: every configuration measured against the full model in one
+/// run, the threshold sweeps, and the curve written as SVG.
+#[test]
+fn bench_stream_measures_each_technique_against_the_full_model() {
+    let dir = tempdir("bench-stream");
+    let svg = dir.join("curve.svg");
+    let o = kiln(&[
+        "bench",
+        "--mode",
+        "stream",
+        "--frames",
+        "40",
+        "--epochs",
+        "1",
+        "--threads",
+        "2",
+        "--json",
+        "--svg",
+        svg.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let lines: Vec<serde_json::Value> = stdout(&o)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let rows: Vec<&serde_json::Value> = lines.iter().filter(|l| l["mode"] == "stream").collect();
+    let names: Vec<&str> = rows.iter().map(|r| r["name"].as_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        [
+            "full",
+            "temporal",
+            "roi",
+            "early-exit",
+            "multi-scale",
+            "roi+early-exit",
+            "roi+multi-scale+early-exit"
+        ]
+    );
+    assert_eq!(rows[0]["speedup"], 1.0);
+    assert_eq!(rows[0]["frames"], 40);
+    for r in &rows[1..] {
+        let agreement = r["agreement"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&agreement), "{r}");
+        assert!(r["fps"].as_f64().unwrap() > 0.0, "{r}");
+        let regions: u64 = r["region_paths"]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|v| v.as_u64().unwrap())
+            .sum();
+        assert_eq!(
+            regions,
+            40 * 4,
+            "every slot of every frame has a result: {r}"
+        );
+    }
+    let roi = rows.iter().find(|r| r["name"] == "roi").unwrap();
+    assert!(roi["region_paths"]["reused"].as_u64().unwrap() > 0, "{roi}");
+    let sweep = lines.iter().filter(|l| l["mode"] == "stream-sweep").count();
+    assert_eq!(sweep, 14, "7 thresholds × 2 techniques");
+    let curve = std::fs::read_to_string(&svg).unwrap();
+    assert!(curve.starts_with("<svg") && curve.contains("multi-scale"));
+}
+
 /// `kiln optimize` on a checkpoint: one row per pass added in turn, int8 within half a point
 /// of f32 on the held-out images, the optimized graph on disk (loadable, same accuracy), an
 /// ONNX file for an exportable graph, and a clear note for int8.

@@ -17,11 +17,7 @@ use crate::error::{KilnError, Result};
 /// `factor × factor` block; an error unless `factor` divides both sides.
 pub fn downscale(images: Tensor<4>, factor: usize) -> Result<Tensor<4>> {
     let [b, c, h, w] = images.dims();
-    if factor == 0 || h % factor != 0 || w % factor != 0 {
-        return Err(KilnError::Stream(format!(
-            "cannot downscale {h}×{w} images by {factor}: the factor must divide both sides"
-        )));
-    }
+    check_factor(h, w, factor, "images")?;
     if factor == 1 {
         return Ok(images);
     }
@@ -30,14 +26,24 @@ pub fn downscale(images: Tensor<4>, factor: usize) -> Result<Tensor<4>> {
     Ok(blocks.mean_dim(5).mean_dim(3).reshape([b, c, oh, ow]))
 }
 
+/// An error unless `factor` divides both sides of `h × w` `what`.
+fn check_factor(h: usize, w: usize, factor: usize, what: &str) -> Result<()> {
+    if factor == 0 || !h.is_multiple_of(factor) || !w.is_multiple_of(factor) {
+        return Err(KilnError::Stream(format!(
+            "cannot downscale {h}×{w} {what} by {factor}: the factor must divide both sides"
+        )));
+    }
+    Ok(())
+}
+
 /// The resolution factor from a `fine` input shape to a `coarse` one: an error unless the
 /// channels agree and both sides shrink by the same integer factor.
 fn scale_factor(fine: [usize; 3], coarse: [usize; 3]) -> Result<usize> {
     let ok = fine[0] == coarse[0]
         && coarse[1] > 0
         && coarse[2] > 0
-        && fine[1] % coarse[1] == 0
-        && fine[2] % coarse[2] == 0
+        && fine[1].is_multiple_of(coarse[1])
+        && fine[2].is_multiple_of(coarse[2])
         && fine[1] / coarse[1] == fine[2] / coarse[2];
     if !ok {
         return Err(KilnError::Stream(format!(
@@ -128,11 +134,7 @@ impl<D: Dataset> Downscaled<D> {
     /// `inner` with both sides divided by `factor`; an error unless it divides them.
     pub fn new(inner: D, factor: usize) -> Result<Self> {
         let [_, h, w] = inner.item_shape();
-        if factor == 0 || h % factor != 0 || w % factor != 0 {
-            return Err(KilnError::Stream(format!(
-                "cannot downscale {h}×{w} samples by {factor}: the factor must divide both sides"
-            )));
-        }
+        check_factor(h, w, factor, "samples")?;
         Ok(Downscaled { inner, factor })
     }
 }
@@ -184,7 +186,7 @@ mod tests {
             &device,
         );
         let y = downscale(x.clone(), 2).unwrap();
-        let v = y.into_data().to_vec::<f32>().unwrap();
+        let v = y.into_data().try_into_vec_as::<f32>().unwrap();
         assert_eq!(v, vec![2.5, 4.5, 10.5, 12.5]);
         assert!(downscale(x, 3).unwrap_err().to_string().contains("divide"));
     }
