@@ -19,6 +19,14 @@
 //! [dynamic_batching]              # absent: every request runs on its own
 //! max_queue_delay_microseconds = 200
 //! preferred_batch_size = [32, 64]
+//!
+//! [sequence_batching]             # a stateful stream model (KServe sequence extension):
+//! frame_dims = [1, 56, 56]        # requests carry one frame [C, H, W] and sequence_id,
+//!                                 # sequence_start / sequence_end parameters
+//! regions = [[0, 0, 28, 28], [28, 0, 28, 28]]   # [x, y, w, h] each; absent = whole frame
+//! frame_gate = { threshold = 0.05, max_reuse_age = 30 }   # temporal coherence
+//! region_gate = { threshold = 0.08, max_reuse_age = 30 }  # run only changed regions
+//! max_sequence_idle_microseconds = 60000000               # idle sequences are dropped
 //! ```
 
 use std::collections::BTreeMap;
@@ -143,6 +151,88 @@ pub struct ModelConfig {
     /// Whether the model runs on Kiln's CPU kernels (`kiln_kernels`, default true; false =
     /// Burn's own ops, as `device.kiln_kernels = false` does for training).
     pub kiln_kernels: bool,
+    /// `Some`: a stateful stream model (`[sequence_batching]`).
+    pub sequence: Option<SequenceConfig>,
+}
+
+/// A stream model's settings: Triton's `sequence_batching` block with Kiln's real-time
+/// techniques ([`kiln::stream`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SequenceConfig {
+    /// One frame `[C, H, W]`, what each request carries.
+    pub frame_dims: [usize; 3],
+    /// Regions, gates.
+    pub stream: kiln::stream::StreamConfig,
+    /// A sequence without a request for this long is dropped (its next request is refused).
+    pub max_idle: Duration,
+}
+
+/// Triton's default idle time of a sequence: 1 s is its default; streams of frames at a few
+/// frames per second would lose their state, so Kiln keeps them for a minute.
+const DEFAULT_SEQUENCE_IDLE_US: u64 = 60_000_000;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSequence {
+    frame_dims: [usize; 3],
+    regions: Option<Vec<[usize; 4]>>,
+    frame_gate: Option<kiln::stream::GateConfig>,
+    region_gate: Option<kiln::stream::GateConfig>,
+    max_sequence_idle_microseconds: Option<u64>,
+}
+
+impl RawSequence {
+    fn validate(self) -> std::result::Result<SequenceConfig, String> {
+        let frame_dims = self.frame_dims;
+        if frame_dims.contains(&0) {
+            return Err(format!(
+                "sequence_batching.frame_dims {frame_dims:?} must be positive"
+            ));
+        }
+        let regions = self.regions.map(|list| {
+            list.into_iter()
+                .map(|[x, y, w, h]| kiln::stream::Roi::new(x, y, w, h))
+                .collect::<Vec<_>>()
+        });
+        if let Some(list) = &regions {
+            if list.is_empty() {
+                return Err(
+                    "sequence_batching.regions is empty; list [x, y, w, h] regions or leave it out for the whole frame"
+                        .into(),
+                );
+            }
+            for r in list {
+                r.check_inside(frame_dims)
+                    .map_err(|e| format!("sequence_batching.regions: {e}"))?;
+            }
+        }
+        for (key, gate) in [
+            ("frame_gate", &self.frame_gate),
+            ("region_gate", &self.region_gate),
+        ] {
+            if let Some(g) = gate {
+                g.validate()
+                    .map_err(|e| format!("sequence_batching.{key}: {e}"))?;
+            }
+        }
+        let idle = self
+            .max_sequence_idle_microseconds
+            .unwrap_or(DEFAULT_SEQUENCE_IDLE_US);
+        if idle == 0 {
+            return Err(
+                "sequence_batching.max_sequence_idle_microseconds must be at least 1".into(),
+            );
+        }
+        Ok(SequenceConfig {
+            frame_dims,
+            stream: kiln::stream::StreamConfig {
+                frame_gate: self.frame_gate,
+                regions,
+                region_gate: self.region_gate,
+            },
+            max_idle: Duration::from_micros(idle),
+        })
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -170,6 +260,7 @@ struct RawConfig {
     #[serde(default)]
     timeout_microseconds: u64,
     dynamic_batching: Option<RawBatching>,
+    sequence_batching: Option<RawSequence>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -339,6 +430,16 @@ impl ModelConfig {
             Some(text) => InstanceKind::parse(text)?,
             None => InstanceKind::Auto,
         };
+        let sequence = match raw.sequence_batching {
+            None => None,
+            Some(_) if matches!(backend, BackendConfig::Identity { .. }) => {
+                return Err(
+                    "sequence_batching needs a classifier backend (zoo, graph or onnx), not identity"
+                        .into(),
+                );
+            }
+            Some(seq) => Some(seq.validate()?),
+        };
         Ok(ModelConfig {
             backend,
             max_batch_size: raw.max_batch_size,
@@ -349,6 +450,7 @@ impl ModelConfig {
                 .then(|| Duration::from_micros(raw.timeout_microseconds)),
             dynamic_batching,
             kiln_kernels: raw.kiln_kernels.unwrap_or(true),
+            sequence,
         })
     }
 }
@@ -398,6 +500,35 @@ preferred_batch_size = [32, 8]
     }
 
     #[test]
+    fn a_sequence_block_parses_into_stream_settings() {
+        let c = parse(
+            r#"
+backend = "graph"
+graph = "model.kgraph"
+[sequence_batching]
+frame_dims = [1, 56, 56]
+regions = [[0, 0, 28, 28], [28, 28, 28, 28]]
+region_gate = { threshold = 0.08, max_reuse_age = 30 }
+max_sequence_idle_microseconds = 2000000
+"#,
+        )
+        .unwrap();
+        let seq = c.sequence.unwrap();
+        assert_eq!(seq.frame_dims, [1, 56, 56]);
+        assert_eq!(seq.max_idle, Duration::from_secs(2));
+        let regions = seq.stream.regions.unwrap();
+        assert_eq!(regions[1], kiln::stream::Roi::new(28, 28, 28, 28));
+        assert_eq!(seq.stream.region_gate.unwrap().max_reuse_age, 30);
+        assert!(seq.stream.frame_gate.is_none());
+        assert!(
+            parse("backend = \"graph\"\ngraph = \"g\"")
+                .unwrap()
+                .sequence
+                .is_none()
+        );
+    }
+
+    #[test]
     fn kiln_kernels_switch_per_model_where_a_model_runs_kernels() {
         let c = parse("backend = \"onnx\"\nfile = \"m.onnx\"\nkiln_kernels = false").unwrap();
         assert!(!c.kiln_kernels);
@@ -440,6 +571,22 @@ preferred_batch_size = [32, 8]
             (
                 "backend = \"identity\"\ndims = [4]\nkind = \"KIND_TPU\"",
                 "use KIND_CPU, KIND_GPU or KIND_AUTO",
+            ),
+            (
+                "backend = \"graph\"\ngraph = \"g\"\n[sequence_batching]\nframe_dims = [1, 56, 56]\nregions = [[40, 0, 28, 28]]",
+                "outside the 56×56 frame",
+            ),
+            (
+                "backend = \"graph\"\ngraph = \"g\"\n[sequence_batching]\nframe_dims = [1, 56, 56]\nframe_gate = { threshold = -1.0, max_reuse_age = 3 }",
+                "sequence_batching.frame_gate",
+            ),
+            (
+                "backend = \"graph\"\ngraph = \"g\"\n[sequence_batching]\nframe_dims = [1, 56, 56]\nregoins = []",
+                "unknown field `regoins`",
+            ),
+            (
+                "backend = \"identity\"\ndims = [4]\n[sequence_batching]\nframe_dims = [1, 4, 4]",
+                "not identity",
             ),
         ];
         for (text, expected) in cases {

@@ -11,6 +11,9 @@
 //!              /metrics (Prometheus)
 //! ```
 //!
+//! A model with `[sequence_batching]` is a stateful stream model ([`sequence`]): the
+//! protocol's sequence parameters, Kiln's temporal coherence and regions of interest.
+//!
 //! Start it with `kiln serve --models DIR` or [`Server::bind`] + [`Server::run`].
 
 pub mod codec;
@@ -24,11 +27,12 @@ pub mod pipeline;
 pub mod proto;
 pub mod queue;
 pub mod repository;
+pub mod sequence;
 pub mod server;
 pub mod tensor;
 pub mod triton_config;
 
-pub use config::{BackendConfig, DynamicBatching, InstanceKind, ModelConfig};
+pub use config::{BackendConfig, DynamicBatching, InstanceKind, ModelConfig, SequenceConfig};
 pub use error::{Result, ServeError};
 pub use pipeline::Stages;
 pub use repository::Repository;
@@ -47,6 +51,7 @@ pub fn server_metadata() -> (&'static str, &'static str, &'static [&'static str]
             "statistics",
             "model_configuration",
             "model_repository",
+            "sequence",
         ],
     )
 }

@@ -113,6 +113,8 @@ pub struct ModelMetrics {
     pub queue_seconds: Histogram,
     /// Seconds from arrival to response, per request.
     pub request_seconds: Histogram,
+    /// A stream model's region results: `[computed, reused]`.
+    pub stream_regions: [AtomicU64; 2],
 }
 
 impl ModelMetrics {
@@ -142,6 +144,7 @@ impl ModelMetrics {
             batch_size: Histogram::new(sizes),
             queue_seconds: Histogram::new(latency.clone()),
             request_seconds: Histogram::new(latency),
+            stream_regions: [AtomicU64::new(0), AtomicU64::new(0)],
         }
     }
 
@@ -214,6 +217,13 @@ impl ModelMetrics {
                 c.load(Ordering::Relaxed)
             );
         }
+        for (path, c) in ["computed", "reused"].iter().zip(&self.stream_regions) {
+            let _ = writeln!(
+                out,
+                "kiln_stream_regions_total{{{l},path=\"{path}\"}} {}",
+                c.load(Ordering::Relaxed)
+            );
+        }
         self.batch_size.render(out, "kiln_batch_size", &l);
         self.queue_seconds
             .render(out, "kiln_queue_duration_seconds", &l);
@@ -266,6 +276,11 @@ pub fn preamble() -> String {
             "kiln_postprocess_seconds_total",
             "counter",
             "Time spent splitting and encoding responses.",
+        ),
+        (
+            "kiln_stream_regions_total",
+            "counter",
+            "Region results of stream models: computed by the model or reused (unchanged).",
         ),
         (
             "kiln_batch_size",

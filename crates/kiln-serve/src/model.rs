@@ -42,6 +42,20 @@ pub trait Backend: Send {
     /// Runs `batch` samples (each input row-major `[batch, ..its dims]`, in the spec's
     /// order) and returns the backend's outputs, each row-major with `batch` rows.
     fn execute(&mut self, inputs: Vec<Values>, batch: usize) -> Result<Vec<Values>>;
+
+    /// Runs `batch` frames of stream sequences, `states[i]` the sequence of frame `i` (only
+    /// stream models, [`crate::sequence::StreamBackend`], take them).
+    fn execute_sequences(
+        &mut self,
+        inputs: Vec<Values>,
+        batch: usize,
+        states: &[crate::sequence::SequenceState],
+    ) -> Result<Vec<Values>> {
+        let _ = (inputs, batch, states);
+        Err(ServeError::InvalidRequest(
+            "this model is not a stream model; send requests without sequence parameters".into(),
+        ))
+    }
 }
 
 /// The device for a model's instances of `kind` on this machine (`KIND_AUTO`: a GPU when
@@ -73,6 +87,31 @@ pub fn instance_device(name: &str, kind: InstanceKind) -> Result<(InstanceKind, 
 /// own session over a copy of the resulting graph, running on Kiln's kernels if
 /// `config.kiln_kernels`.
 pub fn build_backends(
+    name: &str,
+    config: &ModelConfig,
+    device: &Device,
+) -> Result<(Vec<Box<dyn Backend>>, ModelSpec)> {
+    let Some(sequence) = &config.sequence else {
+        return classifier_backends(name, config, device);
+    };
+    // A stream model: the classifier's instances, each wrapped with the sequences' gates.
+    let (inner, inner_spec) = classifier_backends(name, config, device)?;
+    let spec = crate::sequence::stream_spec(name, &inner_spec, sequence)?;
+    let backends = inner
+        .into_iter()
+        .map(|b| {
+            Box::new(crate::sequence::StreamBackend::new(
+                b,
+                &inner_spec,
+                sequence,
+            )) as Box<dyn Backend>
+        })
+        .collect();
+    Ok((backends, spec))
+}
+
+/// [`build_backends`] for the model as a plain classifier (no sequence state).
+fn classifier_backends(
     name: &str,
     config: &ModelConfig,
     device: &Device,
@@ -216,10 +255,8 @@ impl Backend for Classifier {
             return Err(fail("the classifier takes FP32 images".into()));
         };
         let [c, h, w] = self.shape;
-        let images: Tensor<4> = Tensor::from_data(
-            TensorData::new(pixels.clone(), [batch, c, h, w]),
-            &self.device,
-        );
+        let images: Tensor<4> =
+            Tensor::from_data(TensorData::new(pixels, [batch, c, h, w]), &self.device);
         let logits = self
             .session
             .forward(images)

@@ -86,6 +86,8 @@ struct PreJob {
 
 struct Pending {
     request: InferRequest,
+    /// The request's stream sequence (stream models only).
+    sequence: Option<crate::sequence::SequenceState>,
     enqueued: Instant,
     /// The tighter of the model's `timeout_microseconds` and the request's own `timeout`.
     timeout: Option<std::time::Duration>,
@@ -119,6 +121,8 @@ pub struct ModelRuntime {
     post: Arc<BoundedQueue<PostJob>>,
     /// Where decoding and encoding run.
     stages: Stages,
+    /// A stream model's active sequences (`[sequence_batching]`).
+    sequences: Option<crate::sequence::Sequences>,
     threads: Mutex<Vec<Vec<JoinHandle<()>>>>,
 }
 
@@ -150,6 +154,10 @@ impl ModelRuntime {
             post: Arc::new(BoundedQueue::new(capacity)),
             threads: Mutex::new(Vec::new()),
             stages,
+            sequences: config
+                .sequence
+                .clone()
+                .map(|c| crate::sequence::Sequences::new(name, c)),
             config,
             spec,
         });
@@ -270,8 +278,27 @@ impl ModelRuntime {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
+        let sequence = match (&self.sequences, &request.sequence) {
+            (Some(table), _) => match table.admit(&request) {
+                Ok(state) => Some(state),
+                Err(e) => {
+                    let _ = reply.send(Err(e));
+                    return;
+                }
+            },
+            (None, Some(_)) => {
+                let _ = reply.send(Err(ServeError::InvalidRequest(format!(
+                    "model `{}` is not a stream model (no [sequence_batching] in its \
+                     config.toml); send requests without sequence parameters",
+                    self.name
+                ))));
+                return;
+            }
+            (None, None) => None,
+        };
         let pending = Pending {
             request,
+            sequence,
             enqueued: Instant::now(),
             timeout,
             reply,
@@ -313,7 +340,25 @@ impl ModelRuntime {
                     .collect()
             };
             let started = Instant::now();
-            let result = backend.execute(inputs, rows);
+            let result = if self.sequences.is_some() {
+                let states: Vec<_> = batch.iter().filter_map(|p| p.sequence.clone()).collect();
+                let result = backend.execute_sequences(inputs, rows, &states);
+                // The stream spec's third output says, per region, computed (1) or reused.
+                if let Ok(outputs) = &result
+                    && let Some(Values::I64(fresh)) = outputs.get(2)
+                {
+                    let computed = fresh.iter().filter(|&&f| f == 1).count() as u64;
+                    let [c, r] = &self.metrics.stream_regions;
+                    c.fetch_add(computed, std::sync::atomic::Ordering::Relaxed);
+                    r.fetch_add(
+                        fresh.len() as u64 - computed,
+                        std::sync::atomic::Ordering::Relaxed,
+                    );
+                }
+                result
+            } else {
+                backend.execute(inputs, rows)
+            };
             self.metrics.record_batch(rows, started.elapsed());
             match result {
                 Ok(outputs) => {

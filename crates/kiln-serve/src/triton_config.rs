@@ -48,6 +48,14 @@ pub fn to_json(rt: &ModelRuntime) -> Value {
             },
         });
     }
+    if let Some(seq) = &c.sequence {
+        // Triton's block (perf_analyzer reads it and sends sequence ids), with Kiln's stream
+        // settings beside it.
+        config["sequence_batching"] = json!({
+            "max_sequence_idle_microseconds": seq.max_idle.as_micros() as u64,
+            "kiln_stream": seq.stream,
+        });
+    }
     config
 }
 

@@ -38,6 +38,13 @@ fn tritonclient_http_and_grpc_drive_kiln_serve() {
         "id64",
         "backend = \"identity\"\ndims = [3]\ndatatype = \"INT64\"\n",
     );
+    write_cnn_model(
+        &repo,
+        "cam",
+        "max_batch_size = 8\n[sequence_batching]\nframe_dims = [1, 56, 56]\n\
+         regions = [[0, 0, 28, 28], [28, 0, 28, 28], [0, 28, 28, 28], [28, 28, 28, 28]]\n\
+         region_gate = { threshold = 0.01, max_reuse_age = 30 }\n",
+    );
     write_model(
         &repo,
         "broken",
@@ -60,7 +67,10 @@ fn tritonclient_http_and_grpc_drive_kiln_serve() {
         out.status.success(),
         "conformance failed:\n{stdout}\n{stderr}"
     );
-    assert!(stdout.contains("tritonclient conformance: OK"), "{stdout}");
+    assert!(
+        stdout.contains("tritonclient conformance: OK") && stdout.contains("sequences http + grpc"),
+        "{stdout}"
+    );
     let m = &server.model("w3").metrics;
     assert!(m.success.load(std::sync::atomic::Ordering::Relaxed) >= 60);
 }

@@ -2,7 +2,8 @@
 
 Usage: python tritonclient_conformance.py HTTP_HOST:PORT GRPC_HOST:PORT
 Models expected: `w3` (Kiln CNN graph, images [-1,1,28,28] -> logits [-1,10], label [-1,1]),
-`id64` (identity, INT64 [-1,3]) and `broken` (fails to load). Exits non-zero on the first
+`id64` (identity, INT64 [-1,3]), `broken` (fails to load) and `cam` (a stream model over a CNN:
+frames [1,56,56], four 28x28 regions gated by change, the sequence extension). Exits non-zero on the first
 mismatch with a message saying what differed.
 """
 import sys
@@ -90,6 +91,41 @@ def run(mod, url, binary):
     return logits
 
 
+def run_sequences(mod, url, seq_a, seq_b):
+    """The sequence extension through tritonclient's own sequence_id / start / end arguments:
+    unchanged regions come back reused, a changed one computed, two sequences independent,
+    and a sequence never started refused."""
+    name = mod.__name__.split(".")[-1]
+    c = mod.InferenceServerClient(url)
+    rng = np.random.default_rng(2)
+    base = rng.random((1, 1, 56, 56), dtype=np.float32)
+    changed = base.copy()
+    changed[0, 0, :28, :28] = rng.random((28, 28), dtype=np.float32)
+
+    def frame(x, seq, start=False, end=False):
+        inp = mod.InferInput("images", [1, 1, 56, 56], "FP32")
+        inp.set_data_from_numpy(x)
+        r = c.infer("cam", [inp], sequence_id=seq, sequence_start=start, sequence_end=end)
+        return r.as_numpy("label").ravel(), r.as_numpy("fresh").ravel()
+
+    first, fresh = frame(base, seq_a, start=True)
+    check(fresh.tolist() == [1, 1, 1, 1], f"{name}: first frame computes every region {fresh}")
+    other, fresh_b = frame(changed, seq_b, start=True)
+    check(fresh_b.tolist() == [1, 1, 1, 1], f"{name}: another sequence has its own state {fresh_b}")
+    again, fresh = frame(base, seq_a)
+    check(fresh.tolist() == [0, 0, 0, 0], f"{name}: an unchanged frame reuses {fresh}")
+    check((again == first).all(), f"{name}: reused labels are the first frame's")
+    moved, fresh = frame(changed, seq_a, end=True)
+    check(fresh.tolist() == [1, 0, 0, 0], f"{name}: only the changed region runs {fresh}")
+    check((moved == other).all(), f"{name}: same frame, same labels across sequences")
+    frame(changed, seq_b, end=True)
+    try:
+        frame(base, seq_a)
+        check(False, f"{name}: a frame after sequence_end accepted")
+    except InferenceServerException as e:
+        check("not active" in str(e), f"{name}: ended-sequence message {e}")
+
+
 def run_async_http(url):
     """Concurrent async requests through one client: every answer is its own request's."""
     c = httpclient.InferenceServerClient(url, concurrency=8)
@@ -116,7 +152,9 @@ def main():
     g = run(grpcclient, grpc_url, binary=True)
     check(np.allclose(a, b, rtol=1e-6) and np.allclose(a, g, rtol=1e-6), "HTTP binary, HTTP JSON and gRPC agree")
     run_async_http(http_url)
-    print("tritonclient conformance: OK (http binary, http json, grpc, http async x24)")
+    run_sequences(httpclient, http_url, 11, "cam-b")
+    run_sequences(grpcclient, grpc_url, "cam-a", 12)
+    print("tritonclient conformance: OK (http binary, http json, grpc, http async x24, sequences http + grpc)")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 //! The KServe v2 gRPC inference messages (`raw_input_contents` or typed `contents`).
 
 use super::{
-    Encoded, InferRequest, RequestedOutput, ResponseFormat, assemble_inputs, check_input,
+    Encoded, InferRequest, Param, RequestedOutput, ResponseFormat, assemble_inputs, check_input,
     check_len, check_outputs,
 };
 use crate::error::{Result, ServeError};
@@ -79,6 +79,20 @@ pub fn decode(
             )));
         }
     };
+    let sequence = super::sequence_control(|key| {
+        use pb::infer_parameter::ParameterChoice as C;
+        request
+            .parameters
+            .get(key)
+            .and_then(|p| p.parameter_choice.as_ref())
+            .map(|c| match c {
+                C::BoolParam(b) => Param::Bool(*b),
+                C::Int64Param(i) => Param::Int(*i),
+                C::StringParam(t) => Param::Text(t.clone()),
+                #[allow(unreachable_patterns)] // newer protocol versions add kinds
+                other => Param::Other(format!("{other:?}")),
+            })
+    })?;
     Ok(InferRequest {
         id: request.id,
         batch,
@@ -86,6 +100,7 @@ pub fn decode(
         outputs,
         format: ResponseFormat::Grpc,
         timeout,
+        sequence,
     })
 }
 

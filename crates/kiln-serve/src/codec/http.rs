@@ -3,7 +3,7 @@
 use serde_json::{Map, Value, json};
 
 use super::{
-    InferRequest, RequestedOutput, ResponseFormat, assemble_inputs, check_input, check_len,
+    InferRequest, Param, RequestedOutput, ResponseFormat, assemble_inputs, check_input, check_len,
     check_outputs,
 };
 use crate::error::{Result, ServeError};
@@ -141,6 +141,17 @@ pub fn decode(
             .collect::<Result<Vec<_>>>()?,
     };
     check_outputs(spec, &outputs)?;
+    let sequence = super::sequence_control(|key| {
+        params.and_then(|p| p.get(key)).map(|v| match v {
+            Value::Bool(b) => Param::Bool(*b),
+            Value::Number(n) => match n.as_i64() {
+                Some(i) => Param::Int(i),
+                None => Param::Other(n.to_string()),
+            },
+            Value::String(t) => Param::Text(t.clone()),
+            other => Param::Other(other.to_string()),
+        })
+    })?;
     Ok(InferRequest {
         id,
         batch,
@@ -148,6 +159,7 @@ pub fn decode(
         outputs,
         format: ResponseFormat::Http { binary_default },
         timeout,
+        sequence,
     })
 }
 

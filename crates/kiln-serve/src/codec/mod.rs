@@ -94,6 +94,81 @@ pub struct InferRequest {
     pub format: ResponseFormat,
     /// The request's own queue timeout (protocol parameter `timeout`, microseconds).
     pub timeout: Option<std::time::Duration>,
+    /// The sequence extension's parameters, when the request belongs to a sequence.
+    pub sequence: Option<SequenceControl>,
+}
+
+/// A sequence's id: Triton takes an unsigned integer (0 = none) or a string.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum SequenceId {
+    /// A non-zero integer id.
+    Number(u64),
+    /// A non-empty string id.
+    Text(String),
+}
+
+impl std::fmt::Display for SequenceId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SequenceId::Number(n) => write!(f, "{n}"),
+            SequenceId::Text(t) => write!(f, "{t:?}"),
+        }
+    }
+}
+
+/// The KServe sequence extension's parameters of one request (`sequence_id`,
+/// `sequence_start`, `sequence_end`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SequenceControl {
+    /// Which sequence.
+    pub id: SequenceId,
+    /// The first request of the sequence.
+    pub start: bool,
+    /// The last request of the sequence.
+    pub end: bool,
+}
+
+/// A request parameter's value, as either wire format gives it.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Param {
+    Bool(bool),
+    Int(i64),
+    Text(String),
+    /// Any other kind (a float, an object), described for the error message.
+    Other(String),
+}
+
+/// Reads the sequence parameters from `get` (a request's parameter lookup); `None` when the
+/// request has none, an error naming the parameter when one has the wrong kind or value.
+pub(crate) fn sequence_control(
+    get: impl Fn(&str) -> Option<Param>,
+) -> Result<Option<SequenceControl>> {
+    let flag = |key: &str| -> Result<bool> {
+        match get(key) {
+            None => Ok(false),
+            Some(Param::Bool(b)) => Ok(b),
+            Some(other) => Err(ServeError::InvalidRequest(format!(
+                "parameter `{key}` must be a boolean, got {other:?}"
+            ))),
+        }
+    };
+    let (start, end) = (flag("sequence_start")?, flag("sequence_end")?);
+    let id = match get("sequence_id") {
+        None if start || end => {
+            return Err(ServeError::InvalidRequest(
+                "sequence_start / sequence_end need a `sequence_id` parameter".into(),
+            ));
+        }
+        None | Some(Param::Int(0)) => return Ok(None),
+        Some(Param::Int(n)) if n > 0 => SequenceId::Number(n as u64),
+        Some(Param::Text(t)) if !t.is_empty() => SequenceId::Text(t),
+        Some(other) => {
+            return Err(ServeError::InvalidRequest(format!(
+                "parameter `sequence_id` must be a positive integer or a non-empty string, got {other:?}"
+            )));
+        }
+    };
+    Ok(Some(SequenceControl { id, start, end }))
 }
 
 /// Decodes and validates a request for a model with signature `spec`.

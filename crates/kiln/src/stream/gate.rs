@@ -12,6 +12,7 @@ use crate::error::{KilnError, Result};
 
 /// When a frame (or region) counts as unchanged.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct GateConfig {
     /// Mean absolute difference per value (in the frame's normalized units) at or below which
     /// the content counts as unchanged.

@@ -108,15 +108,21 @@ pub struct Prediction {
 
 /// Softmax top-1 of each row of `logits` `[B, K]`, tagged with `route`.
 pub fn top1(logits: Tensor<2>, route: Route) -> Result<Vec<Prediction>> {
-    let [rows, classes] = logits.dims();
+    let [_, classes] = logits.dims();
     let values = logits
         .into_data()
         .try_into_vec_as::<f32>()
         .map_err(|e| KilnError::Stream(format!("reading logits: {e:?}")))?;
-    if rows == 0 || classes == 0 {
-        return Ok(Vec::new());
+    Ok(top1_rows(&values, classes, route))
+}
+
+/// Softmax top-1 of each `classes`-long row of row-major `logits` (a host buffer, e.g. a
+/// server backend's output), tagged with `route`; no rows when `classes` is 0.
+pub fn top1_rows(logits: &[f32], classes: usize, route: Route) -> Vec<Prediction> {
+    if classes == 0 {
+        return Vec::new();
     }
-    Ok(values
+    logits
         .chunks_exact(classes)
         .map(|row| {
             let (class, max) =
@@ -133,7 +139,7 @@ pub fn top1(logits: Tensor<2>, route: Route) -> Result<Vec<Prediction>> {
                 route,
             }
         })
-        .collect())
+        .collect()
 }
 
 /// A model that classifies a batch of images `[B, C, H, W]`: what every technique wraps and

@@ -107,6 +107,30 @@ impl StreamProcessor {
     /// leaves the stream's state as it was; when the model fails, the regions it was to run
     /// lose their results, so the next frame runs them rather than reuse a stale one.
     pub fn process(&mut self, frame: &Frame, model: &dyn FrameClassifier) -> Result<FrameOutcome> {
+        let run = self.begin(frame)?;
+        let predictions = if run.is_empty() {
+            Ok(Vec::new())
+        } else {
+            let _span = tracing::trace_span!("stream.model", regions = run.len()).entered();
+            let rois: Vec<Roi> = run.iter().map(|&i| self.regions[i]).collect();
+            crop_batch(frame, &rois, model.input_shape(), &self.device)
+                .and_then(|batch| model.classify(batch))
+        };
+        match predictions {
+            Ok(p) => self.finish(&run, p),
+            Err(e) => {
+                self.forget(&run);
+                Err(e)
+            }
+        }
+    }
+
+    /// The first half of [`StreamProcessor::process`], for callers that batch the regions of
+    /// many streams into one model call (`kiln serve`): checks the frame, runs the gates, and
+    /// returns the indices of the regions the model must run on (empty = reuse everything).
+    /// Follow it with [`StreamProcessor::finish`], or [`StreamProcessor::forget`] when the
+    /// model fails.
+    pub fn begin(&mut self, frame: &Frame) -> Result<Vec<usize>> {
         if frame.shape() != self.shape {
             return Err(KilnError::Stream(format!(
                 "frame is {:?} but this stream's frames are {:?}",
@@ -119,56 +143,44 @@ impl StreamProcessor {
             Some(g) => g.check(frame.pixels()) == GateDecision::Reuse && !first,
             None => false,
         };
-        let run: Vec<usize> = if reuse_frame {
-            Vec::new()
-        } else {
-            match &mut self.tracker {
-                Some(t) => {
-                    let mut changed = t.changed(frame)?;
-                    // A region without a result yet runs whatever its gate says.
-                    for (i, p) in self.last.iter().enumerate() {
-                        if p.is_none() && !changed.contains(&i) {
-                            changed.push(i);
-                        }
+        if reuse_frame {
+            return Ok(Vec::new());
+        }
+        Ok(match &mut self.tracker {
+            Some(t) => {
+                let mut changed = t.changed(frame)?;
+                // A region without a result yet runs whatever its gate says.
+                for (i, p) in self.last.iter().enumerate() {
+                    if p.is_none() && !changed.contains(&i) {
+                        changed.push(i);
                     }
-                    changed.sort_unstable();
-                    changed
                 }
-                None => (0..self.regions.len()).collect(),
+                changed.sort_unstable();
+                changed
             }
-        };
-        if !run.is_empty() {
-            let rois: Vec<Roi> = run.iter().map(|&i| self.regions[i]).collect();
-            let predictions = {
-                let _span = tracing::trace_span!("stream.model", regions = rois.len()).entered();
-                crop_batch(frame, &rois, model.input_shape(), &self.device)
-                    .and_then(|batch| model.classify(batch))
-                    .and_then(|p| {
-                        if p.len() == run.len() {
-                            Ok(p)
-                        } else {
-                            Err(KilnError::Stream(format!(
-                                "the classifier returned {} predictions for {} regions",
-                                p.len(),
-                                run.len()
-                            )))
-                        }
-                    })
-            };
-            let predictions = match predictions {
-                Ok(p) => p,
-                Err(e) => {
-                    // The gates already took this frame as their reference; forgetting the
-                    // regions' results makes the next frame run them instead of reusing a
-                    // result of an older frame.
-                    for &i in &run {
-                        self.last[i] = None;
-                    }
-                    return Err(e);
-                }
-            };
-            for (&i, p) in run.iter().zip(predictions) {
-                self.last[i] = Some(p);
+            None => (0..self.regions.len()).collect(),
+        })
+    }
+
+    /// The regions of the stream's layout.
+    pub fn regions(&self) -> &[Roi] {
+        &self.regions
+    }
+
+    /// Completes a frame begun with [`StreamProcessor::begin`]: `predictions` are the model's
+    /// answers for the regions `run`, in order.
+    pub fn finish(&mut self, run: &[usize], predictions: Vec<Prediction>) -> Result<FrameOutcome> {
+        if predictions.len() != run.len() {
+            self.forget(run);
+            return Err(KilnError::Stream(format!(
+                "the classifier returned {} predictions for {} regions",
+                predictions.len(),
+                run.len()
+            )));
+        }
+        for (&i, p) in run.iter().zip(predictions) {
+            if let Some(slot) = self.last.get_mut(i) {
+                *slot = Some(p);
             }
         }
         let regions = self
@@ -193,5 +205,16 @@ impl StreamProcessor {
             _ => FramePath::Partial,
         };
         Ok(FrameOutcome { regions, path })
+    }
+
+    /// Drops the results of the regions `run` after a failed model call: the gates already
+    /// took the frame as their reference, so forgetting makes the next frame run them instead
+    /// of reusing a result of an older frame.
+    pub fn forget(&mut self, run: &[usize]) {
+        for &i in run {
+            if let Some(slot) = self.last.get_mut(i) {
+                *slot = None;
+            }
+        }
     }
 }

@@ -1,0 +1,351 @@
+//! Stateful stream models: the KServe v2 sequence extension (Triton's sequence batcher) with
+//! Kiln's real-time techniques ([`kiln::stream`]).
+//!
+//! A model whose `config.toml` has `[sequence_batching]` takes one frame per request, with the
+//! `sequence_id`, `sequence_start` and `sequence_end` parameters. Each sequence keeps a
+//! [`StreamProcessor`] (the gates' reference frames, the last result of every region):
+//! temporal coherence reuses a whole frame's results, regions of interest run only the
+//! regions that changed. The regions that must run, from all the frames of a dynamic batch
+//! (many sequences), go through the wrapped classifier as **one** batch, so streams share the
+//! model's throughput.
+//!
+//! ```text
+//! admit (handler thread)          instance thread
+//! ─────────────────────           ──────────────────────────────────────────────────
+//! sequence table: start / known?  per frame: lock its sequence, gates → regions to run
+//! → the sequence's state handle   all frames' regions → one inner batch → softmax top-1
+//!   travels with the request      per frame: results → label / confidence / fresh [R]
+//! ```
+//!
+//! Errors are per request and leave other sequences alone: a request without a sequence id,
+//! a sequence id never started (or ended, or idled out), a start for an active id, a frame of
+//! the wrong shape (the codec's shape check) — each an HTTP 400 / gRPC INVALID_ARGUMENT.
+//! Frames of one sequence run in arrival order when the client sends each after the previous
+//! answer (as tritonclient's sequence examples do); with one instance they always do.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use burn::tensor::Device;
+use kiln::stream::{Frame, Route, StreamProcessor, crop_resize, top1_rows};
+
+use crate::codec::{InferRequest, SequenceId};
+use crate::config::SequenceConfig;
+use crate::error::{Result, ServeError};
+use crate::model::{Backend, ModelSpec, Postprocess};
+use crate::tensor::{DataType, TensorSpec, Values};
+
+/// One sequence's state, shared by the table (until the sequence ends or idles out) and the
+/// requests in flight.
+pub type SequenceState = Arc<Mutex<StreamProcessor>>;
+
+/// Locks a sequence's state; a panic elsewhere while it was held does not make it unusable
+/// (the state is gates and results, valid after any partial update).
+fn lock(state: &SequenceState) -> MutexGuard<'_, StreamProcessor> {
+    state.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+struct Entry {
+    state: SequenceState,
+    last_seen: Instant,
+}
+
+/// A stream model's table of active sequences.
+pub struct Sequences {
+    model: String,
+    config: SequenceConfig,
+    table: Mutex<HashMap<SequenceId, Entry>>,
+}
+
+impl std::fmt::Debug for Sequences {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sequences")
+            .field("model", &self.model)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Sequences {
+    /// An empty table for `model`.
+    pub fn new(model: &str, config: SequenceConfig) -> Self {
+        Sequences {
+            model: model.to_string(),
+            config,
+            table: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Active sequences.
+    pub fn active(&self) -> usize {
+        self.table.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// Checks a decoded request against the table and returns its sequence's state: a start
+    /// creates it, an end removes it from the table (the request in flight keeps it), and
+    /// sequences idle for longer than the configured time are dropped first.
+    pub fn admit(&self, request: &InferRequest) -> Result<SequenceState> {
+        let bad = |m: String| ServeError::InvalidRequest(m);
+        let control = request.sequence.as_ref().ok_or_else(|| {
+            bad(format!(
+                "model `{}` is a stream model: every request needs the `sequence_id` parameter \
+                 (and `sequence_start` = true on a sequence's first frame)",
+                self.model
+            ))
+        })?;
+        if request.batch != 1 {
+            return Err(bad(format!(
+                "model `{}` takes one frame per request (shape [1, {}]), got {}",
+                self.model,
+                self.config
+                    .frame_dims
+                    .iter()
+                    .map(usize::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                request.batch
+            )));
+        }
+        let now = Instant::now();
+        let mut table = self.table.lock().unwrap_or_else(|e| e.into_inner());
+        let idle = self.config.max_idle;
+        let before = table.len();
+        table.retain(|_, e| now.duration_since(e.last_seen) <= idle);
+        if table.len() < before {
+            tracing::info!(
+                model = %self.model,
+                dropped = before - table.len(),
+                "sequences idle for over {idle:?} dropped"
+            );
+        }
+        let id = &control.id;
+        if control.start {
+            if table.contains_key(id) {
+                return Err(bad(format!(
+                    "sequence {id} of model `{}` is already active; end it (sequence_end) \
+                     before starting it again, or use another id",
+                    self.model
+                )));
+            }
+            let state =
+                StreamProcessor::new(self.config.frame_dims, &self.config.stream, &Device::flex())
+                    .map_err(|e| bad(e.to_string()))?;
+            table.insert(
+                id.clone(),
+                Entry {
+                    state: Arc::new(Mutex::new(state)),
+                    last_seen: now,
+                },
+            );
+        }
+        let Some(entry) = table.get_mut(id) else {
+            return Err(bad(format!(
+                "sequence {id} of model `{}` is not active: it was never started, has ended, \
+                 or was idle for over {idle:?}; send its first frame with sequence_start = true",
+                self.model
+            )));
+        };
+        entry.last_seen = now;
+        let state = Arc::clone(&entry.state);
+        if control.end {
+            table.remove(id);
+        }
+        Ok(state)
+    }
+}
+
+/// The wire signature of a stream model over a classifier with signature `inner`: the frame
+/// in, and per region the class, its softmax confidence, and whether it was computed on this
+/// frame (1) or reused (0).
+pub fn stream_spec(name: &str, inner: &ModelSpec, config: &SequenceConfig) -> Result<ModelSpec> {
+    let input = match inner.inputs.as_slice() {
+        [one] if one.datatype == DataType::Fp32 && one.dims.len() == 3 => one,
+        _ => {
+            return Err(ServeError::Load {
+                model: name.to_string(),
+                message: "sequence_batching needs a classifier with one FP32 image input \
+                          [C, H, W]; this model's inputs differ"
+                    .into(),
+            });
+        }
+    };
+    if inner.outputs.first().map(|o| o.datatype) != Some(DataType::Fp32) {
+        return Err(ServeError::Load {
+            model: name.to_string(),
+            message: "sequence_batching needs a classifier whose first output is FP32 logits"
+                .into(),
+        });
+    }
+    if input.dims[0] != config.frame_dims[0] {
+        return Err(ServeError::Load {
+            model: name.to_string(),
+            message: format!(
+                "frame_dims {:?} have {} channels but the model takes {}",
+                config.frame_dims, config.frame_dims[0], input.dims[0]
+            ),
+        });
+    }
+    let regions = config.stream.regions.as_ref().map_or(1, Vec::len);
+    let tensor = |name: &str, datatype| TensorSpec {
+        name: name.into(),
+        datatype,
+        dims: vec![regions],
+    };
+    Ok(ModelSpec {
+        platform: inner.platform.clone(),
+        inputs: vec![TensorSpec {
+            name: input.name.clone(),
+            datatype: DataType::Fp32,
+            dims: config.frame_dims.to_vec(),
+        }],
+        outputs: vec![
+            tensor("label", DataType::Int64),
+            tensor("confidence", DataType::Fp32),
+            tensor("fresh", DataType::Int64),
+        ],
+        postprocess: Postprocess::None,
+    })
+}
+
+/// A classifier instance serving stream frames: gates per sequence, the changed regions of
+/// every frame in a batch through the classifier as one batch.
+pub struct StreamBackend {
+    inner: Box<dyn Backend>,
+    frame_dims: [usize; 3],
+    /// The classifier's input `[C, H, W]`: each region is resized to it.
+    input_dims: [usize; 3],
+    /// Logits per region.
+    classes: usize,
+}
+
+impl StreamBackend {
+    /// Wraps one classifier instance whose signature is `inner_spec`.
+    pub fn new(inner: Box<dyn Backend>, inner_spec: &ModelSpec, config: &SequenceConfig) -> Self {
+        let dims = &inner_spec.inputs[0].dims;
+        StreamBackend {
+            inner,
+            frame_dims: config.frame_dims,
+            input_dims: [dims[0], dims[1], dims[2]],
+            classes: inner_spec.outputs[0].sample_len(),
+        }
+    }
+
+    /// Runs the frames of `rows` (indices into `frames`) whose sequences are all different:
+    /// gates, one inner batch, results appended to `out` at each row.
+    fn wave(
+        &mut self,
+        frames: &[Frame],
+        states: &[SequenceState],
+        rows: &[usize],
+        out: &mut [Option<kiln::stream::FrameOutcome>],
+    ) -> Result<()> {
+        let mut guards: Vec<MutexGuard<'_, StreamProcessor>> =
+            rows.iter().map(|&r| lock(&states[r])).collect();
+        let mut runs = Vec::with_capacity(rows.len());
+        let [_, h, w] = self.input_dims;
+        let mut crops = Vec::new();
+        for (guard, &r) in guards.iter_mut().zip(rows) {
+            let run = guard.begin(&frames[r]).map_err(invalid)?;
+            for &i in &run {
+                crops.extend(crop_resize(&frames[r], guard.regions()[i], h, w).map_err(invalid)?);
+            }
+            runs.push(run);
+        }
+        let total: usize = runs.iter().map(Vec::len).sum();
+        let predictions = if total == 0 {
+            Vec::new()
+        } else {
+            match self.inner.execute(vec![Values::F32(crops)], total) {
+                Ok(outputs) => match outputs.into_iter().next() {
+                    Some(Values::F32(logits)) => top1_rows(&logits, self.classes, Route::Full),
+                    _ => Vec::new(),
+                },
+                Err(e) => {
+                    for (guard, run) in guards.iter_mut().zip(&runs) {
+                        guard.forget(run);
+                    }
+                    return Err(e);
+                }
+            }
+        };
+        let mut next = predictions.into_iter();
+        for ((guard, run), &r) in guards.iter_mut().zip(&runs).zip(rows) {
+            let mine: Vec<_> = next.by_ref().take(run.len()).collect();
+            out[r] = Some(guard.finish(run, mine).map_err(invalid)?);
+        }
+        Ok(())
+    }
+}
+
+fn invalid(e: kiln::KilnError) -> ServeError {
+    ServeError::InvalidRequest(e.to_string())
+}
+
+impl Backend for StreamBackend {
+    fn execute(&mut self, _inputs: Vec<Values>, _batch: usize) -> Result<Vec<Values>> {
+        Err(ServeError::InvalidRequest(
+            "a stream model runs frames of sequences only".into(),
+        ))
+    }
+
+    fn execute_sequences(
+        &mut self,
+        inputs: Vec<Values>,
+        batch: usize,
+        states: &[SequenceState],
+    ) -> Result<Vec<Values>> {
+        let Some(Values::F32(pixels)) = inputs.into_iter().next() else {
+            return Err(ServeError::InvalidRequest(
+                "a stream model takes FP32 frames".into(),
+            ));
+        };
+        let len: usize = self.frame_dims.iter().product();
+        if states.len() != batch || pixels.len() != batch * len {
+            return Err(ServeError::InvalidRequest(format!(
+                "{batch} frames need {batch} sequence states and {} values",
+                batch * len
+            )));
+        }
+        let frames = pixels
+            .chunks_exact(len)
+            .map(|p| Frame::new(self.frame_dims, p.to_vec()))
+            .collect::<kiln::Result<Vec<_>>>()
+            .map_err(invalid)?;
+        // Frames of distinct sequences share one inner batch; a second frame of a sequence
+        // already in the wave waits for the next, as it needs the first one's results.
+        let mut out = vec![None; batch];
+        let mut pending: Vec<usize> = (0..batch).collect();
+        while !pending.is_empty() {
+            let mut wave = Vec::new();
+            let mut later = Vec::new();
+            for r in pending {
+                if wave
+                    .iter()
+                    .any(|&q: &usize| Arc::ptr_eq(&states[q], &states[r]))
+                {
+                    later.push(r);
+                } else {
+                    wave.push(r);
+                }
+            }
+            self.wave(&frames, states, &wave, &mut out)?;
+            pending = later;
+        }
+        let mut label = Vec::new();
+        let mut confidence = Vec::new();
+        let mut fresh = Vec::new();
+        for outcome in out.into_iter().flatten() {
+            for region in outcome.regions {
+                label.push(region.prediction.class as i64);
+                confidence.push(region.prediction.confidence);
+                fresh.push(i64::from(region.fresh));
+            }
+        }
+        Ok(vec![
+            Values::I64(label),
+            Values::F32(confidence),
+            Values::I64(fresh),
+        ])
+    }
+}

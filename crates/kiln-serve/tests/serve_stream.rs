@@ -1,0 +1,303 @@
+//! Stream models over the KServe sequence extension: per-sequence state (regions reused while
+//! unchanged), results equal to `kiln::stream` run in-process frame by frame, interleaved
+//! sequences batched together, clear 400 / INVALID_ARGUMENT errors for bad sequence use that
+//! leave other sequences alone, and idle sequences dropped.
+
+mod common;
+
+use burn::tensor::Device;
+use common::{TestServer, post_json, tempdir, write_cnn_model};
+use kiln::datasets::{Split, bundled};
+use kiln::infer::{InferenceSession, load_graph};
+use kiln::stream::{Frame, StreamConfig, StreamProcessor, SyntheticVideo, VideoSpec};
+use kiln_serve::grpc::pb;
+use serde_json::{Value, json};
+
+const STREAM: &str = "max_batch_size = 8\ninstances = 1\n\
+[dynamic_batching]\nmax_queue_delay_microseconds = 2000\n\
+[sequence_batching]\nframe_dims = [1, 56, 56]\n\
+regions = [[0, 0, 28, 28], [28, 0, 28, 28], [0, 28, 28, 28], [28, 28, 28, 28]]\n\
+region_gate = { threshold = 0.08, max_reuse_age = 30 }\n";
+
+fn frame_body(frame: &Frame, sequence: Value, start: bool, end: bool) -> Value {
+    json!({
+        "inputs": [{ "name": "images", "datatype": "FP32", "shape": [1, 1, 56, 56], "data": frame.pixels() }],
+        "parameters": { "sequence_id": sequence, "sequence_start": start, "sequence_end": end },
+    })
+}
+
+/// (labels, confidences, fresh flags) of a response.
+fn outputs(r: &Value) -> (Vec<i64>, Vec<f64>, Vec<i64>) {
+    let get = |name: &str| -> Vec<Value> {
+        r["outputs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|o| o["name"] == name)
+            .unwrap_or_else(|| panic!("no output {name} in {r}"))["data"]
+            .as_array()
+            .unwrap()
+            .clone()
+    };
+    (
+        get("label").iter().map(|v| v.as_i64().unwrap()).collect(),
+        get("confidence")
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect(),
+        get("fresh").iter().map(|v| v.as_i64().unwrap()).collect(),
+    )
+}
+
+fn video(frames: usize, seed: u64) -> SyntheticVideo {
+    let digits = bundled(Split::Test).unwrap();
+    SyntheticVideo::generate(
+        &digits,
+        &VideoSpec {
+            frames,
+            seed,
+            ..VideoSpec::default()
+        },
+    )
+    .unwrap()
+}
+
+#[test]
+fn sequences_keep_state_match_the_library_and_batch_together() {
+    let repo = tempdir("stream");
+    let graph = write_cnn_model(&repo, "cam", STREAM);
+    let server = TestServer::start(&repo);
+    let path = "/v2/models/cam/infer";
+
+    let config = server.model("cam").config.clone();
+    let stream_config: StreamConfig = config.sequence.clone().unwrap().stream;
+    let device = Device::flex();
+    let session = InferenceSession::from_graph(load_graph(&graph).unwrap(), &device).unwrap();
+
+    // Two sequences, each from its own thread, frame after frame: every answer equals the
+    // library's StreamProcessor over the same frames (labels, fresh flags, confidences).
+    let videos = [video(40, 3), video(40, 4)];
+    let served: Vec<Vec<Value>> = std::thread::scope(|s| {
+        let handles: Vec<_> = videos
+            .iter()
+            .enumerate()
+            .map(|(k, v)| {
+                let addr = server.http;
+                s.spawn(move || {
+                    let n = v.frames.len();
+                    v.frames
+                        .iter()
+                        .enumerate()
+                        .map(|(i, f)| {
+                            let r = post_json(
+                                addr,
+                                path,
+                                &frame_body(f, json!(k + 1), i == 0, i + 1 == n),
+                            );
+                            assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+                            r.json()
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let mut reused = 0;
+    for (v, answers) in videos.iter().zip(&served) {
+        let mut local = StreamProcessor::new([1, 56, 56], &stream_config, &device).unwrap();
+        for (f, answer) in v.frames.iter().zip(answers) {
+            let expected = local.process(f, &session).unwrap();
+            let (labels, confidences, fresh) = outputs(answer);
+            let want: Vec<i64> = expected
+                .regions
+                .iter()
+                .map(|r| r.prediction.class as i64)
+                .collect();
+            let want_fresh: Vec<i64> = expected
+                .regions
+                .iter()
+                .map(|r| i64::from(r.fresh))
+                .collect();
+            assert_eq!(labels, want);
+            assert_eq!(fresh, want_fresh);
+            for (c, r) in confidences.iter().zip(&expected.regions) {
+                assert!(
+                    (c - f64::from(r.prediction.confidence)).abs() < 1e-4,
+                    "{c} vs {r:?}"
+                );
+            }
+            reused += fresh.iter().filter(|&&x| x == 0).count();
+        }
+    }
+    assert!(
+        reused > 80,
+        "regions reused across the two sequences: {reused} of 320"
+    );
+    let rt = server.model("cam");
+    let [computed, reused_metric] = &rt.metrics.stream_regions;
+    let load = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(
+        load(reused_metric) as usize,
+        reused,
+        "the metric counts what the answers say"
+    );
+    assert_eq!(load(computed) as usize + reused, 320);
+    // The two sequences' frames shared model executions (dynamic batching across streams).
+    assert!(
+        load(&rt.metrics.execution_count) < 80,
+        "{} executions for 80 frames",
+        load(&rt.metrics.execution_count)
+    );
+    let metrics = common::http(server.http, "GET", "/metrics", &[], b"");
+    let text = String::from_utf8_lossy(&metrics.body);
+    assert!(
+        text.contains(&format!(
+            "kiln_stream_regions_total{{model=\"cam\",path=\"reused\"}} {reused}"
+        )),
+        "{text}"
+    );
+
+    // Both sequences ended: the table is empty.
+    assert_eq!(
+        post_json(
+            server.http,
+            path,
+            &frame_body(&videos[0].frames[0], json!(1), false, false)
+        )
+        .status,
+        400
+    );
+}
+
+#[test]
+fn bad_sequence_use_gets_clear_errors_and_other_sequences_go_on() {
+    let repo = tempdir("stream-errors");
+    write_cnn_model(&repo, "cam", STREAM);
+    write_cnn_model(&repo, "plain", "max_batch_size = 8\n");
+    write_cnn_model(
+        &repo,
+        "brief",
+        "max_batch_size = 8\n[sequence_batching]\nframe_dims = [1, 28, 28]\nmax_sequence_idle_microseconds = 200000\n",
+    );
+    let server = TestServer::start(&repo);
+    let path = "/v2/models/cam/infer";
+    let v = video(6, 5);
+    let f = &v.frames;
+    let ok = post_json(
+        server.http,
+        path,
+        &frame_body(&f[0], json!("cam-a"), true, false),
+    );
+    assert_eq!(ok.status, 200, "{}", ok.error());
+
+    let error = |body: &Value, model: &str| {
+        let r = post_json(server.http, &format!("/v2/models/{model}/infer"), body);
+        assert_eq!(r.status, 400, "{}", String::from_utf8_lossy(&r.body));
+        r.error()
+    };
+    let no_id = json!({ "inputs": [{ "name": "images", "datatype": "FP32", "shape": [1, 1, 56, 56], "data": f[1].pixels() }] });
+    assert!(error(&no_id, "cam").contains("needs the `sequence_id` parameter"));
+    assert!(
+        error(&frame_body(&f[1], json!(77), false, false), "cam")
+            .contains("sequence 77 of model `cam` is not active")
+    );
+    assert!(
+        error(&frame_body(&f[1], json!("cam-a"), true, false), "cam").contains("already active")
+    );
+    let small = json!({
+        "inputs": [{ "name": "images", "datatype": "FP32", "shape": [1, 1, 28, 28], "data": vec![0.0f32; 784] }],
+        "parameters": { "sequence_id": "cam-a" },
+    });
+    assert!(error(&small, "cam").contains("shape"));
+    let pair = [f[1].pixels(), f[2].pixels()].concat();
+    let two = json!({
+        "inputs": [{ "name": "images", "datatype": "FP32", "shape": [2, 1, 56, 56], "data": pair }],
+        "parameters": { "sequence_id": "cam-a" },
+    });
+    assert!(error(&two, "cam").contains("one frame per request"));
+    let flag = json!({
+        "inputs": [{ "name": "images", "datatype": "FP32", "shape": [1, 1, 56, 56], "data": f[1].pixels() }],
+        "parameters": { "sequence_id": "cam-a", "sequence_end": "yes" },
+    });
+    assert!(error(&flag, "cam").contains("`sequence_end` must be a boolean"));
+    let mut digit_seq = small.clone();
+    digit_seq["parameters"] = json!({ "sequence_id": 5, "sequence_start": true });
+    assert!(error(&digit_seq, "plain").contains("not a stream model"));
+
+    // The sequence is unaffected by all of that: it goes on and ends once.
+    let r = post_json(
+        server.http,
+        path,
+        &frame_body(&f[1], json!("cam-a"), false, false),
+    );
+    assert_eq!(r.status, 200, "{}", r.error());
+    let r = post_json(
+        server.http,
+        path,
+        &frame_body(&f[2], json!("cam-a"), false, true),
+    );
+    assert_eq!(r.status, 200, "{}", r.error());
+    assert!(error(&frame_body(&f[3], json!("cam-a"), false, true), "cam").contains("has ended"));
+
+    // gRPC says INVALID_ARGUMENT for a sequence never started.
+    let addr = format!("http://{}", server.grpc);
+    server.runtime.block_on(async {
+        let mut c = pb::grpc_inference_service_client::GrpcInferenceServiceClient::connect(addr)
+            .await
+            .unwrap();
+        let mut parameters = std::collections::HashMap::new();
+        parameters.insert(
+            "sequence_id".to_string(),
+            pb::InferParameter {
+                parameter_choice: Some(pb::infer_parameter::ParameterChoice::Int64Param(9)),
+            },
+        );
+        let request = pb::ModelInferRequest {
+            model_name: "cam".into(),
+            inputs: vec![pb::model_infer_request::InferInputTensor {
+                name: "images".into(),
+                datatype: "FP32".into(),
+                shape: vec![1, 1, 56, 56],
+                ..Default::default()
+            }],
+            raw_input_contents: vec![f[0].pixels().iter().flat_map(|x| x.to_le_bytes()).collect()],
+            parameters,
+            ..Default::default()
+        };
+        let status = c.model_infer(request).await.unwrap_err();
+        assert_eq!(status.code(), tonic::Code::InvalidArgument);
+        assert!(
+            status.message().contains("not active"),
+            "{}",
+            status.message()
+        );
+    });
+
+    // A sequence idle for longer than its model allows is dropped.
+    let digit = json!({
+        "inputs": [{ "name": "images", "datatype": "FP32", "shape": [1, 1, 28, 28], "data": vec![0.5f32; 784] }],
+        "parameters": { "sequence_id": 1, "sequence_start": true },
+    });
+    let r = post_json(server.http, "/v2/models/brief/infer", &digit);
+    assert_eq!(r.status, 200, "{}", r.error());
+    let mut next = digit.clone();
+    next["parameters"] = json!({ "sequence_id": 1 });
+    let r = post_json(server.http, "/v2/models/brief/infer", &next);
+    assert_eq!(
+        r.status,
+        200,
+        "active while requests keep coming: {}",
+        r.error()
+    );
+    std::thread::sleep(std::time::Duration::from_millis(400));
+    assert!(error(&next, "brief").contains("not active"));
+
+    let config = common::http(server.http, "GET", "/v2/models/cam/config", &[], b"").json();
+    assert_eq!(
+        config["sequence_batching"]["max_sequence_idle_microseconds"],
+        60_000_000
+    );
+    assert_eq!(config["output"][0]["dims"], json!([4]));
+    assert_eq!(config["input"][0]["dims"], json!([1, 56, 56]));
+}
