@@ -27,6 +27,9 @@
 //! frame_gate = { threshold = 0.05, max_reuse_age = 30 }   # temporal coherence
 //! region_gate = { threshold = 0.08, max_reuse_age = 30 }  # run only changed regions
 //! max_sequence_idle_microseconds = 60000000               # idle sequences are dropped
+//! cascade = [{ graph = "exit0.kgraph", threshold = 0.9 }]  # cheaper stages first (early
+//!                                 # exit prefix, or a coarse model at 1/f resolution; graph
+//!                                 # or file = "x.onnx"); the model answers the rest
 //! ```
 
 use std::collections::BTreeMap;
@@ -165,6 +168,35 @@ pub struct SequenceConfig {
     pub stream: kiln::stream::StreamConfig,
     /// A sequence without a request for this long is dropped (its next request is refused).
     pub max_idle: Duration,
+    /// Cheaper classifiers tried before the model, in order.
+    pub cascade: Vec<CascadeStage>,
+}
+
+/// One stage of a stream model's cascade ([`kiln::stream::Cascade`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CascadeStage {
+    /// A Kiln graph (`graph = ...`) or an ONNX file (`file = ...`), resolved against the
+    /// model directory.
+    pub source: StageSource,
+    /// Its answers at or above this softmax confidence stand.
+    pub threshold: f32,
+}
+
+/// Where a cascade stage's model comes from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StageSource {
+    /// A `.kgraph` written by `kiln optimize`.
+    Graph(PathBuf),
+    /// An ONNX file.
+    Onnx(PathBuf),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawStage {
+    graph: Option<PathBuf>,
+    file: Option<PathBuf>,
+    threshold: f32,
 }
 
 /// Triton's default idle time of a sequence: 1 s is its default; streams of frames at a few
@@ -179,10 +211,38 @@ struct RawSequence {
     frame_gate: Option<kiln::stream::GateConfig>,
     region_gate: Option<kiln::stream::GateConfig>,
     max_sequence_idle_microseconds: Option<u64>,
+    #[serde(default)]
+    cascade: Vec<RawStage>,
 }
 
 impl RawSequence {
-    fn validate(self) -> std::result::Result<SequenceConfig, String> {
+    fn validate(self, dir: &Path) -> std::result::Result<SequenceConfig, String> {
+        let cascade = self
+            .cascade
+            .into_iter()
+            .enumerate()
+            .map(|(k, st)| {
+                let source = match (st.graph, st.file) {
+                    (Some(g), None) => StageSource::Graph(dir.join(g)),
+                    (None, Some(f)) => StageSource::Onnx(dir.join(f)),
+                    _ => {
+                        return Err(format!(
+                            "sequence_batching.cascade[{k}] needs exactly one of `graph` (a .kgraph) or `file` (an .onnx)"
+                        ));
+                    }
+                };
+                if !(0.0..=1.0).contains(&st.threshold) {
+                    return Err(format!(
+                        "sequence_batching.cascade[{k}].threshold {} must be in [0, 1] (a softmax confidence)",
+                        st.threshold
+                    ));
+                }
+                Ok(CascadeStage {
+                    source,
+                    threshold: st.threshold,
+                })
+            })
+            .collect::<std::result::Result<Vec<_>, String>>()?;
         let frame_dims = self.frame_dims;
         if frame_dims.contains(&0) {
             return Err(format!(
@@ -231,6 +291,7 @@ impl RawSequence {
                 region_gate: self.region_gate,
             },
             max_idle: Duration::from_micros(idle),
+            cascade,
         })
     }
 }
@@ -438,7 +499,7 @@ impl ModelConfig {
                         .into(),
                 );
             }
-            Some(seq) => Some(seq.validate()?),
+            Some(seq) => Some(seq.validate(dir)?),
         };
         Ok(ModelConfig {
             backend,
@@ -520,6 +581,7 @@ max_sequence_idle_microseconds = 2000000
         assert_eq!(regions[1], kiln::stream::Roi::new(28, 28, 28, 28));
         assert_eq!(seq.stream.region_gate.unwrap().max_reuse_age, 30);
         assert!(seq.stream.frame_gate.is_none());
+        assert!(seq.cascade.is_empty());
         assert!(
             parse("backend = \"graph\"\ngraph = \"g\"")
                 .unwrap()
@@ -587,6 +649,14 @@ max_sequence_idle_microseconds = 2000000
             (
                 "backend = \"identity\"\ndims = [4]\n[sequence_batching]\nframe_dims = [1, 4, 4]",
                 "not identity",
+            ),
+            (
+                "backend = \"graph\"\ngraph = \"g\"\n[sequence_batching]\nframe_dims = [1, 56, 56]\ncascade = [{ graph = \"a\", file = \"b\", threshold = 0.5 }]",
+                "exactly one of `graph`",
+            ),
+            (
+                "backend = \"graph\"\ngraph = \"g\"\n[sequence_batching]\nframe_dims = [1, 56, 56]\ncascade = [{ graph = \"a\", threshold = 1.5 }]",
+                "cascade[0].threshold 1.5",
             ),
         ];
         for (text, expected) in cases {

@@ -94,19 +94,25 @@ pub fn build_backends(
     let Some(sequence) = &config.sequence else {
         return classifier_backends(name, config, device);
     };
-    // A stream model: the classifier's instances, each wrapped with the sequences' gates.
+    // A stream model: the classifier's instances, each wrapped with the sequences' gates and
+    // its own copies of the cascade's stages.
     let (inner, inner_spec) = classifier_backends(name, config, device)?;
     let spec = crate::sequence::stream_spec(name, &inner_spec, sequence)?;
     let backends = inner
         .into_iter()
         .map(|b| {
-            Box::new(crate::sequence::StreamBackend::new(
+            let stages = crate::sequence::load_stages(name, sequence, device, config.kiln_kernels)?;
+            let backend = crate::sequence::StreamBackend::new(
+                name,
                 b,
                 &inner_spec,
                 sequence,
-            )) as Box<dyn Backend>
+                stages,
+                device,
+            )?;
+            Ok(Box::new(backend) as Box<dyn Backend>)
         })
-        .collect();
+        .collect::<Result<Vec<_>>>()?;
     Ok((backends, spec))
 }
 

@@ -23,15 +23,21 @@
 //! Frames of one sequence run in arrival order when the client sends each after the previous
 //! answer (as tritonclient's sequence examples do); with one instance they always do.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
-use burn::tensor::Device;
-use kiln::stream::{Frame, Route, StreamProcessor, crop_resize, top1_rows};
+use burn::tensor::{Device, Tensor, TensorData};
+use kiln::infer::{InferenceSession, load_graph};
+use kiln::onnx::OnnxModel;
+use kiln::stream::{
+    Cascade, Frame, FrameClassifier, OnnxClassifier, Prediction, Route, Stage, StreamProcessor,
+    crop_resize, top1_rows,
+};
 
 use crate::codec::{InferRequest, SequenceId};
-use crate::config::SequenceConfig;
+use crate::config::{SequenceConfig, StageSource};
 use crate::error::{Result, ServeError};
 use crate::model::{Backend, ModelSpec, Postprocess};
 use crate::tensor::{DataType, TensorSpec, Values};
@@ -199,40 +205,143 @@ pub fn stream_spec(name: &str, inner: &ModelSpec, config: &SequenceConfig) -> Re
             datatype: DataType::Fp32,
             dims: config.frame_dims.to_vec(),
         }],
-        outputs: vec![
-            tensor("label", DataType::Int64),
-            tensor("confidence", DataType::Fp32),
-            tensor("fresh", DataType::Int64),
-        ],
+        outputs: {
+            let mut outputs = vec![
+                tensor("label", DataType::Int64),
+                tensor("confidence", DataType::Fp32),
+                tensor("fresh", DataType::Int64),
+            ];
+            if !config.cascade.is_empty() {
+                // Which cascade stage answered (the model is the last index); -1 = reused.
+                outputs.push(tensor("exit", DataType::Int64));
+            }
+            outputs
+        },
         postprocess: Postprocess::None,
     })
 }
 
-/// A classifier instance serving stream frames: gates per sequence, the changed regions of
-/// every frame in a batch through the classifier as one batch.
-pub struct StreamBackend {
-    inner: Box<dyn Backend>,
-    frame_dims: [usize; 3],
-    /// The classifier's input `[C, H, W]`: each region is resized to it.
+/// Loads a stream model's cascade stages on `device` (one copy per instance).
+pub fn load_stages(
+    name: &str,
+    config: &SequenceConfig,
+    device: &Device,
+    kiln_kernels: bool,
+) -> Result<Vec<Stage>> {
+    let fail = |k: usize, message: String| ServeError::Load {
+        model: name.to_string(),
+        message: format!("sequence_batching.cascade[{k}]: {message}"),
+    };
+    config
+        .cascade
+        .iter()
+        .enumerate()
+        .map(|(k, stage)| {
+            let model: Box<dyn FrameClassifier + Send> = match &stage.source {
+                StageSource::Graph(path) => {
+                    let graph = load_graph(path).map_err(|e| fail(k, e.to_string()))?;
+                    Box::new(
+                        InferenceSession::from_graph(graph, device)
+                            .map_err(|e| fail(k, e.to_string()))?
+                            .with_kiln_kernels(kiln_kernels),
+                    )
+                }
+                StageSource::Onnx(path) => {
+                    let model = OnnxModel::load(path, device)
+                        .map_err(|e| fail(k, e.to_string()))?
+                        .with_kiln_kernels(kiln_kernels);
+                    Box::new(OnnxClassifier::new(model).map_err(|e| fail(k, e.to_string()))?)
+                }
+            };
+            Ok(Stage {
+                model,
+                threshold: stage.threshold,
+            })
+        })
+        .collect()
+}
+
+/// A server backend instance as the cascade's last stage: crops in as a tensor, the
+/// backend's logits out as predictions.
+struct BackendClassifier {
+    inner: RefCell<Box<dyn Backend>>,
     input_dims: [usize; 3],
-    /// Logits per region.
     classes: usize,
 }
 
-impl StreamBackend {
-    /// Wraps one classifier instance whose signature is `inner_spec`.
-    pub fn new(inner: Box<dyn Backend>, inner_spec: &ModelSpec, config: &SequenceConfig) -> Self {
-        let dims = &inner_spec.inputs[0].dims;
-        StreamBackend {
-            inner,
-            frame_dims: config.frame_dims,
-            input_dims: [dims[0], dims[1], dims[2]],
-            classes: inner_spec.outputs[0].sample_len(),
+impl FrameClassifier for BackendClassifier {
+    fn input_shape(&self) -> [usize; 3] {
+        self.input_dims
+    }
+
+    fn classify(&self, images: Tensor<4>) -> kiln::Result<Vec<Prediction>> {
+        let rows = images.dims()[0];
+        let pixels = images
+            .into_data()
+            .try_into_vec_as::<f32>()
+            .map_err(|e| kiln::KilnError::Stream(format!("reading crops: {e:?}")))?;
+        let outputs = self
+            .inner
+            .borrow_mut()
+            .execute(vec![Values::F32(pixels)], rows)
+            .map_err(|e| kiln::KilnError::Stream(e.to_string()))?;
+        match outputs.into_iter().next() {
+            Some(Values::F32(logits)) => Ok(top1_rows(&logits, self.classes, Route::Full)),
+            _ => Err(kiln::KilnError::Stream(
+                "the classifier's first output is not FP32 logits".into(),
+            )),
         }
+    }
+}
+
+/// A classifier instance serving stream frames: gates per sequence, the changed regions of
+/// every frame in a batch through the cascade (or the classifier alone) as one batch.
+pub struct StreamBackend {
+    model: String,
+    cascade: Cascade,
+    frame_dims: [usize; 3],
+    /// The classifier's input `[C, H, W]`: each region is resized to it.
+    input_dims: [usize; 3],
+    /// Whether responses carry the `exit` output.
+    report_exit: bool,
+    device: Device,
+}
+
+impl StreamBackend {
+    /// Wraps one classifier instance whose signature is `inner_spec`, with its own copies of
+    /// the cascade's `stages`; regions are cropped on `device`.
+    pub fn new(
+        model: &str,
+        inner: Box<dyn Backend>,
+        inner_spec: &ModelSpec,
+        config: &SequenceConfig,
+        stages: Vec<Stage>,
+        device: &Device,
+    ) -> Result<Self> {
+        let dims = &inner_spec.inputs[0].dims;
+        let input_dims = [dims[0], dims[1], dims[2]];
+        let last = BackendClassifier {
+            inner: RefCell::new(inner),
+            input_dims,
+            classes: inner_spec.outputs[0].sample_len(),
+        };
+        let report_exit = !stages.is_empty();
+        let cascade = Cascade::new(stages, Box::new(last)).map_err(|e| ServeError::Load {
+            model: model.to_string(),
+            message: e.to_string(),
+        })?;
+        Ok(StreamBackend {
+            model: model.to_string(),
+            cascade,
+            frame_dims: config.frame_dims,
+            input_dims,
+            report_exit,
+            device: device.clone(),
+        })
     }
 
     /// Runs the frames of `rows` (indices into `frames`) whose sequences are all different:
-    /// gates, one inner batch, results appended to `out` at each row.
+    /// gates, one cascade batch, results stored in `out` at each row.
     fn wave(
         &mut self,
         frames: &[Frame],
@@ -243,7 +352,7 @@ impl StreamBackend {
         let mut guards: Vec<MutexGuard<'_, StreamProcessor>> =
             rows.iter().map(|&r| lock(&states[r])).collect();
         let mut runs = Vec::with_capacity(rows.len());
-        let [_, h, w] = self.input_dims;
+        let [c, h, w] = self.input_dims;
         let mut crops = Vec::new();
         for (guard, &r) in guards.iter_mut().zip(rows) {
             let run = guard.begin(&frames[r]).map_err(invalid)?;
@@ -254,19 +363,22 @@ impl StreamBackend {
         }
         let total: usize = runs.iter().map(Vec::len).sum();
         let predictions = if total == 0 {
-            Vec::new()
+            Ok(Vec::new())
         } else {
-            match self.inner.execute(vec![Values::F32(crops)], total) {
-                Ok(outputs) => match outputs.into_iter().next() {
-                    Some(Values::F32(logits)) => top1_rows(&logits, self.classes, Route::Full),
-                    _ => Vec::new(),
-                },
-                Err(e) => {
-                    for (guard, run) in guards.iter_mut().zip(&runs) {
-                        guard.forget(run);
-                    }
-                    return Err(e);
+            let batch: Tensor<4> =
+                Tensor::from_data(TensorData::new(crops, [total, c, h, w]), &self.device);
+            self.cascade.classify(batch)
+        };
+        let predictions = match predictions {
+            Ok(p) => p,
+            Err(e) => {
+                for (guard, run) in guards.iter_mut().zip(&runs) {
+                    guard.forget(run);
                 }
+                return Err(ServeError::Inference {
+                    model: self.model.clone(),
+                    message: e.to_string(),
+                });
             }
         };
         let mut next = predictions.into_iter();
@@ -335,17 +447,26 @@ impl Backend for StreamBackend {
         let mut label = Vec::new();
         let mut confidence = Vec::new();
         let mut fresh = Vec::new();
+        let mut exit = Vec::new();
         for outcome in out.into_iter().flatten() {
             for region in outcome.regions {
                 label.push(region.prediction.class as i64);
                 confidence.push(region.prediction.confidence);
                 fresh.push(i64::from(region.fresh));
+                exit.push(match (region.fresh, region.prediction.route) {
+                    (true, Route::Exit(k)) => k as i64,
+                    _ => -1,
+                });
             }
         }
-        Ok(vec![
+        let mut outputs = vec![
             Values::I64(label),
             Values::F32(confidence),
             Values::I64(fresh),
-        ])
+        ];
+        if self.report_exit {
+            outputs.push(Values::I64(exit));
+        }
+        Ok(outputs)
     }
 }

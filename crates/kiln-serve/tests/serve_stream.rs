@@ -8,8 +8,12 @@ mod common;
 use burn::tensor::Device;
 use common::{TestServer, post_json, tempdir, write_cnn_model};
 use kiln::datasets::{Split, bundled};
+use kiln::infer::{Graph, Op, Weight, save_graph};
 use kiln::infer::{InferenceSession, load_graph};
-use kiln::stream::{Frame, StreamConfig, StreamProcessor, SyntheticVideo, VideoSpec};
+use kiln::stream::{
+    Cascade, Frame, FrameClassifier, Route, Stage, StreamConfig, StreamProcessor, SyntheticVideo,
+    VideoSpec,
+};
 use kiln_serve::grpc::pb;
 use serde_json::{Value, json};
 
@@ -300,4 +304,103 @@ fn bad_sequence_use_gets_clear_errors_and_other_sequences_go_on() {
     );
     assert_eq!(config["output"][0]["dims"], json!([4]));
     assert_eq!(config["input"][0]["dims"], json!([1, 56, 56]));
+}
+
+/// A one-layer classifier graph on `[1, side, side]` inputs with seeded weights of `scale`:
+/// a cheap cascade stage whose confidence varies from frame to frame.
+fn linear_stage(path: &std::path::Path, side: usize, scale: f32, seed: u64) {
+    let mut state = seed;
+    let values: Vec<f32> = (0..side * side * 10)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
+        })
+        .collect();
+    let mut graph = Graph::new("stage", [1, side, side]);
+    graph.push(
+        "fc",
+        Op::Linear {
+            weight: Weight::new(vec![side * side, 10], values),
+            bias: None,
+        },
+        vec![Graph::INPUT],
+    );
+    save_graph(&graph, path).unwrap();
+}
+
+#[test]
+fn a_cascade_of_cheaper_stages_answers_first_and_matches_the_library() {
+    let repo = tempdir("stream-cascade");
+    let settings = "max_batch_size = 8\n[sequence_batching]\nframe_dims = [1, 56, 56]\n\
+        regions = [[0, 0, 28, 28], [28, 0, 28, 28], [0, 28, 28, 28], [28, 28, 28, 28]]\n\
+        cascade = [{ graph = \"coarse.kgraph\", threshold = 0.6 }, { graph = \"early.kgraph\", threshold = 0.6 }]\n";
+    let graph = write_cnn_model(&repo, "cam", settings);
+    let dir = graph.parent().unwrap().to_path_buf();
+    linear_stage(&dir.join("coarse.kgraph"), 14, 0.6, 1);
+    linear_stage(&dir.join("early.kgraph"), 28, 0.5, 2);
+    let server = TestServer::start(&repo);
+
+    let device = Device::flex();
+    let session = |p: &std::path::Path| -> Box<dyn FrameClassifier + Send> {
+        Box::new(InferenceSession::from_graph(load_graph(p).unwrap(), &device).unwrap())
+    };
+    let cascade = Cascade::new(
+        vec![
+            Stage {
+                model: session(&dir.join("coarse.kgraph")),
+                threshold: 0.6,
+            },
+            Stage {
+                model: session(&dir.join("early.kgraph")),
+                threshold: 0.6,
+            },
+        ],
+        session(&graph),
+    )
+    .unwrap();
+    let config = server.model("cam").config.clone().sequence.unwrap().stream;
+    let mut local = StreamProcessor::new([1, 56, 56], &config, &device).unwrap();
+    let v = video(12, 9);
+    let mut exits = std::collections::BTreeSet::new();
+    for (i, f) in v.frames.iter().enumerate() {
+        let r = post_json(
+            server.http,
+            "/v2/models/cam/infer",
+            &frame_body(f, json!(3), i == 0, false),
+        );
+        assert_eq!(r.status, 200, "{}", r.error());
+        let answer = r.json();
+        let (labels, _, fresh) = outputs(&answer);
+        let exit: Vec<i64> = answer["outputs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|o| o["name"] == "exit")
+            .expect("a cascade reports which stage answered")["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_i64().unwrap())
+            .collect();
+        let expected = local.process(f, &cascade).unwrap();
+        for (k, region) in expected.regions.iter().enumerate() {
+            assert_eq!(
+                labels[k], region.prediction.class as i64,
+                "frame {i} region {k}"
+            );
+            assert_eq!(fresh[k], 1, "no gate: every region runs");
+            let Route::Exit(stage) = region.prediction.route else {
+                panic!("a cascade answers with exits")
+            };
+            assert_eq!(exit[k], stage as i64, "frame {i} region {k}");
+            exits.insert(stage);
+        }
+    }
+    assert_eq!(
+        exits.into_iter().collect::<Vec<_>>(),
+        vec![0, 1, 2],
+        "the coarse stage, the early stage and the model each answered some regions"
+    );
 }

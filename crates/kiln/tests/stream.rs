@@ -228,3 +228,125 @@ fn early_exit_answers_every_sample_from_the_right_exit_in_order() {
         }
     }
 }
+
+/// A cascade of a coarse model and the full one answers exactly what the typed multi-scale
+/// runner does (route `Exit(0)` = coarse, `Exit(1)` = fine).
+#[test]
+fn a_two_stage_cascade_equals_the_multi_scale_runner() {
+    let device = Device::flex();
+    let coarse = kiln::zoo::CoarseCnn::new(&device);
+    let full = kiln::zoo::MultiExitCnn::new(&device);
+    let images = burn::tensor::Tensor::<4>::random(
+        [16, 1, 28, 28],
+        burn::tensor::Distribution::Normal(0.0, 1.0),
+        &device,
+    );
+    // The median of the coarse model's confidences splits the rows between the two stages.
+    let mut confidences: Vec<f32> = BurnClassifier::new(coarse.clone(), [1, 14, 14])
+        .classify(kiln::stream::downscale(images.clone(), 2).unwrap())
+        .unwrap()
+        .iter()
+        .map(|p| p.confidence)
+        .collect();
+    confidences.sort_by(f32::total_cmp);
+    let threshold = confidences[confidences.len() / 2];
+    let multi = MultiScale::new(
+        BurnClassifier::new(coarse.clone(), [1, 14, 14]),
+        FullDepth(full.clone()),
+        threshold,
+    )
+    .unwrap();
+    let cascade = kiln::stream::Cascade::new(
+        vec![kiln::stream::Stage {
+            model: Box::new(BurnClassifier::new(coarse, [1, 14, 14])),
+            threshold,
+        }],
+        Box::new(FullDepth(full)),
+    )
+    .unwrap();
+    let a = multi.classify(images.clone()).unwrap();
+    let b = cascade.classify(images).unwrap();
+    let mut routes = std::collections::BTreeSet::new();
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!(x.class, y.class);
+        assert!((x.confidence - y.confidence).abs() < 1e-6);
+        let expected = match x.route {
+            kiln::stream::Route::Coarse => kiln::stream::Route::Exit(0),
+            _ => kiln::stream::Route::Exit(1),
+        };
+        assert_eq!(y.route, expected);
+        routes.insert(format!("{:?}", y.route));
+    }
+    assert_eq!(
+        routes.len(),
+        2,
+        "both stages answered some rows: {routes:?}"
+    );
+    let bad = kiln::stream::Cascade::new(
+        vec![kiln::stream::Stage {
+            model: Box::new(BurnClassifier::new(
+                kiln::zoo::CoarseCnn::new(&device),
+                [1, 10, 10],
+            )),
+            threshold: 0.5,
+        }],
+        Box::new(FullDepth(kiln::zoo::MultiExitCnn::new(&device))),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        bad.contains("cascade stage 0") && bad.contains("integer factor"),
+        "{bad}"
+    );
+}
+
+/// An imported ONNX classifier (a real torchvision-style export) is a stream's model like any
+/// other; a model that is not one image classifier is refused by name.
+#[test]
+fn an_imported_onnx_classifier_serves_a_stream() {
+    let device = Device::flex();
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/onnx");
+    let model = kiln::onnx::OnnxModel::load(&dir.join("resnet.onnx"), &device).unwrap();
+    let classifier = kiln::stream::OnnxClassifier::new(model).unwrap();
+    let [c, h, w] = classifier.input_shape();
+    // Two regions side by side, each the model's input size.
+    let frame_shape = [c, h, 2 * w];
+    let n: usize = frame_shape.iter().product();
+    let pixels: Vec<f32> = (0..n)
+        .map(|i| ((i * 7919) % 1000) as f32 / 1000.0)
+        .collect();
+    let frame = Frame::new(frame_shape, pixels).unwrap();
+    let config = StreamConfig {
+        regions: Some(vec![Roi::new(0, 0, w, h), Roi::new(w, 0, w, h)]),
+        region_gate: Some(GateConfig {
+            threshold: 0.01,
+            max_reuse_age: 10,
+        }),
+        ..StreamConfig::default()
+    };
+    let mut stream = StreamProcessor::new(frame_shape, &config, &device).unwrap();
+    let first = stream.process(&frame, &classifier).unwrap();
+    let crops = kiln::stream::crop_batch(
+        &frame,
+        &[Roi::new(0, 0, w, h), Roi::new(w, 0, w, h)],
+        [c, h, w],
+        &device,
+    )
+    .unwrap();
+    let direct = classifier.classify(crops).unwrap();
+    for (r, d) in first.regions.iter().zip(&direct) {
+        assert_eq!(r.prediction.class, d.class);
+        assert!(r.fresh);
+    }
+    let again = stream.process(&frame, &classifier).unwrap();
+    assert!(
+        again.regions.iter().all(|r| !r.fresh),
+        "an unchanged frame reuses"
+    );
+
+    let bert = kiln::onnx::OnnxModel::load(&dir.join("bert.onnx"), &device).unwrap();
+    let err = kiln::stream::OnnxClassifier::new(bert)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("not a single-image classifier"), "{err}");
+}

@@ -8,9 +8,11 @@
 //! of its hard ones alone. The zoo's [`crate::zoo::MultiExitCnn`] is W2 with an early head; any
 //! Burn model implements the contract by splitting its forward at the heads.
 
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::Tensor;
 
-use super::{FrameClassifier, Prediction, Route, check_batch_shape, top1};
+use super::{
+    FrameClassifier, Prediction, Route, all_answered, check_batch_shape, select_rows, top1,
+};
 use crate::error::{KilnError, Result};
 
 /// A network with classifier heads after some of its stages.
@@ -135,22 +137,9 @@ impl<M: MultiExit> FrameClassifier for EarlyExit<M> {
             if carry.is_empty() {
                 break;
             }
-            x = if carry.len() == alive.len() {
-                features
-            } else {
-                let device = features.device();
-                let rows: Vec<i64> = carry.iter().map(|&r| r as i64).collect();
-                let index =
-                    Tensor::<1, Int>::from_data(TensorData::new(rows, [carry.len()]), &device);
-                features.select(0, index)
-            };
+            x = select_rows(features, &carry);
             alive = carry.iter().map(|&r| alive[r]).collect();
         }
-        out.into_iter()
-            .enumerate()
-            .map(|(i, p)| {
-                p.ok_or_else(|| KilnError::Stream(format!("early exit: sample {i} got no answer")))
-            })
-            .collect()
+        all_answered(out, "early exit")
     }
 }

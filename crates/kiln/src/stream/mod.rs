@@ -8,12 +8,14 @@
 //! | [`RegionTracker`] + [`crop_batch`] (regions of interest) | regions that did not change; the rest run as one batch, results mapped back to frame coordinates | [`roi`] |
 //! | [`EarlyExit`] over a [`MultiExit`] model | the deep layers of a sample an early head is confident about | [`early_exit`] |
 //! | [`MultiScale`] | the full-resolution model where a coarse one at lower resolution is confident | [`multiscale`] |
+//! | [`Cascade`] | the model, where cheaper stages (lower resolution, or an early-exit prefix exported on its own) are confident | `cascade` |
 //!
 //! [`StreamProcessor`] composes them per stream (a video, or one sequence of `kiln serve`'s
 //! sequence extension) and says which path each frame and region took; [`video`] generates the
 //! seeded synthetic stream that `kiln bench --mode stream` measures them on. `docs/stream.md`
 //! says when each pays.
 
+mod cascade;
 pub mod early_exit;
 pub mod gate;
 mod measure;
@@ -22,13 +24,14 @@ mod processor;
 pub mod roi;
 pub mod video;
 
-use burn::tensor::Tensor;
+use burn::tensor::{Int, Tensor, TensorData};
 use serde::Serialize;
 
 use crate::error::{KilnError, Result};
 use crate::infer::InferenceSession;
 use crate::zoo::Classifier;
 
+pub use cascade::{Cascade, OnnxClassifier, Stage};
 pub use early_exit::{EarlyExit, FullDepth, MultiExit};
 pub use gate::{FrameGate, GateConfig, GateDecision, mean_abs_diff};
 pub use measure::{StreamModels, StreamRun, WARMUP_FRAMES, run_stream, train_models};
@@ -197,6 +200,28 @@ impl<M: Classifier> FrameClassifier for BurnClassifier<M> {
         check_batch_shape(&images, self.input_shape)?;
         top1(self.model.forward(images), Route::Full)
     }
+}
+
+/// The rows `rows` of `x` (in that order); `x` itself when they are all of its rows in order,
+/// so a batch that carries on whole is not copied.
+pub(crate) fn select_rows(x: Tensor<4>, rows: &[usize]) -> Tensor<4> {
+    if rows.len() == x.dims()[0] && rows.iter().enumerate().all(|(i, &r)| i == r) {
+        return x;
+    }
+    let index: Vec<i64> = rows.iter().map(|&r| r as i64).collect();
+    let index = Tensor::<1, Int>::from_data(TensorData::new(index, [rows.len()]), &x.device());
+    x.select(0, index)
+}
+
+/// The answers of a technique that routes rows to several paths, all present; an internal
+/// error naming `what` and the row otherwise.
+pub(crate) fn all_answered(out: Vec<Option<Prediction>>, what: &str) -> Result<Vec<Prediction>> {
+    out.into_iter()
+        .enumerate()
+        .map(|(i, p)| {
+            p.ok_or_else(|| KilnError::Stream(format!("{what}: sample {i} got no answer")))
+        })
+        .collect()
 }
 
 /// An error unless `images` is `[B, C, H, W]` with `[C, H, W]` = `expected`.

@@ -7,9 +7,9 @@
 //! full resolution, and far less when it is also smaller; [`Downscaled`] trains it on the same
 //! data seen at its resolution.
 
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::Tensor;
 
-use super::{FrameClassifier, Prediction, Route, check_batch_shape};
+use super::{FrameClassifier, Prediction, Route, check_batch_shape, select_rows};
 use crate::data::Dataset;
 use crate::error::{KilnError, Result};
 
@@ -38,7 +38,7 @@ fn check_factor(h: usize, w: usize, factor: usize, what: &str) -> Result<()> {
 
 /// The resolution factor from a `fine` input shape to a `coarse` one: an error unless the
 /// channels agree and both sides shrink by the same integer factor.
-fn scale_factor(fine: [usize; 3], coarse: [usize; 3]) -> Result<usize> {
+pub(super) fn scale_factor(fine: [usize; 3], coarse: [usize; 3]) -> Result<usize> {
     let ok = fine[0] == coarse[0]
         && coarse[1] > 0
         && coarse[2] > 0
@@ -105,16 +105,7 @@ impl<C: FrameClassifier, F: FrameClassifier> FrameClassifier for MultiScale<C, F
         if unsure.is_empty() {
             return Ok(out);
         }
-        let hard = if unsure.len() == out.len() {
-            images
-        } else {
-            let rows: Vec<i64> = unsure.iter().map(|&i| i as i64).collect();
-            let index = Tensor::<1, Int>::from_data(
-                TensorData::new(rows, [unsure.len()]),
-                &images.device(),
-            );
-            images.select(0, index)
-        };
+        let hard = select_rows(images, &unsure);
         for (i, mut p) in unsure.into_iter().zip(self.fine.classify(hard)?) {
             p.route = Route::Fine;
             out[i] = p;
@@ -174,7 +165,7 @@ impl<D: Dataset> Dataset for Downscaled<D> {
 
 #[cfg(test)]
 mod tests {
-    use burn::tensor::Device;
+    use burn::tensor::{Device, TensorData};
 
     use super::*;
 
