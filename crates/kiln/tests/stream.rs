@@ -350,3 +350,35 @@ fn an_imported_onnx_classifier_serves_a_stream() {
         .to_string();
     assert!(err.contains("not a single-image classifier"), "{err}");
 }
+
+/// A region's result is never reused for more than its gate's age, even while the frame gate
+/// keeps reusing whole frames (the region gates see none of those frames).
+#[test]
+fn reuse_ages_hold_across_the_frame_and_region_gates() {
+    let device = Device::flex();
+    let model = Counting {
+        calls: std::cell::Cell::new(0),
+    };
+    let config = StreamConfig {
+        regions: Some(vec![Roi::new(0, 0, 4, 4), Roi::new(4, 0, 4, 4)]),
+        frame_gate: Some(GateConfig {
+            threshold: 0.1,
+            max_reuse_age: 100,
+        }),
+        region_gate: Some(GateConfig {
+            threshold: 0.1,
+            max_reuse_age: 2,
+        }),
+    };
+    let mut stream = StreamProcessor::new([1, 4, 8], &config, &device).unwrap();
+    let frame = Frame::new([1, 4, 8], vec![0.0; 32]).unwrap();
+    let fresh: Vec<bool> = (0..8)
+        .map(|_| stream.process(&frame, &model).unwrap().regions[0].fresh)
+        .collect();
+    assert_eq!(
+        fresh,
+        [true, false, false, true, false, false, true, false],
+        "a static scene recomputes every third frame"
+    );
+    assert_eq!(model.calls.get(), 3);
+}

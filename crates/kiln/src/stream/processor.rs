@@ -63,6 +63,12 @@ pub struct StreamProcessor {
     frame_gate: Option<FrameGate>,
     tracker: Option<RegionTracker>,
     last: Vec<Option<Prediction>>,
+    /// Frames since each region's result was computed.
+    since: Vec<u32>,
+    /// The most frames a region's result may be reused for: the region gate's age, else the
+    /// frame gate's. The gates count only the frames they see, and the region gates see no
+    /// frame the frame gate reused, so this bound is kept here across both.
+    max_age: Option<u32>,
     device: Device,
 }
 
@@ -88,9 +94,15 @@ impl StreamProcessor {
             .region_gate
             .map(|g| RegionTracker::new(regions.clone(), shape, g))
             .transpose()?;
+        let max_age = config
+            .region_gate
+            .or(config.frame_gate)
+            .map(|g| g.max_reuse_age);
         Ok(StreamProcessor {
             shape,
             last: vec![None; regions.len()],
+            since: vec![0; regions.len()],
+            max_age,
             regions,
             frame_gate,
             tracker,
@@ -139,27 +151,36 @@ impl StreamProcessor {
             )));
         }
         let first = self.last.iter().any(Option::is_none);
+        for s in &mut self.since {
+            *s = s.saturating_add(1);
+        }
+        // Regions whose result reached its age bound run whatever the gates say.
+        let stale: Vec<usize> = match self.max_age {
+            Some(max) => (0..self.since.len())
+                .filter(|&i| self.since[i] > max)
+                .collect(),
+            None => Vec::new(),
+        };
         let reuse_frame = match &mut self.frame_gate {
             Some(g) => g.check(frame.pixels()) == GateDecision::Reuse && !first,
             None => false,
         };
-        if reuse_frame {
-            return Ok(Vec::new());
-        }
-        Ok(match &mut self.tracker {
-            Some(t) => {
-                let mut changed = t.changed(frame)?;
-                // A region without a result yet runs whatever its gate says.
-                for (i, p) in self.last.iter().enumerate() {
-                    if p.is_none() && !changed.contains(&i) {
-                        changed.push(i);
-                    }
-                }
-                changed.sort_unstable();
-                changed
+        let mut run: Vec<usize> = if reuse_frame {
+            Vec::new()
+        } else {
+            match &mut self.tracker {
+                Some(t) => t.changed(frame)?,
+                None => (0..self.regions.len()).collect(),
             }
-            None => (0..self.regions.len()).collect(),
-        })
+        };
+        // A region without a result yet runs whatever its gate says, as does a stale one.
+        for (i, p) in self.last.iter().enumerate() {
+            if (p.is_none() || stale.contains(&i)) && !run.contains(&i) {
+                run.push(i);
+            }
+        }
+        run.sort_unstable();
+        Ok(run)
     }
 
     /// The regions of the stream's layout.
@@ -181,6 +202,7 @@ impl StreamProcessor {
         for (&i, p) in run.iter().zip(predictions) {
             if let Some(slot) = self.last.get_mut(i) {
                 *slot = Some(p);
+                self.since[i] = 0;
             }
         }
         let regions = self
