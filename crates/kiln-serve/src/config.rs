@@ -27,6 +27,7 @@
 //! frame_gate = { threshold = 0.05, max_reuse_age = 30 }   # temporal coherence
 //! region_gate = { threshold = 0.08, max_reuse_age = 30 }  # run only changed regions
 //! max_sequence_idle_microseconds = 60000000               # idle sequences are dropped
+//! max_active_sequences = 1024     # a start beyond it: 429 / RESOURCE_EXHAUSTED
 //! cascade = [{ graph = "exit0.kgraph", threshold = 0.9 }]  # cheaper stages first (early
 //!                                 # exit prefix, or a coarse model at 1/f resolution; graph
 //!                                 # or file = "x.onnx"); the model answers the rest
@@ -170,7 +171,14 @@ pub struct SequenceConfig {
     pub max_idle: Duration,
     /// Cheaper classifiers tried before the model, in order.
     pub cascade: Vec<CascadeStage>,
+    /// Sequences a model holds at once; a start beyond it is refused (429 /
+    /// RESOURCE_EXHAUSTED) so that clients cannot grow the server's memory without bound.
+    pub max_active: usize,
 }
+
+/// Default `max_active_sequences`: each sequence holds a copy of its last frame per gate, so
+/// a bound keeps memory known (1,024 sequences of 224×224×3 frames with both gates: ~1.2 GB).
+const DEFAULT_MAX_ACTIVE_SEQUENCES: usize = 1024;
 
 /// One stage of a stream model's cascade ([`kiln::stream::Cascade`]).
 #[derive(Debug, Clone, PartialEq)]
@@ -213,6 +221,7 @@ struct RawSequence {
     max_sequence_idle_microseconds: Option<u64>,
     #[serde(default)]
     cascade: Vec<RawStage>,
+    max_active_sequences: Option<usize>,
 }
 
 impl RawSequence {
@@ -283,6 +292,12 @@ impl RawSequence {
                 "sequence_batching.max_sequence_idle_microseconds must be at least 1".into(),
             );
         }
+        let max_active = self
+            .max_active_sequences
+            .unwrap_or(DEFAULT_MAX_ACTIVE_SEQUENCES);
+        if max_active == 0 {
+            return Err("sequence_batching.max_active_sequences must be at least 1".into());
+        }
         Ok(SequenceConfig {
             frame_dims,
             stream: kiln::stream::StreamConfig {
@@ -292,6 +307,7 @@ impl RawSequence {
             },
             max_idle: Duration::from_micros(idle),
             cascade,
+            max_active,
         })
     }
 }

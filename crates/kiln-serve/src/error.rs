@@ -35,6 +35,16 @@ pub enum ServeError {
         /// The configured bound.
         limit: usize,
     },
+    /// A stream model holds as many sequences as it may: a new one must wait for one to end.
+    #[error(
+        "model `{model}` has {limit} active sequences (max_active_sequences); end one (sequence_end) or raise the limit"
+    )]
+    SequencesFull {
+        /// Model name.
+        model: String,
+        /// The configured bound.
+        limit: usize,
+    },
     /// The request waited longer than its timeout before it could run.
     #[error(
         "request to model `{model}` timed out after {waited_us} µs in the queue (timeout {timeout_us} µs)"
@@ -85,7 +95,7 @@ impl ServeError {
         match self {
             ServeError::InvalidRequest(_) | ServeError::ModelNotReady { .. } => 400,
             ServeError::ModelNotFound(_) => 404,
-            ServeError::QueueFull { .. } => 429,
+            ServeError::QueueFull { .. } | ServeError::SequencesFull { .. } => 429,
             ServeError::Timeout { .. } | ServeError::ShuttingDown => 503,
             ServeError::Inference { .. }
             | ServeError::Load { .. }
@@ -100,7 +110,9 @@ impl ServeError {
             ServeError::InvalidRequest(_) => tonic::Code::InvalidArgument,
             ServeError::ModelNotFound(_) => tonic::Code::NotFound,
             ServeError::ModelNotReady { .. } => tonic::Code::FailedPrecondition,
-            ServeError::QueueFull { .. } => tonic::Code::ResourceExhausted,
+            ServeError::QueueFull { .. } | ServeError::SequencesFull { .. } => {
+                tonic::Code::ResourceExhausted
+            }
             ServeError::Timeout { .. } | ServeError::ShuttingDown => tonic::Code::Unavailable,
             ServeError::Inference { .. }
             | ServeError::Load { .. }
@@ -114,7 +126,7 @@ impl ServeError {
         match self {
             ServeError::InvalidRequest(_) => "invalid",
             ServeError::ModelNotFound(_) | ServeError::ModelNotReady { .. } => "not_ready",
-            ServeError::QueueFull { .. } => "queue_full",
+            ServeError::QueueFull { .. } | ServeError::SequencesFull { .. } => "queue_full",
             ServeError::Timeout { .. } => "timeout",
             ServeError::ShuttingDown => "shutdown",
             ServeError::Inference { .. }

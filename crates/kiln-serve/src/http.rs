@@ -260,7 +260,7 @@ fn header_length(headers: &HeaderMap) -> Result<Option<usize>, ServeError> {
 async fn metrics(State(s): State<Http>) -> Response {
     let mut text = crate::metrics::preamble();
     for rt in s.repository.ready_runtimes() {
-        rt.metrics.render(&mut text, &rt.name);
+        rt.render_metrics(&mut text);
     }
     (
         StatusCode::OK,

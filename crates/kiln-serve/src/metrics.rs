@@ -283,6 +283,11 @@ pub fn preamble() -> String {
             "Region results of stream models: computed by the model or reused (unchanged).",
         ),
         (
+            "kiln_stream_sequences_active",
+            "gauge",
+            "Sequences a stream model holds (started, not ended or idled out).",
+        ),
+        (
             "kiln_batch_size",
             "histogram",
             "Samples per executed batch.",

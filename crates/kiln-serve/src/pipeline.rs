@@ -190,6 +190,21 @@ impl ModelRuntime {
         Ok(runtime)
     }
 
+    /// Appends the model's series to a Prometheus exposition: its counters, and for a stream
+    /// model the sequences it holds.
+    pub fn render_metrics(&self, out: &mut String) {
+        self.metrics.render(out, &self.name);
+        if let Some(table) = &self.sequences {
+            use std::fmt::Write;
+            let _ = writeln!(
+                out,
+                "kiln_stream_sequences_active{{model=\"{}\"}} {}",
+                self.name.replace(['"', '\\', '\n'], "_"),
+                table.active()
+            );
+        }
+    }
+
     /// Runs one request through the pipeline and returns its encoded response; overload,
     /// timeout and shutdown come back as errors, never as a hang.
     pub async fn infer(&self, wire: WireRequest) -> Result<Encoded> {

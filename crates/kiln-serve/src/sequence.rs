@@ -127,6 +127,12 @@ impl Sequences {
         }
         let id = &control.id;
         if control.start {
+            if table.len() >= self.config.max_active && !table.contains_key(id) {
+                return Err(ServeError::SequencesFull {
+                    model: self.model.clone(),
+                    limit: self.config.max_active,
+                });
+            }
             if table.contains_key(id) {
                 return Err(bad(format!(
                     "sequence {id} of model `{}` is already active; end it (sequence_end) \

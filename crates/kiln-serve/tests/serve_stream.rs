@@ -184,6 +184,11 @@ fn bad_sequence_use_gets_clear_errors_and_other_sequences_go_on() {
         "brief",
         "max_batch_size = 8\n[sequence_batching]\nframe_dims = [1, 28, 28]\nmax_sequence_idle_microseconds = 200000\n",
     );
+    write_cnn_model(
+        &repo,
+        "two",
+        "max_batch_size = 8\n[sequence_batching]\nframe_dims = [1, 28, 28]\nmax_active_sequences = 2\n",
+    );
     let server = TestServer::start(&repo);
     let path = "/v2/models/cam/infer";
     let v = video(6, 5);
@@ -296,6 +301,41 @@ fn bad_sequence_use_gets_clear_errors_and_other_sequences_go_on() {
     );
     std::thread::sleep(std::time::Duration::from_millis(400));
     assert!(error(&next, "brief").contains("not active"));
+
+    // At most max_active_sequences at once: a third start is refused until one ends.
+    let digit_frame = |id: u64, start: bool, end: bool| {
+        json!({
+            "inputs": [{ "name": "images", "datatype": "FP32", "shape": [1, 1, 28, 28], "data": vec![0.25f32; 784] }],
+            "parameters": { "sequence_id": id, "sequence_start": start, "sequence_end": end },
+        })
+    };
+    let two = "/v2/models/two/infer";
+    for id in [1, 2] {
+        assert_eq!(
+            post_json(server.http, two, &digit_frame(id, true, false)).status,
+            200
+        );
+    }
+    let full = post_json(server.http, two, &digit_frame(3, true, false));
+    assert_eq!(full.status, 429, "{}", full.error());
+    assert!(
+        full.error().contains("2 active sequences"),
+        "{}",
+        full.error()
+    );
+    let metrics = common::http(server.http, "GET", "/metrics", &[], b"");
+    assert!(
+        String::from_utf8_lossy(&metrics.body)
+            .contains("kiln_stream_sequences_active{model=\"two\"} 2")
+    );
+    assert_eq!(
+        post_json(server.http, two, &digit_frame(1, false, true)).status,
+        200
+    );
+    assert_eq!(
+        post_json(server.http, two, &digit_frame(3, true, false)).status,
+        200
+    );
 
     let config = common::http(server.http, "GET", "/v2/models/cam/config", &[], b"").json();
     assert_eq!(
