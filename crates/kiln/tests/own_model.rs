@@ -70,11 +70,15 @@ fn a_user_copy_of_w2_trains_exactly_like_the_zoo_w2() {
 
 // ---------------------------------------------------------------- drop-in layers = Burn's
 
-/// Gradient of every float parameter, in visiting order.
+/// Gradient of every trainable float parameter, in visiting order (a BatchNorm's running
+/// statistics are visited too, as tensors that take no gradient).
 fn param_grads<M: Module>(model: &M, grads: &burn::optim::GradientsParams) -> Vec<Vec<f32>> {
     struct Collect<'g>(&'g burn::optim::GradientsParams, Vec<Vec<f32>>);
     impl ModuleVisitor for Collect<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if !param.val().is_require_grad() {
+                return;
+            }
             let g = self
                 .0
                 .get::<D>(param.id)
@@ -189,6 +193,48 @@ fn drop_in_layers_give_burns_outputs_and_gradients() {
             x([2, 3, 9, 8]),
             |l, x| l.forward(x),
             |l, x| l.forward(x),
+        );
+    }
+    // BatchNorm in training mode (batch statistics), plain and with the fused ReLU, on a
+    // shifted, scaled input (statistics far from 0 / 1) and random γ, β.
+    let norm = || {
+        let mut bn = burn::nn::BatchNormConfig::new(5).init(&device);
+        bn.gamma = Param::from_tensor(Tensor::random([5], Distribution::Normal(1.0, 0.5), &device));
+        bn.beta = Param::from_tensor(Tensor::random([5], Distribution::Normal(0.0, 0.5), &device));
+        bn
+    };
+    let shifted = || x([4, 5, 6, 7]).mul_scalar(3.0).add_scalar(2.0);
+    let burn_bn = norm();
+    compare(
+        "batch norm",
+        kiln::nn::BatchNorm::from(burn_bn.clone()),
+        burn_bn.clone(),
+        shifted(),
+        |l, x| l.forward(x),
+        |l, x| l.forward(x),
+    );
+    compare(
+        "batch norm + relu",
+        kiln::nn::BatchNorm::from(burn_bn.clone()),
+        burn_bn,
+        shifted(),
+        |l, x| l.forward_relu(x),
+        |l, x| burn::tensor::activation::relu(l.forward(x)),
+    );
+    // The running statistics move the same way.
+    let (burn_bn, input) = (norm(), shifted());
+    let kiln_bn = kiln::nn::BatchNorm::from(norm());
+    let _ = burn_bn.forward(input.clone());
+    let _ = kiln_bn.forward(input);
+    for (a, b) in [
+        (kiln_bn.running_mean.value(), burn_bn.running_mean.value()),
+        (kiln_bn.running_var.value(), burn_bn.running_var.value()),
+    ] {
+        assert_close(
+            "batch norm running statistics",
+            &a.into_data().try_to_vec::<f32>().unwrap(),
+            &b.into_data().try_to_vec::<f32>().unwrap(),
+            1e-5,
         );
     }
     for bias in [true, false] {

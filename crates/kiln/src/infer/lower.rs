@@ -4,7 +4,7 @@ use burn::nn::activation::Activation;
 use burn::nn::attention::MultiHeadAttention;
 use burn::nn::conv::Conv2d;
 use burn::nn::transformer::TransformerEncoderLayer;
-use burn::nn::{BatchNorm, LayerNorm, LayerNormConfig, Linear};
+use burn::nn::{LayerNorm, LayerNormConfig, Linear};
 use burn::tensor::Tensor;
 
 use super::graph::{ConvGeometry, Graph, Op, ValueId, Weight};
@@ -99,7 +99,7 @@ impl Builder {
         self.graph.push(name, op, vec![x])
     }
 
-    fn batch_norm(&mut self, name: &str, bn: &BatchNorm, x: ValueId) -> ValueId {
+    fn batch_norm(&mut self, name: &str, bn: &crate::nn::BatchNorm, x: ValueId) -> ValueId {
         let op = Op::BatchNorm {
             gamma: values(bn.gamma.val()).values,
             beta: values(bn.beta.val()).values,

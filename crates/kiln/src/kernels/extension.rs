@@ -15,6 +15,9 @@ use burn::tensor::{DType, IntDType, TensorData};
 
 use super::conv::{ConvShape, conv2d_forward, conv2d_input_grad, conv2d_weight_grad};
 use super::linear::{LinearShape, linear_forward, linear_input_grad, linear_weight_grad};
+use super::norm::{
+    NormParams, NormShape, batch_norm_backward, batch_norm_forward, batch_norm_stats,
+};
 use super::pool::{PoolShape, max_pool2d_backward, max_pool2d_forward};
 
 /// The ops Kiln supplies. Inputs are NCHW f32; convolutions without groups, pooling without
@@ -86,6 +89,64 @@ pub trait KilnKernels: Backend {
         kernel: [usize; 2],
         stride: [usize; 2],
     ) -> FloatTensor<Self>;
+
+    /// Per-channel batch mean and biased variance of NCHW `x` as `[2, C]` (not
+    /// differentiated: [`KilnKernels::kiln_batch_norm`]'s backward accounts for them).
+    fn kiln_batch_norm_stats(x: FloatTensor<Self>) -> FloatTensor<Self>;
+
+    /// Training-mode BatchNorm of NCHW `x` with its batch statistics `stats` (`[2, C]`),
+    /// followed by ReLU when `relu`; differentiable in `x`, `gamma` and `beta`.
+    fn kiln_batch_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        stats: FloatTensor<Self>,
+        epsilon: f64,
+        relu: bool,
+    ) -> FloatTensor<Self>;
+
+    /// Gradients of [`KilnKernels::kiln_batch_norm`]: `(dx, dgamma, dbeta)`.
+    fn kiln_batch_norm_backward(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        stats: FloatTensor<Self>,
+        epsilon: f64,
+        relu: bool,
+        output_grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+}
+
+/// The BatchNorm kernels' layout of `x`, or `None` when they do not apply (not f32, not 4-D).
+fn norm_shape(x: &FloatTensor<Flex>) -> Option<NormShape> {
+    let d = x.shape();
+    (x.dtype() == DType::F32 && d.num_dims() == 4).then(|| NormShape {
+        batch: d[0],
+        channels: d[1],
+        plane: d[2] * d[3],
+    })
+}
+
+/// Calls `f` with the kernels' view of γ, β, the `[2, C]` statistics (mean row, variance
+/// row), ε and the fused ReLU.
+fn with_norm_params<R>(
+    gamma: &FloatTensor<Flex>,
+    beta: &FloatTensor<Flex>,
+    stats: &FloatTensor<Flex>,
+    eps: f64,
+    relu: bool,
+    f: impl FnOnce(&NormParams) -> R,
+) -> R {
+    let (gamma, beta, stats) = (values(gamma), values(beta), values(stats));
+    let (mean, var) = stats.split_at(stats.len() / 2);
+    f(&NormParams {
+        gamma: &gamma,
+        beta: &beta,
+        mean,
+        var,
+        eps,
+        relu,
+    })
 }
 
 /// The kernel's shape for `x` and `weight`, or `None` when the kernel does not apply (not
@@ -396,6 +457,57 @@ impl KilnKernels for Flex {
         max_pool2d_backward(&s, &values(&output_grad), idx, &mut dx);
         flex_tensor(dx, [dims[0], dims[1], s.h, s.w])
     }
+
+    // The BatchNorm kernels take f32 NCHW only; `kernels::batch_norm` routes nothing else
+    // here, so another input is a caller's bug, reported as such.
+    fn kiln_batch_norm_stats(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        let s = norm_shape(&x).expect("kiln_batch_norm_stats takes f32 NCHW input");
+        let _op =
+            tracing::trace_span!("kiln.batch_norm.stats", s.batch, s.channels, s.plane).entered();
+        let (mean, var) = batch_norm_stats(&s, &values(&x));
+        flex_tensor([mean, var].concat(), [2, s.channels])
+    }
+
+    fn kiln_batch_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        stats: FloatTensor<Self>,
+        epsilon: f64,
+        relu: bool,
+    ) -> FloatTensor<Self> {
+        let s = norm_shape(&x).expect("kiln_batch_norm takes f32 NCHW input");
+        let mut out = vec![0f32; s.len()];
+        with_norm_params(&gamma, &beta, &stats, epsilon, relu, |p| {
+            batch_norm_forward(&s, &values(&x), p, &mut out)
+        });
+        let d = x.shape();
+        flex_tensor(out, [d[0], d[1], d[2], d[3]])
+    }
+
+    fn kiln_batch_norm_backward(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        stats: FloatTensor<Self>,
+        epsilon: f64,
+        relu: bool,
+        output_grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let s = norm_shape(&x).expect("kiln_batch_norm_backward takes f32 NCHW input");
+        let _op =
+            tracing::trace_span!("kiln.batch_norm.grad", s.batch, s.channels, s.plane).entered();
+        let mut dx = vec![0f32; s.len()];
+        let (dgamma, dbeta) = with_norm_params(&gamma, &beta, &stats, epsilon, relu, |p| {
+            batch_norm_backward(&s, &values(&x), p, &values(&output_grad), &mut dx)
+        });
+        let d = x.shape();
+        (
+            flex_tensor(dx, [d[0], d[1], d[2], d[3]]),
+            flex_tensor(dgamma, [s.channels]),
+            flex_tensor(dbeta, [s.channels]),
+        )
+    }
 }
 
 /// Backward of [`KilnKernels::kiln_conv2d`]: parents x, weight, bias.
@@ -609,6 +721,116 @@ impl<B: Backend + KilnKernels, C: CheckpointStrategy> KilnKernels for Autodiff<B
             indices,
         )
         .x_grad
+    }
+
+    fn kiln_batch_norm_stats(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        // Constants of the graph: the normalization's backward differentiates through them.
+        <FloatTensor<Self>>::new(B::kiln_batch_norm_stats(x.into_primitive()))
+    }
+
+    fn kiln_batch_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        stats: FloatTensor<Self>,
+        epsilon: f64,
+        relu: bool,
+    ) -> FloatTensor<Self> {
+        let stats = stats.into_primitive();
+        match KilnBatchNormBackward
+            .prepare::<C>([x.node(), gamma.node(), beta.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                let state = (
+                    prep.checkpoint(&x),
+                    prep.checkpoint(&gamma),
+                    prep.checkpoint(&beta),
+                    stats.clone(),
+                    epsilon,
+                    relu,
+                );
+                let out = B::kiln_batch_norm(
+                    x.into_primitive(),
+                    gamma.into_primitive(),
+                    beta.into_primitive(),
+                    stats,
+                    epsilon,
+                    relu,
+                );
+                prep.finish(state, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::kiln_batch_norm(
+                x.into_primitive(),
+                gamma.into_primitive(),
+                beta.into_primitive(),
+                stats,
+                epsilon,
+                relu,
+            )),
+        }
+    }
+
+    fn kiln_batch_norm_backward(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        stats: FloatTensor<Self>,
+        epsilon: f64,
+        relu: bool,
+        output_grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        // Second derivatives of BatchNorm are not differentiated: the gradients come back as
+        // constants.
+        let (dx, dg, db) = B::kiln_batch_norm_backward(
+            x.into_primitive(),
+            gamma.into_primitive(),
+            beta.into_primitive(),
+            stats.into_primitive(),
+            epsilon,
+            relu,
+            output_grad.into_primitive(),
+        );
+        (
+            <FloatTensor<Self>>::new(dx),
+            <FloatTensor<Self>>::new(dg),
+            <FloatTensor<Self>>::new(db),
+        )
+    }
+}
+
+/// Backward of [`KilnKernels::kiln_batch_norm`]: parents x, gamma, beta.
+#[derive(Debug)]
+struct KilnBatchNormBackward;
+
+impl<B: Backend + KilnKernels> Backward<B, 3> for KilnBatchNormBackward {
+    /// Checkpointed x, gamma and beta, the batch statistics, epsilon, and the fused ReLU.
+    type State = (NodeId, NodeId, NodeId, B::FloatTensorPrimitive, f64, bool);
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 3>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        let [node_x, node_gamma, node_beta] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (x_state, gamma_state, beta_state, stats, epsilon, relu) = ops.state;
+        let x = checkpointer.retrieve_node_output::<B::FloatTensorPrimitive>(x_state);
+        let gamma = checkpointer.retrieve_node_output::<B::FloatTensorPrimitive>(gamma_state);
+        let beta = checkpointer.retrieve_node_output::<B::FloatTensorPrimitive>(beta_state);
+        let (dx, dgamma, dbeta) =
+            B::kiln_batch_norm_backward(x, gamma, beta, stats, epsilon, relu, grad);
+        if let Some(node) = node_x {
+            grads.register::<B>(node.id, dx);
+        }
+        if let Some(node) = node_gamma {
+            grads.register::<B>(node.id, dgamma);
+        }
+        if let Some(node) = node_beta {
+            grads.register::<B>(node.id, dbeta);
+        }
     }
 }
 

@@ -6,7 +6,9 @@
 //! - [`pool`]: f32 max pooling with arg-max indices and its backward scatter.
 //! - [`int8`]: int8 dynamic quantization and the integer GEMM (AVX-512 VNNI, AVX2 and
 //!   portable kernels, one file each) the inference passes use.
-//! - [`conv2d`], [`linear`](fn@linear), [`max_pool2d`]: the entry points models call; they run Kiln's kernel on the
+//! - [`norm`]: f32 BatchNorm in training mode (statistics, normalization with fused ReLU,
+//!   backward) in two passes each way.
+//! - [`conv2d`], [`linear`](fn@linear), [`max_pool2d`], [`batch_norm_train`]: the entry points models call; they run Kiln's kernel on the
 //!   `flex` device (with or without autodiff) and Burn's own op on every other device.
 
 pub mod activation;
@@ -14,6 +16,7 @@ pub mod conv;
 mod extension;
 pub mod int8;
 pub mod linear;
+pub mod norm;
 pub mod pool;
 
 use std::cell::Cell;
@@ -184,6 +187,41 @@ pub fn max_pool2d(x: Tensor<4>, kernel: [usize; 2], stride: [usize; 2]) -> Tenso
     let _op = tracing::trace_span!("kiln.max_pool2d", input = ?x.dims(), ?kernel).entered();
     let out = <Dispatch as KilnKernels>::kiln_max_pool2d(x.into_dispatch(), kernel, stride);
     Tensor::from_dispatch(out)
+}
+
+/// Training-mode BatchNorm of `x` `[N, C, H, W]` (batch statistics), then ReLU when `relu`:
+/// Kiln's kernels on `flex` for f32 (two passes forward, two backward), `None` otherwise (the
+/// caller runs Burn's op). Returns the output and the batch mean and biased variance (for the
+/// running statistics; not differentiated).
+pub fn batch_norm_train(
+    x: Tensor<4>,
+    gamma: Tensor<1>,
+    beta: Tensor<1>,
+    epsilon: f64,
+    relu: bool,
+) -> Option<(Tensor<4>, Tensor<1>, Tensor<1>)> {
+    let f32_only = [x.dtype(), gamma.dtype(), beta.dtype()]
+        .iter()
+        .all(|d| *d == DType::F32);
+    let [_, c, _, _] = x.dims();
+    if !f32_only || !serves(&x.device()) || gamma.dims() != [c] || beta.dims() != [c] {
+        return None;
+    }
+    let _op = tracing::trace_span!("kiln.batch_norm", input = ?x.dims(), relu).entered();
+    let stats: Tensor<2> = Tensor::from_dispatch(<Dispatch as KilnKernels>::kiln_batch_norm_stats(
+        x.clone().detach().into_dispatch(),
+    ));
+    let out = <Dispatch as KilnKernels>::kiln_batch_norm(
+        x.into_dispatch(),
+        gamma.into_dispatch(),
+        beta.into_dispatch(),
+        stats.clone().into_dispatch(),
+        epsilon,
+        relu,
+    );
+    let mean = stats.clone().slice([0..1, 0..c]).reshape([c]);
+    let var = stats.slice([1..2, 0..c]).reshape([c]);
+    Some((Tensor::from_dispatch(out), mean, var))
 }
 
 /// `pool.forward(x)`, through [`max_pool2d`] when the layer has no padding, dilation or ceil

@@ -47,8 +47,10 @@ macro_rules! wraps_burn_config {
 
 mod conv;
 mod linear;
+mod norm;
 mod pool;
 
 pub use conv::{Conv2d, Conv2dConfig};
 pub use linear::{Linear, LinearConfig};
+pub use norm::{BatchNorm, BatchNormConfig};
 pub use pool::{MaxPool2d, MaxPool2dConfig};

@@ -1,13 +1,16 @@
-//! W5: a ResNet-18-style network with BatchNorm (3×3 stem, no max-pool, as the peer).
+//! W5: a ResNet-18-style network with BatchNorm (3×3 stem, no max-pool, as the peer). Its
+//! BatchNorm layers are Kiln's drop-in ([`crate::nn::BatchNorm`]: Burn's record, Kiln's
+//! training kernels, the following ReLU fused where there is one).
 
 use burn::module::Module;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::pool::{AdaptiveAvgPool2d, AdaptiveAvgPool2dConfig};
-use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig, PaddingConfig2d};
+use burn::nn::{Linear, LinearConfig, PaddingConfig2d};
 use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor};
 
 use super::{Classifier, NUM_CLASSES};
+use crate::nn::{BatchNorm, BatchNormConfig};
 use crate::precision as amp;
 
 /// Shape of a ResNet: input channels and the width of each of the four stages.
@@ -93,7 +96,7 @@ impl BasicBlock {
     }
 
     fn forward(&self, x: Tensor<4>) -> Tensor<4> {
-        let y = relu(self.bn1.forward(amp::conv2d(&self.conv1, x.clone())));
+        let y = self.bn1.forward_relu(amp::conv2d(&self.conv1, x.clone()));
         let y = self.bn2.forward(amp::conv2d(&self.conv2, y));
         let skip = match &self.shortcut {
             Some(s) => s.bn.forward(amp::conv2d(&s.conv, x)),
@@ -122,7 +125,7 @@ impl ResNet {
 
 impl Classifier for ResNet {
     fn forward(&self, images: Tensor<4>) -> Tensor<2> {
-        let mut x = relu(self.stem_bn.forward(amp::conv2d(&self.stem, images)));
+        let mut x = self.stem_bn.forward_relu(amp::conv2d(&self.stem, images));
         for block in &self.blocks {
             x = block.forward(x);
         }

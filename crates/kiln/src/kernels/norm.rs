@@ -1,0 +1,319 @@
+//! f32 BatchNorm in training mode over NCHW values: batch statistics, the normalization with
+//! its affine transform (and the ReLU that usually follows, fused), and the backward pass in
+//! two passes over memory.
+//!
+//! Burn's default `batch_norm_train` composes a dozen tensor ops (channel swaps that copy the
+//! whole activation, means, broadcasts), each a pass over memory and an autodiff node; these
+//! kernels read the activation twice forward (statistics, then normalize) and twice backward
+//! (the two reductions, then the input gradient), one channel per task.
+
+use rayon::prelude::*;
+
+/// The layout of a BatchNorm input `[batch, channels, plane]` (plane = H·W).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NormShape {
+    /// Samples.
+    pub batch: usize,
+    /// Channels (statistics are per channel).
+    pub channels: usize,
+    /// Values per channel per sample (H·W).
+    pub plane: usize,
+}
+
+impl NormShape {
+    /// Values per channel over the batch.
+    pub fn per_channel(&self) -> usize {
+        self.batch * self.plane
+    }
+
+    /// Total values.
+    pub fn len(&self) -> usize {
+        self.batch * self.channels * self.plane
+    }
+
+    /// Whether there are no values.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The runs of channel `c`: one `plane`-long slice per sample.
+    fn runs<'a>(&self, x: &'a [f32], c: usize) -> impl Iterator<Item = &'a [f32]> + 'a {
+        let (plane, channels) = (self.plane, self.channels);
+        (0..self.batch).map(move |n| &x[(n * channels + c) * plane..][..plane])
+    }
+}
+
+/// Per-channel batch mean and biased variance of `x` (accumulated in f64: a channel of a
+/// batch of 64 32×32 images sums 65,536 values).
+pub fn batch_norm_stats(s: &NormShape, x: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let m = s.per_channel().max(1) as f64;
+    let stats: Vec<(f32, f32)> = (0..s.channels)
+        .into_par_iter()
+        .map(|c| {
+            let (mut sum, mut sq) = (0f64, 0f64);
+            for run in s.runs(x, c) {
+                let (a, b) = run
+                    .iter()
+                    .fold((0f32, 0f32), |(a, b), &v| (a + v, b + v * v));
+                // Partial sums per run in f32 (vectorizes), totals in f64.
+                sum += f64::from(a);
+                sq += f64::from(b);
+            }
+            let mean = sum / m;
+            ((mean) as f32, (sq / m - mean * mean).max(0.0) as f32)
+        })
+        .collect();
+    stats.into_iter().unzip()
+}
+
+/// One channel's constants: the affine form `y = x · a + b` of the normalization (`a = γ/σ`,
+/// `b = β − mean · a`), `1/σ` and the mean.
+#[derive(Clone, Copy)]
+struct Channel {
+    a: f32,
+    b: f32,
+    inv: f32,
+    mean: f32,
+}
+
+impl Channel {
+    /// The constants of every channel.
+    fn all(gamma: &[f32], beta: &[f32], mean: &[f32], var: &[f32], eps: f64) -> Vec<Channel> {
+        (0..gamma.len())
+            .map(|c| {
+                let inv = (1.0 / (f64::from(var[c]) + eps).sqrt()) as f32;
+                let a = gamma[c] * inv;
+                Channel {
+                    a,
+                    b: beta[c] - mean[c] * a,
+                    inv,
+                    mean: mean[c],
+                }
+            })
+            .collect()
+    }
+
+    /// The output gradient `g` as it reaches the normalization: zero where a fused ReLU cut
+    /// the (recomputed) output `v · a + b`.
+    fn through_relu(&self, relu: bool, v: f32, g: f32) -> f32 {
+        if relu && v * self.a + self.b <= 0.0 {
+            0.0
+        } else {
+            g
+        }
+    }
+}
+
+/// The normalization's parameters: per-channel γ, β and batch statistics, ε, and whether a
+/// ReLU follows (fused).
+#[derive(Debug, Clone, Copy)]
+pub struct NormParams<'a> {
+    /// Scale γ `[C]`.
+    pub gamma: &'a [f32],
+    /// Shift β `[C]`.
+    pub beta: &'a [f32],
+    /// Batch mean `[C]`.
+    pub mean: &'a [f32],
+    /// Batch (biased) variance `[C]`.
+    pub var: &'a [f32],
+    /// Added to the variance.
+    pub eps: f64,
+    /// A ReLU after the normalization.
+    pub relu: bool,
+}
+
+impl NormParams<'_> {
+    fn channels(&self) -> Vec<Channel> {
+        Channel::all(self.gamma, self.beta, self.mean, self.var, self.eps)
+    }
+}
+
+/// `out = γ · (x − mean) / √(var + ε) + β`, then ReLU when `p.relu`.
+pub fn batch_norm_forward(s: &NormShape, x: &[f32], p: &NormParams, out: &mut [f32]) {
+    let (ch, relu) = (p.channels(), p.relu);
+    let (plane, channels) = (s.plane, s.channels);
+    if plane == 0 {
+        return;
+    }
+    out.par_chunks_mut(plane)
+        .zip(x.par_chunks(plane))
+        .enumerate()
+        .for_each(|(i, (o, xs))| {
+            let Channel { a, b, .. } = ch[i % channels];
+            if relu {
+                for (o, &v) in o.iter_mut().zip(xs) {
+                    *o = (v * a + b).max(0.0);
+                }
+            } else {
+                for (o, &v) in o.iter_mut().zip(xs) {
+                    *o = v * a + b;
+                }
+            }
+        });
+}
+
+/// Gradients of [`batch_norm_forward`] in training mode (the statistics are functions of `x`):
+/// `dx`, `dγ`, `dβ` from the output gradient `dy`. With `relu`, `dy` is masked where the
+/// (recomputed) normalized value was not positive.
+pub fn batch_norm_backward(
+    s: &NormShape,
+    x: &[f32],
+    p: &NormParams,
+    dy: &[f32],
+    dx: &mut [f32],
+) -> (Vec<f32>, Vec<f32>) {
+    let (ch, relu) = (p.channels(), p.relu);
+    let m = s.per_channel().max(1) as f64;
+    let (plane, channels) = (s.plane, s.channels);
+    // Pass 1, per channel: Σ g and Σ g·x̂ (g = dy, masked by the ReLU).
+    let sums: Vec<(f64, f64)> = (0..channels)
+        .into_par_iter()
+        .map(|c| {
+            let k = ch[c];
+            let (mut sg, mut sgx) = (0f64, 0f64);
+            for (xs, gs) in s.runs(x, c).zip(s.runs(dy, c)) {
+                let (mut p, mut q) = (0f32, 0f32);
+                for (&v, &g) in xs.iter().zip(gs) {
+                    let g = k.through_relu(relu, v, g);
+                    p += g;
+                    q += g * (v - k.mean) * k.inv;
+                }
+                sg += f64::from(p);
+                sgx += f64::from(q);
+            }
+            (sg, sgx)
+        })
+        .collect();
+    // Pass 2: dx = γ/σ · (g − Σg/M − x̂ · Σg·x̂/M).
+    if plane > 0 {
+        dx.par_chunks_mut(plane)
+            .zip(x.par_chunks(plane).zip(dy.par_chunks(plane)))
+            .enumerate()
+            .for_each(|(i, (d, (xs, gs)))| {
+                let c = i % channels;
+                let k = ch[c];
+                let mean_g = (sums[c].0 / m) as f32;
+                let mean_gx = (sums[c].1 / m) as f32;
+                for ((d, &v), &g) in d.iter_mut().zip(xs).zip(gs) {
+                    let g = k.through_relu(relu, v, g);
+                    *d = k.a * (g - mean_g - (v - k.mean) * k.inv * mean_gx);
+                }
+            });
+    }
+    let dgamma = sums.iter().map(|s| s.1 as f32).collect();
+    let dbeta = sums.iter().map(|s| s.0 as f32).collect();
+    (dgamma, dbeta)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The same computation in f64, straight from the definitions.
+    fn reference(
+        s: &NormShape,
+        x: &[f32],
+        gamma: &[f32],
+        beta: &[f32],
+        relu: bool,
+        dy: &[f32],
+    ) -> (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>) {
+        let eps = 1e-5;
+        let m = s.per_channel() as f64;
+        let at = |n: usize, c: usize, p: usize| (n * s.channels + c) * s.plane + p;
+        let mut y = vec![0f64; s.len()];
+        let mut dx = vec![0f64; s.len()];
+        let (mut dg, mut db) = (vec![0f64; s.channels], vec![0f64; s.channels]);
+        for c in 0..s.channels {
+            let idx: Vec<usize> = (0..s.batch)
+                .flat_map(|n| (0..s.plane).map(move |p| at(n, c, p)))
+                .collect();
+            let mean = idx.iter().map(|&i| f64::from(x[i])).sum::<f64>() / m;
+            let var = idx
+                .iter()
+                .map(|&i| (f64::from(x[i]) - mean).powi(2))
+                .sum::<f64>()
+                / m;
+            let inv = 1.0 / (var + eps).sqrt();
+            let mut g = vec![0f64; idx.len()];
+            for (k, &i) in idx.iter().enumerate() {
+                let xhat = (f64::from(x[i]) - mean) * inv;
+                let pre = f64::from(gamma[c]) * xhat + f64::from(beta[c]);
+                y[i] = if relu { pre.max(0.0) } else { pre };
+                g[k] = if relu && pre <= 0.0 {
+                    0.0
+                } else {
+                    f64::from(dy[i])
+                };
+            }
+            let sg: f64 = g.iter().sum();
+            let sgx: f64 = idx
+                .iter()
+                .zip(&g)
+                .map(|(&i, g)| g * (f64::from(x[i]) - mean) * inv)
+                .sum();
+            dg[c] = sgx;
+            db[c] = sg;
+            for (k, &i) in idx.iter().enumerate() {
+                let xhat = (f64::from(x[i]) - mean) * inv;
+                dx[i] = f64::from(gamma[c]) * inv * (g[k] - sg / m - xhat * sgx / m);
+            }
+        }
+        (y, dx, dg, db)
+    }
+
+    fn max_rel(ours: &[f32], reference: &[f64]) -> f64 {
+        let scale = reference
+            .iter()
+            .fold(0f64, |m, v| m.max(v.abs()))
+            .max(1e-12);
+        ours.iter()
+            .zip(reference)
+            .fold(0f64, |m, (a, b)| m.max((f64::from(*a) - b).abs()))
+            / scale
+    }
+
+    #[test]
+    fn forward_and_gradients_match_an_f64_reference_with_and_without_relu() {
+        let s = NormShape {
+            batch: 3,
+            channels: 5,
+            plane: 7,
+        };
+        let mut state = 17u64;
+        let mut next = || {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 1.5
+        };
+        let x: Vec<f32> = (0..s.len()).map(|_| next()).collect();
+        let dy: Vec<f32> = (0..s.len()).map(|_| next()).collect();
+        let gamma: Vec<f32> = (0..s.channels).map(|_| next()).collect();
+        let beta: Vec<f32> = (0..s.channels).map(|_| next()).collect();
+        for relu in [false, true] {
+            let (mean, var) = batch_norm_stats(&s, &x);
+            let p = NormParams {
+                gamma: &gamma,
+                beta: &beta,
+                mean: &mean,
+                var: &var,
+                eps: 1e-5,
+                relu,
+            };
+            let mut y = vec![0f32; s.len()];
+            batch_norm_forward(&s, &x, &p, &mut y);
+            let mut dx = vec![0f32; s.len()];
+            let (dg, db) = batch_norm_backward(&s, &x, &p, &dy, &mut dx);
+            let (ry, rdx, rdg, rdb) = reference(&s, &x, &gamma, &beta, relu, &dy);
+            for (what, err) in [
+                ("y", max_rel(&y, &ry)),
+                ("dx", max_rel(&dx, &rdx)),
+                ("dgamma", max_rel(&dg, &rdg)),
+                ("dbeta", max_rel(&db, &rdb)),
+            ] {
+                assert!(err < 1e-5, "relu {relu}: {what} relative error {err}");
+            }
+        }
+    }
+}
