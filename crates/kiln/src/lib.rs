@@ -18,7 +18,7 @@
 //!   [`plan::Plan`]'s `train`): accumulation, clipping, bf16/f16 mixed precision with loss
 //!   scaling, the stability guard, checkpoints and exact resume, OOM-adaptive micro-batching,
 //!   events, evaluation with pluggable [`train::Metric`]s.
-//! - [`nn`]: drop-in `Linear`, `Conv2d`, `MaxPool2d` with Burn's configs and records, so the
+//! - [`nn`]: drop-in `Linear`, `Conv2d`, `MaxPool2d`, `BatchNorm` with Burn's configs and records, so the
 //!   model gets Kiln's CPU kernels and the autocast policy by changing one `use` line.
 //! - [`tune::batch::search_source`] and [`tune::auto::search_source`]: the batch-size
 //!   search and the measured plan search on your model and data.

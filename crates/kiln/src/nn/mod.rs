@@ -1,6 +1,7 @@
 //! Drop-in replacements for Burn's layers that run through Kiln: `use kiln::nn::{Linear,
 //! LinearConfig}` instead of `use burn::nn::{Linear, LinearConfig}` and the model gets Kiln's
-//! f32 CPU kernels (GEMM convolution and linear layers, max pooling with arg-max backward) and
+//! f32 CPU kernels (GEMM convolution and linear layers, max pooling with arg-max backward,
+//! BatchNorm's training forward and backward in two passes each) and
 //! the trainer's bf16/f16 autocast policy, with nothing else changed.
 //!
 //! Each layer has Burn's fields under Burn's names, so its record is Burn's record: weights
