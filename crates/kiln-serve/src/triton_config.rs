@@ -96,17 +96,31 @@ pub fn to_proto(rt: &ModelRuntime) -> pb::ModelConfig {
                 InstanceKind::Auto => pb::model_instance_group::Kind::Auto as i32,
             },
         }],
-        scheduling_choice: c.dynamic_batching.as_ref().map(|b| {
-            pb::model_config::SchedulingChoice::DynamicBatching(pb::ModelDynamicBatching {
-                preferred_batch_size: b.preferred_batch_sizes.iter().map(|&p| p as i32).collect(),
-                max_queue_delay_microseconds: b.max_queue_delay.as_micros() as u64,
-                default_queue_policy: Some(pb::ModelQueuePolicy {
-                    default_timeout_microseconds: c.timeout.map_or(0, |t| t.as_micros() as u64),
-                    max_queue_size: c.max_queue_size as u32,
-                }),
-            })
-        }),
+        // Triton's scheduling is one of the two: a stream model reports its sequence batching
+        // (the frames of different sequences still share executions by the dynamic rules).
+        scheduling_choice: match &c.sequence {
+            Some(seq) => Some(pb::model_config::SchedulingChoice::SequenceBatching(
+                pb::ModelSequenceBatching {
+                    max_sequence_idle_microseconds: seq.max_idle.as_micros() as u64,
+                },
+            )),
+            None => dynamic_proto(c),
+        },
     }
+}
+
+/// The dynamic batching block of a model's protobuf configuration, if it has one.
+fn dynamic_proto(c: &crate::config::ModelConfig) -> Option<pb::model_config::SchedulingChoice> {
+    c.dynamic_batching.as_ref().map(|b| {
+        pb::model_config::SchedulingChoice::DynamicBatching(pb::ModelDynamicBatching {
+            preferred_batch_size: b.preferred_batch_sizes.iter().map(|&p| p as i32).collect(),
+            max_queue_delay_microseconds: b.max_queue_delay.as_micros() as u64,
+            default_queue_policy: Some(pb::ModelQueuePolicy {
+                default_timeout_microseconds: c.timeout.map_or(0, |t| t.as_micros() as u64),
+                max_queue_size: c.max_queue_size as u32,
+            }),
+        })
+    })
 }
 
 /// Cumulative statistics in Triton's schema: (count, ns) for success, fail, queue,

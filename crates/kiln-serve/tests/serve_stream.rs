@@ -281,6 +281,23 @@ fn bad_sequence_use_gets_clear_errors_and_other_sequences_go_on() {
             "{}",
             status.message()
         );
+        // The protobuf model configuration says it is a sequence model, as Triton's does.
+        let config = c
+            .model_config(pb::ModelConfigRequest {
+                name: "cam".into(),
+                version: String::new(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .config
+            .unwrap();
+        match config.scheduling_choice {
+            Some(pb::model_config::SchedulingChoice::SequenceBatching(s)) => {
+                assert_eq!(s.max_sequence_idle_microseconds, 60_000_000)
+            }
+            other => panic!("no sequence batching in {other:?}"),
+        }
     });
 
     // A sequence idle for longer than its model allows is dropped.

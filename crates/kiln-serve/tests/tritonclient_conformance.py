@@ -97,6 +97,9 @@ def run_sequences(mod, url, seq_a, seq_b):
     and a sequence never started refused."""
     name = mod.__name__.split(".")[-1]
     c = mod.InferenceServerClient(url)
+    cfg = c.get_model_config("cam", as_json=True) if name == "grpc" else c.get_model_config("cam")
+    cfg = cfg.get("config", cfg)
+    check("sequence_batching" in cfg, f"{name}: the stream model's config has sequence_batching {cfg}")
     rng = np.random.default_rng(2)
     base = rng.random((1, 1, 56, 56), dtype=np.float32)
     changed = base.copy()

@@ -417,6 +417,12 @@ pub struct ModelDynamicBatching {
     pub default_queue_policy: ::core::option::Option<ModelQueuePolicy>,
 }
 #[allow(clippy::all)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct ModelSequenceBatching {
+    #[prost(uint64, tag = "1")]
+    pub max_sequence_idle_microseconds: u64,
+}
+#[allow(clippy::all)]
 #[derive(Clone, PartialEq, ::prost::Message)]
 pub struct ModelConfig {
     #[prost(string, tag = "1")]
@@ -433,7 +439,7 @@ pub struct ModelConfig {
     pub output: ::prost::alloc::vec::Vec<ModelOutput>,
     #[prost(message, repeated, tag = "7")]
     pub instance_group: ::prost::alloc::vec::Vec<ModelInstanceGroup>,
-    #[prost(oneof = "model_config::SchedulingChoice", tags = "11")]
+    #[prost(oneof = "model_config::SchedulingChoice", tags = "11, 13")]
     pub scheduling_choice: ::core::option::Option<model_config::SchedulingChoice>,
 }
 /// Nested message and enum types in `ModelConfig`.
@@ -443,6 +449,8 @@ pub mod model_config {
     pub enum SchedulingChoice {
         #[prost(message, tag = "11")]
         DynamicBatching(super::ModelDynamicBatching),
+        #[prost(message, tag = "13")]
+        SequenceBatching(super::ModelSequenceBatching),
     }
 }
 /// Model configuration (Triton's model_config.proto), the fields perf_analyzer and
