@@ -12,7 +12,7 @@ use kiln::burn;
 use kiln::datasets::{Split, bundled};
 use kiln::stream::{
     BurnClassifier, EarlyExit, FrameClassifier, FullDepth, GateConfig, MultiScale, StreamConfig,
-    StreamRun, SyntheticVideo, VideoSpec, run_stream, train_models,
+    StreamRun, SyntheticVideo, VideoSpec, run_stream,
 };
 use serde::Serialize;
 
@@ -90,7 +90,7 @@ pub fn run(bench: &StreamBench) -> Result<()> {
         "kiln bench stream: training the multi-exit W2 and the coarse model ({} epochs)...",
         bench.epochs
     );
-    let models = train_models(&train, &test, &spec, bench.epochs, &device)?;
+    let models = kiln::zoo::train_stream_models(&train, &test, &spec, bench.epochs, &device)?;
     eprintln!(
         "kiln bench stream: test accuracy multi-exit {:.4}, coarse {:.4}; {} frames of {:?} slots",
         models.multi_exit_accuracy, models.coarse_accuracy, spec.frames, spec.grid

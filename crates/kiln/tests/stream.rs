@@ -9,7 +9,7 @@ use burn::tensor::Device;
 use kiln::datasets::{Split, bundled};
 use kiln::stream::{
     BurnClassifier, EarlyExit, Frame, FrameClassifier, FullDepth, GateConfig, MultiScale, Roi,
-    StreamConfig, StreamProcessor, StreamRun, SyntheticVideo, VideoSpec, run_stream, train_models,
+    StreamConfig, StreamProcessor, StreamRun, SyntheticVideo, VideoSpec, run_stream,
 };
 
 fn share(paths: &BTreeMap<String, usize>, key: &str) -> f64 {
@@ -33,7 +33,7 @@ fn each_technique_and_their_mix_keep_accuracy_while_skipping_work() {
         frames: 300,
         ..VideoSpec::default()
     };
-    let models = train_models(&train, &test, &spec, 2, &device).unwrap();
+    let models = kiln::zoo::train_stream_models(&train, &test, &spec, 2, &device).unwrap();
     assert!(
         models.multi_exit_accuracy > 0.9,
         "{}",

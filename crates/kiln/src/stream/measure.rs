@@ -1,24 +1,19 @@
 //! Measuring a stream configuration on a labelled video: frames per second, latency
 //! percentiles, the share of frames and predictions that took each path, and accuracy against
 //! the ground truth and against a reference run (the full model on every region of every
-//! frame). `kiln bench --mode stream` and the tests use it; [`train_models`] trains the zoo's
-//! stream models for it.
+//! frame). `kiln bench --mode stream` and the tests use it, with the zoo's stream models
+//! ([`crate::zoo::train_stream_models`]).
 
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use burn::module::Module;
 use burn::tensor::Device;
 use serde::Serialize;
 
+use super::FrameClassifier;
 use super::processor::{FramePath, StreamConfig, StreamProcessor};
-use super::video::{StreamLike, SyntheticVideo, VideoSpec};
-use super::{Downscaled, FrameClassifier};
-use crate::data::{Augment, Dataset};
+use super::video::SyntheticVideo;
 use crate::error::{KilnError, Result};
-use crate::observe::NullSink;
-use crate::train::{TrainOptions, Trainer};
-use crate::zoo::{CoarseCnn, MultiExitCnn};
 
 /// Frames processed before timing starts (on a separate stream state): first-call costs
 /// (allocations, kernel set-up) are not a stream's steady state.
@@ -126,85 +121,5 @@ pub fn run_stream(
         frame_paths,
         region_paths,
         predictions,
-    })
-}
-
-/// The zoo's stream models, trained, on the inference device (no autodiff).
-#[derive(Debug)]
-pub struct StreamModels {
-    /// W2 with an early exit.
-    pub multi_exit: MultiExitCnn,
-    /// The half-resolution coarse model.
-    pub coarse: CoarseCnn,
-    /// Test accuracy of the multi-exit model's last exit.
-    pub multi_exit_accuracy: f64,
-    /// Test accuracy of the coarse model (on the test split at half resolution).
-    pub coarse_accuracy: f64,
-}
-
-/// Trains [`MultiExitCnn`] (random crops, so digits that drift by two pixels stay known) and
-/// [`CoarseCnn`] on `train` (its half-resolution view), evaluating both on `test`; both sets
-/// seen as the stream of `spec` shows digits ([`StreamLike`]: its background and noise).
-pub fn train_models(
-    train: &dyn Dataset,
-    test: &dyn Dataset,
-    spec: &VideoSpec,
-    epochs: usize,
-    device: &Device,
-) -> Result<StreamModels> {
-    let seed = spec.seed;
-    // Other backgrounds than the video's own frames: the training seed is not the video's.
-    let train_spec = VideoSpec {
-        seed: spec.seed.wrapping_add(1),
-        ..spec.clone()
-    };
-    let (train, test) = (
-        StreamLike::new(train, &train_spec),
-        StreamLike::new(test, &train_spec),
-    );
-    let (train, test): (&dyn Dataset, &dyn Dataset) = (&train, &test);
-    let mut sink = NullSink;
-    let options = TrainOptions {
-        epochs,
-        seed,
-        augment: Augment::Crop,
-        eval_every_epochs: epochs,
-        ..TrainOptions::default()
-    };
-    let full = Trainer::new(options.clone(), device.clone(), &mut sink).fit(
-        "multi-exit-cnn",
-        MultiExitCnn::new,
-        train,
-        Some(test),
-    )?;
-    let (small_train, small_test) = (Downscaled::new(train, 2)?, Downscaled::new(test, 2)?);
-    // A 2 px crop at half resolution would be a 4 px shift at full: the coarse model trains on
-    // the centred digits and the multi-scale runner sends what it is unsure of to the full one.
-    let coarse_options = TrainOptions {
-        augment: Augment::None,
-        epochs: epochs * 2,
-        eval_every_epochs: epochs * 2,
-        ..options
-    };
-    let coarse = Trainer::new(coarse_options, device.clone(), &mut sink).fit(
-        "coarse-cnn",
-        CoarseCnn::new,
-        &small_train,
-        Some(&small_test),
-    )?;
-    let accuracy = |epochs: &[crate::observe::EpochSummary]| {
-        epochs
-            .iter()
-            .rev()
-            .find_map(|e| e.test_accuracy)
-            .unwrap_or(0.0)
-    };
-    Ok(StreamModels {
-        multi_exit_accuracy: accuracy(&full.epochs),
-        coarse_accuracy: accuracy(&coarse.epochs),
-        // Off the autodiff device: a forward there records a graph that no backward frees
-        // (2.5 MB a frame on the video).
-        multi_exit: full.model.valid(),
-        coarse: coarse.model.valid(),
     })
 }

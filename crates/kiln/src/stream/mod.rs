@@ -34,7 +34,7 @@ use crate::zoo::Classifier;
 pub use cascade::{Cascade, OnnxClassifier, Stage};
 pub use early_exit::{EarlyExit, FullDepth, MultiExit};
 pub use gate::{FrameGate, GateConfig, GateDecision, mean_abs_diff};
-pub use measure::{StreamModels, StreamRun, WARMUP_FRAMES, run_stream, train_models};
+pub use measure::{StreamRun, WARMUP_FRAMES, run_stream};
 pub use multiscale::{Downscaled, MultiScale, downscale};
 pub use processor::{FrameOutcome, FramePath, RegionResult, StreamConfig, StreamProcessor};
 pub use roi::{RegionTracker, Roi, crop_batch, crop_resize};

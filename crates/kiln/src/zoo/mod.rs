@@ -23,7 +23,9 @@ use burn::tensor::{Device, Tensor};
 
 pub use cnn::Cnn;
 pub use mlp::Mlp;
-pub use multi_exit::{CoarseCnn, EXIT_LOSS_WEIGHTS, MultiExitCnn};
+pub use multi_exit::{
+    CoarseCnn, EXIT_LOSS_WEIGHTS, MultiExitCnn, StreamModels, train_stream_models,
+};
 pub use resnet::{ResNet, ResNetConfig};
 pub use transformer::EncoderClassifier;
 

@@ -1,7 +1,8 @@
 //! The real-time variants of W2 for [`crate::stream`]: W2 with an early exit head
 //! ([`MultiExitCnn`]), and a small CNN for half-resolution inputs ([`CoarseCnn`], the coarse
-//! model of a multi-scale cascade). Both are written as a user would write them, on
-//! [`crate::nn`]'s drop-in layers.
+//! model of a multi-scale cascade), both written as a user would write them, on
+//! [`crate::nn`]'s drop-in layers; [`train_stream_models`] trains them for the stream
+//! benchmark and tests.
 
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
@@ -9,10 +10,12 @@ use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor};
 
 use super::{Classifier, NUM_CLASSES};
-use crate::data::Batch;
+use crate::data::{Augment, Batch, Dataset};
+use crate::error::Result;
 use crate::nn::{Conv2d, Conv2dConfig, Linear, LinearConfig, MaxPool2d, MaxPool2dConfig};
-use crate::stream::MultiExit;
-use crate::train::{StepOutput, TrainStep};
+use crate::observe::NullSink;
+use crate::stream::{Downscaled, MultiExit, StreamLike, VideoSpec};
+use crate::train::{StepOutput, TrainOptions, TrainStep, Trainer};
 
 /// How much each exit's loss counts in training: the early head a little less than the final
 /// one, so the shared first convolution serves the deep path first.
@@ -153,4 +156,84 @@ fn check_shape(shape: [usize; 3], expected: [usize; 3]) -> std::result::Result<(
             "samples have shape {shape:?} but this model expects {expected:?}"
         ))
     }
+}
+
+/// The zoo's stream models, trained, on the inference device (no autodiff).
+#[derive(Debug)]
+pub struct StreamModels {
+    /// W2 with an early exit.
+    pub multi_exit: MultiExitCnn,
+    /// The half-resolution coarse model.
+    pub coarse: CoarseCnn,
+    /// Test accuracy of the multi-exit model's last exit.
+    pub multi_exit_accuracy: f64,
+    /// Test accuracy of the coarse model (on the test split at half resolution).
+    pub coarse_accuracy: f64,
+}
+
+/// Trains [`MultiExitCnn`] (random crops, so digits that drift by two pixels stay known) and
+/// [`CoarseCnn`] on `train` (its half-resolution view), evaluating both on `test`; both sets
+/// seen as the stream of `spec` shows digits ([`StreamLike`]: its background and noise).
+pub fn train_stream_models(
+    train: &dyn Dataset,
+    test: &dyn Dataset,
+    spec: &VideoSpec,
+    epochs: usize,
+    device: &Device,
+) -> Result<StreamModels> {
+    let seed = spec.seed;
+    // Other backgrounds than the video's own frames: the training seed is not the video's.
+    let train_spec = VideoSpec {
+        seed: spec.seed.wrapping_add(1),
+        ..spec.clone()
+    };
+    let (train, test) = (
+        StreamLike::new(train, &train_spec),
+        StreamLike::new(test, &train_spec),
+    );
+    let (train, test): (&dyn Dataset, &dyn Dataset) = (&train, &test);
+    let mut sink = NullSink;
+    let options = TrainOptions {
+        epochs,
+        seed,
+        augment: Augment::Crop,
+        eval_every_epochs: epochs,
+        ..TrainOptions::default()
+    };
+    let full = Trainer::new(options.clone(), device.clone(), &mut sink).fit(
+        "multi-exit-cnn",
+        MultiExitCnn::new,
+        train,
+        Some(test),
+    )?;
+    let (small_train, small_test) = (Downscaled::new(train, 2)?, Downscaled::new(test, 2)?);
+    // A 2 px crop at half resolution would be a 4 px shift at full: the coarse model trains on
+    // the centred digits and the multi-scale runner sends what it is unsure of to the full one.
+    let coarse_options = TrainOptions {
+        augment: Augment::None,
+        epochs: epochs * 2,
+        eval_every_epochs: epochs * 2,
+        ..options
+    };
+    let coarse = Trainer::new(coarse_options, device.clone(), &mut sink).fit(
+        "coarse-cnn",
+        CoarseCnn::new,
+        &small_train,
+        Some(&small_test),
+    )?;
+    let accuracy = |epochs: &[crate::observe::EpochSummary]| {
+        epochs
+            .iter()
+            .rev()
+            .find_map(|e| e.test_accuracy)
+            .unwrap_or(0.0)
+    };
+    Ok(StreamModels {
+        multi_exit_accuracy: accuracy(&full.epochs),
+        coarse_accuracy: accuracy(&coarse.epochs),
+        // Off the autodiff device: a forward there records a graph that no backward frees
+        // (2.5 MB a frame on the video).
+        multi_exit: full.model.valid(),
+        coarse: coarse.model.valid(),
+    })
 }
