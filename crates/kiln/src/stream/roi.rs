@@ -138,7 +138,6 @@ pub fn crop_batch(
 pub struct RegionTracker {
     regions: Vec<Roi>,
     gates: Vec<FrameGate>,
-    scratch: Vec<f32>,
 }
 
 impl RegionTracker {
@@ -156,11 +155,7 @@ impl RegionTracker {
             .iter()
             .map(|_| FrameGate::new(gate))
             .collect::<Result<Vec<_>>>()?;
-        Ok(RegionTracker {
-            regions,
-            gates,
-            scratch: Vec::new(),
-        })
+        Ok(RegionTracker { regions, gates })
     }
 
     /// The layout.
@@ -173,21 +168,12 @@ impl RegionTracker {
     pub fn changed(&mut self, frame: &Frame) -> Result<Vec<usize>> {
         let mut out = Vec::new();
         for (i, (roi, gate)) in self.regions.iter().zip(&mut self.gates).enumerate() {
-            self.scratch = crop_resize(frame, *roi, roi.h, roi.w)?;
-            if gate.check(&self.scratch) == GateDecision::Compute {
+            let values = crop_resize(frame, *roi, roi.h, roi.w)?;
+            if gate.check(&values) == GateDecision::Compute {
                 out.push(i);
             }
         }
         Ok(out)
-    }
-
-    /// Forces every region to run on the next frame (a scene cut the caller knows about, or
-    /// a frame-level recompute).
-    pub fn invalidate(&mut self, frame: &Frame) -> Result<()> {
-        for (roi, gate) in self.regions.iter().zip(&mut self.gates) {
-            gate.reset_to(&crop_resize(frame, *roi, roi.h, roi.w)?);
-        }
-        Ok(())
     }
 }
 

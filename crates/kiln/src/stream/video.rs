@@ -126,7 +126,6 @@ impl SyntheticVideo {
         let mut background = vec![0.0f32; h * w];
         let mut slots: Vec<Slot> = Vec::new();
         let mut scene_left = 0;
-        let (mean, std) = MNIST_MEAN_STD;
         let max = spec.max_shift as i64;
         let mut raw = vec![0.0f32; h * w];
         for f in 0..spec.frames {
@@ -169,10 +168,7 @@ impl SyntheticVideo {
             }
             let values: Vec<f32> = raw
                 .iter()
-                .map(|&v| {
-                    let noisy = (v + spec.noise * gaussian(&mut rng)).clamp(0.0, 1.0);
-                    (noisy - mean) / std
-                })
+                .map(|&v| sensor(v, spec.noise, &mut rng))
                 .collect();
             out.frames.push(Frame::new([1, h, w], values)?);
             out.labels
@@ -262,12 +258,19 @@ impl<D: crate::data::Dataset> crate::data::Dataset for StreamLike<D> {
         paint_background(&mut background, h, w, self.spec.background, &mut rng);
         let (mean, std) = MNIST_MEAN_STD;
         for (v, b) in out.iter_mut().zip(background.iter().cycle()) {
-            let raw = (*v * std + mean).max(*b);
-            let noisy = (raw + self.spec.noise * gaussian(&mut rng)).clamp(0.0, 1.0);
-            *v = (noisy - mean) / std;
+            // Back to pixel intensity, over the background, then as the camera records it.
+            *v = sensor((*v * std + mean).max(*b), self.spec.noise, &mut rng);
         }
         Ok(label)
     }
+}
+
+/// A pixel intensity `raw` (0..1) as the stream records it: sensor noise of standard deviation
+/// `noise`, clamped to the valid range, normalized as MNIST is for the zoo's models.
+fn sensor(raw: f32, noise: f32, rng: &mut StdRng) -> f32 {
+    let (mean, std) = MNIST_MEAN_STD;
+    let noisy = (raw + noise * gaussian(rng)).clamp(0.0, 1.0);
+    (noisy - mean) / std
 }
 
 /// A standard normal draw (Box–Muller).
