@@ -304,12 +304,10 @@ impl FrameClassifier for BackendClassifier {
 /// every frame in a batch through the cascade (or the classifier alone) as one batch.
 pub struct StreamBackend {
     model: String,
+    /// The cascade's stages and, last, the classifier; its input shape is what each region is
+    /// resized to, and a cascade with stages adds the `exit` output.
     cascade: Cascade,
     frame_dims: [usize; 3],
-    /// The classifier's input `[C, H, W]`: each region is resized to it.
-    input_dims: [usize; 3],
-    /// Whether responses carry the `exit` output.
-    report_exit: bool,
     device: Device,
 }
 
@@ -331,7 +329,6 @@ impl StreamBackend {
             input_dims,
             classes: inner_spec.outputs[0].sample_len(),
         };
-        let report_exit = !stages.is_empty();
         let cascade = Cascade::new(stages, Box::new(last)).map_err(|e| ServeError::Load {
             model: model.to_string(),
             message: e.to_string(),
@@ -340,8 +337,6 @@ impl StreamBackend {
             model: model.to_string(),
             cascade,
             frame_dims: config.frame_dims,
-            input_dims,
-            report_exit,
             device: device.clone(),
         })
     }
@@ -358,7 +353,7 @@ impl StreamBackend {
         let mut guards: Vec<MutexGuard<'_, StreamProcessor>> =
             rows.iter().map(|&r| lock(&states[r])).collect();
         let mut runs = Vec::with_capacity(rows.len());
-        let [c, h, w] = self.input_dims;
+        let [c, h, w] = self.cascade.input_shape();
         let mut crops = Vec::new();
         for (guard, &r) in guards.iter_mut().zip(rows) {
             let run = guard.begin(&frames[r]).map_err(invalid)?;
@@ -470,7 +465,7 @@ impl Backend for StreamBackend {
             Values::F32(confidence),
             Values::I64(fresh),
         ];
-        if self.report_exit {
+        if !self.cascade.is_empty() {
             outputs.push(Values::I64(exit));
         }
         Ok(outputs)
