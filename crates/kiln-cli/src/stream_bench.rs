@@ -182,15 +182,6 @@ pub fn run(bench: &StreamBench) -> Result<()> {
     Ok(())
 }
 
-fn shares(paths: &std::collections::BTreeMap<String, usize>) -> String {
-    let total: usize = paths.values().sum();
-    paths
-        .iter()
-        .map(|(k, v)| format!("{k} {:.0}%", 100.0 * *v as f64 / total.max(1) as f64))
-        .collect::<Vec<_>>()
-        .join(", ")
-}
-
 fn print_tables(rows: &[Row], sweep: &[SweepPoint], threads: usize) {
     println!(
         "stream: {} frames, {threads} thread(s); speed-up = fps / fps of the full model on every region",
@@ -213,7 +204,7 @@ fn print_tables(rows: &[Row], sweep: &[SweepPoint], threads: usize) {
             r.run
                 .agreement
                 .map_or("-".to_string(), |a| format!("{a:.4}")),
-            shares(&r.run.region_paths)
+            r.run.region_summary()
         );
     }
     println!("\nthreshold sweep (no frame or region gate):");

@@ -4,8 +4,6 @@
 //! the early head is sure of skips the deep layers), against the full model on every region
 //! of every frame. `cargo run --release -p kiln --example stream_own_model`
 
-use std::collections::BTreeMap;
-
 use burn::module::Module;
 use burn::nn::PaddingConfig2d;
 use burn::nn::loss::CrossEntropyLossConfig;
@@ -125,12 +123,7 @@ fn run() -> kiln::Result<Runs> {
         &train,
         Some(&test),
     )?;
-    let test_accuracy = outcome
-        .epochs
-        .iter()
-        .rev()
-        .find_map(|e| e.test_accuracy)
-        .unwrap_or(0.0);
+    let test_accuracy = outcome.summary.test_accuracy.unwrap_or(0.0);
     // The inference copy: off the autodiff device.
     let model = outcome.model.valid();
 
@@ -170,15 +163,6 @@ fn run() -> kiln::Result<Runs> {
     })
 }
 
-fn shares(paths: &BTreeMap<String, usize>) -> String {
-    let total: usize = paths.values().sum();
-    paths
-        .iter()
-        .map(|(k, v)| format!("{k} {:.0}%", 100.0 * *v as f64 / total.max(1) as f64))
-        .collect::<Vec<_>>()
-        .join(", ")
-}
-
 #[cfg_attr(test, allow(dead_code))]
 fn main() -> kiln::Result<()> {
     let runs = run()?;
@@ -190,7 +174,7 @@ fn main() -> kiln::Result<()> {
             r.fps,
             r.accuracy,
             r.agreement.map_or("-".into(), |a| format!("{a:.4}")),
-            shares(&r.region_paths)
+            r.region_summary()
         );
     }
     println!("speed-up {:.2}x", runs.fast.fps / runs.full.fps);

@@ -3,19 +3,12 @@
 //! measured against the full model on every region of every frame: the accuracy band and the
 //! share of work skipped. Speed itself is `kiln bench --mode stream`'s, not a test's.
 
-use std::collections::BTreeMap;
-
 use burn::tensor::Device;
 use kiln::datasets::{Split, bundled};
 use kiln::stream::{
     BurnClassifier, EarlyExit, Frame, FrameClassifier, FullDepth, GateConfig, MultiScale, Roi,
     StreamConfig, StreamProcessor, StreamRun, SyntheticVideo, VideoSpec, run_stream,
 };
-
-fn share(paths: &BTreeMap<String, usize>, key: &str) -> f64 {
-    let total: usize = paths.values().sum();
-    *paths.get(key).unwrap_or(&0) as f64 / total.max(1) as f64
-}
 
 fn show(run: &StreamRun) {
     eprintln!(
@@ -52,7 +45,7 @@ fn each_technique_and_their_mix_keep_accuracy_while_skipping_work() {
         reference.accuracy > 0.85,
         "the full model knows the stream's digits"
     );
-    assert_eq!(share(&reference.region_paths, "full"), 1.0);
+    assert_eq!(reference.region_share("full"), 1.0);
     let refp = Some(reference.predictions.as_slice());
 
     let temporal = StreamConfig {
@@ -94,13 +87,10 @@ fn each_technique_and_their_mix_keep_accuracy_while_skipping_work() {
             run.accuracy,
             reference.accuracy
         );
-        let got = share(&run.region_paths, path);
+        let got = run.region_share(path);
         assert!(got >= least, "{name}: share of `{path}` {got} < {least}");
         if name == "roi+early-exit" {
-            assert!(
-                share(&run.region_paths, "exit0") > 0.0,
-                "the mix also exits early"
-            );
+            assert!(run.region_share("exit0") > 0.0, "the mix also exits early");
         }
     }
 }

@@ -46,6 +46,24 @@ pub struct StreamRun {
     pub predictions: Vec<Vec<usize>>,
 }
 
+impl StreamRun {
+    /// The share of region results, in [0, 1], that took `path` (a route name such as `exit0`,
+    /// or `reused`).
+    pub fn region_share(&self, path: &str) -> f64 {
+        let total: usize = self.region_paths.values().sum();
+        *self.region_paths.get(path).unwrap_or(&0) as f64 / total.max(1) as f64
+    }
+
+    /// The region paths as percentages, for a table: `exit0 47%, exit1 53%`.
+    pub fn region_summary(&self) -> String {
+        self.region_paths
+            .keys()
+            .map(|k| format!("{k} {:.0}%", 100.0 * self.region_share(k)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
 /// Runs `model` under `config` over every frame of `video` and measures it; `reference`
 /// holds the predictions to compare with (a [`StreamRun::predictions`] of the full model).
 pub fn run_stream(

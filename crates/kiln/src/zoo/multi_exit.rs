@@ -221,16 +221,9 @@ pub fn train_stream_models(
         &small_train,
         Some(&small_test),
     )?;
-    let accuracy = |epochs: &[crate::observe::EpochSummary]| {
-        epochs
-            .iter()
-            .rev()
-            .find_map(|e| e.test_accuracy)
-            .unwrap_or(0.0)
-    };
     Ok(StreamModels {
-        multi_exit_accuracy: accuracy(&full.epochs),
-        coarse_accuracy: accuracy(&coarse.epochs),
+        multi_exit_accuracy: full.summary.test_accuracy.unwrap_or(0.0),
+        coarse_accuracy: coarse.summary.test_accuracy.unwrap_or(0.0),
         // Off the autodiff device: a forward there records a graph that no backward frees
         // (2.5 MB a frame on the video).
         multi_exit: full.model.valid(),
