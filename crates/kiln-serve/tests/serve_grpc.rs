@@ -3,31 +3,14 @@
 
 mod common;
 
-use common::{TestServer, images, tempdir, write_cnn_model, write_model};
+use common::{
+    TestServer, f32_bytes, grpc_request as request, images, tempdir, write_cnn_model, write_model,
+};
 use kiln_serve::grpc::pb;
 use pb::grpc_inference_service_client::GrpcInferenceServiceClient;
 use tonic::Code;
 
 type Client = GrpcInferenceServiceClient<tonic::transport::Channel>;
-
-fn request(model: &str, name: &str, shape: Vec<i64>, raw: Vec<u8>) -> pb::ModelInferRequest {
-    pb::ModelInferRequest {
-        model_name: model.into(),
-        id: "req".into(),
-        inputs: vec![pb::model_infer_request::InferInputTensor {
-            name: name.into(),
-            datatype: "FP32".into(),
-            shape,
-            ..Default::default()
-        }],
-        raw_input_contents: vec![raw],
-        ..Default::default()
-    }
-}
-
-fn f32_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
 
 #[test]
 fn grpc_serves_metadata_config_and_inference() {

@@ -262,18 +262,13 @@ fn bad_sequence_use_gets_clear_errors_and_other_sequences_go_on() {
                 parameter_choice: Some(pb::infer_parameter::ParameterChoice::Int64Param(9)),
             },
         );
-        let request = pb::ModelInferRequest {
-            model_name: "cam".into(),
-            inputs: vec![pb::model_infer_request::InferInputTensor {
-                name: "images".into(),
-                datatype: "FP32".into(),
-                shape: vec![1, 1, 56, 56],
-                ..Default::default()
-            }],
-            raw_input_contents: vec![f[0].pixels().iter().flat_map(|x| x.to_le_bytes()).collect()],
-            parameters,
-            ..Default::default()
-        };
+        let mut request = common::grpc_request(
+            "cam",
+            "images",
+            vec![1, 1, 56, 56],
+            common::f32_bytes(f[0].pixels()),
+        );
+        request.parameters = parameters;
         let status = c.model_infer(request).await.unwrap_err();
         assert_eq!(status.code(), tonic::Code::InvalidArgument);
         assert!(

@@ -314,3 +314,31 @@ pub fn concurrent_posts(
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     })
 }
+
+/// A gRPC `ModelInferRequest` for `model` with one FP32 input `name` of `shape` whose values
+/// are the little-endian bytes `raw`.
+pub fn grpc_request(
+    model: &str,
+    name: &str,
+    shape: Vec<i64>,
+    raw: Vec<u8>,
+) -> kiln_serve::grpc::pb::ModelInferRequest {
+    use kiln_serve::grpc::pb;
+    pb::ModelInferRequest {
+        model_name: model.into(),
+        id: "req".into(),
+        inputs: vec![pb::model_infer_request::InferInputTensor {
+            name: name.into(),
+            datatype: "FP32".into(),
+            shape,
+            ..Default::default()
+        }],
+        raw_input_contents: vec![raw],
+        ..Default::default()
+    }
+}
+
+/// Little-endian bytes of f32 values (gRPC `raw_input_contents`).
+pub fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
