@@ -3,6 +3,10 @@
 
 use std::process::{Command, Output};
 
+#[path = "../../kiln/tests/common/test_dir.rs"]
+mod test_dir;
+use test_dir::TestDir;
+
 /// Tests run in parallel threads, each starting `kiln` processes that use every core. A test
 /// whose assertion depends on *where time goes* (the bottleneck verdict) holds this lock
 /// exclusively, and every other `kiln` run holds it shared: on the 2-core CI machine a
@@ -33,11 +37,9 @@ fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
-fn tempdir(name: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("kiln-cli-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+/// A fresh [`TestDir`] named after the test.
+fn tempdir(name: &str) -> TestDir {
+    TestDir::new(&format!("cli-{name}"))
 }
 
 #[test]

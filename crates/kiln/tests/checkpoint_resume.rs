@@ -82,7 +82,7 @@ fn resume_continues_bit_for_bit() {
     let stopped = Trainer::new(
         TrainOptions {
             max_steps: Some(7),
-            ..options(Some(dir.clone()))
+            ..options(Some(dir.to_path_buf()))
         },
         Device::flex(),
         &mut first_half,
@@ -96,10 +96,14 @@ fn resume_continues_bit_for_bit() {
     assert_eq!((state.epoch, state.step_in_epoch), (1, 2));
 
     let mut second_half = MemorySink::default();
-    let resumed = Trainer::new(options(Some(dir.clone())), Device::flex(), &mut second_half)
-        .resume_from(&ckpt)
-        .fit(kind.name(), |d| kind.init(d), &data, None)
-        .unwrap();
+    let resumed = Trainer::new(
+        options(Some(dir.to_path_buf())),
+        Device::flex(),
+        &mut second_half,
+    )
+    .resume_from(&ckpt)
+    .fit(kind.name(), |d| kind.init(d), &data, None)
+    .unwrap();
     assert_eq!(resumed.summary.steps, 10);
     let steps: Vec<u64> = second_half.steps().map(|s| s.step).collect();
     assert_eq!(steps, vec![8, 9, 10]);
@@ -129,7 +133,7 @@ fn resume_with_other_settings_or_model_is_refused() {
     Trainer::new(
         TrainOptions {
             epochs: 1,
-            ..options(Some(dir.clone()))
+            ..options(Some(dir.to_path_buf()))
         },
         Device::flex(),
         &mut sink,
@@ -182,7 +186,7 @@ fn divergence_is_an_error_and_keeps_the_last_checkpoint() {
             optimizer: OptimizerKind::Sgd,
             lr: 10.0,
             momentum: 0.99,
-            checkpoint_dir: Some(dir.clone()),
+            checkpoint_dir: Some(dir.to_path_buf()),
             checkpoint_every_steps: Some(1),
             ..TrainOptions::default()
         },
@@ -239,7 +243,7 @@ fn retention_keeps_the_newest_checkpoints() {
         Checkpoint::load(&path).unwrap();
     }
     let mut sink = NullSink;
-    let resumed = Trainer::new(options(Some(kept.clone())), Device::flex(), &mut sink)
+    let resumed = Trainer::new(options(Some(kept.to_path_buf())), Device::flex(), &mut sink)
         .resume_from(latest_checkpoint(&kept).unwrap().unwrap())
         .fit(kind.name(), |d| kind.init(d), &data, None)
         .unwrap();
@@ -261,7 +265,7 @@ fn a_failed_checkpoint_write_stops_with_a_clear_error_and_keeps_the_last_good_on
     std::fs::create_dir_all(dir.join(Checkpoint::file_name(3))).unwrap();
     let opts = TrainOptions {
         checkpoint_every_steps: Some(1),
-        ..options(Some(dir.clone()))
+        ..options(Some(dir.to_path_buf()))
     };
     let mut sink = NullSink;
     let Err(err) = Trainer::new(opts.clone(), Device::flex(), &mut sink).fit(

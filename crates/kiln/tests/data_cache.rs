@@ -43,7 +43,7 @@ fn lru_eviction_keeps_the_cache_under_its_bound() {
     let dir = common::tempdir("cache", "lru");
     let payload = vec![7u8; 1000];
     // Room for five entries (payload + 48-byte header each).
-    let cache = DiskCache::open(&dir, 5 * 1048 + 100).unwrap();
+    let cache = DiskCache::open(dir.path(), 5 * 1048 + 100).unwrap();
     let keys: Vec<String> = (0..8u32)
         .map(|i| DiskCache::key(&[&i.to_le_bytes()]))
         .collect();
@@ -76,12 +76,12 @@ fn lru_eviction_keeps_the_cache_under_its_bound() {
 
     // Reopen: the entries and their recency come back from the directory.
     drop(cache);
-    let reopened = DiskCache::open(&dir, 5 * 1048 + 100).unwrap();
+    let reopened = DiskCache::open(dir.path(), 5 * 1048 + 100).unwrap();
     assert_eq!(reopened.len(), 5);
     assert!(reopened.get(&keys[6]).is_some());
     // A smaller capacity evicts on open.
     drop(reopened);
-    let small = DiskCache::open(&dir, 2 * 1048).unwrap();
+    let small = DiskCache::open(dir.path(), 2 * 1048).unwrap();
     assert_eq!(small.len(), 2);
     assert_eq!(entry_files(&dir).len(), 2);
 }
@@ -95,7 +95,7 @@ fn a_corrupt_entry_is_recomputed_never_returned() {
     };
     let cached = CachedDataset::new(
         data,
-        DiskCache::open(&dir, 1 << 20).unwrap(),
+        DiskCache::open(dir.path(), 1 << 20).unwrap(),
         "bundled-mnist-train",
         "normalize(mnist)",
         1,
@@ -158,7 +158,7 @@ fn concurrent_readers_through_the_loader_see_correct_samples() {
             computed: AtomicUsize::new(0),
         },
         // Smaller than the data set: eviction runs while four workers read and write.
-        DiskCache::open(&dir, 200 * (784 * 4 + 8 + 48)).unwrap(),
+        DiskCache::open(dir.path(), 200 * (784 * 4 + 8 + 48)).unwrap(),
         "bundled-mnist-train",
         "normalize(mnist)",
         1,

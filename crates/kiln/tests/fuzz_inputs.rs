@@ -112,7 +112,6 @@ fn graphs() {
     let graph = infer::lower(&model, "mlp", [1, 28, 28]).unwrap();
     let seed = infer::graph_to_bytes(&graph).unwrap();
     let dir = common::tempdir("fuzz", "graph-files");
-    let _cleanup = common::RemoveOnDrop(dir.clone());
     let path = dir.join("model.kgraph");
     fuzz(&target("kgraph", &seed, true, cases(), KGRAPH), |bytes| {
         std::fs::write(&path, bytes).unwrap();
@@ -161,7 +160,6 @@ fn read_rows(array: &MmapArray) -> kiln::Result<()> {
 #[test]
 fn npy_files() {
     let dir = common::tempdir("fuzz", "npy");
-    let _cleanup = common::RemoveOnDrop(dir.clone());
     let seed_path = dir.join("seed.npy");
     write_npy(&seed_path, ElementType::F32, &[3, 2, 2], &[0u8; 48]).unwrap();
     let seed = std::fs::read(&seed_path).unwrap();
@@ -179,7 +177,6 @@ fn safetensors_files() {
     )
     .unwrap();
     let dir = common::tempdir("fuzz", "safetensors");
-    let _cleanup = common::RemoveOnDrop(dir.clone());
     let path = dir.join("case.safetensors");
     fuzz(
         &target("safetensors", &seed, false, cases(), SAFETENSORS),

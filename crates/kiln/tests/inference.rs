@@ -673,7 +673,7 @@ fn unsupported_layers_and_mismatched_checkpoints_are_clear_errors() {
     let mut options = TrainOptions {
         epochs: 1,
         batch_size: 32,
-        checkpoint_dir: Some(dir.clone()),
+        checkpoint_dir: Some(dir.to_path_buf()),
         ..TrainOptions::default()
     };
     Trainer::new(options.clone(), Device::flex(), &mut sink)
@@ -687,7 +687,7 @@ fn unsupported_layers_and_mismatched_checkpoints_are_clear_errors() {
     assert!(infer::load_model(ModelKind::Mlp, 1, &ckpt, &device).is_ok());
 
     let dir3 = common::tempdir("infer", "ckpt3");
-    options.checkpoint_dir = Some(dir3.clone());
+    options.checkpoint_dir = Some(dir3.to_path_buf());
     let rgb = kiln::data::SyntheticDataset::new(32, [3, 8, 8], 10, 1);
     Trainer::new(options, Device::flex(), &mut sink)
         .fit(

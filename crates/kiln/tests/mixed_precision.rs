@@ -427,7 +427,7 @@ fn a_scaled_f16_run_resumes_bit_for_bit() {
     Trainer::new(
         TrainOptions {
             max_steps: Some(8),
-            ..options(Some(dir.clone()))
+            ..options(Some(dir.to_path_buf()))
         },
         Device::flex(),
         &mut sink,
@@ -443,7 +443,7 @@ fn a_scaled_f16_run_resumes_bit_for_bit() {
     assert_ne!(saved.scale, 1_048_576.0, "the scale moved before the stop");
 
     let mut sink = NullSink;
-    let resumed = Trainer::new(options(Some(dir)), Device::flex(), &mut sink)
+    let resumed = Trainer::new(options(Some(dir.to_path_buf())), Device::flex(), &mut sink)
         .resume_from(&ckpt)
         .fit("mlp", |d| ModelKind::Mlp.init(d), &data, None)
         .unwrap();

@@ -23,7 +23,7 @@ use kiln::train::{
 };
 use kiln::zoo::ModelKind;
 
-use common::{RemoveOnDrop, bitwise_differences, tempdir};
+use common::{bitwise_differences, tempdir};
 
 // ---------------------------------------------------------------- a user's copy of W2
 
@@ -374,7 +374,6 @@ fn regression_options(dir: &std::path::Path) -> TrainOptions {
 #[test]
 fn a_user_model_resumes_bit_for_bit_with_f16_and_loss_scaling() {
     let dir = tempdir("own-model", "resume");
-    let _cleanup = RemoveOnDrop(dir.clone());
     let train = regression_source(200, 4);
     let full = Trainer::new(regression_options(&dir), Device::flex(), &mut NullSink)
         .fit_source("mlp", Mlp::new, &train, None)
@@ -590,7 +589,6 @@ impl TrainStep<Rows> for Unreduced {
 #[test]
 fn bad_models_and_data_are_clear_errors_and_write_nothing() {
     let dir = tempdir("own-model", "bad-input");
-    let _cleanup = RemoveOnDrop(dir.clone());
 
     let err = expect_error(
         |d| Unreduced { mlp: Mlp::new(d) },
@@ -612,7 +610,7 @@ fn bad_models_and_data_are_clear_errors_and_write_nothing() {
 
     // A checkpoint of another model under the same name, and one under another name.
     let options = TrainOptions {
-        checkpoint_dir: Some(dir.clone()),
+        checkpoint_dir: Some(dir.to_path_buf()),
         max_steps: Some(1),
         ..TrainOptions::default()
     };

@@ -4,7 +4,6 @@
 mod common;
 
 use burn::tensor::Device;
-use kiln::data::{Dataset, ImageDataset};
 use kiln::datasets::{Split, bundled};
 use kiln::guard::{GuardAction, GuardOptions, GuardPolicy, Trouble};
 use kiln::observe::{Event, MemorySink};
@@ -12,31 +11,9 @@ use kiln::train::{Checkpoint, OptimizerKind, TrainOptions, flatten_params, lates
 use kiln::zoo::ModelKind;
 use kiln::{KilnError, Trainer, burn};
 
-/// Real MNIST samples, except the listed indices, whose pixels are NaN.
-struct Poisoned {
-    inner: ImageDataset,
-    bad: Vec<usize>,
-}
-
-impl Dataset for Poisoned {
-    fn len(&self) -> usize {
-        self.inner.len()
-    }
-    fn item_shape(&self) -> [usize; 3] {
-        self.inner.item_shape()
-    }
-    fn fill(&self, index: usize, out: &mut [f32]) -> kiln::Result<usize> {
-        let label = self.inner.fill(index, out)?;
-        if self.bad.contains(&index) {
-            out.fill(f32::NAN);
-        }
-        Ok(label)
-    }
-}
-
-fn poisoned() -> Poisoned {
+fn poisoned() -> common::Poisoned {
     // Batches of 32 in order: samples 40 and 200 fall in steps 2 and 7.
-    Poisoned {
+    common::Poisoned {
         inner: bundled(Split::Train).unwrap().take(256),
         bad: vec![40, 200],
     }

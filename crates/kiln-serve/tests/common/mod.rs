@@ -12,12 +12,13 @@ use kiln::infer::{InferenceSession, load_graph, lower, save_graph};
 use kiln::zoo::ModelKind;
 use kiln_serve::{Repository, Server, ServerOptions, Stages};
 
-/// A fresh, empty directory under the system temp dir.
-pub fn tempdir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kiln-serve-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+#[path = "../../../kiln/tests/common/test_dir.rs"]
+mod test_dir;
+pub use test_dir::TestDir;
+
+/// A fresh [`TestDir`] named after the test.
+pub fn tempdir(name: &str) -> TestDir {
+    TestDir::new(&format!("serve-{name}"))
 }
 
 /// Writes `repo/name/config.toml`.

@@ -9,21 +9,35 @@ use kiln::train::TrainOptions;
 use kiln::zoo::ModelKind;
 use tracing_subscriber::layer::SubscriberExt;
 
-/// A fresh, empty directory under the system temp dir, unique to this test process.
-pub fn tempdir(prefix: &str, name: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("kiln-{prefix}-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+mod test_dir;
+pub use test_dir::TestDir;
+
+/// A fresh [`TestDir`] named after the test.
+pub fn tempdir(prefix: &str, name: &str) -> TestDir {
+    TestDir::new(&format!("{prefix}-{name}"))
 }
 
-/// Removes a directory when dropped, so a test's large files do not outlive it (even when an
-/// assertion fails first).
-pub struct RemoveOnDrop(pub std::path::PathBuf);
+/// Real MNIST samples, except the listed indices, whose pixels are NaN.
+pub struct Poisoned {
+    /// The real samples.
+    pub inner: kiln::data::ImageDataset,
+    /// The indices made NaN.
+    pub bad: Vec<usize>,
+}
 
-impl Drop for RemoveOnDrop {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+impl kiln::data::Dataset for Poisoned {
+    fn len(&self) -> usize {
+        self.inner.len()
+    }
+    fn item_shape(&self) -> [usize; 3] {
+        self.inner.item_shape()
+    }
+    fn fill(&self, index: usize, out: &mut [f32]) -> kiln::Result<usize> {
+        let label = self.inner.fill(index, out)?;
+        if self.bad.contains(&index) {
+            out.fill(f32::NAN);
+        }
+        Ok(label)
     }
 }
 
