@@ -3,6 +3,7 @@
 mod alloc;
 mod bench_cmd;
 mod data_bench;
+mod launch;
 mod onnx_bench;
 mod onnx_optimize;
 mod optimize_cmd;
@@ -52,6 +53,8 @@ Examples:
   kiln train --data ~/mnist --model mlp      full MNIST / Fashion-MNIST IDX files
   kiln train --tensorboard runs/tb           also write TensorBoard event files
   kiln train --run-dir runs/cnn              events + plots for `kiln report runs/cnn`
+  kiln train --model mlp --processes 2       data parallel over 2 processes (mpi build)
+  mpirun -n 4 kiln train --model mlp         the same, launched by MPI (any hosts)
 Your own Burn model: see README.md, \"Use Kiln from your own Burn code\".";
 
 const PLAN_EXAMPLES: &str = "\
@@ -413,6 +416,11 @@ struct TrainArgs {
     /// Record the run's events in DIR/events.jsonl for `kiln report DIR`.
     #[arg(long, value_name = "DIR")]
     run_dir: Option<PathBuf>,
+    /// Train one model over N processes on this machine (data parallel: `--batch-size` per
+    /// process, gradients all-reduced over MPI; the mpi build and Open MPI's mpirun). Across
+    /// machines, launch with `mpirun -n N --host ... kiln train ...` instead.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
+    processes: Option<u16>,
 }
 
 #[derive(Args, Debug)]

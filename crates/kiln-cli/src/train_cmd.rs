@@ -5,14 +5,28 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use kiln::Trainer;
 use kiln::datasets::{self, Split};
-use kiln::observe::{EventSink, FanOut, JsonLinesSink, TensorBoardSink, memory};
+use kiln::observe::{EventSink, FanOut, JsonLinesSink, NullSink, TensorBoardSink, memory};
 
 use crate::TrainArgs;
+use crate::launch;
 use crate::progress::ProgressSink;
 
 pub fn run(args: TrainArgs) -> Result<()> {
+    if let Some(n) = args.processes.map(usize::from)
+        && n > 1
+        && kiln::distributed::launcher_world().is_none()
+    {
+        let code = launch::relaunch(n, args.config.threads.is_some())?;
+        if code != 0 {
+            bail!("{n} ranks under mpirun: exit status {code} (each rank's error is above)");
+        }
+        return Ok(());
+    }
     let plan = args.config.resolve()?;
     plan.apply_runtime();
+    let collective = launch::join(&plan)?;
+    // Rank 0 reports for all (events, files, the summary); the other ranks train quietly.
+    let leader = collective.as_ref().is_none_or(|c| c.rank() == 0);
     let (train, test): datasets::DatasetPair = match &plan.data_dir {
         Some(dir) => datasets::open_dir(dir)?,
         None => (
@@ -38,10 +52,13 @@ pub fn run(args: TrainArgs) -> Result<()> {
     let mut json_sink;
     let mut progress_sink;
     let mut tensorboard = match &args.tensorboard {
-        Some(dir) => Some(TensorBoardSink::create(dir)?),
-        None => None,
+        Some(dir) if leader => Some(TensorBoardSink::create(dir)?),
+        _ => None,
     };
-    let people: &mut dyn EventSink = if args.json {
+    let mut quiet = NullSink;
+    let people: &mut dyn EventSink = if !leader {
+        &mut quiet
+    } else if args.json {
         json_sink = JsonLinesSink::new(std::io::stdout());
         &mut json_sink
     } else {
@@ -58,14 +75,14 @@ pub fn run(args: TrainArgs) -> Result<()> {
         &mut progress_sink
     };
     let mut run_log = match &args.run_dir {
-        Some(dir) => {
+        Some(dir) if leader => {
             std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
             let path = dir.join("events.jsonl");
             let file = std::fs::File::create(&path)
                 .with_context(|| format!("creating {}", path.display()))?;
             Some(JsonLinesSink::new(std::io::LineWriter::new(file)))
         }
-        None => None,
+        _ => None,
     };
     let mut fan = FanOut::new().with(people);
     if let Some(log) = run_log.as_mut() {
@@ -84,8 +101,11 @@ pub fn run(args: TrainArgs) -> Result<()> {
     if let Some(path) = resume {
         trainer = trainer.resume_from(path);
     }
+    if let Some(c) = &collective {
+        trainer = trainer.with_collective(c.clone());
+    }
     let outcome = trainer.fit(model.name(), |d| model.init(d), &*train, Some(&*test))?;
-    if !args.json {
+    if !args.json && leader {
         let s = &outcome.summary;
         println!(
             "done: {} steps, test accuracy {}, {:.0} samples/s, data wait {:.1}%, wall {:.1}s, peak RSS {}",

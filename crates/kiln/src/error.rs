@@ -115,6 +115,9 @@ pub enum KilnError {
     /// A real-time stream problem (frame shape, region, gate or threshold setting).
     #[error("stream: {0}")]
     Stream(String),
+    /// A data-parallel collective (all-reduce, broadcast) failed, or the ranks disagree.
+    #[error("data parallel: {0}")]
+    Collective(String),
     /// An inference graph or session could not be built or run.
     #[error("inference: {0}")]
     Inference(String),

@@ -87,6 +87,7 @@
 pub mod config;
 pub mod data;
 pub mod datasets;
+pub mod distributed;
 pub mod error;
 pub mod fsutil;
 pub mod fuzz;

@@ -237,6 +237,15 @@ pub static SETTINGS: &[SettingSpec] = &[
         doc: "also checkpoint every N optimizer steps (0 = at each epoch end only)",
     },
     SettingSpec {
+        key: "train.data_parallel",
+        kind: Kind::Enum(&["auto", "off"]),
+        default: S("auto"),
+        levels: &[],
+        doc: "data parallelism: auto = when launched as one of N ranks (mpirun -n N, or kiln \
+              train --processes N; the mpi build), train one model over them, batch_size per \
+              rank, gradients all-reduced once per step; off = refuse a multi-rank launch",
+    },
+    SettingSpec {
         key: "train.keep_checkpoints",
         kind: Kind::Int {
             min: 0,

@@ -28,7 +28,7 @@ use serde::{Deserialize, Serialize};
 
 use super::source::{BatchContext, BatchSource, ImageBatches, panic_text};
 use super::transform::Transform;
-use super::{Batch, Dataset, epoch_order};
+use super::{Batch, Dataset, Shard, epoch_order};
 use crate::error::{KilnError, Result};
 
 /// How a [`DataLoader`] batches and prefetches.
@@ -97,6 +97,8 @@ struct State<T> {
     order: Arc<Vec<usize>>,
     /// Batch size of the current epoch job (it can change between jobs).
     batch_size: usize,
+    /// This rank's share of each batch (data parallelism).
+    shard: Shard,
     next_claim: usize,
     end: usize,
     consumed: usize,
@@ -122,9 +124,10 @@ impl<T: Send> Shared<'_, T> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Builds batch `k` of `order` through the source; a panic becomes an error.
-    fn build(&self, epoch: usize, order: &[usize], b: usize, k: usize) -> Result<T> {
-        let indices = &order[k * b..((k + 1) * b).min(order.len())];
+    /// Builds this rank's part of batch `k` of `order` through the source; a panic becomes
+    /// an error.
+    fn build(&self, epoch: usize, order: &[usize], b: usize, shard: Shard, k: usize) -> Result<T> {
+        let indices = &order[shard.range(order.len(), b, k)];
         let ctx = BatchContext {
             epoch,
             seed: self.options.seed,
@@ -151,10 +154,15 @@ impl<T: Send> Shared<'_, T> {
                 let k = st.next_claim;
                 st.next_claim += 1;
                 st.max_outstanding = st.max_outstanding.max(st.next_claim - st.consumed);
-                let (generation, epoch, order, b) =
-                    (st.generation, st.epoch, st.order.clone(), st.batch_size);
+                let (generation, epoch, order, b, shard) = (
+                    st.generation,
+                    st.epoch,
+                    st.order.clone(),
+                    st.batch_size,
+                    st.shard,
+                );
                 drop(st);
-                let result = self.build(epoch, &order, b, k);
+                let result = self.build(epoch, &order, b, shard, k);
                 st = self.lock();
                 if st.generation == generation {
                     st.ready.insert(k, result);
@@ -187,6 +195,8 @@ pub struct DataLoader<'s, T: Send = Batch> {
     stats: LoaderStats,
     /// The batch size of the next epoch job (see [`DataLoader::set_batch_size`]).
     batch_size: usize,
+    /// This rank's share of each batch (see [`DataLoader::set_shard`]).
+    shard: Shard,
 }
 
 impl DataLoader<'_, Batch> {
@@ -233,6 +243,7 @@ impl<'s, T: Send> DataLoader<'s, T> {
                 epoch: 0,
                 order: Arc::new(Vec::new()),
                 batch_size: first_batch,
+                shard: Shard::WHOLE,
                 next_claim: 0,
                 end: 0,
                 consumed: 0,
@@ -255,6 +266,7 @@ impl<'s, T: Send> DataLoader<'s, T> {
                 shared: &shared,
                 stats: LoaderStats::default(),
                 batch_size: shared.options.batch_size,
+                shard: Shard::WHOLE,
             };
             Ok(body(&mut loader))
         })
@@ -265,13 +277,13 @@ impl<'s, T: Send> DataLoader<'s, T> {
         &self.shared.options
     }
 
-    /// Batches per epoch at the current batch size.
+    /// Batches per epoch at the current batch size (this rank's, under a [`Shard`]).
     pub fn batches_per_epoch(&self) -> usize {
-        LoaderOptions {
-            batch_size: self.batch_size,
-            ..self.shared.options.clone()
-        }
-        .batches_per_epoch(self.shared.source.len())
+        self.shard.batches(
+            self.shared.source.len(),
+            self.batch_size,
+            self.shared.options.drop_last,
+        )
     }
 
     /// The current batch size.
@@ -283,6 +295,13 @@ impl<'s, T: Send> DataLoader<'s, T> {
     /// batching halves it mid-epoch and restarts the epoch at the same sample position).
     pub fn set_batch_size(&mut self, batch_size: usize) {
         self.batch_size = batch_size.max(1);
+    }
+
+    /// Loads only `shard`'s part of each batch from the next [`DataLoader::epoch`] call on:
+    /// with `world` ranks and batch size `b`, rank `r` gets its part of each global batch of
+    /// `b × world` samples (see [`Shard`]).
+    pub fn set_shard(&mut self, shard: Shard) {
+        self.shard = shard;
     }
 
     /// What the loader did so far.
@@ -300,6 +319,7 @@ impl<'s, T: Send> DataLoader<'s, T> {
         let order = Arc::new(epoch_order(n, opts.seed, epoch, opts.shuffle));
         let end = self.batches_per_epoch();
         let batch_size = self.batch_size;
+        let shard = self.shard;
         let start = start.min(end);
         if opts.workers > 0 {
             let mut st = self.shared.lock();
@@ -307,6 +327,7 @@ impl<'s, T: Send> DataLoader<'s, T> {
             st.epoch = epoch;
             st.order = order.clone();
             st.batch_size = batch_size;
+            st.shard = shard;
             st.next_claim = start;
             st.consumed = start;
             st.end = end;
@@ -318,6 +339,7 @@ impl<'s, T: Send> DataLoader<'s, T> {
             loader: self,
             epoch,
             batch_size,
+            shard,
             order,
             next: start,
             end,
@@ -331,6 +353,7 @@ pub struct EpochBatches<'l, 's, T: Send = Batch> {
     loader: &'l mut DataLoader<'s, T>,
     epoch: usize,
     batch_size: usize,
+    shard: Shard,
     order: Arc<Vec<usize>>,
     next: usize,
     end: usize,
@@ -381,16 +404,22 @@ impl<T: Send> Iterator for EpochBatches<'_, '_, T> {
         }
         let t = Instant::now();
         let result = if self.loader.shared.options.workers == 0 {
-            self.loader
-                .shared
-                .build(self.epoch, &self.order, self.batch_size, self.next)
+            self.loader.shared.build(
+                self.epoch,
+                &self.order,
+                self.batch_size,
+                self.shard,
+                self.next,
+            )
         } else {
             self.take_ready()
         };
         let stats = &mut self.loader.stats;
         stats.wait += t.elapsed();
-        let samples = ((self.next + 1) * self.batch_size).min(self.order.len())
-            - (self.next * self.batch_size).min(self.order.len());
+        let samples = self
+            .shard
+            .range(self.order.len(), self.batch_size, self.next)
+            .len();
         self.next += 1;
         match &result {
             Ok(_) => {

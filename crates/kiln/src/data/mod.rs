@@ -17,6 +17,7 @@ mod cache;
 mod image;
 mod loader;
 mod mmap;
+mod shard;
 mod source;
 mod synthetic;
 mod transform;
@@ -29,6 +30,7 @@ pub use mmap::{
     DEFAULT_RELEASE_EVERY, ElementType, MappedImages, MmapArray, NpyDataset, PixelScaling,
     SafetensorsDataset, write_npy,
 };
+pub use shard::Shard;
 pub(crate) use source::panic_text;
 pub use source::{BatchContext, BatchSource, BurnBatches, ImageBatches};
 pub use synthetic::SyntheticDataset;

@@ -79,6 +79,10 @@ pub struct StepEvent {
     /// The loss scale the step ran with, when loss scaling is on.
     #[serde(default)]
     pub loss_scale: Option<f32>,
+    /// Under data parallelism: each rank's forward + backward milliseconds, by rank (a
+    /// straggler shows as one large entry). `samples` and `loss` are then over all ranks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rank_compute_ms: Option<Vec<f64>>,
 }
 
 /// The micro-batch was halved after a memory watermark crossing.

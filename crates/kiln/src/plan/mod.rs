@@ -2,11 +2,13 @@
 //! every setting with its value and where that value came from. `kiln plan` prints it.
 
 mod hardware;
+mod parallel;
 
 use std::fmt;
 use std::path::PathBuf;
 
 pub use hardware::{Backend, Hardware};
+pub use parallel::{DataParallel, MPI_COMPILED};
 
 use crate::config::schema::{self, SETTINGS};
 use crate::config::{ConfigName, KilnConfig, Level, Origin};
@@ -84,6 +86,8 @@ pub struct Plan {
     pub hardware: Hardware,
     /// Whether Burn's own operation fusion and autotune run on the plan's backend, and why.
     pub graph_compilation: GraphCompilation,
+    /// The data-parallel world this run joins (`train.data_parallel` and the launcher).
+    pub data_parallel: DataParallel,
 }
 
 /// Burn's own graph-level optimizations on a backend: operation fusion (`burn-fusion`,
@@ -158,6 +162,12 @@ impl Plan {
                 "autotune": self.graph_compilation.autotune,
                 "why": self.graph_compilation.why,
             },
+            "data_parallel": {
+                "rank": self.data_parallel.world.map(|w| w.0),
+                "ranks": self.data_parallel.world.map_or(1, |w| w.1),
+                "mpi_compiled": MPI_COMPILED,
+                "why": self.data_parallel.why,
+            },
         })
     }
 }
@@ -201,7 +211,8 @@ impl fmt::Display for Plan {
             on(self.graph_compilation.autotune),
             self.backend.name(),
             self.graph_compilation.why
-        )
+        )?;
+        writeln!(f, "data parallel: {}", self.data_parallel.why)
     }
 }
 
@@ -415,6 +426,10 @@ fn build(config: &KilnConfig, settings: Vec<ResolvedSetting>, hw: &Hardware) -> 
         infer_passes,
         hardware: hw.clone(),
         graph_compilation: GraphCompilation::for_backend(backend),
+        data_parallel: DataParallel::resolve(
+            &text("train.data_parallel"),
+            int("train.batch_size") as usize,
+        )?,
         settings,
     })
 }

@@ -43,13 +43,17 @@ impl<M: Module> Snapshot<M> {
     }
 }
 
-/// The trajectory settings as stored in checkpoints.
-pub(super) fn fingerprint(options: &TrainOptions) -> Vec<(String, String)> {
-    options
+/// The trajectory settings as stored in checkpoints, with the data-parallel world size (it
+/// sets the global batch). Checkpoints written before it was recorded lack it and are
+/// accepted, as one process's.
+pub(super) fn fingerprint(options: &TrainOptions, ranks: usize) -> Vec<(String, String)> {
+    let mut f: Vec<(String, String)> = options
         .trajectory_fingerprint()
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
-        .collect()
+        .collect();
+    f.push(("data_parallel.ranks".into(), ranks.to_string()));
+    f
 }
 
 /// What a checkpoint gives back to continue from.
@@ -68,6 +72,7 @@ pub(super) fn restore<M: Module>(
     optim: ModuleOptimizer,
     model_name: &str,
     opts: &TrainOptions,
+    ranks: usize,
 ) -> Result<Restored<M>> {
     let ckpt = Checkpoint::load(path)?;
     let bad = |problem: String| KilnError::BadCheckpoint {
@@ -81,7 +86,7 @@ pub(super) fn restore<M: Module>(
             ckpt.state.model, ckpt.state.model
         )));
     }
-    let ours = fingerprint(opts);
+    let ours = fingerprint(opts, ranks);
     let diffs: Vec<String> = ckpt
         .state
         .fingerprint

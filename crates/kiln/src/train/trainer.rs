@@ -3,6 +3,7 @@
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 use burn::module::Module;
@@ -16,6 +17,7 @@ use super::{Evaluation, TrainOptions, build_optimizer, evaluate_source};
 use crate::data::{
     Batch, BatchContext, BatchSource, DataLoader, Dataset, ImageBatches, Transform, choose_workers,
 };
+use crate::distributed::{Collective, SingleProcess, broadcast_params, refuse_batch_norm};
 use crate::error::{KilnError, Result};
 use crate::guard::{Guard, GuardPolicy};
 use crate::observe::{EpochSummary, Event, EventSink, RunSummary, Watermark};
@@ -40,7 +42,8 @@ pub struct TrainOutcome<M> {
 /// accumulation, global-norm clipping, f32 or bf16/f16 mixed precision with dynamic loss
 /// scaling, the stability guard, warm-up + cosine schedules, evaluation on a held-out split
 /// with pluggable metrics, atomic checkpoints and bit-for-bit resume, OOM-adaptive
-/// micro-batching, and events for every step.
+/// micro-batching, data parallelism across ranks ([`Trainer::with_collective`]), and events
+/// for every step.
 pub struct Trainer<'s> {
     pub(super) options: TrainOptions,
     base: Device,
@@ -48,6 +51,7 @@ pub struct Trainer<'s> {
     plan: Option<serde_json::Value>,
     resume: Option<PathBuf>,
     metrics: Vec<Box<dyn Metric>>,
+    pub(super) collective: Arc<dyn Collective>,
 }
 
 impl<'s> Trainer<'s> {
@@ -60,6 +64,32 @@ impl<'s> Trainer<'s> {
             plan: None,
             resume: None,
             metrics: Vec::new(),
+            collective: Arc::new(SingleProcess),
+        }
+    }
+
+    /// Trains as one rank of a data-parallel group: every rank runs the same model, options
+    /// and data with its own member of the group (a [`crate::distributed::ThreadGroup`]
+    /// member, or MPI's world with the `mpi` feature). Rank 0's initial parameters are
+    /// broadcast; each rank loads its part of every batch (`batch_size` is per rank, the
+    /// global batch is `batch_size × ranks`); the gradients are summed once per optimizer
+    /// step, so N ranks train exactly the model one process trains with batch N × b (to f32
+    /// rounding). Only rank 0 emits events, evaluates and writes checkpoints; every rank can
+    /// resume from them. Models with BatchNorm are refused (per-rank batch statistics).
+    pub fn with_collective(mut self, collective: Arc<dyn Collective>) -> Self {
+        self.collective = collective;
+        self
+    }
+
+    /// This trainer's rank (0 without data parallelism).
+    pub fn rank(&self) -> usize {
+        self.collective.rank()
+    }
+
+    /// Reports `event` to the sink; under data parallelism only rank 0 reports.
+    pub(super) fn emit(&mut self, event: &Event) {
+        if self.collective.rank() == 0 {
+            self.sink.emit(event);
         }
     }
 
@@ -131,24 +161,33 @@ impl<'s> Trainer<'s> {
         validate(&opts, train, valid)?;
         let device = self.training_device();
         let model = seeded_init(&device, opts.seed, init);
+        let world = self.collective.size();
+        if world > 1 {
+            refuse_batch_norm(&model)?;
+        }
         self.check_first_batch(&model, train)?;
         let optim = build_optimizer(&opts);
 
         let n = train.len();
-        let steps_per_epoch = n.div_ceil(opts.batch_size).div_ceil(opts.grad_accum_steps);
+        // Under data parallelism a step takes `batch_size` samples per rank and micro-batch.
+        let steps_per_epoch = n
+            .div_ceil(opts.batch_size * world)
+            .div_ceil(opts.grad_accum_steps);
         let planned = (opts.epochs * steps_per_epoch) as u64;
         let total_steps = opts.max_steps.map_or(planned, |m| m.min(planned));
 
         let mut scaler = opts.scaler.build(opts.precision);
         let (mut model, mut optim, mut pos) = (model, optim, Position::default());
         if let Some(path) = self.resume.clone() {
-            let restored = restore(&path, model, optim, model_name, &opts)?;
+            let restored = restore(&path, model, optim, model_name, &opts, world)?;
             (model, optim, pos) = (restored.model, restored.optim, restored.position);
             if let Some(state) = restored.scaler {
                 scaler.restore(state);
             }
             tracing::info!(step = pos.global_step, "resumed from {}", path.display());
         }
+        // Every rank starts from rank 0's parameters (a resume loads the same file on all).
+        model = broadcast_params(model, &*self.collective)?;
         let snapshot = if opts.guard.policy == GuardPolicy::Rollback {
             Some(Snapshot::take(&model, &optim, pos.global_step)?)
         } else {
@@ -158,7 +197,7 @@ impl<'s> Trainer<'s> {
             Some(w) => w,
             None => self.choose_workers(&model, train, &device)?,
         };
-        self.sink.emit(&Event::RunStarted {
+        self.emit(&Event::RunStarted {
             model: model_name.to_string(),
             train_samples: n,
             total_steps,
@@ -168,10 +207,12 @@ impl<'s> Trainer<'s> {
 
         let wall = Instant::now();
         let loader_options = opts.loader_options(workers);
+        // Rank 0 evaluates for everyone: the replicas are equal.
+        let rank = self.collective.rank();
         let mut run = Run {
             trainer: self,
             model_name: model_name.to_string(),
-            valid,
+            valid: valid.filter(|_| rank == 0),
             n,
             steps_per_epoch,
             planned,

@@ -22,6 +22,10 @@ pub(in crate::train) struct Accumulated {
     pub samples: usize,
     /// Time spent waiting for the loader, ms.
     pub data_ms: f64,
+    /// Forward + backward time, ms.
+    pub compute_ms: f64,
+    /// Under data parallelism, after the reduction: each rank's `compute_ms`.
+    pub rank_compute_ms: Option<Vec<f64>>,
 }
 
 impl Accumulated {
@@ -33,19 +37,23 @@ impl Accumulated {
 
 impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
     /// Runs the micro-batches of sizes `sizes` through `model` and sums their gradients.
-    /// Each micro-batch's mean loss is weighted by its share of the step's samples, so N
-    /// micro-batches give exactly the gradient of one batch of N·b samples.
+    /// Each micro-batch's mean loss is weighted by its share of the step's `group` samples
+    /// (on all ranks, under data parallelism), so N micro-batches give exactly the gradient
+    /// of one batch of N·b samples, and the ranks' gradients sum to the step's. A size of 0
+    /// (a rank without a part of the epoch's last, short batch) loads and runs nothing.
     pub(super) fn accumulate(
         &mut self,
         model: &M,
         batches: &mut EpochBatches<'_, '_, B>,
         sizes: &[usize],
+        group: usize,
     ) -> Result<Accumulated> {
-        let group: usize = sizes.iter().sum();
+        let local: usize = sizes.iter().sum();
+        let started = Instant::now();
         let mut data_ms = 0f64;
         let mut accum = GradientsAccumulator::<M>::new();
         let mut loss_total: Option<Tensor<1>> = None;
-        for &size in sizes {
+        for &size in sizes.iter().filter(|&&s| s > 0) {
             let td = Instant::now();
             let batch = {
                 let _s = tracing::info_span!("data_wait").entered();
@@ -70,7 +78,7 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
                 Some(t) => t + weighted,
                 None => weighted,
             });
-            let loss = if sizes.len() == 1 {
+            let loss = if size == group {
                 loss
             } else {
                 loss.mul_scalar(size as f64 / group as f64)
@@ -89,13 +97,20 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
             // The one device→host read of the step: on an asynchronous backend this is where
             // the queued work is waited for.
             let _s = tracing::info_span!("sync").entered();
-            loss_total.map_or(f64::NAN, |t| t.into_scalar::<f32>() as f64)
+            match loss_total {
+                Some(t) => t.into_scalar::<f32>() as f64,
+                // No samples on this rank this step: it adds nothing to the sum.
+                None if local == 0 => 0.0,
+                None => f64::NAN,
+            }
         };
         Ok(Accumulated {
             grads: Some(accum.grads()),
             loss_sum,
-            samples: group,
+            samples: local,
             data_ms,
+            compute_ms: started.elapsed().as_secs_f64() * 1e3 - data_ms,
+            rank_compute_ms: None,
         })
     }
 }

@@ -8,6 +8,7 @@ use burn::optim::ModuleOptimizer;
 use super::Run;
 use super::accumulate::Accumulated;
 use super::update::StepOutcome;
+use crate::distributed::ReduceOp;
 use crate::error::Result;
 use crate::observe::{BatchAdaptedEvent, Event, StepEvent, WatermarkEvent, memory};
 use crate::train::contract::TrainStep;
@@ -40,7 +41,7 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
         self.totals.data_seconds += acc.data_ms / 1e3;
         self.totals.samples += acc.samples as u64;
         let report_span = tracing::info_span!("report").entered();
-        self.trainer.sink.emit(&Event::Step(StepEvent {
+        self.trainer.emit(&Event::Step(StepEvent {
             step: self.pos.global_step,
             epoch,
             loss: mean_loss,
@@ -54,8 +55,9 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
             peak_rss_bytes: memory::peak_rss_bytes(),
             skipped: outcome.trouble.is_some(),
             loss_scale: self.scaler.enabled().then_some(outcome.loss_scale),
+            rank_compute_ms: acc.rank_compute_ms.clone(),
         }));
-        let adapted = self.check_watermark();
+        let adapted = self.check_watermark()?;
         drop(report_span);
         if self
             .trainer
@@ -74,17 +76,29 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
     /// After a halving the watermark re-arms at once: the reading after the next step (the
     /// step's heap peak where the heap is counted) shows whether half was enough, and a
     /// reading still above halves again, down to what fits or to a micro-batch of 1.
-    fn check_watermark(&mut self) -> bool {
+    ///
+    /// Under data parallelism the ranks agree: a crossing on any rank halves on all (one
+    /// small all-reduce per step), so their micro-batches never differ.
+    fn check_watermark(&mut self) -> Result<bool> {
         let step = self.pos.global_step;
         let Some(mark) = self.watermark.as_mut() else {
-            return false;
+            return Ok(false);
         };
-        let Some(in_use) = memory::in_use_reading() else {
-            return false;
-        };
-        if !mark.check(in_use) {
-            return false;
+        let reading = memory::in_use_reading();
+        let mut crossed = reading.is_some_and(|in_use| mark.check(in_use));
+        let collective = self.trainer.collective.clone();
+        if collective.size() > 1 {
+            let mut flag = [if crossed { 1.0 } else { 0.0 }];
+            collective.all_reduce_f64(&mut flag, ReduceOp::Max)?;
+            crossed = flag[0] > 0.0;
         }
+        if !crossed {
+            return Ok(false);
+        }
+        let in_use = reading.unwrap_or(0);
+        let Some(mark) = self.watermark.as_mut() else {
+            return Ok(false);
+        };
         let threshold = mark.threshold();
         tracing::warn!(
             step,
@@ -92,18 +106,16 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
             memory::human_bytes(in_use),
             memory::human_bytes(threshold)
         );
-        self.trainer
-            .sink
-            .emit(&Event::MemoryWatermark(WatermarkEvent {
-                step,
-                in_use_bytes: in_use,
-                threshold_bytes: threshold,
-            }));
+        self.trainer.emit(&Event::MemoryWatermark(WatermarkEvent {
+            step,
+            in_use_bytes: in_use,
+            threshold_bytes: threshold,
+        }));
         let halved = self.trainer.options.oom_adaptive && self.halve_micro_batch(step);
         if halved && let Some(mark) = self.watermark.as_mut() {
             mark.rearm();
         }
-        halved
+        Ok(halved)
     }
 
     /// Halves the micro-batch and doubles accumulation (same effective batch, about half the
@@ -128,14 +140,12 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
             self.micro_batch,
             self.accum_steps
         );
-        self.trainer
-            .sink
-            .emit(&Event::BatchAdapted(BatchAdaptedEvent {
-                step,
-                micro_batch: self.micro_batch,
-                grad_accum_steps: self.accum_steps,
-                effective_batch: self.micro_batch * self.accum_steps,
-            }));
+        self.trainer.emit(&Event::BatchAdapted(BatchAdaptedEvent {
+            step,
+            micro_batch: self.micro_batch,
+            grad_accum_steps: self.accum_steps,
+            effective_batch: self.micro_batch * self.accum_steps,
+        }));
         true
     }
 }

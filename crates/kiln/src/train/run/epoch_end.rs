@@ -6,6 +6,7 @@ use std::time::Instant;
 use burn::optim::ModuleOptimizer;
 
 use super::{Position, Run};
+use crate::distributed::check_replicas;
 use crate::error::{KilnError, Result};
 use crate::observe::{EpochSummary, Event};
 use crate::train::contract::TrainStep;
@@ -40,7 +41,9 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
         if eval.is_some() {
             self.last_eval = eval;
         }
-        self.trainer.sink.emit(&Event::EpochEnd(summary.clone()));
+        self.trainer.emit(&Event::EpochEnd(summary.clone()));
+        // A cheap guard against silent divergence of the replicas (one small all-reduce).
+        check_replicas(model, &*self.trainer.collective)?;
         self.epochs_done.push(summary);
         self.pos = Position {
             epoch: epoch + 1,
@@ -64,6 +67,10 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
         let Some(dir) = self.trainer.options.checkpoint_dir.clone() else {
             return Ok(None);
         };
+        if self.trainer.rank() != 0 {
+            // Rank 0 writes for everyone: the replicas are equal (checked at epoch ends).
+            return Ok(None);
+        }
         let pos = &self.pos;
         let _s = tracing::info_span!("checkpoint", step = pos.global_step).entered();
         let record_err = |what| {
@@ -84,7 +91,7 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
                 epoch: pos.epoch,
                 step_in_epoch: pos.step_in_epoch,
                 global_step: pos.global_step,
-                fingerprint: fingerprint(&self.trainer.options),
+                fingerprint: fingerprint(&self.trainer.options, self.trainer.collective.size()),
                 epoch_loss_sum: pos.epoch_loss_sum,
                 epoch_samples: pos.epoch_samples,
                 scaler: self.scaler.enabled().then(|| self.scaler.state()),
@@ -94,7 +101,7 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
         };
         let path = dir.join(Checkpoint::file_name(pos.global_step));
         let bytes = ckpt.save(&path)?;
-        self.trainer.sink.emit(&Event::Checkpoint {
+        self.trainer.emit(&Event::Checkpoint {
             step: pos.global_step,
             path: path.display().to_string(),
             bytes,

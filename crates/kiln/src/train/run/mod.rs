@@ -12,6 +12,7 @@
 mod accumulate;
 mod after_step;
 mod epoch_end;
+mod reduce;
 mod update;
 
 use std::path::PathBuf;
@@ -23,7 +24,7 @@ use burn::tensor::Device;
 use super::contract::TrainStep;
 use super::restore::Snapshot;
 use super::{Evaluation, Trainer};
-use crate::data::{BatchSource, DataLoader};
+use crate::data::{BatchSource, DataLoader, Shard};
 use crate::error::{KilnError, Result};
 use crate::guard::Guard;
 use crate::observe::{EpochSummary, Event, RunSummary, Watermark, memory};
@@ -97,6 +98,15 @@ impl<'t, 's, 'd, B: Send, M: TrainStep<B> + 'static> Run<'t, 's, 'd, B, M> {
         self.trainer.training_device()
     }
 
+    /// This rank's share of each batch.
+    fn shard(&self) -> Shard {
+        let c = &self.trainer.collective;
+        Shard {
+            rank: c.rank(),
+            world: c.size(),
+        }
+    }
+
     /// Every remaining epoch, fed by `loader`; returns the trained model and optimizer.
     pub fn train_epochs(
         &mut self,
@@ -129,9 +139,12 @@ impl<'t, 's, 'd, B: Send, M: TrainStep<B> + 'static> Run<'t, 's, 'd, B, M> {
         mut model: M,
         mut optim: ModuleOptimizer,
     ) -> Result<(M, ModuleOptimizer, EpochFlow)> {
+        let shard = self.shard();
         loop {
-            let micro_per_epoch = self.n.div_ceil(self.micro_batch);
+            // Micro-batches are global: each rank loads its part of each (see `Shard`).
+            let micro_per_epoch = shard.global_batches(self.n, self.micro_batch, false);
             loader.set_batch_size(self.micro_batch);
+            loader.set_shard(shard);
             let mut batches = loader.epoch(epoch, self.pos.step_in_epoch * self.accum_steps);
             let mut adapted = false;
             for s in self.pos.step_in_epoch..self.steps_per_epoch {
@@ -139,15 +152,22 @@ impl<'t, 's, 'd, B: Send, M: TrainStep<B> + 'static> Run<'t, 's, 'd, B, M> {
                     return Ok((model, optim, EpochFlow::Stopped));
                 }
                 let (micro, accum) = (self.micro_batch, self.accum_steps);
-                let sizes: Vec<usize> = (s * accum..((s + 1) * accum).min(micro_per_epoch))
-                    .map(|m| ((m + 1) * micro).min(self.n) - m * micro)
+                let micros = s * accum..((s + 1) * accum).min(micro_per_epoch);
+                // This rank's samples per micro-batch, and the step's samples on all ranks.
+                let sizes: Vec<usize> = micros
+                    .clone()
+                    .map(|m| shard.range(self.n, micro, m).len())
                     .collect();
+                let step_samples: usize = micros
+                    .map(|m| Shard::WHOLE.range(self.n, micro * shard.world, m).len())
+                    .sum();
                 let t0 = Instant::now();
                 // Spans around every phase: free without a subscriber, the profiler's trace
                 // and table with one (`kiln profile`).
                 let step_span =
                     tracing::info_span!("step", step = self.pos.global_step + 1).entered();
-                let mut acc = self.accumulate(&model, &mut batches, &sizes)?;
+                let mut acc = self.accumulate(&model, &mut batches, &sizes, step_samples)?;
+                self.reduce(&model, &mut acc)?;
                 let outcome;
                 (model, optim, outcome) = self.guard_and_step(model, optim, &mut acc)?;
                 adapted = self.after_step(&model, &optim, epoch, s, &acc, &outcome, t0)?;
@@ -193,7 +213,7 @@ impl<'t, 's, 'd, B: Send, M: TrainStep<B> + 'static> Run<'t, 's, 'd, B, M> {
                 .map(|p| p.display().to_string()),
             guard_events: self.guard.events.clone(),
         };
-        self.trainer.sink.emit(&Event::RunFinished(summary.clone()));
+        self.trainer.emit(&Event::RunFinished(summary.clone()));
         Ok(summary)
     }
 }

@@ -161,7 +161,7 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
                 event.action
             );
         }
-        self.trainer.sink.emit(&Event::Guard(event.clone()));
+        self.trainer.emit(&Event::Guard(event.clone()));
         let (aborted, step, loss) = (event.action == GuardAction::Aborted, event.step, event.loss);
         self.guard.events.push(event);
         if aborted {

@@ -1,0 +1,311 @@
+//! The model-side half of data parallelism: gradients flattened into buckets in parameter
+//! order and all-reduced, the step's statistics reduced with them, rank 0's parameters
+//! broadcast, a replica check, and the refusal of BatchNorm (its running statistics would be
+//! per rank).
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::{Device, Tensor, TensorData};
+
+use super::{Collective, ReduceOp};
+use crate::error::{KilnError, Result};
+use crate::train::flatten_params;
+
+/// Reduces a step's gradients across ranks in buckets of at most `bucket_floats` values (in
+/// parameter order, as DDP does with its ~25 MB buckets: large messages amortize each call's
+/// latency, bounded ones keep the host copy small).
+#[derive(Debug, Clone, Copy)]
+pub struct GradReducer {
+    /// Values per all-reduce call.
+    pub bucket_floats: usize,
+}
+
+impl Default for GradReducer {
+    fn default() -> Self {
+        // 25 MiB of f32, PyTorch DDP's default bucket size.
+        GradReducer {
+            bucket_floats: 25 * 1024 * 1024 / 4,
+        }
+    }
+}
+
+/// One parameter's place in the flattened buffer.
+struct Slot {
+    id: ParamId,
+    dims: Vec<usize>,
+    offset: usize,
+    len: usize,
+}
+
+impl GradReducer {
+    /// Replaces each rank's `grads` by their sum over all ranks. Each rank's gradients must
+    /// already carry its share of the step's samples (the trainer weights each micro-batch's
+    /// loss by its samples over the step's samples on *all* ranks), so the sum is the
+    /// gradient of the whole step's mean loss. A parameter gets a gradient when any rank has
+    /// one (a rank without samples in a step contributes zeros); frozen parameters stay
+    /// without.
+    pub fn reduce<M: Module>(
+        &self,
+        model: &M,
+        grads: GradientsParams,
+        collective: &dyn Collective,
+    ) -> Result<GradientsParams> {
+        if collective.size() <= 1 {
+            return Ok(grads);
+        }
+        let mut flat = flatten(model, &grads)?;
+        collective.all_reduce_f32(&mut flat.present, ReduceOp::Max)?;
+        for bucket in flat.values.chunks_mut(self.bucket_floats.max(1)) {
+            collective.all_reduce_f32(bucket, ReduceOp::Sum)?;
+        }
+        Ok(unflatten(model, grads, &flat))
+    }
+}
+
+/// A step's gradients on the host, in parameter visit order.
+struct Flat {
+    /// Each parameter's place in `values`.
+    slots: Vec<Slot>,
+    /// The values (zeros where a parameter has no gradient here).
+    values: Vec<f32>,
+    /// 1 or 0 per parameter: whether it has a gradient.
+    present: Vec<f32>,
+    /// The device the gradients live on (none when this rank has none).
+    device: Option<Device>,
+}
+
+/// Reads every parameter's gradient to the host, in visit order.
+fn flatten<M: Module>(model: &M, grads: &GradientsParams) -> Result<Flat> {
+    struct Collect<'a> {
+        grads: &'a GradientsParams,
+        slots: Vec<Slot>,
+        flat: Vec<f32>,
+        present: Vec<f32>,
+        device: Option<Device>,
+        error: Option<KilnError>,
+    }
+    impl ModuleVisitor for Collect<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let offset = self.flat.len();
+            let (dims, has) = match self.grads.get::<D>(param.id) {
+                Some(g) => {
+                    self.device.get_or_insert_with(|| g.device());
+                    let dims = g.dims().to_vec();
+                    match g.into_data().convert::<f32>().try_into_vec::<f32>() {
+                        Ok(v) => self.flat.extend(v),
+                        Err(e) => {
+                            self.error.get_or_insert(KilnError::Collective(format!(
+                                "cannot read a gradient back to the host: {e:?}"
+                            )));
+                        }
+                    }
+                    (dims, true)
+                }
+                None => {
+                    let dims = param.val().dims().to_vec();
+                    self.flat
+                        .resize(offset + dims.iter().product::<usize>(), 0.0);
+                    (dims, false)
+                }
+            };
+            self.present.push(if has { 1.0 } else { 0.0 });
+            self.slots.push(Slot {
+                id: param.id,
+                len: self.flat.len() - offset,
+                dims,
+                offset,
+            });
+        }
+    }
+    let mut c = Collect {
+        grads,
+        slots: Vec::new(),
+        flat: Vec::new(),
+        present: Vec::new(),
+        device: None,
+        error: None,
+    };
+    model.visit(&mut c);
+    match c.error {
+        Some(e) => Err(e),
+        None => Ok(Flat {
+            slots: c.slots,
+            values: c.flat,
+            present: c.present,
+            device: c.device,
+        }),
+    }
+}
+
+/// Writes the reduced values back as the gradients of the parameters some rank had one for.
+fn unflatten<M: Module>(model: &M, mut grads: GradientsParams, flat: &Flat) -> GradientsParams {
+    struct Write<'a> {
+        grads: &'a mut GradientsParams,
+        slots: &'a [Slot],
+        flat: &'a [f32],
+        present: &'a [f32],
+        device: &'a Option<Device>,
+        next: usize,
+    }
+    impl ModuleVisitor for Write<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let i = self.next;
+            self.next += 1;
+            let (Some(slot), Some(&present)) = (self.slots.get(i), self.present.get(i)) else {
+                return;
+            };
+            debug_assert_eq!(slot.id, param.id);
+            let _ = self.grads.remove::<D>(param.id);
+            if present == 0.0 {
+                return;
+            }
+            // Gradients live on the inner (non-autodiff) device; a rank that had none this
+            // step takes it from the parameter.
+            let device = self
+                .device
+                .clone()
+                .unwrap_or_else(|| param.val().device().without_autodiff());
+            let values = self.flat[slot.offset..slot.offset + slot.len].to_vec();
+            let data = TensorData::new(values, slot.dims.clone());
+            self.grads
+                .register::<D>(param.id, Tensor::<D>::from_data(data, &device));
+        }
+    }
+    model.visit(&mut Write {
+        grads: &mut grads,
+        slots: &flat.slots,
+        flat: &flat.values,
+        present: &flat.present,
+        device: &flat.device,
+        next: 0,
+    });
+    grads
+}
+
+/// A step's statistics summed over ranks, and each rank's compute time.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReduceStats {
+    /// Sum over all ranks of mean loss × samples (NaN if any rank's was not finite).
+    pub loss_sum: f64,
+    /// Samples of the step on all ranks.
+    pub samples: usize,
+    /// Forward + backward milliseconds of each rank, by rank (stragglers show here).
+    pub rank_compute_ms: Vec<f64>,
+}
+
+impl ReduceStats {
+    /// Reduces one rank's numbers over all ranks (one small all-reduce).
+    pub fn reduce(
+        collective: &dyn Collective,
+        loss_sum: f64,
+        samples: usize,
+        compute_ms: f64,
+    ) -> Result<ReduceStats> {
+        let size = collective.size();
+        let mut buf = vec![0.0; 2 + size];
+        buf[0] = loss_sum;
+        buf[1] = samples as f64;
+        buf[2 + collective.rank()] = compute_ms;
+        collective.all_reduce_f64(&mut buf, ReduceOp::Sum)?;
+        Ok(ReduceStats {
+            loss_sum: buf[0],
+            samples: buf[1].round() as usize,
+            rank_compute_ms: buf[2..].to_vec(),
+        })
+    }
+}
+
+/// Gives every rank rank 0's parameters (a user's `init` need not be seeded for the replicas
+/// to start equal).
+pub fn broadcast_params<M: Module>(model: M, collective: &dyn Collective) -> Result<M> {
+    if collective.size() <= 1 {
+        return Ok(model);
+    }
+    let mut flat = flatten_params(&model);
+    collective.broadcast_f32(&mut flat, 0)?;
+    struct Load<'a> {
+        flat: &'a [f32],
+        offset: usize,
+    }
+    impl ModuleMapper for Load<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let flat = self.flat;
+            let offset = &mut self.offset;
+            param.map(|t| {
+                let dims = t.dims();
+                let n: usize = dims.iter().product();
+                let Some(values) = flat.get(*offset..*offset + n) else {
+                    return t;
+                };
+                *offset += n;
+                let require_grad = t.is_require_grad();
+                let device = t.device();
+                let loaded = Tensor::<D>::from_data(
+                    TensorData::new(values.to_vec(), dims.to_vec()),
+                    &device,
+                );
+                if require_grad {
+                    loaded.require_grad()
+                } else {
+                    loaded
+                }
+            })
+        }
+    }
+    Ok(model.map(&mut Load {
+        flat: &flat,
+        offset: 0,
+    }))
+}
+
+/// Checks that every rank holds the same parameters (sum and sum of squares compared as
+/// maxima and minima over ranks); a difference means the replicas diverged (a collective
+/// called out of order, or a nondeterministic step on one rank).
+pub fn check_replicas<M: Module>(model: &M, collective: &dyn Collective) -> Result<()> {
+    if collective.size() <= 1 {
+        return Ok(());
+    }
+    let flat = flatten_params(model);
+    let sum: f64 = flat.iter().map(|&v| v as f64).sum();
+    let sq: f64 = flat.iter().map(|&v| (v as f64) * (v as f64)).sum();
+    let mut buf = [sum, sq, -sum, -sq];
+    collective.all_reduce_f64(&mut buf, ReduceOp::Max)?;
+    let same = |a: f64, b: f64| a == b || (a.is_nan() && b.is_nan());
+    if !(same(buf[0], -buf[2]) && same(buf[1], -buf[3])) {
+        return Err(KilnError::Collective(format!(
+            "the model replicas differ between ranks (parameter sums from {} to {}): every rank \
+             must run the same model, options and data order",
+            -buf[2], buf[0]
+        )));
+    }
+    Ok(())
+}
+
+/// Refuses models with BatchNorm layers: their running statistics (and, in training, their
+/// batch statistics) would be computed per rank, so N ranks would not train the model one
+/// process does. A synchronized BatchNorm does not exist in Kiln yet.
+pub fn refuse_batch_norm<M: Module>(model: &M) -> Result<()> {
+    struct Find(Option<String>, Vec<String>);
+    impl ModuleVisitor for Find {
+        fn enter_module(&mut self, name: &str, container_type: &str) {
+            self.1.push(name.to_string());
+            if self.0.is_none() && container_type.ends_with("BatchNorm") {
+                self.0 = Some(self.1.join("."));
+            }
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.1.pop();
+        }
+    }
+    let mut find = Find(None, Vec::new());
+    model.visit(&mut find);
+    match find.0 {
+        Some(path) => Err(KilnError::Inconsistent(format!(
+            "data parallelism with BatchNorm (`{path}`): each rank would normalize with its own \
+             batch statistics and keep its own running averages, so the replicas would not \
+             train the model that one process does. Train on one rank, or use a normalization \
+             without batch statistics (LayerNorm, GroupNorm)"
+        ))),
+        None => Ok(()),
+    }
+}

@@ -1,0 +1,100 @@
+//! Data-parallel training: one model replica per process (or per thread), each on its own
+//! shard of every epoch, gradients averaged by an all-reduce once per optimizer step.
+//!
+//! Kiln keeps a small collective interface ([`Collective`]: all-reduce sum/max, broadcast,
+//! barrier) and plugs engines into it:
+//! - [`SingleProcess`]: a world of one (every call a no-op), what a plain run uses;
+//! - [`ThreadGroup`]: ranks as threads of one process, for tests and for trying data
+//!   parallelism without a launcher;
+//! - `MpiCollective` (cargo feature `mpi`, module `mpi`): MPI through the `mpi` crate (rsmpi)
+//!   on the system's MPI library (Debian's Open MPI), launched as HPC users do
+//!   (`mpirun -n 4 kiln train ...`), across processes and machines.
+//!
+//! The trainer ([`crate::train::Trainer::with_collective`]) does the rest: it broadcasts rank
+//! 0's initial parameters, shards each epoch's batches ([`crate::data::Shard`]), reduces the
+//! gradients in flattened buckets in parameter order ([`grads`]) after the step's last
+//! micro-batch (accumulation runs without a reduction per micro-batch, like DDP's `no_sync`),
+//! and reduces the loss and sample counts with them, so the guard, the loss scaler and
+//! clipping see the same numbers on every rank and take the same decisions.
+//! `docs/distributed.md` explains the choices.
+
+pub mod grads;
+#[cfg(feature = "mpi")]
+pub mod mpi;
+mod thread_group;
+
+pub use grads::{GradReducer, ReduceStats, broadcast_params, check_replicas, refuse_batch_norm};
+pub use thread_group::ThreadGroup;
+
+use crate::error::Result;
+
+/// How values from all ranks combine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceOp {
+    /// Element-wise sum.
+    Sum,
+    /// Element-wise maximum.
+    Max,
+}
+
+/// The collective operations data parallelism needs. Every rank must make the same calls in
+/// the same order with buffers of the same length; a call returns when every rank has made
+/// it, with the same result on every rank.
+pub trait Collective: Send + Sync {
+    /// This process's (or thread's) rank, `0..size()`.
+    fn rank(&self) -> usize;
+    /// The number of ranks.
+    fn size(&self) -> usize;
+    /// Replaces `buf` on every rank by the element-wise reduction over all ranks.
+    fn all_reduce_f32(&self, buf: &mut [f32], op: ReduceOp) -> Result<()>;
+    /// As [`Collective::all_reduce_f32`], in f64 (loss sums, counts, timings).
+    fn all_reduce_f64(&self, buf: &mut [f64], op: ReduceOp) -> Result<()>;
+    /// Replaces `buf` on every rank by rank `root`'s.
+    fn broadcast_f32(&self, buf: &mut [f32], root: usize) -> Result<()>;
+    /// Returns when every rank has called it.
+    fn barrier(&self) -> Result<()>;
+    /// The engine, for logs and the plan (`"single"`, `"threads"`, `"mpi"`).
+    fn engine(&self) -> &'static str;
+}
+
+/// A world of one: every collective is the identity.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SingleProcess;
+
+impl Collective for SingleProcess {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn size(&self) -> usize {
+        1
+    }
+    fn all_reduce_f32(&self, _buf: &mut [f32], _op: ReduceOp) -> Result<()> {
+        Ok(())
+    }
+    fn all_reduce_f64(&self, _buf: &mut [f64], _op: ReduceOp) -> Result<()> {
+        Ok(())
+    }
+    fn broadcast_f32(&self, _buf: &mut [f32], _root: usize) -> Result<()> {
+        Ok(())
+    }
+    fn barrier(&self) -> Result<()> {
+        Ok(())
+    }
+    fn engine(&self) -> &'static str {
+        "single"
+    }
+}
+
+/// The rank and world size an MPI launcher gave this process, read from the environment
+/// variables that Open MPI (`OMPI_COMM_WORLD_RANK`/`_SIZE`), MPICH and Intel MPI
+/// (`PMI_RANK`/`PMI_SIZE`) set; `None` when not launched by one (or a world of one).
+pub fn launcher_world() -> Option<(usize, usize)> {
+    let read = |name: &str| std::env::var(name).ok()?.parse::<usize>().ok();
+    let (rank, size) = [
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+        ("PMI_RANK", "PMI_SIZE"),
+    ]
+    .iter()
+    .find_map(|(r, s)| Some((read(r)?, read(s)?)))?;
+    (size > 1 && rank < size).then_some((rank, size))
+}

@@ -1,0 +1,121 @@
+//! MPI as the collective engine (cargo feature `mpi`): the `mpi` crate (rsmpi) over the
+//! system's MPI library (Debian's Open MPI: `apt install libopenmpi-dev openmpi-bin`).
+//! Launch with `mpirun -n N kiln train ...`: every process is one rank of `MPI_COMM_WORLD`.
+
+use std::sync::Mutex;
+
+use mpi::Threading;
+use mpi::collective::SystemOperation;
+use mpi::environment::Universe;
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::{Communicator, CommunicatorCollectives, Root};
+
+use super::{Collective, ReduceOp};
+use crate::error::{KilnError, Result};
+
+/// `MPI_COMM_WORLD` as a [`Collective`]. MPI is initialized with `MPI_THREAD_SERIALIZED` and
+/// every call holds a lock, so any one thread may call at a time (the trainer calls from
+/// its own thread; the loader's workers never do). Dropping it finalizes MPI, once per
+/// process: create it once, at the start of `main`.
+pub struct MpiCollective {
+    /// The world and the universe that owns MPI's lifetime, behind the lock.
+    inner: Mutex<Inner>,
+    rank: usize,
+    size: usize,
+}
+
+struct Inner {
+    world: SimpleCommunicator,
+    // Dropped last: finalizes MPI.
+    _universe: Universe,
+}
+
+// SAFETY: MPI handles are plain integers or pointers owned by the MPI library; with
+// MPI_THREAD_SERIALIZED the library allows calls from any thread as long as no two run at
+// once, which the mutex guarantees.
+unsafe impl Send for Inner {}
+
+impl MpiCollective {
+    /// Initializes MPI (once per process) and joins `MPI_COMM_WORLD`.
+    pub fn init() -> Result<MpiCollective> {
+        let (universe, threading) = mpi::initialize_with_threading(Threading::Serialized)
+            .ok_or_else(|| {
+                KilnError::Collective(
+                    "MPI was already initialized in this process: create one MpiCollective at \
+                     the start of main"
+                        .into(),
+                )
+            })?;
+        if threading < Threading::Serialized {
+            return Err(KilnError::Collective(format!(
+                "this MPI library offers thread level {threading:?}; Kiln needs Serialized \
+                 (the trainer is not always the main thread). Use an MPI built with thread \
+                 support (Debian's Open MPI has it)"
+            )));
+        }
+        let world = universe.world();
+        let (rank, size) = (world.rank() as usize, world.size() as usize);
+        Ok(MpiCollective {
+            inner: Mutex::new(Inner {
+                world,
+                _universe: universe,
+            }),
+            rank,
+            size,
+        })
+    }
+
+    fn world(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+fn op(op: ReduceOp) -> SystemOperation {
+    match op {
+        ReduceOp::Sum => SystemOperation::sum(),
+        ReduceOp::Max => SystemOperation::max(),
+    }
+}
+
+impl Collective for MpiCollective {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        self.size
+    }
+    fn all_reduce_f32(&self, buf: &mut [f32], reduce: ReduceOp) -> Result<()> {
+        let send = buf.to_vec();
+        self.world()
+            .world
+            .all_reduce_into(&send[..], buf, op(reduce));
+        Ok(())
+    }
+    fn all_reduce_f64(&self, buf: &mut [f64], reduce: ReduceOp) -> Result<()> {
+        let send = buf.to_vec();
+        self.world()
+            .world
+            .all_reduce_into(&send[..], buf, op(reduce));
+        Ok(())
+    }
+    fn broadcast_f32(&self, buf: &mut [f32], root: usize) -> Result<()> {
+        if root >= self.size {
+            return Err(KilnError::Collective(format!(
+                "broadcast from rank {root} in a world of {}",
+                self.size
+            )));
+        }
+        let inner = self.world();
+        inner.world.process_at_rank(root as i32).broadcast_into(buf);
+        Ok(())
+    }
+    fn barrier(&self) -> Result<()> {
+        self.world().world.barrier();
+        Ok(())
+    }
+    fn engine(&self) -> &'static str {
+        "mpi"
+    }
+}

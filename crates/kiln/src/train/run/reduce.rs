@@ -1,0 +1,32 @@
+//! Data parallelism's step: the gradients and the step's statistics summed over the ranks,
+//! once per optimizer step (after the last micro-batch, never per micro-batch).
+
+use super::Run;
+use super::accumulate::Accumulated;
+use crate::distributed::{GradReducer, ReduceStats};
+use crate::error::{KilnError, Result};
+use crate::train::contract::TrainStep;
+
+impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
+    /// Replaces this rank's gradients, loss sum and sample count by their sums over all
+    /// ranks (nothing to do in a world of one). Everything after it (unscaling, the guard's
+    /// check, clipping, the optimizer) then sees the same values on every rank, so the ranks
+    /// take the same decisions: a NaN on one rank makes the sum NaN and skips the step on all.
+    pub(super) fn reduce(&mut self, model: &M, acc: &mut Accumulated) -> Result<()> {
+        let collective = self.trainer.collective.clone();
+        if collective.size() <= 1 {
+            return Ok(());
+        }
+        let _s = tracing::info_span!("all_reduce", ranks = collective.size()).entered();
+        let grads = acc
+            .grads
+            .take()
+            .ok_or_else(|| KilnError::Loader("internal: the step's gradients were taken".into()))?;
+        acc.grads = Some(GradReducer::default().reduce(model, grads, &*collective)?);
+        let stats = ReduceStats::reduce(&*collective, acc.loss_sum, acc.samples, acc.compute_ms)?;
+        acc.loss_sum = stats.loss_sum;
+        acc.samples = stats.samples;
+        acc.rank_compute_ms = Some(stats.rank_compute_ms);
+        Ok(())
+    }
+}
