@@ -74,6 +74,48 @@ fn help_shows_examples() {
     }
 }
 
+/// The plan says whether a run is one of several ranks; a launch as rank 0 of 2 (Open MPI's
+/// environment) or `--processes 2` in a build without MPI is refused with the fix, and
+/// `train.data_parallel = off` refuses a multi-rank launch in any build.
+#[test]
+fn plan_shows_the_data_parallel_world_and_a_build_without_mpi_says_how_to_get_it() {
+    let o = kiln(&["plan"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("data parallel: one process"),
+        "{}",
+        stdout(&o)
+    );
+    let launched = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .args(args)
+            .env("OMPI_COMM_WORLD_RANK", "0")
+            .env("OMPI_COMM_WORLD_SIZE", "2")
+            .output()
+            .unwrap()
+    };
+    let off = launched(&["plan", "--set", "train.data_parallel=off"]);
+    assert_eq!(off.status.code(), Some(2));
+    assert!(
+        stderr(&off).contains("data_parallel = \"off\""),
+        "{}",
+        stderr(&off)
+    );
+    let o = launched(&["plan", "--json", "--batch-size", "16"]);
+    if cfg!(feature = "mpi") {
+        assert!(o.status.success(), "{}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+        assert_eq!(v["data_parallel"]["ranks"], 2);
+        assert_eq!(v["data_parallel"]["rank"], 0);
+    } else {
+        assert_eq!(o.status.code(), Some(2));
+        assert!(stderr(&o).contains("--features mpi"), "{}", stderr(&o));
+        let p = kiln(&["train", "--processes", "2", "--max-steps", "1"]);
+        assert_eq!(p.status.code(), Some(2));
+        assert!(stderr(&p).contains("mpi build"), "{}", stderr(&p));
+    }
+}
+
 #[test]
 fn plan_json_reports_sources() {
     let dir = tempdir("plan");

@@ -124,7 +124,8 @@ fn two_ranks_with_micro_batch_b_train_the_model_of_one_process_with_2b() {
     assert!(
         steps
             .iter()
-            .all(|s| s.rank_compute_ms.as_ref().is_some_and(|t| t.len() == 2))
+            .all(|s| s.rank_compute_ms.as_ref().is_some_and(|t| t.len() == 2)
+                && s.reduce_ms.is_some())
     );
     assert_eq!(steps.iter().map(|s| s.samples).sum::<usize>(), 2 * 161);
     assert!(ranks[1].sink.events.is_empty());

@@ -83,6 +83,10 @@ pub struct StepEvent {
     /// straggler shows as one large entry). `samples` and `loss` are then over all ranks.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rank_compute_ms: Option<Vec<f64>>,
+    /// Under data parallelism: milliseconds this rank spent reducing the step's gradients
+    /// (host copies, the all-reduce and waiting for the slowest rank), part of `compute_ms`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reduce_ms: Option<f64>,
 }
 
 /// The micro-batch was halved after a memory watermark crossing.

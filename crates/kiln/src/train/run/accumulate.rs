@@ -26,6 +26,8 @@ pub(in crate::train) struct Accumulated {
     pub compute_ms: f64,
     /// Under data parallelism, after the reduction: each rank's `compute_ms`.
     pub rank_compute_ms: Option<Vec<f64>>,
+    /// Under data parallelism: the reduction's milliseconds on this rank.
+    pub reduce_ms: Option<f64>,
 }
 
 impl Accumulated {
@@ -111,6 +113,7 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
             data_ms,
             compute_ms: started.elapsed().as_secs_f64() * 1e3 - data_ms,
             rank_compute_ms: None,
+            reduce_ms: None,
         })
     }
 }

@@ -56,6 +56,7 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
             skipped: outcome.trouble.is_some(),
             loss_scale: self.scaler.enabled().then_some(outcome.loss_scale),
             rank_compute_ms: acc.rank_compute_ms.clone(),
+            reduce_ms: acc.reduce_ms,
         }));
         let adapted = self.check_watermark()?;
         drop(report_span);

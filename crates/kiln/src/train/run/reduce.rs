@@ -18,6 +18,7 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
             return Ok(());
         }
         let _s = tracing::info_span!("all_reduce", ranks = collective.size()).entered();
+        let started = std::time::Instant::now();
         let grads = acc
             .grads
             .take()
@@ -27,6 +28,7 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
         acc.loss_sum = stats.loss_sum;
         acc.samples = stats.samples;
         acc.rank_compute_ms = Some(stats.rank_compute_ms);
+        acc.reduce_ms = Some(started.elapsed().as_secs_f64() * 1e3);
         Ok(())
     }
 }

@@ -1,0 +1,170 @@
+//! Data parallelism across processes over MPI (the `mpi` build, Open MPI's `mpirun`):
+//! `kiln train --processes 2` trains the model one process trains with twice the batch,
+//! writes checkpoints once (rank 0) that both ranks resume from, and refuses BatchNorm.
+//! Run with `cargo test -p kiln-cli --features mpi --test mpi` (CI does, after installing
+//! Debian's Open MPI).
+#![cfg(feature = "mpi")]
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+#[path = "../../kiln/tests/common/test_dir.rs"]
+mod test_dir;
+use test_dir::TestDir;
+
+fn kiln(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(args)
+        .env("KILN_LOG", "error")
+        .output()
+        .expect("run kiln")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// `kiln train` on W1 for `max_steps` steps of accumulation 2 with clipping, in order, JSON
+/// events.
+fn train_args<'a>(
+    dir: &'a str,
+    batch: &'a str,
+    max_steps: &'a str,
+    extra: &[&'a str],
+) -> Vec<&'a str> {
+    let mut a = vec![
+        "train",
+        "--model",
+        "mlp",
+        "--batch-size",
+        batch,
+        "--accum",
+        "2",
+        "--epochs",
+        "1",
+        "--max-steps",
+        max_steps,
+        "--workers",
+        "0",
+        "--set",
+        "train.grad_clip_norm=0.5",
+        "--set",
+        "data.shuffle=false",
+        "--checkpoint-dir",
+        dir,
+        "--json",
+    ];
+    a.extend_from_slice(extra);
+    a
+}
+
+/// The step events a run printed.
+fn steps(o: &Output) -> Vec<serde_json::Value> {
+    text(&o.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["event"] == "step")
+        .collect()
+}
+
+/// The newest checkpoint's weights in `dir`, and its step.
+fn final_weights(dir: &Path) -> (u64, Vec<f32>) {
+    let latest = kiln::train::latest_checkpoint(dir).unwrap().unwrap();
+    let step = kiln::train::Checkpoint::load(&latest)
+        .unwrap()
+        .state
+        .global_step;
+    let device = kiln::burn::tensor::Device::flex();
+    let model = kiln::infer::load_model(kiln::zoo::ModelKind::Mlp, 1, &latest, &device).unwrap();
+    (step, kiln::train::flatten_params(&model))
+}
+
+fn max_difference(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn two_processes_train_the_model_of_one_with_twice_the_batch_and_resume_together() {
+    let dir = TestDir::new("mpi-train");
+    let (single, ranks, stopped) = (dir.join("single"), dir.join("ranks"), dir.join("stopped"));
+    let (single_s, ranks_s, stopped_s) = (
+        single.to_str().unwrap(),
+        ranks.to_str().unwrap(),
+        stopped.to_str().unwrap(),
+    );
+    let one = kiln(&train_args(single_s, "32", "6", &["--threads", "1"]));
+    assert!(one.status.success(), "{}", text(&one.stderr));
+    let two = kiln(&train_args(ranks_s, "16", "6", &["--processes", "2"]));
+    assert!(two.status.success(), "{}", text(&two.stderr));
+
+    // Rank 0 alone reports: one run_finished line, step events with both ranks' times and
+    // the samples of both.
+    let finished = text(&two.stdout).matches("\"run_finished\"").count();
+    assert_eq!(finished, 1, "{}", text(&two.stdout));
+    let (a, b) = (steps(&one), steps(&two));
+    assert_eq!(a.len(), 6);
+    assert_eq!(b.len(), 6);
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!(y["samples"], 64);
+        assert_eq!(y["rank_compute_ms"].as_array().map(Vec::len), Some(2));
+        let (lx, ly) = (x["loss"].as_f64().unwrap(), y["loss"].as_f64().unwrap());
+        assert!(
+            (lx - ly).abs() <= 1e-5 * lx.abs().max(1.0),
+            "loss {lx} vs {ly}"
+        );
+    }
+    let (step_one, w_one) = final_weights(&single);
+    let (step_two, w_two) = final_weights(&ranks);
+    assert_eq!((step_one, step_two), (6, 6));
+    let diff = max_difference(&w_one, &w_two);
+    assert!(
+        diff <= 1e-5,
+        "2 ranks × 16 vs 1 × 32: weights differ by {diff}"
+    );
+    // Only rank 0 wrote a checkpoint (where the run stopped), and only one file is there.
+    assert_eq!(text(&two.stdout).matches("\"checkpoint\"").count(), 1);
+    assert_eq!(std::fs::read_dir(&ranks).unwrap().count(), 1);
+
+    // Stopped at step 3, then both ranks resume from rank 0's checkpoint: bit for bit.
+    let first = kiln(&train_args(stopped_s, "16", "3", &["--processes", "2"]));
+    assert!(first.status.success(), "{}", text(&first.stderr));
+    assert_eq!(final_weights(&stopped).0, 3);
+    let rest = kiln(&train_args(
+        stopped_s,
+        "16",
+        "6",
+        &["--processes", "2", "--resume", "latest"],
+    ));
+    assert!(rest.status.success(), "{}", text(&rest.stderr));
+    let (step_resumed, w_resumed) = final_weights(&stopped);
+    assert_eq!(step_resumed, 6);
+    assert_eq!(
+        max_difference(&w_resumed, &w_two),
+        0.0,
+        "a resumed 2-process run continues bit for bit"
+    );
+}
+
+#[test]
+fn batch_norm_models_are_refused_on_every_rank() {
+    let dir = TestDir::new("mpi-batchnorm");
+    let o = kiln(&[
+        "train",
+        "--model",
+        "resnet",
+        "--processes",
+        "2",
+        "--max-steps",
+        "1",
+        "--checkpoint-dir",
+        dir.to_str().unwrap(),
+    ]);
+    assert!(!o.status.success());
+    let err = text(&o.stderr);
+    assert!(err.contains("BatchNorm"), "{err}");
+    assert!(err.contains("2 ranks under mpirun"), "{err}");
+}
