@@ -7,13 +7,20 @@ mod common;
 
 use std::sync::Arc;
 
-use burn::tensor::Device;
-use kiln::data::{BatchContext, BatchSource, DataLoader, Dataset, LoaderOptions, Shard};
+use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataset::InMemDataset;
+use burn::module::Module;
+use burn::tensor::{Device, Tensor, TensorData};
+use kiln::data::{
+    BatchContext, BatchSource, BurnBatches, DataLoader, Dataset, LoaderOptions, Shard,
+};
 use kiln::datasets::{Split, bundled};
-use kiln::distributed::{Collective, ThreadGroup};
+use kiln::distributed::{Collective, ReduceOp, ThreadGroup};
 use kiln::guard::{GuardOptions, GuardPolicy};
 use kiln::observe::{Event, MemorySink, NullSink};
-use kiln::train::{OptimizerKind, Schedule, TrainOptions, flatten_params, latest_checkpoint};
+use kiln::train::{
+    OptimizerKind, Schedule, StepOutput, TrainOptions, TrainStep, flatten_params, latest_checkpoint,
+};
 use kiln::zoo::ModelKind;
 use kiln::{KilnError, Trainer, burn};
 
@@ -321,5 +328,213 @@ fn sharded_loaders_split_every_epoch_exactly_once_with_and_without_workers() {
                 .collect();
             assert_eq!(&joined, global, "workers {workers}, batch {k}");
         }
+    }
+}
+
+/// Counts the all-reduce calls of the collective it wraps.
+struct Counting {
+    inner: ThreadGroup,
+    f32_calls: std::sync::atomic::AtomicUsize,
+}
+
+impl Collective for Counting {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+    fn all_reduce_f32(&self, buf: &mut [f32], op: ReduceOp) -> kiln::Result<()> {
+        self.f32_calls
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.inner.all_reduce_f32(buf, op)
+    }
+    fn all_reduce_f64(&self, buf: &mut [f64], op: ReduceOp) -> kiln::Result<()> {
+        self.inner.all_reduce_f64(buf, op)
+    }
+    fn broadcast_f32(&self, buf: &mut [f32], root: usize) -> kiln::Result<()> {
+        self.inner.broadcast_f32(buf, root)
+    }
+    fn barrier(&self) -> kiln::Result<()> {
+        self.inner.barrier()
+    }
+    fn engine(&self) -> &'static str {
+        "counting"
+    }
+}
+
+#[test]
+fn gradients_are_reduced_once_per_optimizer_step_not_per_micro_batch() {
+    let data = data();
+    let opts = TrainOptions {
+        grad_accum_steps: 4,
+        epochs: 1,
+        ..options(4)
+    };
+    let calls = std::thread::scope(|s| {
+        let handles: Vec<_> = ThreadGroup::new(2)
+            .into_iter()
+            .map(|g| {
+                let (data, opts) = (&data, opts.clone());
+                s.spawn(move || {
+                    let counting = Arc::new(Counting {
+                        inner: g,
+                        f32_calls: Default::default(),
+                    });
+                    let run = train(opts, data, Some(counting.clone())).unwrap();
+                    let steps = run.sink.steps().count();
+                    (
+                        steps,
+                        counting.f32_calls.load(std::sync::atomic::Ordering::SeqCst),
+                    )
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    // Rank 0 reported the steps; every rank made the same calls: per step one reduction of
+    // the "has a gradient" flags and one bucket (the MLP's gradients fit in one 25 MiB
+    // bucket), whatever the 4 micro-batches.
+    let steps = calls[0].0;
+    assert_eq!(steps, 161usize.div_ceil(4 * 2 * 4));
+    for (_, f32_calls) in &calls {
+        assert_eq!(*f32_calls, 2 * steps);
+    }
+}
+
+#[test]
+fn every_rank_starts_from_rank_0s_parameters() {
+    let data = data();
+    let single = train(options(16), &data, None).unwrap();
+    // Each rank initializes differently (an unseeded init in a user's code would): rank 0 as
+    // the single process does, the others from another seed.
+    let ranks = on_ranks(2, |c| {
+        let rank = c.rank();
+        let mut sink = MemorySink::default();
+        let outcome = Trainer::new(options(8), Device::flex(), &mut sink)
+            .with_collective(c)
+            .fit(
+                "mlp",
+                |d| {
+                    if rank > 0 {
+                        d.seed(1000 + rank as u64);
+                    }
+                    ModelKind::Mlp.init(d)
+                },
+                &data,
+                None,
+            )
+            .unwrap();
+        Trained {
+            weights: flatten_params(&outcome.model),
+            sink,
+        }
+    });
+    assert_eq!(
+        common::bitwise_differences(&ranks[0].weights, &ranks[1].weights).0,
+        0
+    );
+    assert_same_training(&single, &ranks[0]);
+}
+
+#[test]
+fn a_watermark_crossing_on_one_rank_halves_the_micro_batch_on_all() {
+    let data = data();
+    let single = train(options(16), &data, None).unwrap();
+    // Rank 1's watermark is 1 byte (every reading crosses it), rank 0's never fires.
+    let ranks = on_ranks(2, |c| {
+        let watermark = if c.rank() == 1 { 1 } else { u64::MAX };
+        let opts = TrainOptions {
+            memory_watermark: Some(watermark),
+            oom_adaptive: true,
+            ..options(8)
+        };
+        train(opts, &data, Some(c)).unwrap()
+    });
+    let adapted: Vec<usize> = ranks[0]
+        .sink
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            Event::BatchAdapted(b) => Some(b.micro_batch),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(adapted, vec![4, 2, 1], "rank 0 halved with rank 1");
+    assert_eq!(
+        common::bitwise_differences(&ranks[0].weights, &ranks[1].weights).0,
+        0
+    );
+    // Halving keeps the effective batch: still the single process's model.
+    assert_same_training(&single, &ranks[0]);
+}
+
+#[test]
+fn ranks_started_with_other_settings_are_refused_instead_of_hanging() {
+    let data = data();
+    let errors = on_ranks(2, |c| {
+        let lr = if c.rank() == 1 { 1e-2 } else { 3e-3 };
+        train(TrainOptions { lr, ..options(8) }, &data, Some(c))
+            .err()
+            .map(|e| e.to_string())
+    });
+    for e in errors {
+        let e = e.expect("refused");
+        assert!(e.contains("other settings"), "{e}");
+    }
+}
+
+/// Items are x; the target is 3x + 1 (the crate documentation's example model).
+#[derive(Module, Debug)]
+struct Line {
+    fit: kiln::nn::Linear,
+}
+
+impl TrainStep<(Tensor<2>, Tensor<2>)> for Line {
+    fn step(&self, (x, y): (Tensor<2>, Tensor<2>)) -> StepOutput {
+        StepOutput::regression(self.fit.forward(x), y)
+    }
+}
+
+struct Points;
+
+impl Batcher<f32, (Tensor<2>, Tensor<2>)> for Points {
+    fn batch(&self, xs: Vec<f32>, device: &Device) -> (Tensor<2>, Tensor<2>) {
+        let x = Tensor::<2>::from_data(TensorData::new(xs.clone(), [xs.len(), 1]), device);
+        (x.clone(), x.mul_scalar(3.0).add_scalar(1.0))
+    }
+}
+
+#[test]
+fn your_own_burn_model_and_batcher_train_data_parallel_too() {
+    let xs: Vec<f32> = (0..203).map(|i| i as f32 / 100.0 - 1.0).collect();
+    let data = BurnBatches::new(InMemDataset::new(xs), Points);
+    let opts = |b| TrainOptions {
+        epochs: 3,
+        batch_size: b,
+        lr: 0.05,
+        eval_every_epochs: 0,
+        workers: Some(0),
+        ..TrainOptions::default()
+    };
+    let line = |d: &Device| Line {
+        fit: kiln::nn::LinearConfig::new(1, 1).init(d),
+    };
+    let fit = |b, c: Option<Arc<dyn Collective>>| {
+        let mut sink = NullSink;
+        let mut trainer = Trainer::new(opts(b), Device::flex(), &mut sink);
+        if let Some(c) = c {
+            trainer = trainer.with_collective(c);
+        }
+        flatten_params(&trainer.fit_source("line", line, &data, None).unwrap().model)
+    };
+    let single = fit(24, None);
+    let ranks = on_ranks(3, |c| fit(8, Some(c)));
+    for r in &ranks {
+        let (_, diff) = common::bitwise_differences(&single, r);
+        assert!(diff <= 1e-5, "{single:?} vs {r:?}");
     }
 }

@@ -281,6 +281,33 @@ pub fn check_replicas<M: Module>(model: &M, collective: &dyn Collective) -> Resu
     Ok(())
 }
 
+/// Checks that every rank describes its run the same way (`settings`: the trajectory settings,
+/// the dataset size, whatever must agree), comparing a digest of it across ranks; ranks
+/// started with different settings would otherwise wait forever on collectives the others
+/// never call, or train different models.
+pub fn check_same_settings(settings: &str, collective: &dyn Collective) -> Result<()> {
+    use sha2::{Digest, Sha256};
+    if collective.size() <= 1 {
+        return Ok(());
+    }
+    let digest = Sha256::digest(settings.as_bytes());
+    // Three 20-bit pieces, each exact in f64, compared as maxima and minima over ranks.
+    let piece =
+        |i: usize| (u32::from_le_bytes([digest[i], digest[i + 1], digest[i + 2], 0]) >> 4) as f64;
+    let mine = [piece(0), piece(3), piece(6)];
+    let mut buf = [mine[0], mine[1], mine[2], -mine[0], -mine[1], -mine[2]];
+    collective.all_reduce_f64(&mut buf, ReduceOp::Max)?;
+    if (0..3).any(|i| buf[i] != -buf[i + 3]) {
+        return Err(KilnError::Collective(format!(
+            "rank {} was started with other settings or data than another rank (every rank \
+             must run the same command: same options, same data, same number of samples); \
+             this rank has: {settings}",
+            collective.rank()
+        )));
+    }
+    Ok(())
+}
+
 /// Refuses models with BatchNorm layers: their running statistics (and, in training, their
 /// batch statistics) would be computed per rank, so N ranks would not train the model one
 /// process does. A synchronized BatchNorm does not exist in Kiln yet.

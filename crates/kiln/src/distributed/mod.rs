@@ -23,7 +23,10 @@ pub mod grads;
 pub mod mpi;
 mod thread_group;
 
-pub use grads::{GradReducer, ReduceStats, broadcast_params, check_replicas, refuse_batch_norm};
+pub use grads::{
+    GradReducer, ReduceStats, broadcast_params, check_replicas, check_same_settings,
+    refuse_batch_norm,
+};
 pub use thread_group::ThreadGroup;
 
 use crate::error::Result;

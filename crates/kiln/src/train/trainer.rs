@@ -17,7 +17,9 @@ use super::{Evaluation, TrainOptions, build_optimizer, evaluate_source};
 use crate::data::{
     Batch, BatchContext, BatchSource, DataLoader, Dataset, ImageBatches, Transform, choose_workers,
 };
-use crate::distributed::{Collective, SingleProcess, broadcast_params, refuse_batch_norm};
+use crate::distributed::{
+    Collective, SingleProcess, broadcast_params, check_same_settings, refuse_batch_norm,
+};
 use crate::error::{KilnError, Result};
 use crate::guard::{Guard, GuardPolicy};
 use crate::observe::{EpochSummary, Event, EventSink, RunSummary, Watermark};
@@ -164,6 +166,7 @@ impl<'s> Trainer<'s> {
         let world = self.collective.size();
         if world > 1 {
             refuse_batch_norm(&model)?;
+            check_same_settings(&rank_settings(&opts, train.len()), &*self.collective)?;
         }
         self.check_first_batch(&model, train)?;
         let optim = build_optimizer(&opts);
@@ -372,6 +375,22 @@ pub fn seeded_init<M: Module>(device: &Device, seed: u64, init: impl FnOnce(&Dev
     let model = init(device);
     model.visit(&mut Touch);
     model
+}
+
+/// What every rank of a data-parallel run must agree on: the trajectory, the data's size, and
+/// the settings that decide which collectives a step calls.
+fn rank_settings(opts: &TrainOptions, samples: usize) -> String {
+    let mut s: Vec<String> = opts
+        .trajectory_fingerprint()
+        .into_iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    s.push(format!("samples={samples}"));
+    s.push(format!("train.max_steps={:?}", opts.max_steps));
+    s.push(format!("watermark={}", opts.memory_watermark.is_some()));
+    s.push(format!("train.oom_adaptive={}", opts.oom_adaptive));
+    s.push(format!("guard={:?}", opts.guard));
+    s.join(", ")
 }
 
 fn validate<B: Send>(
