@@ -85,11 +85,13 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
         let Some(mark) = self.watermark.as_mut() else {
             return Ok(false);
         };
+        let threshold = mark.threshold();
         let reading = memory::in_use_reading();
-        let mut crossed = reading.is_some_and(|in_use| mark.check(in_use));
+        let crossed_here = reading.is_some_and(|in_use| mark.check(in_use));
+        let mut crossed = crossed_here;
         let collective = self.trainer.collective.clone();
         if collective.size() > 1 {
-            let mut flag = [if crossed { 1.0 } else { 0.0 }];
+            let mut flag = [if crossed_here { 1.0 } else { 0.0 }];
             collective.all_reduce_f64(&mut flag, ReduceOp::Max)?;
             crossed = flag[0] > 0.0;
         }
@@ -97,16 +99,19 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
             return Ok(false);
         }
         let in_use = reading.unwrap_or(0);
-        let Some(mark) = self.watermark.as_mut() else {
-            return Ok(false);
-        };
-        let threshold = mark.threshold();
-        tracing::warn!(
-            step,
-            "memory in use {} crossed the watermark {}",
-            memory::human_bytes(in_use),
-            memory::human_bytes(threshold)
-        );
+        if crossed_here {
+            tracing::warn!(
+                step,
+                "memory in use {} crossed the watermark {}",
+                memory::human_bytes(in_use),
+                memory::human_bytes(threshold)
+            );
+        } else {
+            tracing::warn!(
+                step,
+                "another rank's memory crossed its watermark: halving with it"
+            );
+        }
         self.trainer.emit(&Event::MemoryWatermark(WatermarkEvent {
             step,
             in_use_bytes: in_use,
