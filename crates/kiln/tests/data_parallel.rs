@@ -18,6 +18,7 @@ use kiln::datasets::{Split, bundled};
 use kiln::distributed::{Collective, ReduceOp, ThreadGroup};
 use kiln::guard::{GuardOptions, GuardPolicy};
 use kiln::observe::{Event, MemorySink, NullSink};
+use kiln::precision::{Precision, ScalerOptions, ScalingMode};
 use kiln::train::{
     OptimizerKind, Schedule, StepOutput, TrainOptions, TrainStep, flatten_params, latest_checkpoint,
 };
@@ -537,4 +538,63 @@ fn your_own_burn_model_and_batcher_train_data_parallel_too() {
         let (_, diff) = common::bitwise_differences(&single, r);
         assert!(diff <= 1e-5, "{single:?} vs {r:?}");
     }
+}
+
+#[test]
+fn f16_loss_scale_backoffs_are_taken_on_every_rank_together() {
+    let data = data();
+    // 2^24 overflows f16 gradients at once: the scaler backs off, step by step, on all ranks.
+    let opts = TrainOptions {
+        precision: Precision::F16,
+        scaler: ScalerOptions {
+            mode: ScalingMode::Dynamic,
+            init_scale: 16_777_216.0,
+            growth_interval: 1_000,
+        },
+        ..options(8)
+    };
+    let ranks = on_ranks(2, |c| train(opts.clone(), &data, Some(c)).unwrap());
+    let backoffs = common::guard_events(&ranks[0].sink);
+    assert!(!backoffs.is_empty(), "2^24 overflows");
+    assert!(
+        backoffs
+            .iter()
+            .all(|e| e.action == kiln::guard::GuardAction::ScaleBackoff)
+    );
+    let scales: Vec<Option<f32>> = ranks[0].sink.steps().map(|s| s.loss_scale).collect();
+    assert!(scales.windows(2).any(|w| w[1] < w[0]), "{scales:?}");
+    assert_eq!(
+        common::bitwise_differences(&ranks[0].weights, &ranks[1].weights).0,
+        0,
+        "both ranks skipped the same steps with the same scale"
+    );
+    assert!(ranks[0].weights.iter().all(|w| w.is_finite()));
+}
+
+#[test]
+fn the_report_of_a_data_parallel_run_plots_each_rank() {
+    let data = data();
+    let ranks = on_ranks(2, |c| train(options(8), &data, Some(c)).unwrap());
+    let dir = common::tempdir("dp", "report");
+    let lines: Vec<String> = ranks[0]
+        .sink
+        .events
+        .iter()
+        .map(|e| serde_json::to_string(e).unwrap())
+        .collect();
+    std::fs::write(dir.join("events.jsonl"), lines.join("\n")).unwrap();
+    let html = kiln::report::render_html(&kiln::report::load_run(&dir).unwrap());
+    assert!(html.contains("Data-parallel ranks"), "no ranks chart");
+    assert!(html.contains("rank 1 forward+backward") && html.contains("all-reduce (rank 0)"));
+    // A run of one process has no such chart.
+    let single = train(options(16), &data, None).unwrap();
+    let lines: Vec<String> = single
+        .sink
+        .events
+        .iter()
+        .map(|e| serde_json::to_string(e).unwrap())
+        .collect();
+    std::fs::write(dir.join("events.jsonl"), lines.join("\n")).unwrap();
+    let html = kiln::report::render_html(&kiln::report::load_run(&dir).unwrap());
+    assert!(!html.contains("Data-parallel ranks"));
 }

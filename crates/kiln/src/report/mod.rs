@@ -261,6 +261,7 @@ pub fn render_html(run: &RunData) -> String {
             xy(&|s| s.peak_rss_bytes.map(|b| b as f64 / 1048576.0)),
         )],
     );
+    let parallel = ranks_chart(run, &xy);
     let eval_points: Vec<(f64, f64)> = run
         .epochs
         .iter()
@@ -317,7 +318,7 @@ table {{ border-collapse: collapse; font-size: .9em; }} td, th {{ border: 1px so
 <h2>Bottleneck</h2>
 {verdict}
 <h2>Curves</h2>
-<div class="charts">{loss}{throughput}{memory}{accuracy}</div>
+<div class="charts">{loss}{throughput}{memory}{accuracy}{parallel}</div>
 <h2>Events</h2>
 <ul>{notes}</ul>
 <h2>Tuner</h2>
@@ -334,6 +335,38 @@ document.body.dataset.plots = Array.from(document.querySelectorAll('svg.chart'))
         model = esc(&run.model),
         verdict = verdict_html(run),
     )
+}
+
+/// For a data-parallel run (steps with `rank_compute_ms`): each rank's forward + backward
+/// time per step and rank 0's reduction time, where a straggler or a costly all-reduce shows;
+/// empty for a run of one process.
+fn ranks_chart(
+    run: &RunData,
+    xy: &dyn Fn(&dyn Fn(&StepEvent) -> Option<f64>) -> Vec<(f64, f64)>,
+) -> String {
+    let ranks = run
+        .steps
+        .iter()
+        .filter_map(|s| s.rank_compute_ms.as_ref().map(Vec::len))
+        .max()
+        .unwrap_or(0);
+    if ranks == 0 {
+        return String::new();
+    }
+    let mut series: Vec<(String, Vec<(f64, f64)>)> = (0..ranks)
+        .map(|r| {
+            (
+                format!("rank {r} forward+backward"),
+                xy(&|s| s.rank_compute_ms.as_ref()?.get(r).copied()),
+            )
+        })
+        .collect();
+    series.push(("all-reduce (rank 0)".into(), xy(&|s| s.reduce_ms)));
+    let named: Vec<(&str, Vec<(f64, f64)>)> = series
+        .iter()
+        .map(|(n, p)| (n.as_str(), p.clone()))
+        .collect();
+    svg::line_chart("Data-parallel ranks", "step", "ms", &named)
 }
 
 /// Renders `dir`'s run into `out` (default `dir/report.html`), atomically; returns the path.
