@@ -576,25 +576,20 @@ fn the_report_of_a_data_parallel_run_plots_each_rank() {
     let data = data();
     let ranks = on_ranks(2, |c| train(options(8), &data, Some(c)).unwrap());
     let dir = common::tempdir("dp", "report");
-    let lines: Vec<String> = ranks[0]
-        .sink
-        .events
-        .iter()
-        .map(|e| serde_json::to_string(e).unwrap())
-        .collect();
-    std::fs::write(dir.join("events.jsonl"), lines.join("\n")).unwrap();
-    let html = kiln::report::render_html(&kiln::report::load_run(&dir).unwrap());
+    // The report of a run directory holding `sink`'s events.
+    let report = |sink: &MemorySink| {
+        let lines: Vec<String> = sink
+            .events
+            .iter()
+            .map(|e| serde_json::to_string(e).unwrap())
+            .collect();
+        std::fs::write(dir.join("events.jsonl"), lines.join("\n")).unwrap();
+        kiln::report::render_html(&kiln::report::load_run(&dir).unwrap())
+    };
+    let html = report(&ranks[0].sink);
     assert!(html.contains("Data-parallel ranks"), "no ranks chart");
     assert!(html.contains("rank 1 forward+backward") && html.contains("all-reduce (rank 0)"));
     // A run of one process has no such chart.
     let single = train(options(16), &data, None).unwrap();
-    let lines: Vec<String> = single
-        .sink
-        .events
-        .iter()
-        .map(|e| serde_json::to_string(e).unwrap())
-        .collect();
-    std::fs::write(dir.join("events.jsonl"), lines.join("\n")).unwrap();
-    let html = kiln::report::render_html(&kiln::report::load_run(&dir).unwrap());
-    assert!(!html.contains("Data-parallel ranks"));
+    assert!(!report(&single.sink).contains("Data-parallel ranks"));
 }

@@ -234,12 +234,7 @@ fn tune_html(tune: &serde_json::Value) -> String {
 
 /// Renders the report.
 pub fn render_html(run: &RunData) -> String {
-    let xy = |f: &dyn Fn(&StepEvent) -> Option<f64>| -> Vec<(f64, f64)> {
-        run.steps
-            .iter()
-            .filter_map(|s| Some((s.step as f64, f(s)?)))
-            .collect()
-    };
+    let xy = |f: &dyn Fn(&StepEvent) -> Option<f64>| step_series(run, f);
     let loss = svg::line_chart(
         "Training loss",
         "step",
@@ -261,7 +256,7 @@ pub fn render_html(run: &RunData) -> String {
             xy(&|s| s.peak_rss_bytes.map(|b| b as f64 / 1048576.0)),
         )],
     );
-    let parallel = ranks_chart(run, &xy);
+    let parallel = ranks_chart(run);
     let eval_points: Vec<(f64, f64)> = run
         .epochs
         .iter()
@@ -337,13 +332,18 @@ document.body.dataset.plots = Array.from(document.querySelectorAll('svg.chart'))
     )
 }
 
+/// `(step, f(step))` for the steps where `f` has a value.
+fn step_series(run: &RunData, f: impl Fn(&StepEvent) -> Option<f64>) -> Vec<(f64, f64)> {
+    run.steps
+        .iter()
+        .filter_map(|s| Some((s.step as f64, f(s)?)))
+        .collect()
+}
+
 /// For a data-parallel run (steps with `rank_compute_ms`): each rank's forward + backward
 /// time per step and rank 0's reduction time, where a straggler or a costly all-reduce shows;
 /// empty for a run of one process.
-fn ranks_chart(
-    run: &RunData,
-    xy: &dyn Fn(&dyn Fn(&StepEvent) -> Option<f64>) -> Vec<(f64, f64)>,
-) -> String {
+fn ranks_chart(run: &RunData) -> String {
     let ranks = run
         .steps
         .iter()
@@ -357,11 +357,14 @@ fn ranks_chart(
         .map(|r| {
             (
                 format!("rank {r} forward+backward"),
-                xy(&|s| s.rank_compute_ms.as_ref()?.get(r).copied()),
+                step_series(run, |s| s.rank_compute_ms.as_ref()?.get(r).copied()),
             )
         })
         .collect();
-    series.push(("all-reduce (rank 0)".into(), xy(&|s| s.reduce_ms)));
+    series.push((
+        "all-reduce (rank 0)".into(),
+        step_series(run, |s| s.reduce_ms),
+    ));
     let named: Vec<(&str, Vec<(f64, f64)>)> = series
         .iter()
         .map(|(n, p)| (n.as_str(), p.clone()))
