@@ -10,10 +10,10 @@ use kiln::distributed::Collective;
 use kiln::plan::Plan;
 
 /// Runs this same `kiln train` command as `processes` ranks under `mpirun` and returns its
-/// exit code. Each rank gets `cores / processes` threads unless `--threads` was given; ranks
-/// are not bound to cores (Open MPI binds each to one core by default, which would put all
-/// of a rank's threads on it).
-pub fn relaunch(processes: usize, threads_given: bool) -> Result<i32> {
+/// exit code. Ranks are not bound to cores (Open MPI binds each to one core by default, which
+/// would put all of a rank's threads on it); each rank's plan divides the cores between the
+/// ranks on the machine unless `--threads` is given.
+pub fn relaunch(processes: usize) -> Result<i32> {
     if !kiln::plan::MPI_COMPILED {
         bail!(
             "--processes needs the mpi build of kiln: `cargo install --path crates/kiln-cli \
@@ -31,11 +31,6 @@ pub fn relaunch(processes: usize, threads_given: bool) -> Result<i32> {
         } else if !a.starts_with("--processes=") {
             args.push(a);
         }
-    }
-    if !threads_given {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        args.push("--threads".into());
-        args.push((cores / processes).max(1).to_string());
     }
     let mut cmd = Command::new("mpirun");
     cmd.args([

@@ -16,7 +16,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
         && n > 1
         && kiln::distributed::launcher_world().is_none()
     {
-        let code = launch::relaunch(n, args.config.threads.is_some())?;
+        let code = launch::relaunch(n)?;
         if code != 0 {
             bail!("{n} ranks under mpirun: exit status {code} (each rank's error is above)");
         }

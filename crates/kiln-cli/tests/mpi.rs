@@ -168,3 +168,40 @@ fn batch_norm_models_are_refused_on_every_rank() {
     assert!(err.contains("BatchNorm"), "{err}");
     assert!(err.contains("2 ranks under mpirun"), "{err}");
 }
+
+#[test]
+fn ranks_launched_on_one_machine_share_its_cores_and_memory() {
+    let plan = |local: &str| {
+        let o = Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .args(["plan", "--json"])
+            .env("OMPI_COMM_WORLD_RANK", "1")
+            .env("OMPI_COMM_WORLD_SIZE", "4")
+            .env("OMPI_COMM_WORLD_LOCAL_SIZE", local)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", text(&o.stderr));
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()
+    };
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // 4 ranks on 4 machines: each has its machine.
+    let alone = plan("1");
+    assert_eq!(alone["data_parallel"]["ranks"], 4);
+    assert_eq!(alone["settings"]["device.threads"]["value"], cores);
+    // 4 ranks on this one: a quarter of the cores (at least one) and of the memory each.
+    let shared = plan("4");
+    let threads = &shared["settings"]["device.threads"];
+    assert_eq!(threads["value"], (cores / 4).max(1));
+    assert!(
+        threads["source"]
+            .as_str()
+            .unwrap()
+            .contains("shared by 4 ranks"),
+        "{threads}"
+    );
+    let mark = |p: &serde_json::Value| {
+        p["settings"]["observe.memory_watermark_mib"]["value"]
+            .as_i64()
+            .unwrap()
+    };
+    assert!((mark(&shared) - mark(&alone) / 4).abs() <= 1);
+}

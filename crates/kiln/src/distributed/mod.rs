@@ -88,6 +88,20 @@ impl Collective for SingleProcess {
     }
 }
 
+/// How many ranks of this launch share this machine, read from what Open MPI
+/// (`OMPI_COMM_WORLD_LOCAL_SIZE`) and MPICH (`MPI_LOCALNRANKS`) set; 1 when not launched by
+/// one. The plan divides the machine's cores and memory between them.
+pub fn launcher_local_ranks() -> usize {
+    if launcher_world().is_none() {
+        return 1;
+    }
+    ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.parse::<usize>().ok())
+        .unwrap_or(1)
+        .max(1)
+}
+
 /// The rank and world size an MPI launcher gave this process, read from the environment
 /// variables that Open MPI (`OMPI_COMM_WORLD_RANK`/`_SIZE`), MPICH and Intel MPI
 /// (`PMI_RANK`/`PMI_SIZE`) set; `None` when not launched by one (or a world of one).

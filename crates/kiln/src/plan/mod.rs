@@ -248,6 +248,8 @@ pub fn resolve(config: &KilnConfig, hardware: &Hardware) -> Result<Plan> {
 /// Replaces `auto`/`0` settings with probed values and records the probe as their source.
 fn probe_autos(settings: &mut [ResolvedSetting], hardware: &Hardware) -> Result<()> {
     let budget = memory_budget(settings, hardware)?;
+    // Ranks of a data-parallel launch on this machine share its cores and memory.
+    let local_ranks = crate::distributed::launcher_local_ranks();
     for s in settings.iter_mut() {
         match (s.key, &s.value) {
             ("device.backend", toml::Value::String(v)) if v == "auto" => {
@@ -256,18 +258,33 @@ fn probe_autos(settings: &mut [ResolvedSetting], hardware: &Hardware) -> Result<
                 s.source = Source::Probe(hardware.backend_reason());
             }
             ("observe.memory_watermark_mib", toml::Value::String(v)) if v == "auto" => {
-                let (mib, why) = auto_watermark_mib(budget, hardware);
+                let (mib, why) = auto_watermark_mib(budget, hardware, local_ranks);
                 s.value = toml::Value::Integer(mib);
                 s.source = Source::Probe(why);
             }
             ("device.threads", toml::Value::Integer(0)) => {
-                s.value = toml::Value::Integer(hardware.cores as i64);
-                s.source = Source::Probe(format!("{} CPU cores", hardware.cores));
+                let (threads, why) = threads_per_rank(hardware.cores, local_ranks);
+                s.value = toml::Value::Integer(threads as i64);
+                s.source = Source::Probe(why);
             }
             _ => {}
         }
     }
     Ok(())
+}
+
+/// `device.threads = 0` (one per core): the machine's cores, divided between the ranks of a
+/// data-parallel launch that share the machine (each rank runs its own thread pool; N ranks
+/// of all cores each would oversubscribe the CPU N times).
+fn threads_per_rank(cores: usize, local_ranks: usize) -> (usize, String) {
+    if local_ranks > 1 {
+        (
+            (cores / local_ranks).max(1),
+            format!("{cores} CPU cores shared by {local_ranks} ranks on this machine"),
+        )
+    } else {
+        (cores, format!("{cores} CPU cores"))
+    }
 }
 
 /// Share of the memory limit at which `auto` puts the watermark: high enough that a run
@@ -311,15 +328,25 @@ fn memory_limit(budget: Option<u64>, hardware: &Hardware) -> Option<(u64, &'stat
 /// The `auto` watermark in MiB and the probe's description: a share of the memory budget
 /// when one is set, else of the machine's memory (0 = off where the system does not report
 /// it).
-fn auto_watermark_mib(budget: Option<u64>, hardware: &Hardware) -> (i64, String) {
+fn auto_watermark_mib(
+    budget: Option<u64>,
+    hardware: &Hardware,
+    local_ranks: usize,
+) -> (i64, String) {
     match memory_limit(budget, hardware) {
         Some((bytes, what)) => {
-            let mib = (bytes as f64 * AUTO_WATERMARK_SHARE / 1048576.0) as i64;
+            let share = AUTO_WATERMARK_SHARE / local_ranks.max(1) as f64;
+            let mib = (bytes as f64 * share / 1048576.0) as i64;
+            let ranks = if local_ranks > 1 {
+                format!(", shared by {local_ranks} ranks on this machine")
+            } else {
+                String::new()
+            };
             (
                 mib.max(1),
                 format!(
-                    "{:.0}% of {} {}",
-                    AUTO_WATERMARK_SHARE * 100.0,
+                    "{:.0}% of {} {}{ranks}",
+                    share * 100.0,
                     crate::observe::memory::human_bytes(bytes),
                     what
                 ),
@@ -480,5 +507,28 @@ pub fn set_cpu_threads(threads: usize) {
         .build_global()
     {
         tracing::debug!("thread pool already configured: {e}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranks_on_one_machine_share_its_cores_and_memory() {
+        assert_eq!(threads_per_rank(16, 1).0, 16);
+        let (threads, why) = threads_per_rank(16, 4);
+        assert_eq!(threads, 4);
+        assert!(why.contains("shared by 4 ranks"), "{why}");
+        assert_eq!(threads_per_rank(2, 4).0, 1, "at least one thread each");
+        let hw = Hardware {
+            memory: Some((8 << 30, "physical memory")),
+            ..Hardware::probe()
+        };
+        let (one, _) = auto_watermark_mib(None, &hw, 1);
+        let (quarter, why) = auto_watermark_mib(None, &hw, 4);
+        assert_eq!(one, (8192.0 * 0.85) as i64);
+        assert!((quarter - one / 4).abs() <= 1, "{quarter} vs {one}");
+        assert!(why.contains("shared by 4 ranks"), "{why}");
     }
 }
