@@ -129,6 +129,23 @@ fn two_processes_train_the_model_of_one_with_twice_the_batch_and_resume_together
     assert_eq!(text(&two.stdout).matches("\"checkpoint\"").count(), 1);
     assert_eq!(std::fs::read_dir(&ranks).unwrap().count(), 1);
 
+    // Over TCP (the transport between machines) instead of shared memory: the same sums,
+    // so the same weights bit for bit.
+    let tcp_dir = dir.join("tcp");
+    let tcp = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(train_args(
+            tcp_dir.to_str().unwrap(),
+            "16",
+            "6",
+            &["--processes", "2"],
+        ))
+        .env("KILN_LOG", "error")
+        .env("OMPI_MCA_btl", "tcp,self")
+        .output()
+        .unwrap();
+    assert!(tcp.status.success(), "{}", text(&tcp.stderr));
+    assert_eq!(max_difference(&final_weights(&tcp_dir).1, &w_two), 0.0);
+
     // Stopped at step 3, then both ranks resume from rank 0's checkpoint: bit for bit.
     let first = kiln(&train_args(stopped_s, "16", "3", &["--processes", "2"]));
     assert!(first.status.success(), "{}", text(&first.stderr));
