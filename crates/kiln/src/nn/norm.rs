@@ -103,22 +103,20 @@ impl BatchNorm {
                 (out, r.mean, r.variance)
             }
         };
-        // The running statistics' update, as Burn's layer does it.
+        // The running statistics' update, as Burn's layer does it: running · (1 − m) +
+        // batch · m, outside the graph.
         let m = self.momentum;
-        let running_mean = self.running_mean.value_sync().to_device(&device);
-        let running_var = self.running_var.value_sync().to_device(&device);
-        self.running_mean.update(
-            running_mean
+        let blend = |running: Tensor<1>, batch: Tensor<1>| {
+            running
+                .to_device(&device)
                 .mul_scalar(1.0 - m)
-                .add(mean.detach().mul_scalar(m))
-                .detach(),
-        );
-        self.running_var.update(
-            running_var
-                .mul_scalar(1.0 - m)
-                .add(var.detach().mul_scalar(m))
-                .detach(),
-        );
+                .add(batch.detach().mul_scalar(m))
+                .detach()
+        };
+        self.running_mean
+            .update(blend(self.running_mean.value_sync(), mean));
+        self.running_var
+            .update(blend(self.running_var.value_sync(), var));
         out
     }
 }
