@@ -60,6 +60,17 @@ pub trait Collective: Send + Sync {
     fn engine(&self) -> &'static str;
 }
 
+/// The error for a broadcast from a rank the world does not have (every engine checks it
+/// before calling into its transport).
+fn check_root(root: usize, size: usize) -> Result<()> {
+    if root >= size {
+        return Err(crate::error::KilnError::Collective(format!(
+            "broadcast from rank {root} in a world of {size}"
+        )));
+    }
+    Ok(())
+}
+
 /// A world of one: every collective is the identity.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct SingleProcess;

@@ -8,9 +8,9 @@ use mpi::Threading;
 use mpi::collective::SystemOperation;
 use mpi::environment::Universe;
 use mpi::topology::SimpleCommunicator;
-use mpi::traits::{Communicator, CommunicatorCollectives, Root};
+use mpi::traits::{Communicator, CommunicatorCollectives, Equivalence, Root};
 
-use super::{Collective, ReduceOp};
+use super::{Collective, ReduceOp, check_root};
 use crate::error::{KilnError, Result};
 
 /// `MPI_COMM_WORLD` as a [`Collective`]. MPI is initialized with `MPI_THREAD_SERIALIZED` and
@@ -72,10 +72,16 @@ impl MpiCollective {
     }
 }
 
-fn op(op: ReduceOp) -> SystemOperation {
-    match op {
-        ReduceOp::Sum => SystemOperation::sum(),
-        ReduceOp::Max => SystemOperation::max(),
+impl MpiCollective {
+    /// `MPI_Allreduce` of `buf` in place (MPI's send and receive buffers must differ, so the
+    /// values are sent from a copy).
+    fn all_reduce<T: Equivalence + Clone>(&self, buf: &mut [T], reduce: ReduceOp) {
+        let op = match reduce {
+            ReduceOp::Sum => SystemOperation::sum(),
+            ReduceOp::Max => SystemOperation::max(),
+        };
+        let send = buf.to_vec();
+        self.world().world.all_reduce_into(&send[..], buf, op);
     }
 }
 
@@ -87,26 +93,15 @@ impl Collective for MpiCollective {
         self.size
     }
     fn all_reduce_f32(&self, buf: &mut [f32], reduce: ReduceOp) -> Result<()> {
-        let send = buf.to_vec();
-        self.world()
-            .world
-            .all_reduce_into(&send[..], buf, op(reduce));
+        self.all_reduce(buf, reduce);
         Ok(())
     }
     fn all_reduce_f64(&self, buf: &mut [f64], reduce: ReduceOp) -> Result<()> {
-        let send = buf.to_vec();
-        self.world()
-            .world
-            .all_reduce_into(&send[..], buf, op(reduce));
+        self.all_reduce(buf, reduce);
         Ok(())
     }
     fn broadcast_f32(&self, buf: &mut [f32], root: usize) -> Result<()> {
-        if root >= self.size {
-            return Err(KilnError::Collective(format!(
-                "broadcast from rank {root} in a world of {}",
-                self.size
-            )));
-        }
+        check_root(root, self.size)?;
         let inner = self.world();
         inner.world.process_at_rank(root as i32).broadcast_into(buf);
         Ok(())

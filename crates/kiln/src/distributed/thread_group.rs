@@ -4,7 +4,7 @@
 
 use std::sync::{Arc, Barrier, Mutex, PoisonError};
 
-use super::{Collective, ReduceOp};
+use super::{Collective, ReduceOp, check_root};
 use crate::error::{KilnError, Result};
 
 /// The state the ranks of one group share.
@@ -108,12 +108,7 @@ impl Collective for ThreadGroup {
         Ok(())
     }
     fn broadcast_f32(&self, buf: &mut [f32], root: usize) -> Result<()> {
-        if root >= self.shared.size {
-            return Err(KilnError::Collective(format!(
-                "broadcast from rank {root} in a world of {}",
-                self.shared.size
-            )));
-        }
+        check_root(root, self.shared.size)?;
         let wide: Vec<f64> = buf.iter().map(|&v| v as f64).collect();
         let out = self.exchange(wide, |slots| slots[root].clone())?;
         for (b, o) in buf.iter_mut().zip(out) {
