@@ -268,17 +268,28 @@ pub fn check_replicas<M: Module>(model: &M, collective: &dyn Collective) -> Resu
     let flat = flatten_params(model);
     let sum: f64 = flat.iter().map(|&v| v as f64).sum();
     let sq: f64 = flat.iter().map(|&v| (v as f64) * (v as f64)).sum();
-    let mut buf = [sum, sq, -sum, -sq];
-    collective.all_reduce_f64(&mut buf, ReduceOp::Max)?;
-    let same = |a: f64, b: f64| a == b || (a.is_nan() && b.is_nan());
-    if !(same(buf[0], -buf[2]) && same(buf[1], -buf[3])) {
+    let spread = spread_over_ranks(&[sum, sq], collective)?;
+    let same = |(lo, hi): (f64, f64)| lo == hi || (lo.is_nan() && hi.is_nan());
+    if !spread.iter().all(|&s| same(s)) {
         return Err(KilnError::Collective(format!(
             "the model replicas differ between ranks (parameter sums from {} to {}): every rank \
              must run the same model, options and data order",
-            -buf[2], buf[0]
+            spread[0].0, spread[0].1
         )));
     }
     Ok(())
+}
+
+/// Each value's smallest and largest over the ranks, in one all-reduce (the maxima of the
+/// values and of their negations).
+fn spread_over_ranks(values: &[f64], collective: &dyn Collective) -> Result<Vec<(f64, f64)>> {
+    let n = values.len();
+    let mut buf: Vec<f64> = values.iter().chain(values).copied().collect();
+    for v in &mut buf[n..] {
+        *v = -*v;
+    }
+    collective.all_reduce_f64(&mut buf, ReduceOp::Max)?;
+    Ok((0..n).map(|i| (-buf[n + i], buf[i])).collect())
 }
 
 /// Checks that every rank describes its run the same way (`settings`: the trajectory settings,
@@ -294,10 +305,8 @@ pub fn check_same_settings(settings: &str, collective: &dyn Collective) -> Resul
     // Three 20-bit pieces, each exact in f64, compared as maxima and minima over ranks.
     let piece =
         |i: usize| (u32::from_le_bytes([digest[i], digest[i + 1], digest[i + 2], 0]) >> 4) as f64;
-    let mine = [piece(0), piece(3), piece(6)];
-    let mut buf = [mine[0], mine[1], mine[2], -mine[0], -mine[1], -mine[2]];
-    collective.all_reduce_f64(&mut buf, ReduceOp::Max)?;
-    if (0..3).any(|i| buf[i] != -buf[i + 3]) {
+    let spread = spread_over_ranks(&[piece(0), piece(3), piece(6)], collective)?;
+    if spread.iter().any(|(lo, hi)| lo != hi) {
         return Err(KilnError::Collective(format!(
             "rank {} was started with other settings or data than another rank (every rank \
              must run the same command: same options, same data, same number of samples); \
