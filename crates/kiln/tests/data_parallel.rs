@@ -27,12 +27,18 @@ use kiln::{KilnError, Trainer, burn};
 
 /// Runs `f` on each member of a new group of `size` ranks, one thread each.
 fn on_ranks<T: Send>(size: usize, f: impl Fn(Arc<dyn Collective>) -> T + Sync) -> Vec<T> {
+    on_group(size, |g| f(Arc::new(g)))
+}
+
+/// Runs `f` on each member of a new group of `size` ranks, one thread each, with the member
+/// itself (to wrap it).
+fn on_group<T: Send>(size: usize, f: impl Fn(ThreadGroup) -> T + Sync) -> Vec<T> {
     std::thread::scope(|s| {
         let handles: Vec<_> = ThreadGroup::new(size)
             .into_iter()
             .map(|g| {
                 let f = &f;
-                s.spawn(move || f(Arc::new(g)))
+                s.spawn(move || f(g))
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
@@ -372,29 +378,17 @@ fn gradients_are_reduced_once_per_optimizer_step_not_per_micro_batch() {
         epochs: 1,
         ..options(4)
     };
-    let calls = std::thread::scope(|s| {
-        let handles: Vec<_> = ThreadGroup::new(2)
-            .into_iter()
-            .map(|g| {
-                let (data, opts) = (&data, opts.clone());
-                s.spawn(move || {
-                    let counting = Arc::new(Counting {
-                        inner: g,
-                        f32_calls: Default::default(),
-                    });
-                    let run = train(opts, data, Some(counting.clone())).unwrap();
-                    let steps = run.sink.steps().count();
-                    (
-                        steps,
-                        counting.f32_calls.load(std::sync::atomic::Ordering::SeqCst),
-                    )
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap())
-            .collect::<Vec<_>>()
+    let calls = on_group(2, |g| {
+        let counting = Arc::new(Counting {
+            inner: g,
+            f32_calls: Default::default(),
+        });
+        let run = train(opts.clone(), &data, Some(counting.clone())).unwrap();
+        let steps = run.sink.steps().count();
+        (
+            steps,
+            counting.f32_calls.load(std::sync::atomic::Ordering::SeqCst),
+        )
     });
     // Rank 0 reported the steps; every rank made the same calls: per step one reduction of
     // the "has a gradient" flags and one bucket (the MLP's gradients fit in one 25 MiB
