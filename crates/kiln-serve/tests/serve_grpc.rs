@@ -67,16 +67,7 @@ fn grpc_serves_metadata_config_and_inference() {
             .into_inner();
         assert_eq!(meta.inputs[0].shape, vec![-1, 1, 28, 28]);
         assert_eq!(meta.outputs[0].name, "logits");
-        let config = c
-            .model_config(pb::ModelConfigRequest {
-                name: "w3".into(),
-                version: String::new(),
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .config
-            .unwrap();
+        let config = common::grpc_model_config(&mut c, "w3").await;
         assert_eq!(config.max_batch_size, 8);
         assert_eq!(config.instance_group[0].count, 2);
         match config.scheduling_choice {

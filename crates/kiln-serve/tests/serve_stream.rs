@@ -277,16 +277,7 @@ fn bad_sequence_use_gets_clear_errors_and_other_sequences_go_on() {
             status.message()
         );
         // The protobuf model configuration says it is a sequence model, as Triton's does.
-        let config = c
-            .model_config(pb::ModelConfigRequest {
-                name: "cam".into(),
-                version: String::new(),
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .config
-            .unwrap();
+        let config = common::grpc_model_config(&mut c, "cam").await;
         match config.scheduling_choice {
             Some(pb::model_config::SchedulingChoice::SequenceBatching(s)) => {
                 assert_eq!(s.max_sequence_idle_microseconds, 60_000_000)

@@ -339,6 +339,25 @@ pub fn grpc_request(
     }
 }
 
+/// Model `name`'s configuration over gRPC (`ModelConfig`, Triton's protobuf).
+pub async fn grpc_model_config(
+    client: &mut kiln_serve::grpc::pb::grpc_inference_service_client::GrpcInferenceServiceClient<
+        tonic::transport::Channel,
+    >,
+    name: &str,
+) -> kiln_serve::grpc::pb::ModelConfig {
+    client
+        .model_config(kiln_serve::grpc::pb::ModelConfigRequest {
+            name: name.into(),
+            version: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .config
+        .unwrap()
+}
+
 /// Little-endian bytes of f32 values (gRPC `raw_input_contents`).
 pub fn f32_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
