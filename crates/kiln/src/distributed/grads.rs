@@ -78,21 +78,19 @@ struct Flat {
 fn flatten<M: Module>(model: &M, grads: &GradientsParams) -> Result<Flat> {
     struct Collect<'a> {
         grads: &'a GradientsParams,
-        slots: Vec<Slot>,
-        flat: Vec<f32>,
-        present: Vec<f32>,
-        device: Option<Device>,
+        flat: Flat,
         error: Option<KilnError>,
     }
     impl ModuleVisitor for Collect<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let offset = self.flat.len();
+            let flat = &mut self.flat;
+            let offset = flat.values.len();
             let (dims, has) = match self.grads.get::<D>(param.id) {
                 Some(g) => {
-                    self.device.get_or_insert_with(|| g.device());
+                    flat.device.get_or_insert_with(|| g.device());
                     let dims = g.dims().to_vec();
                     match g.into_data().convert::<f32>().try_into_vec::<f32>() {
-                        Ok(v) => self.flat.extend(v),
+                        Ok(v) => flat.values.extend(v),
                         Err(e) => {
                             self.error.get_or_insert(KilnError::Collective(format!(
                                 "cannot read a gradient back to the host: {e:?}"
@@ -103,15 +101,15 @@ fn flatten<M: Module>(model: &M, grads: &GradientsParams) -> Result<Flat> {
                 }
                 None => {
                     let dims = param.val().dims().to_vec();
-                    self.flat
+                    flat.values
                         .resize(offset + dims.iter().product::<usize>(), 0.0);
                     (dims, false)
                 }
             };
-            self.present.push(if has { 1.0 } else { 0.0 });
-            self.slots.push(Slot {
+            flat.present.push(if has { 1.0 } else { 0.0 });
+            flat.slots.push(Slot {
                 id: param.id,
-                len: self.flat.len() - offset,
+                len: flat.values.len() - offset,
                 dims,
                 offset,
             });
@@ -119,21 +117,18 @@ fn flatten<M: Module>(model: &M, grads: &GradientsParams) -> Result<Flat> {
     }
     let mut c = Collect {
         grads,
-        slots: Vec::new(),
-        flat: Vec::new(),
-        present: Vec::new(),
-        device: None,
+        flat: Flat {
+            slots: Vec::new(),
+            values: Vec::new(),
+            present: Vec::new(),
+            device: None,
+        },
         error: None,
     };
     model.visit(&mut c);
     match c.error {
         Some(e) => Err(e),
-        None => Ok(Flat {
-            slots: c.slots,
-            values: c.flat,
-            present: c.present,
-            device: c.device,
-        }),
+        None => Ok(c.flat),
     }
 }
 
@@ -141,17 +136,15 @@ fn flatten<M: Module>(model: &M, grads: &GradientsParams) -> Result<Flat> {
 fn unflatten<M: Module>(model: &M, mut grads: GradientsParams, flat: &Flat) -> GradientsParams {
     struct Write<'a> {
         grads: &'a mut GradientsParams,
-        slots: &'a [Slot],
-        flat: &'a [f32],
-        present: &'a [f32],
-        device: &'a Option<Device>,
+        flat: &'a Flat,
         next: usize,
     }
     impl ModuleVisitor for Write<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             let i = self.next;
             self.next += 1;
-            let (Some(slot), Some(&present)) = (self.slots.get(i), self.present.get(i)) else {
+            let flat = self.flat;
+            let (Some(slot), Some(&present)) = (flat.slots.get(i), flat.present.get(i)) else {
                 return;
             };
             debug_assert_eq!(slot.id, param.id);
@@ -161,11 +154,11 @@ fn unflatten<M: Module>(model: &M, mut grads: GradientsParams, flat: &Flat) -> G
             }
             // Gradients live on the inner (non-autodiff) device; a rank that had none this
             // step takes it from the parameter.
-            let device = self
+            let device = flat
                 .device
                 .clone()
                 .unwrap_or_else(|| param.val().device().without_autodiff());
-            let values = self.flat[slot.offset..slot.offset + slot.len].to_vec();
+            let values = flat.values[slot.offset..slot.offset + slot.len].to_vec();
             let data = TensorData::new(values, slot.dims.clone());
             self.grads
                 .register::<D>(param.id, Tensor::<D>::from_data(data, &device));
@@ -173,10 +166,7 @@ fn unflatten<M: Module>(model: &M, mut grads: GradientsParams, flat: &Flat) -> G
     }
     model.visit(&mut Write {
         grads: &mut grads,
-        slots: &flat.slots,
-        flat: &flat.values,
-        present: &flat.present,
-        device: &flat.device,
+        flat,
         next: 0,
     });
     grads
