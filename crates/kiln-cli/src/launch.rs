@@ -21,17 +21,6 @@ pub fn relaunch(processes: usize) -> Result<i32> {
         );
     }
     let exe = std::env::current_exe().context("finding the kiln executable")?;
-    let mut args: Vec<String> = Vec::new();
-    let mut skip_value = false;
-    for a in std::env::args().skip(1) {
-        if skip_value {
-            skip_value = false;
-        } else if a == "--processes" {
-            skip_value = true;
-        } else if !a.starts_with("--processes=") {
-            args.push(a);
-        }
-    }
     let mut cmd = Command::new("mpirun");
     cmd.args([
         "-n",
@@ -43,7 +32,9 @@ pub fn relaunch(processes: usize) -> Result<i32> {
     // Open MPI refuses to run as root without both; containers and CI run as root.
     cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
-    cmd.arg(exe).args(&args);
+    // The same arguments, `--processes` included: a rank sees the launcher's environment
+    // and trains instead of relaunching (`train_cmd::run`).
+    cmd.arg(exe).args(std::env::args().skip(1));
     tracing::info!("relaunching as {processes} ranks: {cmd:?}");
     let status = cmd.status().map_err(|e| {
         anyhow::anyhow!(
