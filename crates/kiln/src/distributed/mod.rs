@@ -108,21 +108,25 @@ pub fn launcher_local_ranks() -> usize {
     }
     ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"]
         .iter()
-        .find_map(|v| std::env::var(v).ok()?.parse::<usize>().ok())
+        .find_map(|v| env_usize(v))
         .unwrap_or(1)
         .max(1)
+}
+
+/// An environment variable's value as a count, if it is set to one.
+fn env_usize(name: &str) -> Option<usize> {
+    std::env::var(name).ok()?.parse().ok()
 }
 
 /// The rank and world size an MPI launcher gave this process, read from the environment
 /// variables that Open MPI (`OMPI_COMM_WORLD_RANK`/`_SIZE`), MPICH and Intel MPI
 /// (`PMI_RANK`/`PMI_SIZE`) set; `None` when not launched by one (or a world of one).
 pub fn launcher_world() -> Option<(usize, usize)> {
-    let read = |name: &str| std::env::var(name).ok()?.parse::<usize>().ok();
     let (rank, size) = [
         ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
         ("PMI_RANK", "PMI_SIZE"),
     ]
     .iter()
-    .find_map(|(r, s)| Some((read(r)?, read(s)?)))?;
+    .find_map(|(r, s)| Some((env_usize(r)?, env_usize(s)?)))?;
     (size > 1 && rank < size).then_some((rank, size))
 }

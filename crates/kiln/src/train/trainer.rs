@@ -165,6 +165,12 @@ impl<'s> Trainer<'s> {
         let model = seeded_init(&device, opts.seed, init);
         let world = self.collective.size();
         if world > 1 {
+            tracing::info!(
+                rank = self.collective.rank(),
+                ranks = world,
+                engine = self.collective.engine(),
+                "data parallel"
+            );
             refuse_batch_norm(&model)?;
             check_same_settings(&rank_settings(&opts, train.len()), &*self.collective)?;
         }
