@@ -13,9 +13,15 @@ mod test_dir;
 use test_dir::TestDir;
 
 fn kiln(args: &[&str]) -> Output {
+    kiln_with_env(args, &[])
+}
+
+/// Runs `kiln` with these environment variables added.
+fn kiln_with_env(args: &[&str], env: &[(&str, &str)]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_kiln"))
         .args(args)
         .env("KILN_LOG", "error")
+        .envs(env.iter().copied())
         .output()
         .expect("run kiln")
 }
@@ -132,17 +138,10 @@ fn two_processes_train_the_model_of_one_with_twice_the_batch_and_resume_together
     // Over TCP (the transport between machines) instead of shared memory: the same sums,
     // so the same weights bit for bit.
     let tcp_dir = dir.join("tcp");
-    let tcp = Command::new(env!("CARGO_BIN_EXE_kiln"))
-        .args(train_args(
-            tcp_dir.to_str().unwrap(),
-            "16",
-            "6",
-            &["--processes", "2"],
-        ))
-        .env("KILN_LOG", "error")
-        .env("OMPI_MCA_btl", "tcp,self")
-        .output()
-        .unwrap();
+    let tcp = kiln_with_env(
+        &train_args(tcp_dir.to_str().unwrap(), "16", "6", &["--processes", "2"]),
+        &[("OMPI_MCA_btl", "tcp,self")],
+    );
     assert!(tcp.status.success(), "{}", text(&tcp.stderr));
     assert_eq!(max_difference(&final_weights(&tcp_dir).1, &w_two), 0.0);
 
@@ -189,13 +188,14 @@ fn batch_norm_models_are_refused_on_every_rank() {
 #[test]
 fn ranks_launched_on_one_machine_share_its_cores_and_memory() {
     let plan = |local: &str| {
-        let o = Command::new(env!("CARGO_BIN_EXE_kiln"))
-            .args(["plan", "--json"])
-            .env("OMPI_COMM_WORLD_RANK", "1")
-            .env("OMPI_COMM_WORLD_SIZE", "4")
-            .env("OMPI_COMM_WORLD_LOCAL_SIZE", local)
-            .output()
-            .unwrap();
+        let o = kiln_with_env(
+            &["plan", "--json"],
+            &[
+                ("OMPI_COMM_WORLD_RANK", "1"),
+                ("OMPI_COMM_WORLD_SIZE", "4"),
+                ("OMPI_COMM_WORLD_LOCAL_SIZE", local),
+            ],
+        );
         assert!(o.status.success(), "{}", text(&o.stderr));
         serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()
     };
