@@ -9,6 +9,8 @@ use burn::tensor::ops::ConvOptions;
 use burn::tensor::{Device, FloatDType, Tensor, TensorData};
 use rayon::prelude::*;
 
+use crate::kernels::implicit::ConvWeights;
+
 use super::graph::{ConvGeometry, Graph, Op, QuantWeight, ValueId, Weight, batch_norm_affine};
 use crate::error::{KilnError, Result};
 use crate::kernels::int8::{
@@ -61,9 +63,12 @@ enum Prepared {
     Linear {
         weight: Tensor<2>,
         bias: Option<Tensor<1>>,
-        /// The weight with its rows in channels-last order, made (once) when the input
-        /// arrives as a flattened [`Value::Nhwc`], so the input needs no transpose.
-        nhwc: Box<std::sync::OnceLock<([usize; 3], Tensor<2>)>>,
+        /// The weight with its rows in channels-last order, packed (once) for Kiln's host
+        /// kernel when the input arrives as a flattened [`Value::Nhwc`], so the input needs
+        /// no transpose.
+        nhwc: Box<std::sync::OnceLock<([usize; 3], ConvWeights)>>,
+        /// ReLU fused into the output (the graph's next node was a ReLU reading only this).
+        relu: bool,
     },
     /// Inference BatchNorm as a per-channel affine map, uploaded once (`[C]`; reshaped to
     /// broadcast over the input's rank at run time, which is a view).
@@ -109,14 +114,11 @@ enum Prepared {
     },
 }
 
-/// A convolution's weights and shape for [`crate::kernels::conv::conv2d_nhwc_forward`].
+/// A convolution's weights (packed once) and shape for
+/// [`crate::kernels::implicit::conv2d_nhwc`].
 #[derive(Debug)]
 struct NhwcConv {
-    /// `[kh·kw·cin, cout]`.
-    packed: Vec<f32>,
-    bias: Option<Vec<f32>>,
-    /// `[cout, cin, kh, kw]`.
-    dims: [usize; 4],
+    weights: ConvWeights,
     geometry: ConvGeometry,
 }
 
@@ -130,17 +132,20 @@ impl NhwcConv {
         if g.groups != 1 || !f32_only || weight.values.len() != dims.iter().product::<usize>() {
             return None;
         }
+        let bias = bias.map(|b| &b.values[..]);
+        if bias.is_some_and(|b| b.len() != dims[0]) {
+            return None;
+        }
         Some(NhwcConv {
-            packed: crate::kernels::conv::pack_weight_for_nhwc(dims, &weight.values),
-            bias: bias.map(|b| b.values.clone()),
-            dims,
+            weights: ConvWeights::pack(dims, &weight.values, bias),
             geometry: *g,
         })
     }
 
     /// The kernel's shape for a `[batch, cin, h, w]` input.
     fn shape(&self, [batch, _, h, w]: [usize; 4]) -> crate::kernels::conv::ConvShape {
-        nhwc_shape(self.dims, &self.geometry, [batch, self.dims[1], h, w])
+        let dims = self.weights.dims();
+        nhwc_shape(dims, &self.geometry, [batch, dims[1], h, w])
     }
 }
 
@@ -206,6 +211,9 @@ pub struct Executor {
     /// Whether the forward uses Kiln's kernels (`device.kiln_kernels`), on whatever thread
     /// it runs.
     kiln_kernels: bool,
+    /// Whether a small forward (see [`Executor::forward`]) split any op over the pool: known
+    /// after the first one.
+    small_splits: std::sync::OnceLock<bool>,
 }
 
 fn tensor<const D: usize>(w: &Weight, device: &Device) -> Result<Tensor<D>> {
@@ -298,6 +306,7 @@ impl Executor {
                         .map(|b| tensor(b, device).map(|t| to_compute(t, compute)))
                         .transpose()?,
                     nhwc: Box::default(),
+                    relu: false,
                 },
                 Op::BatchNorm {
                     gamma,
@@ -379,13 +388,14 @@ impl Executor {
                 },
             });
         }
-        fuse_conv_relu(&graph, &mut ops);
+        fuse_relu(&graph, &mut ops);
         Ok(Executor {
             graph,
             ops,
             device: device.clone(),
             compute,
             kiln_kernels: true,
+            small_splits: std::sync::OnceLock::new(),
         })
     }
 
@@ -418,14 +428,29 @@ impl Executor {
     /// each op's parallel work a plain fork-join — measured (2 threads, A/B in one run):
     /// W1 int8 b64 1.33× faster, W4 b1 1.23× (f32) and 1.7× (int8), W4 int8 b64 1.09×, W3
     /// b64 neutral. The hop itself costs ~25–45 µs, so small forwards whose work stays on
-    /// the calling thread anyway (W1 and W3 at batch 1: few nodes, GEMMs below the
+    /// the calling thread anyway (W1 and W3 int8 at batch 1: few nodes, GEMMs below the
     /// sequential threshold) run where they are called: hopping made W3 int8 b1 0.13 →
-    /// 0.175 ms and W1 int8 b1 0.012 → 0.035 ms.
+    /// 0.175 ms and W1 int8 b1 0.012 → 0.035 ms. Whether a small forward's work does split
+    /// is learned from the first one (Kiln's f32 convolution counts its splits): W3 f32 at
+    /// batch 1 splits its conv2 and hops, median 0.178 → 0.163 ms.
     pub fn forward(&self, images: Tensor<4>) -> Result<Tensor<2>> {
         let small =
             images.dims()[0] < POOL_HOP_MIN_BATCH && self.graph.nodes.len() < POOL_HOP_MIN_NODES;
-        if small || rayon::current_thread_index().is_some() {
+        if rayon::current_thread_index().is_some() {
             return self.forward_here(images);
+        }
+        if small {
+            match self.small_splits.get() {
+                Some(true) => {}
+                Some(false) => return self.forward_here(images),
+                None => {
+                    let before = crate::kernels::implicit::split_calls();
+                    let out = self.forward_here(images);
+                    let split = crate::kernels::implicit::split_calls() > before;
+                    let _ = self.small_splits.set(split);
+                    return out;
+                }
+            }
         }
         let mut out = None;
         rayon::scope(|_| out = Some(self.forward_here(images)));
@@ -478,9 +503,10 @@ fn take_or_clone(
     value.ok_or_else(|| KilnError::Inference(format!("node `{node}` reads undefined value {v}")))
 }
 
-/// Folds each ReLU that is the only reader of a convolution's output into the convolution
-/// (its kernel applies it while the output is in cache); the ReLU node passes its input on.
-fn fuse_conv_relu(graph: &Graph, ops: &mut [Prepared]) {
+/// Folds each ReLU that is the only reader of a convolution's or linear layer's output into
+/// that op (its kernel applies it while the output is in cache); the ReLU node passes its
+/// input on.
+fn fuse_relu(graph: &Graph, ops: &mut [Prepared]) {
     for (j, node) in graph.nodes.iter().enumerate() {
         let [input] = node.inputs[..] else { continue };
         if !matches!(ops[j], Prepared::Relu) || graph.uses(input) != 1 {
@@ -489,7 +515,7 @@ fn fuse_conv_relu(graph: &Graph, ops: &mut [Prepared]) {
         let Some(i) = graph.nodes[..j].iter().rposition(|n| n.output == input) else {
             continue;
         };
-        if let Prepared::Conv { relu, .. } = &mut ops[i] {
+        if let Prepared::Conv { relu, .. } | Prepared::Linear { relu, .. } = &mut ops[i] {
             *relu = true;
             ops[j] = Prepared::Identity;
         }
@@ -746,13 +772,16 @@ fn channels_last_order([h, w, c]: [usize; 3]) -> impl Iterator<Item = usize> {
 }
 
 /// A linear weight `[C·H·W, out]` (rows in NCHW-flatten order) with its rows reordered to
-/// channels-last `(h, w, c)` order.
-fn nhwc_rows(weight: &Tensor<2>, hwc: [usize; 3]) -> Tensor<2> {
-    let index: Vec<i64> = channels_last_order(hwc).map(|i| i as i64).collect();
-    let len = index.len();
-    let index =
-        Tensor::<1, burn::tensor::Int>::from_data(TensorData::new(index, [len]), &weight.device());
-    weight.clone().select(0, index)
+/// channels-last `(h, w, c)` order, packed for Kiln's host kernel with its bias.
+fn nhwc_rows(weight: &Tensor<2>, bias: Option<&Tensor<1>>, hwc: [usize; 3]) -> ConvWeights {
+    let [inputs, outputs] = weight.dims();
+    let values = host_values(weight.clone());
+    let mut rows = Vec::with_capacity(values.len());
+    for from in channels_last_order(hwc) {
+        rows.extend_from_slice(&values[from * outputs..][..outputs]);
+    }
+    let bias = bias.map(|b| host_values(b.clone()));
+    ConvWeights::linear(inputs, outputs, &rows, bias.as_deref())
 }
 
 /// The int8 linear weights with their columns reordered from the model's flatten order

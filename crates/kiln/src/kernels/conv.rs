@@ -611,6 +611,7 @@ pub fn conv2d_weight_grad(s: &ConvShape, x: &[f32], dout: &[f32], dweight: &mut 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::testing::{relative_error, values};
 
     /// Direct f64 convolution: the reference every kernel result is checked against.
     /// Calls `f(output index, input index, weight index)` for every kernel tap that reads
@@ -664,30 +665,6 @@ mod tests {
             dw[wi] += g[oi] as f64 * x[xi] as f64;
         });
         (dx, dw)
-    }
-
-    fn values(len: usize, seed: u64) -> Vec<f32> {
-        let mut state = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (0..len)
-            .map(|_| {
-                state = state
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
-
-    /// Largest error relative to the reference's scale (max |ref|), so values near zero after
-    /// cancellation do not make the ratio meaningless.
-    fn relative_error(got: &[f32], want: &[f64]) -> f64 {
-        let scale = want.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-12);
-        got.iter()
-            .zip(want)
-            .fold(0f64, |m, (g, w)| m.max((*g as f64 - w).abs()))
-            / scale
     }
 
     fn shapes() -> Vec<ConvShape> {

@@ -14,10 +14,13 @@
 pub mod activation;
 pub mod conv;
 mod extension;
+pub mod implicit;
 pub mod int8;
 pub mod linear;
 pub mod norm;
 pub mod pool;
+#[cfg(test)]
+mod testing;
 
 use std::cell::Cell;
 use std::marker::PhantomData;

@@ -4,6 +4,7 @@
 //! Half-precision ops take their input cast down and give their result back in f32, so every
 //! other op sees f32 (the autocast policy of mixed-precision training).
 
+use crate::kernels::implicit::ConvWeights;
 use burn::nn::pool::MaxPool2d;
 use burn::tensor::module::adaptive_avg_pool2d;
 use burn::tensor::ops::ConvOptions;
@@ -44,7 +45,12 @@ pub(super) fn run(
             Some(host) if crate::kernels::serves(device) => conv_nhwc(x, host, *relu),
             _ => conv(x, weight, bias, options, device, compute, *relu),
         },
-        Prepared::Linear { weight, bias, nhwc } => linear(x, weight, bias, nhwc, device, compute),
+        Prepared::Linear {
+            weight,
+            bias,
+            nhwc,
+            relu,
+        } => linear(x, weight, bias, nhwc, *relu, device, compute),
         Prepared::Affine { scale, shift, host } => affine(x, [scale, shift], host, device),
         Prepared::Relu => Ok(relu(x)),
         Prepared::MaxPool(pool) => max_pool(x, pool, device),
@@ -133,14 +139,7 @@ fn conv_nhwc(x: Value, conv: &NhwcConv, relu: bool) -> OpResult {
     let mut out = vec![0f32; s.output_len()];
     let _op =
         tracing::trace_span!("kiln.conv2d_nhwc", input = ?[b, h, w, c], cout = s.cout).entered();
-    crate::kernels::conv::conv2d_nhwc_forward(
-        &s,
-        &data,
-        &conv.packed,
-        conv.bias.as_deref(),
-        relu,
-        &mut out,
-    );
+    crate::kernels::implicit::conv2d_nhwc(&s, &data, &conv.weights, relu, &mut out);
     Ok(Value::Nhwc {
         data: out,
         dims: [b, s.out_h(), s.out_w(), s.cout],
@@ -149,14 +148,15 @@ fn conv_nhwc(x: Value, conv: &NhwcConv, relu: bool) -> OpResult {
     })
 }
 
-/// A linear layer over flat features, or per token of a sequence. A flattened channels-last
-/// image is read through the weight's rows reordered once (`nhwc`) instead of transposing
-/// every input.
+/// A linear layer over flat features, or per token of a sequence, with ReLU when `relu`. A
+/// flattened channels-last image is read through the weight's rows reordered once (`nhwc`)
+/// instead of transposing every input, by Kiln's host kernel (bias and ReLU in registers).
 fn linear(
     x: Value,
     weight: &Tensor<2>,
     bias: &Option<Tensor<1>>,
-    nhwc: &std::sync::OnceLock<([usize; 3], Tensor<2>)>,
+    nhwc: &std::sync::OnceLock<([usize; 3], ConvWeights)>,
+    relu: bool,
     device: &Device,
     compute: Option<FloatDType>,
 ) -> OpResult {
@@ -167,15 +167,20 @@ fn linear(
             flat: true,
             ..
         } if compute.is_none() && weight.dims()[0] == h * w * c => {
-            let reordered = for_image(nhwc, [h, w, c], |hwc| nhwc_rows(weight, hwc));
-            let rows = host_tensor(data, [b, h * w * c], device);
-            Ok(Value::Flat(crate::kernels::linear(
-                rows,
-                reordered.into_owned(),
-                bias.clone(),
-            )))
+            let packed = for_image(nhwc, [h, w, c], |hwc| nhwc_rows(weight, bias.as_ref(), hwc));
+            let outputs = weight.dims()[1];
+            let mut out = vec![0f32; b * outputs];
+            let _op =
+                tracing::trace_span!("kiln.linear_nhwc", rows = b, inputs = h * w * c, outputs)
+                    .entered();
+            crate::kernels::implicit::linear_rows(b, &data, &packed, relu, &mut out);
+            Ok(Value::Flat(host_tensor(out, [b, outputs], device)))
         }
-        x => linear_rows(x, weight, bias, device, compute),
+        x => match linear_rows(x, weight, bias, device, compute)? {
+            Value::Flat(y) if relu => Ok(Value::Flat(burn::tensor::activation::relu(y))),
+            Value::Seq(y) if relu => Ok(Value::Seq(burn::tensor::activation::relu(y))),
+            y => Ok(y),
+        },
     }
 }
 

@@ -1,0 +1,92 @@
+//! The AVX2 + FMA kernel: 6 output pixels × 16 output channels of accumulators (12 of the 16
+//! registers), two weight registers and one broadcast per K step.
+use std::arch::x86_64::*;
+
+use super::avx2_dims::{COLS, ROWS};
+use super::{Tile, TileRows, walk_rows};
+
+/// Lanes per register.
+const LANES: usize = 8;
+const BLOCKS: usize = COLS / LANES;
+
+/// All rows of `bases` for one panel, in the tiles [`walk_rows`] picks.
+///
+/// # Safety
+/// The CPU supports AVX2 and FMA; every `base + run + j` (`j < run_len`) indexes
+/// `tile.image`; `tile.panel` holds `k × COLS` values; `out` is valid for row `i` at
+/// `i·out_stride + c`, `c < tile.cols`, for every row of `bases`.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn rows(tile: &Tile, bases: &[usize], out: *mut f32) {
+    let masks: [__m256i; BLOCKS] = std::array::from_fn(|b| {
+        let valid = tile.cols.saturating_sub(b * LANES).min(LANES) as i32;
+        let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), lane)
+    });
+    walk_rows(bases.len(), ROWS, SMALL, |i, rows| {
+        let out = out.wrapping_add(i * tile.out_stride);
+        // SAFETY: the caller's contract, for the tile's rows (walk_rows keeps them in
+        // `bases`, so the conversions cannot fail).
+        unsafe {
+            match rows {
+                TileRows::Full => {
+                    block::<ROWS>(tile, bases[i..][..ROWS].try_into().unwrap(), out, &masks)
+                }
+                TileRows::Small => {
+                    block::<SMALL>(tile, bases[i..][..SMALL].try_into().unwrap(), out, &masks)
+                }
+                TileRows::One => block::<1>(tile, &[bases[i]], out, &masks),
+            }
+        }
+    });
+}
+
+/// Rows of the narrower tile that finishes a short last tile.
+const SMALL: usize = 3;
+
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn block<const R: usize>(
+    tile: &Tile,
+    bases: &[usize; R],
+    out: *mut f32,
+    masks: &[__m256i; BLOCKS],
+) {
+    let (image, panel) = (tile.image.as_ptr(), tile.panel.as_ptr());
+    let mut acc = [[_mm256_setzero_ps(); BLOCKS]; R];
+    for b in 0..BLOCKS {
+        // SAFETY: the bias holds COLS values.
+        let v = unsafe { _mm256_loadu_ps(tile.bias.as_ptr().add(b * LANES)) };
+        for row in acc.iter_mut() {
+            row[b] = v;
+        }
+    }
+    let mut w = panel;
+    for &run in tile.runs {
+        let starts: [*const f32; R] = std::array::from_fn(|r| image.wrapping_add(bases[r] + run));
+        for j in 0..tile.run_len {
+            // SAFETY: the panel holds k × COLS values and this is K step (run, j).
+            let wv: [__m256; BLOCKS] =
+                std::array::from_fn(|b| unsafe { _mm256_loadu_ps(w.add(b * LANES)) });
+            for (r, row) in acc.iter_mut().enumerate() {
+                // SAFETY: base + run + j is inside the image (the caller's contract).
+                let a = _mm256_set1_ps(unsafe { *starts[r].add(j) });
+                for (acc, wv) in row.iter_mut().zip(&wv) {
+                    *acc = _mm256_fmadd_ps(a, *wv, *acc);
+                }
+            }
+            w = w.wrapping_add(COLS);
+        }
+    }
+    let zero = _mm256_setzero_ps();
+    for (r, row) in acc.iter().enumerate() {
+        for (b, v) in row.iter().enumerate() {
+            let v = if tile.relu {
+                _mm256_max_ps(*v, zero)
+            } else {
+                *v
+            };
+            // SAFETY: masked to this panel's valid columns of row r.
+            unsafe { _mm256_maskstore_ps(out.add(r * tile.out_stride + b * LANES), masks[b], v) };
+        }
+    }
+}

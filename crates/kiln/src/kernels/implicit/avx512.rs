@@ -1,0 +1,91 @@
+//! The AVX-512 kernel: 12 output pixels × 32 output channels of accumulators (24 of the 32
+//! registers), two weight registers and one broadcast per K step.
+use std::arch::x86_64::*;
+
+use super::avx512_dims::{COLS, ROWS};
+use super::{Tile, TileRows, walk_rows};
+
+/// Lanes per register.
+const LANES: usize = 16;
+const BLOCKS: usize = COLS / LANES;
+
+/// All rows of `bases` for one panel, in the tiles [`walk_rows`] picks.
+///
+/// # Safety
+/// The CPU supports AVX-512F; every `base + run + j` (`j < run_len`) indexes `tile.image`;
+/// `tile.panel` holds `k × COLS` values; `out` is valid for row `i` at `i·out_stride + c`,
+/// `c < tile.cols`, for every row of `bases`.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn rows(tile: &Tile, bases: &[usize], out: *mut f32) {
+    let masks: [__mmask16; BLOCKS] = std::array::from_fn(|b| {
+        let valid = tile.cols.saturating_sub(b * LANES).min(LANES);
+        ((1u32 << valid) - 1) as __mmask16
+    });
+    walk_rows(bases.len(), ROWS, SMALL, |i, rows| {
+        let out = out.wrapping_add(i * tile.out_stride);
+        // SAFETY: the caller's contract, for the tile's rows (walk_rows keeps them in
+        // `bases`, so the conversions cannot fail).
+        unsafe {
+            match rows {
+                TileRows::Full => {
+                    block::<ROWS>(tile, bases[i..][..ROWS].try_into().unwrap(), out, &masks)
+                }
+                TileRows::Small => {
+                    block::<SMALL>(tile, bases[i..][..SMALL].try_into().unwrap(), out, &masks)
+                }
+                TileRows::One => block::<1>(tile, &[bases[i]], out, &masks),
+            }
+        }
+    });
+}
+
+/// Rows of the narrower tile that finishes a short last tile.
+const SMALL: usize = 4;
+
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn block<const R: usize>(
+    tile: &Tile,
+    bases: &[usize; R],
+    out: *mut f32,
+    masks: &[__mmask16; BLOCKS],
+) {
+    let (image, panel) = (tile.image.as_ptr(), tile.panel.as_ptr());
+    let mut acc = [[_mm512_setzero_ps(); BLOCKS]; R];
+    for b in 0..BLOCKS {
+        // SAFETY: the bias holds COLS values.
+        let v = unsafe { _mm512_loadu_ps(tile.bias.as_ptr().add(b * LANES)) };
+        for row in acc.iter_mut() {
+            row[b] = v;
+        }
+    }
+    let mut w = panel;
+    for &run in tile.runs {
+        let starts: [*const f32; R] = std::array::from_fn(|r| image.wrapping_add(bases[r] + run));
+        for j in 0..tile.run_len {
+            // SAFETY: the panel holds k × COLS values and this is K step (run, j).
+            let wv: [__m512; BLOCKS] =
+                std::array::from_fn(|b| unsafe { _mm512_loadu_ps(w.add(b * LANES)) });
+            for (r, row) in acc.iter_mut().enumerate() {
+                // SAFETY: base + run + j is inside the image (the caller's contract).
+                let a = _mm512_set1_ps(unsafe { *starts[r].add(j) });
+                for (acc, wv) in row.iter_mut().zip(&wv) {
+                    *acc = _mm512_fmadd_ps(a, *wv, *acc);
+                }
+            }
+            w = w.wrapping_add(COLS);
+        }
+    }
+    let zero = _mm512_setzero_ps();
+    for (r, row) in acc.iter().enumerate() {
+        for (b, v) in row.iter().enumerate() {
+            let v = if tile.relu {
+                _mm512_max_ps(*v, zero)
+            } else {
+                *v
+            };
+            // SAFETY: masked to this panel's valid columns of row r.
+            unsafe { _mm512_mask_storeu_ps(out.add(r * tile.out_stride + b * LANES), masks[b], v) };
+        }
+    }
+}

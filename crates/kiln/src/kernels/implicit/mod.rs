@@ -1,0 +1,552 @@
+//! f32 convolution for inference as an implicit GEMM over a channels-last image: no patch
+//! matrix is built. Each output pixel is a GEMM row whose K values are read in place from the
+//! NHWC image (`bases[row] + run offset + j`), and the weight is packed once into column
+//! panels the register tile streams through. Bias is the accumulators' initial value and
+//! ReLU is applied in registers before the one store of the output.
+//!
+//! Why a kernel of Kiln's own here: the channels-last path through the `gemm` crate
+//! ([`super::conv::conv2d_nhwc_forward`]) gathered a patch matrix per call (kh·kw copies of
+//! every input value) and let `gemm` pack both operands again on every call, although the
+//! weight never changes between inference calls. Profiles of W3 at batch 1 (BENCHMARKS.md
+//! run 24) put the time in that convolution.
+//!
+//! One file per instruction set, as the int8 kernels: [`avx512`] (12 rows × 32 columns of
+//! accumulators) and [`avx2`] (6 × 16). Elsewhere, or with `KILN_F32_KERNEL=portable`, the
+//! weight keeps the `gemm` path's layout and that path runs.
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+#[cfg(test)]
+mod tests;
+
+use std::sync::OnceLock;
+
+use rayon::prelude::*;
+
+use super::conv::{ConvShape, conv2d_nhwc_forward, pack_weight_for_nhwc};
+
+/// Which f32 convolution kernel this CPU runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum F32Kernel {
+    /// AVX-512F: 12 × 32 register tile.
+    Avx512,
+    /// AVX2 + FMA: 6 × 16 register tile.
+    Avx2,
+    /// The `gemm` crate over a gathered patch matrix.
+    Portable,
+}
+
+impl F32Kernel {
+    /// The kernel f32 convolutions use (decided once): the best this CPU supports, or the one
+    /// named by `KILN_F32_KERNEL` (`avx512`, `avx2`, `portable`) when the CPU supports it, so
+    /// the AVX2 path can be measured on an AVX-512 machine.
+    pub fn detect() -> F32Kernel {
+        static KERNEL: OnceLock<F32Kernel> = OnceLock::new();
+        *KERNEL.get_or_init(|| {
+            let best = F32Kernel::best_supported();
+            let Ok(name) = std::env::var("KILN_F32_KERNEL") else {
+                return best;
+            };
+            let all = [F32Kernel::Avx512, F32Kernel::Avx2, F32Kernel::Portable];
+            match all.into_iter().find(|k| k.name() == name) {
+                // Ordered best first: one at or after `best` runs here.
+                Some(k) if k as u8 >= best as u8 => k,
+                Some(k) => {
+                    tracing::warn!(
+                        "KILN_F32_KERNEL={name}: this CPU lacks {}; using {}",
+                        k.name(),
+                        best.name()
+                    );
+                    best
+                }
+                None => {
+                    tracing::warn!(
+                        "KILN_F32_KERNEL={name} is not a kernel (avx512, avx2, portable); using {}",
+                        best.name()
+                    );
+                    best
+                }
+            }
+        })
+    }
+
+    fn best_supported() -> F32Kernel {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                return F32Kernel::Avx512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                return F32Kernel::Avx2;
+            }
+        }
+        F32Kernel::Portable
+    }
+
+    /// Name for reports and `KILN_F32_KERNEL`.
+    pub fn name(self) -> &'static str {
+        match self {
+            F32Kernel::Avx512 => "avx512",
+            F32Kernel::Avx2 => "avx2",
+            F32Kernel::Portable => "portable",
+        }
+    }
+
+    /// Columns per weight panel (the register tile's width); `None` = the `gemm` layout.
+    fn panel_width(self) -> Option<usize> {
+        match self {
+            F32Kernel::Avx512 => Some(avx512_dims::COLS),
+            F32Kernel::Avx2 => Some(avx2_dims::COLS),
+            F32Kernel::Portable => None,
+        }
+    }
+}
+
+/// Register tile sizes, visible on every architecture so the packing compiles everywhere.
+mod avx512_dims {
+    pub const ROWS: usize = 12;
+    pub const COLS: usize = 32;
+}
+mod avx2_dims {
+    pub const ROWS: usize = 6;
+    pub const COLS: usize = 16;
+}
+
+/// A convolution's weight and bias packed once for [`conv2d_nhwc`].
+#[derive(Debug, Clone)]
+pub struct ConvWeights {
+    kernel: F32Kernel,
+    /// `[cout, cin, kh, kw]`.
+    dims: [usize; 4],
+    /// Panels of `width` output channels, each `[kh·kw·cin][width]` (zero columns past
+    /// `cout`); for [`F32Kernel::Portable`], `[kh·kw·cin, cout]`.
+    data: Vec<f32>,
+    /// The bias padded to whole panels (zeros without a bias); the portable path's bias
+    /// unpadded, or empty.
+    bias: Vec<f32>,
+    has_bias: bool,
+}
+
+impl ConvWeights {
+    /// Packs `weight` `[cout, cin, kh, kw]` (and `bias` `[cout]`) for the detected kernel.
+    pub fn pack(dims: [usize; 4], weight: &[f32], bias: Option<&[f32]>) -> Self {
+        Self::pack_for(F32Kernel::detect(), dims, weight, bias)
+    }
+
+    /// Packs for a given kernel (tests compare the kernels on one machine).
+    pub fn pack_for(
+        kernel: F32Kernel,
+        dims: [usize; 4],
+        weight: &[f32],
+        bias: Option<&[f32]>,
+    ) -> Self {
+        Self::from_rows(kernel, dims, pack_weight_for_nhwc(dims, weight), bias)
+    }
+
+    /// A linear layer's weight `[inputs, outputs]` (Burn's layout: already one row per K
+    /// value) for [`linear_rows`]: a 1×1 convolution over 1×1 images.
+    pub fn linear(inputs: usize, outputs: usize, weight: &[f32], bias: Option<&[f32]>) -> Self {
+        assert_eq!(weight.len(), inputs * outputs, "linear weight length");
+        let dims = [outputs, inputs, 1, 1];
+        Self::from_rows(F32Kernel::detect(), dims, weight.to_vec(), bias)
+    }
+
+    /// Packs `plain` `[kh·kw·cin, cout]` (rows in K order `(ky, kx, c)`).
+    fn from_rows(
+        kernel: F32Kernel,
+        dims: [usize; 4],
+        plain: Vec<f32>,
+        bias: Option<&[f32]>,
+    ) -> Self {
+        let cout = dims[0];
+        if let Some(b) = bias {
+            assert_eq!(b.len(), cout, "conv2d bias length");
+        }
+        let Some(width) = kernel.panel_width() else {
+            return ConvWeights {
+                kernel,
+                dims,
+                data: plain,
+                bias: bias.map(<[f32]>::to_vec).unwrap_or_default(),
+                has_bias: bias.is_some(),
+            };
+        };
+        let k = dims[1] * dims[2] * dims[3];
+        let panels = cout.div_ceil(width);
+        let mut data = vec![0f32; panels * k * width];
+        for (p, panel) in data.chunks_exact_mut((k * width).max(1)).enumerate() {
+            let cols = (cout - p * width).min(width);
+            for (row, dst) in panel.chunks_exact_mut(width).enumerate() {
+                dst[..cols].copy_from_slice(&plain[row * cout + p * width..][..cols]);
+            }
+        }
+        let mut padded = vec![0f32; panels * width];
+        if let Some(b) = bias {
+            padded[..cout].copy_from_slice(b);
+        }
+        ConvWeights {
+            kernel,
+            dims,
+            data,
+            bias: padded,
+            has_bias: bias.is_some(),
+        }
+    }
+
+    /// `[cout, cin, kh, kw]`.
+    pub fn dims(&self) -> [usize; 4] {
+        self.dims
+    }
+
+    /// The kernel these weights were packed for.
+    pub fn kernel(&self) -> F32Kernel {
+        self.kernel
+    }
+}
+
+/// Multiply-adds of one convolution call below which it runs on the calling thread: handing
+/// work to the pool and waiting for it costs more than a second thread saves (W3's conv1,
+/// 0.2 M, stays; conv2, 10.6 M, splits).
+const SPLIT_MACS: usize = 2 << 20;
+
+/// Weight values above which a call splits over the threads whatever its rows (1 MiB:
+/// beyond L2, so the reading is what costs).
+const SPLIT_WEIGHTS: usize = 1 << 18;
+
+/// Forward convolution for inference in channels-last layout: `out` `[batch, oh, ow, cout]`
+/// from `x` `[batch, h, w, cin]`, with the bias and (with `relu`) ReLU applied before the
+/// output is stored.
+pub fn conv2d_nhwc(s: &ConvShape, x: &[f32], w: &ConvWeights, relu: bool, out: &mut [f32]) {
+    let [cout, cin, kh, kw] = w.dims;
+    assert_eq!(
+        (s.cout, s.cin, s.kh, s.kw),
+        (cout, cin, kh, kw),
+        "conv2d weights packed for another shape"
+    );
+    assert_eq!(x.len(), s.input_len(), "conv2d input length");
+    assert_eq!(out.len(), s.output_len(), "conv2d output length");
+    let k = cin * kh * kw;
+    if k == 0 {
+        // No inputs: every output is its bias.
+        for px in out.chunks_exact_mut(cout.max(1)) {
+            for (o, v) in px.iter_mut().enumerate() {
+                let b = if w.has_bias { w.bias[o] } else { 0.0 };
+                *v = if relu { b.max(0.0) } else { b };
+            }
+        }
+        return;
+    }
+    let Some(width) = w.kernel.panel_width() else {
+        let bias = w.has_bias.then_some(&w.bias[..]);
+        return conv2d_nhwc_forward(s, x, &w.data, bias, relu, out);
+    };
+    let (oh, ow) = (s.out_h(), s.out_w());
+    let rows = s.batch * oh * ow;
+    if rows == 0 || cout == 0 {
+        return;
+    }
+    let threads = rayon::current_num_threads().max(1);
+    // A large weight splits even over few rows: reading it is the cost (a linear layer at
+    // batch 1), and two cores read it faster than one.
+    let parallel = threads > 1 && (rows * k * cout >= SPLIT_MACS || k * cout >= SPLIT_WEIGHTS);
+    let padded;
+    let (image, geometry) = if s.padding == [(0, 0), (0, 0)] {
+        (x, Geometry::new(s, s.h, s.w))
+    } else {
+        padded = pad_nhwc(s, x, parallel);
+        let hp = s.h + s.padding[0].0 + s.padding[0].1;
+        let wp = s.w + s.padding[1].0 + s.padding[1].1;
+        (&padded[..], Geometry::new(s, hp, wp))
+    };
+    let bases = geometry.bases(s.batch);
+    let operands = Operands {
+        image,
+        bases: &bases,
+        runs: &geometry.runs,
+        run_len: geometry.run_len,
+        weights: w,
+        width,
+        relu,
+    };
+    // Work items: (block of rows, panel), row-block-major, so one task's consecutive items
+    // reuse the block's input from cache across panels. Few rows (deep layers at batch 1)
+    // make one block, and the panels are what splits over the threads.
+    let block_rows = if rows < 2 * ROW_BLOCK {
+        rows
+    } else {
+        ROW_BLOCK
+    };
+    let blocks = rows.div_ceil(block_rows);
+    let panels = cout.div_ceil(width);
+    let items = blocks * panels;
+    let out_ptr = SharedOut(out.as_mut_ptr());
+    let run = |item: usize| {
+        let (block, panel) = (item / panels, item % panels);
+        let first = block * block_rows;
+        let rows = first..(first + block_rows).min(rows);
+        // SAFETY: items are disjoint (row range, panel columns) rectangles of `out`, each run
+        // by exactly one task, and `out` outlives the call.
+        unsafe { operands.rectangle(rows, panel, out_ptr.get()) };
+    };
+    if !parallel || items == 1 {
+        (0..items).for_each(run);
+        return;
+    }
+    SPLITS.with(|n| n.set(n.get() + 1));
+    let per_task = items.div_ceil(threads * TASKS_PER_THREAD);
+    (0..items.div_ceil(per_task))
+        .into_par_iter()
+        .for_each(|t| (t * per_task..((t + 1) * per_task).min(items)).for_each(run));
+}
+
+/// A linear layer on the host: `out` `[rows, outputs]` = `x` `[rows, inputs]` · W + b (and
+/// ReLU with `relu`), `w` from [`ConvWeights::linear`].
+pub fn linear_rows(rows: usize, x: &[f32], w: &ConvWeights, relu: bool, out: &mut [f32]) {
+    let [outputs, inputs, ..] = w.dims;
+    let s = ConvShape {
+        batch: rows,
+        cin: inputs,
+        h: 1,
+        w: 1,
+        cout: outputs,
+        kh: 1,
+        kw: 1,
+        stride: [1, 1],
+        padding: [(0, 0); 2],
+        dilation: [1, 1],
+    };
+    conv2d_nhwc(&s, x, w, relu, out);
+}
+
+thread_local! {
+    // Calls on this thread that split over the pool: the executor reads it to learn whether
+    // a forward has parallel work worth moving onto the pool.
+    static SPLITS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Convolution and linear calls made on this thread that split over the pool so far.
+pub fn split_calls() -> usize {
+    SPLITS.with(std::cell::Cell::get)
+}
+
+/// Output rows per work item when a call has many (48 rows × K values of input stay in L2
+/// while every panel passes over them).
+const ROW_BLOCK: usize = 48;
+
+/// Tasks per thread when a call splits: small ones, so an uneven share evens out (measured
+/// on a strided ResNet-18 convolution at batch 1, two threads: 16 per thread 0.57 ms, 4 per
+/// thread 0.61 ms; W3's conv2 the same either way).
+const TASKS_PER_THREAD: usize = 16;
+
+/// The output's base pointer, handed to the tasks that write disjoint parts of it.
+#[derive(Clone, Copy)]
+struct SharedOut(*mut f32);
+
+impl SharedOut {
+    /// The pointer (a method, so closures capture the `Sync` wrapper, not its field).
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+// SAFETY: tasks write disjoint rectangles (see `conv2d_nhwc`).
+unsafe impl Send for SharedOut {}
+// SAFETY: as above.
+unsafe impl Sync for SharedOut {}
+
+/// Where each output pixel's K values lie in the (padded) NHWC image.
+struct Geometry {
+    /// Offsets of the K runs from a pixel's base, in K order `(ky, kx, c)`.
+    runs: Vec<usize>,
+    /// Contiguous values per run: `kw·cin` when the kernel's columns are adjacent
+    /// (dilation 1), else `cin`.
+    run_len: usize,
+    /// Padded height and width, output width, stride.
+    hp: usize,
+    wp: usize,
+    oh: usize,
+    ow: usize,
+    stride: [usize; 2],
+    cin: usize,
+}
+
+impl Geometry {
+    fn new(s: &ConvShape, hp: usize, wp: usize) -> Self {
+        let (cin, [dy, dx]) = (s.cin, s.dilation);
+        let mut runs = Vec::new();
+        let run_len = if dx == 1 {
+            for ky in 0..s.kh {
+                runs.push(ky * dy * wp * cin);
+            }
+            s.kw * cin
+        } else {
+            for ky in 0..s.kh {
+                for kx in 0..s.kw {
+                    runs.push((ky * dy * wp + kx * dx) * cin);
+                }
+            }
+            cin
+        };
+        Geometry {
+            runs,
+            run_len,
+            hp,
+            wp,
+            oh: s.out_h(),
+            ow: s.out_w(),
+            stride: s.stride,
+            cin,
+        }
+    }
+
+    /// Offset of each output pixel's window (row `(n, oy, ox)`) in the image.
+    fn bases(&self, batch: usize) -> Vec<usize> {
+        let image = self.hp * self.wp * self.cin;
+        let mut bases = Vec::with_capacity(batch * self.oh * self.ow);
+        for n in 0..batch {
+            for oy in 0..self.oh {
+                for ox in 0..self.ow {
+                    let at = oy * self.stride[0] * self.wp + ox * self.stride[1];
+                    bases.push(n * image + at * self.cin);
+                }
+            }
+        }
+        bases
+    }
+}
+
+/// Copies `x` `[batch, h, w, cin]` into a zero border of the convolution's padding; row by
+/// row over the pool when `parallel` (at batch 1 a serial copy of a large image cost ~10% of
+/// a strided ResNet convolution on two threads).
+fn pad_nhwc(s: &ConvShape, x: &[f32], parallel: bool) -> Vec<f32> {
+    let [(top, bottom), (left, right)] = s.padding;
+    let (hp, wp, cin) = (s.h + top + bottom, s.w + left + right, s.cin);
+    let mut padded = vec![0f32; s.batch * hp * wp * cin];
+    let copy_row = |(i, dst): (usize, &mut [f32])| {
+        let (n, y) = (i / hp, i % hp);
+        if y >= top && y < top + s.h {
+            let src = &x[(n * s.h + y - top) * s.w * cin..][..s.w * cin];
+            dst[left * cin..left * cin + src.len()].copy_from_slice(src);
+        }
+    };
+    if parallel {
+        padded
+            .par_chunks_mut(wp * cin)
+            .enumerate()
+            .for_each(copy_row);
+    } else {
+        padded.chunks_mut(wp * cin).enumerate().for_each(copy_row);
+    }
+    padded
+}
+
+/// One call's operands, shared by its tasks.
+struct Operands<'a> {
+    image: &'a [f32],
+    bases: &'a [usize],
+    runs: &'a [usize],
+    run_len: usize,
+    weights: &'a ConvWeights,
+    width: usize,
+    relu: bool,
+}
+
+impl Operands<'_> {
+    /// Output rows `rows` × the columns of panel `panel`, on this thread.
+    ///
+    /// # Safety
+    /// `out` is the call's `[rows, cout]` output and no other thread touches this rectangle.
+    unsafe fn rectangle(&self, rows: std::ops::Range<usize>, panel: usize, out: *mut f32) {
+        let cout = self.weights.dims[0];
+        let k = self.runs.len() * self.run_len;
+        // The last window reads up to here: every base + offset + j must stay inside.
+        let last = self.bases[rows.end - 1] + self.runs[self.runs.len() - 1] + self.run_len;
+        assert!(last <= self.image.len(), "conv2d window outside the image");
+        let col0 = panel * self.width;
+        let tile = Tile {
+            image: self.image,
+            runs: self.runs,
+            run_len: self.run_len,
+            panel: &self.weights.data[panel * k * self.width..][..k * self.width],
+            bias: &self.weights.bias[col0..col0 + self.width],
+            relu: self.relu,
+            cols: (cout - col0).min(self.width),
+            out_stride: cout,
+        };
+        // SAFETY: the caller's contract; row r of the rectangle starts at (r·cout + col0).
+        unsafe {
+            tile.run(
+                self.weights.kernel,
+                &self.bases[rows.clone()],
+                out.add(rows.start * cout + col0),
+            )
+        };
+    }
+}
+
+/// Which register tile covers the rows from a given one on.
+#[derive(Clone, Copy)]
+enum TileRows {
+    /// The kernel's full tile (`ROWS` rows).
+    Full,
+    /// The narrower tile (`SMALL` rows) that finishes a short last tile.
+    Small,
+    /// One row: what is left after that (a linear layer at batch 1 is one row; a wider tile
+    /// would multiply the weight by copies of it).
+    One,
+}
+
+/// Walks `n` rows in full tiles of `full`, then tiles of `small`, then single rows:
+/// `f(first_row, tile)`.
+fn walk_rows(n: usize, full: usize, small: usize, mut f: impl FnMut(usize, TileRows)) {
+    let mut i = 0;
+    for (step, tile) in [
+        (full, TileRows::Full),
+        (small, TileRows::Small),
+        (1, TileRows::One),
+    ] {
+        while n - i >= step {
+            f(i, tile);
+            i += step;
+        }
+    }
+}
+
+/// One panel's work over a range of rows.
+struct Tile<'a> {
+    image: &'a [f32],
+    runs: &'a [usize],
+    run_len: usize,
+    /// `[k][width]`.
+    panel: &'a [f32],
+    /// `[width]`.
+    bias: &'a [f32],
+    relu: bool,
+    /// Valid columns of this panel (≤ width).
+    cols: usize,
+    out_stride: usize,
+}
+
+impl Tile<'_> {
+    /// Runs the register tiles over `bases` (one per row), writing row `i` at
+    /// `out[i·out_stride..][..cols]`.
+    ///
+    /// # Safety
+    /// `out` is valid for those writes and nothing else accesses them meanwhile.
+    unsafe fn run(&self, kernel: F32Kernel, bases: &[usize], out: *mut f32) {
+        match kernel {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the kernel was chosen by feature detection; `Operands::rectangle`
+            // checked that every window lies inside the image, the panel holds k × 32 values,
+            // and the caller vouches for `out`.
+            F32Kernel::Avx512 => unsafe { avx512::rows(self, bases, out) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above, for the AVX2 + FMA kernel and a k × 16 panel.
+            F32Kernel::Avx2 => unsafe { avx2::rows(self, bases, out) },
+            _ => unreachable!("the portable kernel has no panels"),
+        }
+    }
+}

@@ -1,0 +1,203 @@
+use super::*;
+use crate::kernels::testing::{relative_error, values};
+
+/// Direct f64 convolution over NHWC input, `[cout, cin, kh, kw]` weight: the reference.
+fn reference(s: &ConvShape, x: &[f32], w: &[f32], bias: Option<&[f32]>, relu: bool) -> Vec<f64> {
+    let (oh, ow) = (s.out_h(), s.out_w());
+    let mut out = Vec::with_capacity(s.output_len());
+    for n in 0..s.batch {
+        for oy in 0..oh {
+            for ox in 0..ow {
+                for o in 0..s.cout {
+                    let mut acc = bias.map_or(0.0, |b| b[o] as f64);
+                    for ky in 0..s.kh {
+                        for kx in 0..s.kw {
+                            let iy = (oy * s.stride[0] + ky * s.dilation[0]) as isize
+                                - s.padding[0].0 as isize;
+                            let ix = (ox * s.stride[1] + kx * s.dilation[1]) as isize
+                                - s.padding[1].0 as isize;
+                            if iy < 0 || ix < 0 || iy >= s.h as isize || ix >= s.w as isize {
+                                continue;
+                            }
+                            for c in 0..s.cin {
+                                let xv =
+                                    x[((n * s.h + iy as usize) * s.w + ix as usize) * s.cin + c];
+                                let wv = w[((o * s.cin + c) * s.kh + ky) * s.kw + kx];
+                                acc += xv as f64 * wv as f64;
+                            }
+                        }
+                    }
+                    out.push(if relu { acc.max(0.0) } else { acc });
+                }
+            }
+        }
+    }
+    out
+}
+
+fn supported() -> Vec<F32Kernel> {
+    let best = F32Kernel::best_supported();
+    [F32Kernel::Avx512, F32Kernel::Avx2, F32Kernel::Portable]
+        .into_iter()
+        .filter(|k| *k as u8 >= best as u8)
+        .collect()
+}
+
+#[allow(clippy::too_many_arguments)]
+fn shape(
+    batch: usize,
+    cin: usize,
+    [h, w]: [usize; 2],
+    cout: usize,
+    [kh, kw]: [usize; 2],
+    stride: [usize; 2],
+    padding: [(usize, usize); 2],
+    dilation: [usize; 2],
+) -> ConvShape {
+    ConvShape {
+        batch,
+        cin,
+        h,
+        w,
+        cout,
+        kh,
+        kw,
+        stride,
+        padding,
+        dilation,
+    }
+}
+
+/// Every kernel this CPU runs matches the f64 reference to 1e-5 of the output's scale.
+fn check(s: ConvShape, with_bias: bool, relu: bool) {
+    let x = values(s.input_len(), 1);
+    let w = values(s.weight_len(), 2);
+    let b = values(s.cout, 3);
+    let bias = with_bias.then_some(&b[..]);
+    let want = reference(&s, &x, &w, bias, relu);
+    for kernel in supported() {
+        let packed = ConvWeights::pack_for(kernel, [s.cout, s.cin, s.kh, s.kw], &w, bias);
+        let mut out = vec![f32::NAN; s.output_len()];
+        conv2d_nhwc(&s, &x, &packed, relu, &mut out);
+        let err = relative_error(&out, &want);
+        assert!(
+            err <= 1e-5,
+            "{} kernel, {s:?}: error {err:e}",
+            kernel.name()
+        );
+    }
+}
+
+#[test]
+fn w3_convolutions_match_the_f64_reference() {
+    check(
+        shape(1, 1, [28, 28], 32, [3, 3], [1, 1], [(0, 0); 2], [1, 1]),
+        true,
+        true,
+    );
+    check(
+        shape(1, 32, [26, 26], 64, [3, 3], [1, 1], [(0, 0); 2], [1, 1]),
+        true,
+        true,
+    );
+    check(
+        shape(3, 32, [26, 26], 64, [3, 3], [1, 1], [(0, 0); 2], [1, 1]),
+        true,
+        false,
+    );
+}
+
+#[test]
+fn padding_stride_and_dilation_match_the_f64_reference() {
+    // ResNet's strided 3×3 with padding 1, odd sizes so tiles end mid-row.
+    check(
+        shape(2, 5, [9, 11], 7, [3, 3], [2, 2], [(1, 1), (1, 1)], [1, 1]),
+        true,
+        true,
+    );
+    // Asymmetric padding, dilation 2 in both directions (per-tap runs).
+    check(
+        shape(1, 3, [10, 9], 20, [3, 2], [1, 1], [(2, 0), (0, 1)], [2, 2]),
+        false,
+        false,
+    );
+    // Dilation in height only keeps whole-row runs.
+    check(
+        shape(2, 4, [8, 8], 33, [2, 3], [1, 2], [(1, 0), (1, 1)], [2, 1]),
+        true,
+        false,
+    );
+    // A 1×1 convolution and a 7×7 stem with stride 2.
+    check(
+        shape(2, 16, [5, 5], 40, [1, 1], [1, 1], [(0, 0); 2], [1, 1]),
+        true,
+        true,
+    );
+    check(
+        shape(1, 3, [20, 18], 17, [7, 7], [2, 2], [(3, 3), (3, 3)], [1, 1]),
+        true,
+        true,
+    );
+}
+
+#[test]
+fn threads_split_rows_without_changing_the_result() {
+    // Large enough to split over the pool (> SPLIT_MACS) with rows not a multiple of a tile.
+    let s = shape(
+        1,
+        24,
+        [31, 29],
+        48,
+        [3, 3],
+        [1, 1],
+        [(1, 1), (1, 1)],
+        [1, 1],
+    );
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(3)
+        .build()
+        .unwrap();
+    pool.install(|| check(s, true, true));
+}
+
+#[test]
+fn a_kernel_without_inputs_writes_its_bias() {
+    let s = shape(1, 0, [4, 4], 3, [3, 3], [1, 1], [(0, 0); 2], [1, 1]);
+    for kernel in supported() {
+        let packed = ConvWeights::pack_for(kernel, [3, 0, 3, 3], &[], Some(&[1.0, -2.0, 3.0]));
+        let mut out = vec![f32::NAN; s.output_len()];
+        conv2d_nhwc(&s, &[], &packed, true, &mut out);
+        assert!(
+            out.chunks(3).all(|px| px == [1.0, 0.0, 3.0]),
+            "{}",
+            kernel.name()
+        );
+    }
+}
+
+#[test]
+fn linear_rows_match_the_f64_reference() {
+    for (rows, inputs, outputs) in [(1, 9216, 128), (3, 70, 10), (13, 128, 33)] {
+        let x = values(rows * inputs, 4);
+        let w = values(inputs * outputs, 5);
+        let b = values(outputs, 6);
+        let packed = ConvWeights::linear(inputs, outputs, &w, Some(&b));
+        let mut out = vec![f32::NAN; rows * outputs];
+        linear_rows(rows, &x, &packed, true, &mut out);
+        let want: Vec<f64> = (0..rows * outputs)
+            .map(|i| {
+                let (r, o) = (i / outputs, i % outputs);
+                let dot: f64 = (0..inputs)
+                    .map(|j| x[r * inputs + j] as f64 * w[j * outputs + o] as f64)
+                    .sum();
+                (dot + b[o] as f64).max(0.0)
+            })
+            .collect();
+        // Relative to the largest output, as the convolutions (9,216 f32 products summed).
+        let err = relative_error(&out, &want);
+        assert!(
+            err <= 1e-5,
+            "[{rows}, {inputs}] · [{inputs}, {outputs}]: error {err:e}"
+        );
+    }
+}
