@@ -59,6 +59,9 @@ enum Prepared {
         nhwc: Option<Box<NhwcConv>>,
         /// ReLU fused into the output (the graph's next node was a ReLU reading only this).
         relu: bool,
+        /// A 2×2 / stride 2 max pool fused after the ReLU (it read only the ReLU's output);
+        /// Kiln's SIMD kernels pool in the convolution's epilogue, other paths pool after.
+        pool: Option<MaxPool2d>,
     },
     Linear {
         weight: Tensor<2>,
@@ -298,6 +301,7 @@ impl Executor {
                         .then(|| NhwcConv::new(weight, bias.as_ref(), g).map(Box::new))
                         .flatten(),
                     relu: false,
+                    pool: None,
                 },
                 Op::Linear { weight, bias } => Prepared::Linear {
                     weight: to_compute(tensor(weight, device)?, compute),
@@ -389,6 +393,7 @@ impl Executor {
             });
         }
         fuse_relu(&graph, &mut ops);
+        fuse_relu_pool(&graph, &mut ops);
         Ok(Executor {
             graph,
             ops,
@@ -517,6 +522,51 @@ fn fuse_relu(graph: &Graph, ops: &mut [Prepared]) {
         };
         if let Prepared::Conv { relu, .. } | Prepared::Linear { relu, .. } = &mut ops[i] {
             *relu = true;
+            ops[j] = Prepared::Identity;
+        }
+    }
+}
+
+/// Folds each 2×2 / stride 2 max pool that is the only reader of a fused convolution + ReLU
+/// into that convolution (the ReLU's node is already an identity): the pooled maximum is
+/// taken in the convolution's registers, so its full output is never written.
+fn fuse_relu_pool(graph: &Graph, ops: &mut [Prepared]) {
+    let producer =
+        |v: ValueId, before: usize| graph.nodes[..before].iter().rposition(|n| n.output == v);
+    for (j, node) in graph.nodes.iter().enumerate() {
+        let Prepared::MaxPool(pool) = &ops[j] else {
+            continue;
+        };
+        let plain_2x2 = pool.kernel_size == [2, 2]
+            && pool.stride == [2, 2]
+            && pool.dilation == [1, 1]
+            && matches!(pool.padding, burn::nn::PaddingConfig2d::Valid);
+        let [relu_out] = node.inputs[..] else {
+            continue;
+        };
+        if !plain_2x2 || graph.uses(relu_out) != 1 {
+            continue;
+        }
+        let Some(r) = producer(relu_out, j) else {
+            continue;
+        };
+        let [conv_out] = graph.nodes[r].inputs[..] else {
+            continue;
+        };
+        if !matches!(ops[r], Prepared::Identity) || graph.uses(conv_out) != 1 {
+            continue;
+        }
+        let Some(c) = producer(conv_out, r) else {
+            continue;
+        };
+        let pool = pool.clone();
+        if let Prepared::Conv {
+            relu: true,
+            pool: fused @ None,
+            ..
+        } = &mut ops[c]
+        {
+            *fused = Some(pool);
             ops[j] = Prepared::Identity;
         }
     }
@@ -869,4 +919,37 @@ fn quantized_conv(
         flat: false,
         range: Some(range),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// W3 (conv → ReLU → conv → ReLU → 2×2 pool → linear → ReLU → linear): both ReLUs after
+    /// the convolutions and the one after fc1 fold into their ops, and the pool into conv2,
+    /// so `lowered_graphs_match_the_zoo_forward` (tests/inference.rs) checks the fused path.
+    #[test]
+    fn w3_folds_its_relus_and_its_pool() {
+        let device = Device::flex();
+        let model = crate::zoo::ModelKind::Cnn.init(&device);
+        let graph = crate::infer::lower(&model, "cnn", [1, 28, 28]).unwrap();
+        let exec = Executor::new(graph, &device).unwrap();
+        let count = |f: fn(&Prepared) -> bool| exec.ops.iter().filter(|op| f(op)).count();
+        assert_eq!(
+            count(|op| matches!(op, Prepared::Relu | Prepared::MaxPool(_))),
+            0
+        );
+        assert_eq!(
+            count(|op| matches!(op, Prepared::Conv { relu: true, .. })),
+            2
+        );
+        assert_eq!(
+            count(|op| matches!(op, Prepared::Conv { pool: Some(_), .. })),
+            1
+        );
+        assert_eq!(
+            count(|op| matches!(op, Prepared::Linear { relu: true, .. })),
+            1
+        );
+    }
 }

@@ -41,10 +41,22 @@ pub(super) fn run(
             options,
             nhwc,
             relu,
-        } => match nhwc {
-            Some(host) if crate::kernels::serves(device) => conv_nhwc(x, host, *relu),
-            _ => conv(x, weight, bias, options, device, compute, *relu),
-        },
+            pool,
+        } => {
+            let y = match nhwc {
+                Some(host) if crate::kernels::serves(device) => {
+                    if let Some(pooled) = pool.as_ref().and_then(|_| conv_nhwc_pooled(&x, host)) {
+                        return pooled;
+                    }
+                    conv_nhwc(x, host, *relu)
+                }
+                _ => conv(x, weight, bias, options, device, compute, *relu),
+            }?;
+            match pool {
+                Some(pool) => max_pool(y, pool, device),
+                None => Ok(y),
+            }
+        }
         Prepared::Linear {
             weight,
             bias,
@@ -136,16 +148,44 @@ fn conv_nhwc(x: Value, conv: &NhwcConv, relu: bool) -> OpResult {
     if c != s.cin {
         return Err(format!("expects {} input channels, got {c}", s.cin));
     }
-    let mut out = vec![0f32; s.output_len()];
     let _op =
         tracing::trace_span!("kiln.conv2d_nhwc", input = ?[b, h, w, c], cout = s.cout).entered();
-    crate::kernels::implicit::conv2d_nhwc(&s, &data, &conv.weights, relu, &mut out);
+    let out = crate::kernels::implicit::conv2d_nhwc_new(&s, &data, &conv.weights, relu);
     Ok(Value::Nhwc {
         data: out,
         dims: [b, s.out_h(), s.out_w(), s.cout],
         flat: false,
         range: None,
     })
+}
+
+/// Convolution + ReLU + 2×2 max pool in one pass on a channels-last image
+/// ([`crate::kernels::implicit::conv2d_nhwc_relu_pool2_new`]); `None` where that kernel
+/// does not run (the portable kernel, an input in another layout): the caller runs them apart.
+fn conv_nhwc_pooled(x: &Value, conv: &NhwcConv) -> Option<OpResult> {
+    let Value::Nhwc {
+        data,
+        dims: [b, h, w, c],
+        flat: false,
+        ..
+    } = x
+    else {
+        return None;
+    };
+    let s = conv.shape([*b, *c, *h, *w]);
+    if *c != s.cin {
+        return Some(Err(format!("expects {} input channels, got {c}", s.cin)));
+    }
+    let _op =
+        tracing::trace_span!("kiln.conv2d_nhwc_relu_pool2", input = ?[b, h, w, c], cout = s.cout)
+            .entered();
+    let out = crate::kernels::implicit::conv2d_nhwc_relu_pool2_new(&s, data, &conv.weights)?;
+    Some(Ok(Value::Nhwc {
+        data: out,
+        dims: [*b, s.out_h() / 2, s.out_w() / 2, s.cout],
+        flat: false,
+        range: None,
+    }))
 }
 
 /// A linear layer over flat features, or per token of a sequence, with ReLU when `relu`. A

@@ -22,6 +22,16 @@ pub(super) unsafe fn rows(tile: &Tile, bases: &[usize], out: *mut f32) {
         let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
         _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), lane)
     });
+    if tile.pool {
+        // Windows of 4 rows: a 6-row tile would split them, so one window per tile (8 of
+        // the 16 registers accumulate).
+        for (i, window) in bases.chunks_exact(4).enumerate() {
+            let out = out.wrapping_add(i * tile.out_stride);
+            // SAFETY: the caller's contract, for this window's rows.
+            unsafe { block::<4>(tile, window.try_into().unwrap(), out, &masks) };
+        }
+        return;
+    }
     walk_rows(bases.len(), ROWS, SMALL, |i, rows| {
         let out = out.wrapping_add(i * tile.out_stride);
         // SAFETY: the caller's contract, for the tile's rows (walk_rows keeps them in
@@ -78,6 +88,21 @@ unsafe fn block<const R: usize>(
         }
     }
     let zero = _mm256_setzero_ps();
+    if tile.pool {
+        // Each 4 rows are one 2×2 window: store the maximum of their ReLU outputs (pooling
+        // comes with ReLU). Starting from 0 is the ReLU; `max(v, m)` returns `m` for a NaN
+        // `v`, so a NaN counts as 0, as the unfused ReLU makes it.
+        for (g, window) in acc.chunks_exact(4).enumerate() {
+            for b in 0..BLOCKS {
+                let v = window.iter().fold(zero, |m, row| _mm256_max_ps(row[b], m));
+                // SAFETY: masked to this panel's valid columns of pooled row g.
+                unsafe {
+                    _mm256_maskstore_ps(out.add(g * tile.out_stride + b * LANES), masks[b], v)
+                };
+            }
+        }
+        return;
+    }
     for (r, row) in acc.iter().enumerate() {
         for (b, v) in row.iter().enumerate() {
             let v = if tile.relu {

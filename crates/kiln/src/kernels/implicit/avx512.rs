@@ -3,7 +3,7 @@
 use std::arch::x86_64::*;
 
 use super::avx512_dims::{COLS, ROWS};
-use super::{Tile, TileRows, walk_rows};
+use super::{Tile, TileRows, row_group, walk_rows};
 
 /// Lanes per register.
 const LANES: usize = 16;
@@ -21,8 +21,10 @@ pub(super) unsafe fn rows(tile: &Tile, bases: &[usize], out: *mut f32) {
         let valid = tile.cols.saturating_sub(b * LANES).min(LANES);
         ((1u32 << valid) - 1) as __mmask16
     });
-    walk_rows(bases.len(), ROWS, SMALL, |i, rows| {
-        let out = out.wrapping_add(i * tile.out_stride);
+    let group = row_group(tile.pool);
+    let (full, small) = if tile.pool { POOL_TILES } else { (ROWS, SMALL) };
+    walk_rows(bases.len(), full, small, |i, rows| {
+        let out = out.wrapping_add(i / group * tile.out_stride);
         // SAFETY: the caller's contract, for the tile's rows (walk_rows keeps them in
         // `bases`, so the conversions cannot fail).
         unsafe {
@@ -41,6 +43,9 @@ pub(super) unsafe fn rows(tile: &Tile, bases: &[usize], out: *mut f32) {
 
 /// Rows of the narrower tile that finishes a short last tile.
 const SMALL: usize = 4;
+
+/// Full and narrow tiles when rows come in pooling windows of 4 (both multiples of 4).
+const POOL_TILES: (usize, usize) = (ROWS, SMALL);
 
 #[inline]
 #[target_feature(enable = "avx512f")]
@@ -77,6 +82,21 @@ unsafe fn block<const R: usize>(
         }
     }
     let zero = _mm512_setzero_ps();
+    if tile.pool {
+        // Each 4 rows are one 2×2 window: store the maximum of their ReLU outputs (pooling
+        // comes with ReLU). Starting from 0 is the ReLU; `max(v, m)` returns `m` for a NaN
+        // `v`, so a NaN counts as 0, as the unfused ReLU makes it.
+        for (g, window) in acc.chunks_exact(4).enumerate() {
+            for b in 0..BLOCKS {
+                let v = window.iter().fold(zero, |m, row| _mm512_max_ps(row[b], m));
+                // SAFETY: masked to this panel's valid columns of pooled row g.
+                unsafe {
+                    _mm512_mask_storeu_ps(out.add(g * tile.out_stride + b * LANES), masks[b], v)
+                };
+            }
+        }
+        return;
+    }
     for (r, row) in acc.iter().enumerate() {
         for (b, v) in row.iter().enumerate() {
             let v = if tile.relu {

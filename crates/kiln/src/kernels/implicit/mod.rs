@@ -221,16 +221,10 @@ const SPLIT_WEIGHTS: usize = 1 << 18;
 /// from `x` `[batch, h, w, cin]`, with the bias and (with `relu`) ReLU applied before the
 /// output is stored.
 pub fn conv2d_nhwc(s: &ConvShape, x: &[f32], w: &ConvWeights, relu: bool, out: &mut [f32]) {
-    let [cout, cin, kh, kw] = w.dims;
-    assert_eq!(
-        (s.cout, s.cin, s.kh, s.kw),
-        (cout, cin, kh, kw),
-        "conv2d weights packed for another shape"
-    );
-    assert_eq!(x.len(), s.input_len(), "conv2d input length");
+    check_operands(s, x, w);
     assert_eq!(out.len(), s.output_len(), "conv2d output length");
-    let k = cin * kh * kw;
-    if k == 0 {
+    let [cout, cin, kh, kw] = w.dims;
+    if cin * kh * kw == 0 {
         // No inputs: every output is its bias.
         for px in out.chunks_exact_mut(cout.max(1)) {
             for (o, v) in px.iter_mut().enumerate() {
@@ -240,12 +234,100 @@ pub fn conv2d_nhwc(s: &ConvShape, x: &[f32], w: &ConvWeights, relu: bool, out: &
         }
         return;
     }
-    let Some(width) = w.kernel.panel_width() else {
+    if w.kernel.panel_width().is_none() {
         let bias = w.has_bias.then_some(&w.bias[..]);
         return conv2d_nhwc_forward(s, x, &w.data, bias, relu, out);
-    };
+    }
+    // SAFETY: `out` holds the output's `output_len` values and is borrowed uniquely.
+    unsafe { conv_simd(s, x, w, relu, false, out.as_mut_ptr()) }
+}
+
+/// [`conv2d_nhwc`] into a new vector. With a SIMD kernel the vector is not zeroed first:
+/// the kernel stores every output exactly once (a 9.4 MB zero fill per W3 batch of 64 was
+/// pure cost).
+pub fn conv2d_nhwc_new(s: &ConvShape, x: &[f32], w: &ConvWeights, relu: bool) -> Vec<f32> {
+    let len = s.output_len();
+    let [_, cin, kh, kw] = w.dims;
+    if w.kernel.panel_width().is_none() || cin * kh * kw == 0 {
+        let mut out = vec![0f32; len];
+        conv2d_nhwc(s, x, w, relu, &mut out);
+        return out;
+    }
+    check_operands(s, x, w);
+    let mut out = Vec::with_capacity(len);
+    // SAFETY: the capacity holds `len` values; the SIMD path writes each of them (every row
+    // by `walk_rows`, every column by the panels' masked stores) before the length is set.
+    unsafe {
+        conv_simd(s, x, w, relu, false, out.as_mut_ptr());
+        out.set_len(len);
+    }
+    out
+}
+
+/// Convolution, ReLU and a 2×2 max pool with stride 2 in one pass: `[batch, oh/2, ow/2,
+/// cout]`. The GEMM's rows are ordered window by window (4 rows per pooled pixel), so each
+/// register tile holds whole windows and only their maximum is stored: the convolution's
+/// full output never reaches memory. `None` with the portable kernel (the caller pools
+/// separately).
+///
+/// Why ReLU comes with it: ReLU turns a NaN into 0 in these kernels, as in the unfused
+/// ReLU, before the maximum; a fused pool without it would have to reproduce the separate
+/// pool's "NaN wins" rule.
+pub fn conv2d_nhwc_relu_pool2_new(s: &ConvShape, x: &[f32], w: &ConvWeights) -> Option<Vec<f32>> {
+    let [_, cin, kh, kw] = w.dims;
+    if w.kernel.panel_width().is_none() || cin * kh * kw == 0 {
+        return None;
+    }
+    check_operands(s, x, w);
+    let len = s.batch * (s.out_h() / 2) * (s.out_w() / 2) * s.cout;
+    let mut out = Vec::with_capacity(len);
+    // SAFETY: as in `conv2d_nhwc_new`: every pooled output is stored once (each window is 4
+    // rows of a tile; walk_rows never splits a window since rows and tiles are multiples of
+    // 4 in pooled mode) before the length is set.
+    unsafe {
+        conv_simd(s, x, w, true, true, out.as_mut_ptr());
+        out.set_len(len);
+    }
+    Some(out)
+}
+
+/// The shape agrees with the packed weights and the input.
+fn check_operands(s: &ConvShape, x: &[f32], w: &ConvWeights) {
+    let [cout, cin, kh, kw] = w.dims;
+    assert_eq!(
+        (s.cout, s.cin, s.kh, s.kw),
+        (cout, cin, kh, kw),
+        "conv2d weights packed for another shape"
+    );
+    assert_eq!(x.len(), s.input_len(), "conv2d input length");
+}
+
+/// The SIMD kernels' convolution (K > 0, weights in panels).
+///
+/// # Safety
+/// `out` is valid for writes of `s.output_len()` values and nothing else accesses them
+/// during the call.
+unsafe fn conv_simd(
+    s: &ConvShape,
+    x: &[f32],
+    w: &ConvWeights,
+    relu: bool,
+    pool: bool,
+    out: *mut f32,
+) {
+    let [cout, cin, kh, kw] = w.dims;
+    let k = cin * kh * kw;
+    let width = w
+        .kernel
+        .panel_width()
+        .expect("a SIMD kernel's weights are in panels");
     let (oh, ow) = (s.out_h(), s.out_w());
-    let rows = s.batch * oh * ow;
+    // Pooling drops an odd last row or column, as a 2×2/2 max pool does.
+    let rows = if pool {
+        s.batch * (oh / 2) * (ow / 2) * 4
+    } else {
+        s.batch * oh * ow
+    };
     if rows == 0 || cout == 0 {
         return;
     }
@@ -262,7 +344,11 @@ pub fn conv2d_nhwc(s: &ConvShape, x: &[f32], w: &ConvWeights, relu: bool, out: &
         let wp = s.w + s.padding[1].0 + s.padding[1].1;
         (&padded[..], Geometry::new(s, hp, wp))
     };
-    let bases = geometry.bases(s.batch);
+    let bases = if pool {
+        geometry.pooled_bases(s.batch)
+    } else {
+        geometry.bases(s.batch)
+    };
     let operands = Operands {
         image,
         bases: &bases,
@@ -271,6 +357,7 @@ pub fn conv2d_nhwc(s: &ConvShape, x: &[f32], w: &ConvWeights, relu: bool, out: &
         weights: w,
         width,
         relu,
+        pool,
     };
     // Work items: (block of rows, panel), row-block-major, so one task's consecutive items
     // reuse the block's input from cache across panels. Few rows (deep layers at batch 1)
@@ -283,7 +370,7 @@ pub fn conv2d_nhwc(s: &ConvShape, x: &[f32], w: &ConvWeights, relu: bool, out: &
     let blocks = rows.div_ceil(block_rows);
     let panels = cout.div_ceil(width);
     let items = blocks * panels;
-    let out_ptr = SharedOut(out.as_mut_ptr());
+    let out_ptr = SharedOut(out);
     let run = |item: usize| {
         let (block, panel) = (item / panels, item % panels);
         let first = block * block_rows;
@@ -418,6 +505,28 @@ impl Geometry {
     }
 }
 
+impl Geometry {
+    /// [`Geometry::bases`] ordered by 2×2 pooling windows: for each pooled pixel `(n, py,
+    /// px)`, the output pixels `(2py, 2px)`, `(2py, 2px+1)`, `(2py+1, 2px)`, `(2py+1, 2px+1)`.
+    fn pooled_bases(&self, batch: usize) -> Vec<usize> {
+        let image = self.hp * self.wp * self.cin;
+        let (ph, pw) = (self.oh / 2, self.ow / 2);
+        let mut bases = Vec::with_capacity(batch * ph * pw * 4);
+        for n in 0..batch {
+            for py in 0..ph {
+                for px in 0..pw {
+                    for (dy, dx) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
+                        let (oy, ox) = (2 * py + dy, 2 * px + dx);
+                        let at = oy * self.stride[0] * self.wp + ox * self.stride[1];
+                        bases.push(n * image + at * self.cin);
+                    }
+                }
+            }
+        }
+        bases
+    }
+}
+
 /// Copies `x` `[batch, h, w, cin]` into a zero border of the convolution's padding; row by
 /// row over the pool when `parallel` (at batch 1 a serial copy of a large image cost ~10% of
 /// a strided ResNet convolution on two threads).
@@ -452,13 +561,15 @@ struct Operands<'a> {
     weights: &'a ConvWeights,
     width: usize,
     relu: bool,
+    pool: bool,
 }
 
 impl Operands<'_> {
     /// Output rows `rows` × the columns of panel `panel`, on this thread.
     ///
     /// # Safety
-    /// `out` is the call's `[rows, cout]` output and no other thread touches this rectangle.
+    /// `out` is the call's `[rows / row_group, cout]` output and no other thread touches this
+    /// rectangle.
     unsafe fn rectangle(&self, rows: std::ops::Range<usize>, panel: usize, out: *mut f32) {
         let cout = self.weights.dims[0];
         let k = self.runs.len() * self.run_len;
@@ -475,13 +586,14 @@ impl Operands<'_> {
             relu: self.relu,
             cols: (cout - col0).min(self.width),
             out_stride: cout,
+            pool: self.pool,
         };
         // SAFETY: the caller's contract; row r of the rectangle starts at (r·cout + col0).
         unsafe {
             tile.run(
                 self.weights.kernel,
                 &self.bases[rows.clone()],
-                out.add(rows.start * cout + col0),
+                out.add(rows.start / row_group(self.pool) * cout + col0),
             )
         };
     }
@@ -528,6 +640,14 @@ struct Tile<'a> {
     /// Valid columns of this panel (≤ width).
     cols: usize,
     out_stride: usize,
+    /// Rows come in groups of 4 (a 2×2 pooling window, see [`conv2d_nhwc_relu_pool2_new`]):
+    /// each group's maximum after ReLU is stored, as one output row.
+    pool: bool,
+}
+
+/// GEMM rows per stored output row: 4 when the epilogue pools 2×2 windows.
+fn row_group(pool: bool) -> usize {
+    if pool { 4 } else { 1 }
 }
 
 impl Tile<'_> {

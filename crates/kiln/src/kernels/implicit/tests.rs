@@ -201,3 +201,63 @@ fn linear_rows_match_the_f64_reference() {
         );
     }
 }
+
+/// `[b, oh, ow, c]` → 2×2 max pool with stride 2 (an odd last row or column dropped).
+fn pool2(y: &[f64], [b, oh, ow, c]: [usize; 4]) -> Vec<f64> {
+    let (ph, pw) = (oh / 2, ow / 2);
+    let mut out = Vec::with_capacity(b * ph * pw * c);
+    for n in 0..b {
+        for py in 0..ph {
+            for px in 0..pw {
+                for ch in 0..c {
+                    let at = |dy: usize, dx: usize| {
+                        y[((n * oh + 2 * py + dy) * ow + 2 * px + dx) * c + ch]
+                    };
+                    out.push(at(0, 0).max(at(0, 1)).max(at(1, 0)).max(at(1, 1)));
+                }
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn convolution_relu_and_2x2_pool_in_one_pass_match_the_f64_reference() {
+    let cases = [
+        // W3's conv2 + pool, batch 2.
+        shape(2, 32, [26, 26], 64, [3, 3], [1, 1], [(0, 0); 2], [1, 1]),
+        // Odd output sizes (7 × 9: the last row and column dropped), padding, 40 channels.
+        shape(3, 5, [7, 9], 40, [3, 3], [1, 1], [(1, 1), (1, 1)], [1, 1]),
+        // Stride 2 and a 1-pixel pooled output.
+        shape(1, 3, [6, 5], 17, [3, 3], [2, 2], [(0, 0); 2], [1, 1]),
+    ];
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(3)
+        .build()
+        .unwrap();
+    for s in cases {
+        let x = values(s.input_len(), 7);
+        let w = values(s.weight_len(), 8);
+        let b = values(s.cout, 9);
+        let full = reference(&s, &x, &w, Some(&b), true);
+        let want = pool2(&full, [s.batch, s.out_h(), s.out_w(), s.cout]);
+        for kernel in supported() {
+            let packed = ConvWeights::pack_for(kernel, [s.cout, s.cin, s.kh, s.kw], &w, Some(&b));
+            let got = pool.install(|| conv2d_nhwc_relu_pool2_new(&s, &x, &packed));
+            let Some(got) = got else {
+                assert_eq!(
+                    kernel,
+                    F32Kernel::Portable,
+                    "only the portable kernel declines"
+                );
+                continue;
+            };
+            let err = relative_error(&got, &want);
+            assert!(
+                err <= 1e-5,
+                "{} kernel, {s:?}: error {err:e}",
+                kernel.name()
+            );
+        }
+    }
+}
