@@ -771,11 +771,24 @@ fn profile_writes_a_trace_and_train_writes_tensorboard_and_plain_monitor_lines()
         "6",
         "--out",
         out.to_str().unwrap(),
+        "--overhead",
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let table = stdout(&o);
     for phase in ["step", "forward", "backward", "optimizer", "data_wait"] {
         assert!(table.contains(phase), "{table}");
+    }
+    // The overhead three ways, each ending in a share of the step (not asserted: timing).
+    for way in ["end to end:", "bottom up:", "profiler off:"] {
+        let line = table.lines().find(|l| l.starts_with(way));
+        let share = line.and_then(|l| {
+            l.rsplit(' ')
+                .next()?
+                .trim_end_matches('%')
+                .parse::<f64>()
+                .ok()
+        });
+        assert!(share.is_some_and(f64::is_finite), "{way} {line:?}\n{table}");
     }
     let trace: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("trace.json")).unwrap()).unwrap();
