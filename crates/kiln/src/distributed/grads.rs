@@ -54,10 +54,15 @@ impl GradReducer {
             return Ok(grads);
         }
         let mut flat = flatten(model, &grads)?;
-        collective.all_reduce_f32(&mut flat.present, ReduceOp::Max)?;
+        // The "has a gradient" flags ride at the end of the last bucket, summed with the
+        // values (a count above 0 = some rank has one): one collective call per step fewer
+        // than reducing them apart, which is one network latency per step.
+        let n = flat.values.len();
+        flat.values.append(&mut flat.present);
         for bucket in flat.values.chunks_mut(self.bucket_floats.max(1)) {
             collective.all_reduce_f32(bucket, ReduceOp::Sum)?;
         }
+        flat.present = flat.values.split_off(n);
         Ok(unflatten(model, grads, &flat))
     }
 }
@@ -68,7 +73,8 @@ struct Flat {
     slots: Vec<Slot>,
     /// The values (zeros where a parameter has no gradient here).
     values: Vec<f32>,
-    /// 1 or 0 per parameter: whether it has a gradient.
+    /// Per parameter: 1 or 0, whether it has a gradient here; after the reduction, how many
+    /// ranks had one.
     present: Vec<f32>,
     /// The device the gradients live on (none when this rank has none).
     device: Option<Device>,
