@@ -459,6 +459,24 @@ fn a_watermark_crossing_on_one_rank_halves_the_micro_batch_on_all() {
         })
         .collect();
     assert_eq!(adapted, vec![4, 2, 1], "rank 0 halved with rank 1");
+    // Rank 0's events report rank 1's crossing (its 1-byte watermark and a reading above
+    // it), not rank 0's own reading under a watermark it never reached.
+    let marks: Vec<(u64, u64)> = ranks[0]
+        .sink
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            Event::MemoryWatermark(w) => Some((w.in_use_bytes, w.threshold_bytes)),
+            _ => None,
+        })
+        .collect();
+    assert!(!marks.is_empty());
+    assert!(
+        marks
+            .iter()
+            .all(|&(in_use, threshold)| threshold == 1 && in_use > 1),
+        "{marks:?}"
+    );
     assert_eq!(
         common::bitwise_differences(&ranks[0].weights, &ranks[1].weights).0,
         0

@@ -88,28 +88,42 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
         let threshold = mark.threshold();
         let reading = memory::in_use_reading();
         let crossed_here = reading.is_some_and(|in_use| mark.check(in_use));
-        let mut crossed = crossed_here;
+        // The crossing reported: this rank's, or under data parallelism the rank that is
+        // furthest over its watermark (every rank's reading and threshold travel in one small
+        // all-reduce, each rank in its own slot), so rank 0's event names real figures.
+        let mut crossing =
+            crossed_here.then(|| (self.trainer.rank(), reading.unwrap_or(0), threshold));
         let collective = self.trainer.collective.clone();
         if collective.size() > 1 {
-            let mut flag = [if crossed_here { 1.0 } else { 0.0 }];
-            collective.all_reduce_f64(&mut flag, ReduceOp::Max)?;
-            crossed = flag[0] > 0.0;
+            let mut slots = vec![0.0; 3 * collective.size()];
+            if crossed_here {
+                let slot = &mut slots[3 * collective.rank()..][..3];
+                slot.copy_from_slice(&[1.0, reading.unwrap_or(0) as f64, threshold as f64]);
+            }
+            collective.all_reduce_f64(&mut slots, ReduceOp::Sum)?;
+            crossing = slots
+                .chunks_exact(3)
+                .enumerate()
+                .filter(|(_, s)| s[0] > 0.0)
+                .max_by(|(_, a), (_, b)| (a[1] / a[2]).total_cmp(&(b[1] / b[2])))
+                .map(|(rank, s)| (rank, s[1] as u64, s[2] as u64));
         }
-        if !crossed {
+        let Some((rank, in_use, threshold)) = crossing else {
             return Ok(false);
-        }
-        let in_use = reading.unwrap_or(0);
+        };
         if crossed_here {
             tracing::warn!(
                 step,
                 "memory in use {} crossed the watermark {}",
-                memory::human_bytes(in_use),
-                memory::human_bytes(threshold)
+                memory::human_bytes(reading.unwrap_or(0)),
+                memory::human_bytes(mark.threshold())
             );
         } else {
             tracing::warn!(
                 step,
-                "another rank's memory crossed its watermark: halving with it"
+                "rank {rank}'s memory in use {} crossed its watermark {}: halving with it",
+                memory::human_bytes(in_use),
+                memory::human_bytes(threshold)
             );
         }
         self.trainer.emit(&Event::MemoryWatermark(WatermarkEvent {
