@@ -43,18 +43,18 @@ pub(super) fn run(
             relu,
             pool,
         } => {
-            let y = match nhwc {
+            match nhwc {
+                // The fused pool always follows a fused ReLU (`fuse_relu_pool`).
                 Some(host) if crate::kernels::serves(device) => {
-                    if let Some(pooled) = pool.as_ref().and_then(|_| conv_nhwc_pooled(&x, host)) {
-                        return pooled;
-                    }
-                    conv_nhwc(x, host, *relu)
+                    conv_nhwc(x, host, *relu, pool.is_some())
                 }
-                _ => conv(x, weight, bias, options, device, compute, *relu),
-            }?;
-            match pool {
-                Some(pool) => max_pool(y, pool, device),
-                None => Ok(y),
+                _ => {
+                    let y = conv(x, weight, bias, options, device, compute, *relu)?;
+                    match pool {
+                        Some(pool) => max_pool(y, pool, device),
+                        None => Ok(y),
+                    }
+                }
             }
         }
         Prepared::Linear {
@@ -126,9 +126,10 @@ fn conv(
     }))
 }
 
-/// f32 convolution on the host in channels-last layout (Kiln's kernel, ReLU fused): the
-/// result stays channels-last for the next convolution, pooling or int8 layer.
-fn conv_nhwc(x: Value, conv: &NhwcConv, relu: bool) -> OpResult {
+/// f32 convolution on the host in channels-last layout (Kiln's kernel, ReLU fused, and with
+/// `relu_pool2` ReLU and a 2×2 / stride 2 max pool in the same pass): the result stays
+/// channels-last for the next convolution, pooling or int8 layer.
+fn conv_nhwc(x: Value, conv: &NhwcConv, relu: bool, relu_pool2: bool) -> OpResult {
     let (data, [b, h, w, c]) = match x {
         Value::Nhwc {
             data,
@@ -148,44 +149,23 @@ fn conv_nhwc(x: Value, conv: &NhwcConv, relu: bool) -> OpResult {
     if c != s.cin {
         return Err(format!("expects {} input channels, got {c}", s.cin));
     }
-    let _op =
-        tracing::trace_span!("kiln.conv2d_nhwc", input = ?[b, h, w, c], cout = s.cout).entered();
-    let out = crate::kernels::implicit::conv2d_nhwc_new(&s, &data, &conv.weights, relu);
+    let (out, dims) = if relu_pool2 {
+        let _op = tracing::trace_span!("kiln.conv2d_nhwc_relu_pool2", input = ?[b, h, w, c], cout = s.cout)
+            .entered();
+        let out = crate::kernels::implicit::conv2d_nhwc_relu_pool2_new(&s, &data, &conv.weights);
+        (out, [b, s.out_h() / 2, s.out_w() / 2, s.cout])
+    } else {
+        let _op = tracing::trace_span!("kiln.conv2d_nhwc", input = ?[b, h, w, c], cout = s.cout)
+            .entered();
+        let out = crate::kernels::implicit::conv2d_nhwc_new(&s, &data, &conv.weights, relu);
+        (out, [b, s.out_h(), s.out_w(), s.cout])
+    };
     Ok(Value::Nhwc {
         data: out,
-        dims: [b, s.out_h(), s.out_w(), s.cout],
+        dims,
         flat: false,
         range: None,
     })
-}
-
-/// Convolution + ReLU + 2×2 max pool in one pass on a channels-last image
-/// ([`crate::kernels::implicit::conv2d_nhwc_relu_pool2_new`]); `None` where that kernel
-/// does not run (the portable kernel, an input in another layout): the caller runs them apart.
-fn conv_nhwc_pooled(x: &Value, conv: &NhwcConv) -> Option<OpResult> {
-    let Value::Nhwc {
-        data,
-        dims: [b, h, w, c],
-        flat: false,
-        ..
-    } = x
-    else {
-        return None;
-    };
-    let s = conv.shape([*b, *c, *h, *w]);
-    if *c != s.cin {
-        return Some(Err(format!("expects {} input channels, got {c}", s.cin)));
-    }
-    let _op =
-        tracing::trace_span!("kiln.conv2d_nhwc_relu_pool2", input = ?[b, h, w, c], cout = s.cout)
-            .entered();
-    let out = crate::kernels::implicit::conv2d_nhwc_relu_pool2_new(&s, data, &conv.weights)?;
-    Some(Ok(Value::Nhwc {
-        data: out,
-        dims: [*b, s.out_h() / 2, s.out_w() / 2, s.cout],
-        flat: false,
-        range: None,
-    }))
 }
 
 /// A linear layer over flat features, or per token of a sequence, with ReLU when `relu`. A

@@ -26,6 +26,7 @@ use std::sync::OnceLock;
 use rayon::prelude::*;
 
 use super::conv::{ConvShape, conv2d_nhwc_forward, pack_weight_for_nhwc};
+use super::pool::{PoolShape, max_pool2d_nhwc};
 
 /// Which f32 convolution kernel this CPU runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -234,61 +235,55 @@ pub fn conv2d_nhwc(s: &ConvShape, x: &[f32], w: &ConvWeights, relu: bool, out: &
         }
         return;
     }
-    if w.kernel.panel_width().is_none() {
-        let bias = w.has_bias.then_some(&w.bias[..]);
-        return conv2d_nhwc_forward(s, x, &w.data, bias, relu, out);
+    match simd_width(w) {
+        // SAFETY: `out` holds the output's `output_len` values and is borrowed uniquely.
+        Some(width) => unsafe { conv_simd(s, x, w, width, relu, false, out.as_mut_ptr()) },
+        None => {
+            let bias = w.has_bias.then_some(&w.bias[..]);
+            conv2d_nhwc_forward(s, x, &w.data, bias, relu, out)
+        }
     }
-    // SAFETY: `out` holds the output's `output_len` values and is borrowed uniquely.
-    unsafe { conv_simd(s, x, w, relu, false, out.as_mut_ptr()) }
 }
 
 /// [`conv2d_nhwc`] into a new vector. With a SIMD kernel the vector is not zeroed first:
 /// the kernel stores every output exactly once (a 9.4 MB zero fill per W3 batch of 64 was
 /// pure cost).
 pub fn conv2d_nhwc_new(s: &ConvShape, x: &[f32], w: &ConvWeights, relu: bool) -> Vec<f32> {
-    let len = s.output_len();
-    let [_, cin, kh, kw] = w.dims;
-    if w.kernel.panel_width().is_none() || cin * kh * kw == 0 {
-        let mut out = vec![0f32; len];
-        conv2d_nhwc(s, x, w, relu, &mut out);
-        return out;
+    match simd_width(w) {
+        Some(width) => conv_simd_new(s, x, w, width, relu, false),
+        None => {
+            let mut out = vec![0f32; s.output_len()];
+            conv2d_nhwc(s, x, w, relu, &mut out);
+            out
+        }
     }
-    check_operands(s, x, w);
-    let mut out = Vec::with_capacity(len);
-    // SAFETY: the capacity holds `len` values; the SIMD path writes each of them (every row
-    // by `walk_rows`, every column by the panels' masked stores) before the length is set.
-    unsafe {
-        conv_simd(s, x, w, relu, false, out.as_mut_ptr());
-        out.set_len(len);
-    }
-    out
 }
 
-/// Convolution, ReLU and a 2×2 max pool with stride 2 in one pass: `[batch, oh/2, ow/2,
-/// cout]`. The GEMM's rows are ordered window by window (4 rows per pooled pixel), so each
-/// register tile holds whole windows and only their maximum is stored: the convolution's
-/// full output never reaches memory. `None` with the portable kernel (the caller pools
-/// separately).
+/// Convolution, ReLU and a 2×2 max pool with stride 2: `[batch, oh/2, ow/2, cout]` (an odd
+/// last row or column dropped, as the pool does). With a SIMD kernel in one pass: the GEMM's
+/// rows are ordered window by window (4 rows per pooled pixel), so each register tile holds
+/// whole windows and only their maximum is stored — the convolution's full output never
+/// reaches memory. The portable kernel convolves, then pools.
 ///
 /// Why ReLU comes with it: ReLU turns a NaN into 0 in these kernels, as in the unfused
 /// ReLU, before the maximum; a fused pool without it would have to reproduce the separate
 /// pool's "NaN wins" rule.
-pub fn conv2d_nhwc_relu_pool2_new(s: &ConvShape, x: &[f32], w: &ConvWeights) -> Option<Vec<f32>> {
+pub fn conv2d_nhwc_relu_pool2_new(s: &ConvShape, x: &[f32], w: &ConvWeights) -> Vec<f32> {
+    match simd_width(w) {
+        Some(width) => conv_simd_new(s, x, w, width, true, true),
+        None => {
+            let y = conv2d_nhwc_new(s, x, w, true);
+            let pooled = PoolShape::nchw([s.batch, 1, s.out_h(), s.out_w()], [2, 2], [2, 2]);
+            max_pool2d_nhwc(&pooled, s.cout, &y)
+        }
+    }
+}
+
+/// The panel width of `w`'s SIMD kernel, `None` where the portable path runs (no panels, or
+/// a kernel without inputs).
+fn simd_width(w: &ConvWeights) -> Option<usize> {
     let [_, cin, kh, kw] = w.dims;
-    if w.kernel.panel_width().is_none() || cin * kh * kw == 0 {
-        return None;
-    }
-    check_operands(s, x, w);
-    let len = s.batch * (s.out_h() / 2) * (s.out_w() / 2) * s.cout;
-    let mut out = Vec::with_capacity(len);
-    // SAFETY: as in `conv2d_nhwc_new`: every pooled output is stored once (each window is 4
-    // rows of a tile; walk_rows never splits a window since rows and tiles are multiples of
-    // 4 in pooled mode) before the length is set.
-    unsafe {
-        conv_simd(s, x, w, true, true, out.as_mut_ptr());
-        out.set_len(len);
-    }
-    Some(out)
+    w.kernel.panel_width().filter(|_| cin * kh * kw > 0)
 }
 
 /// The shape agrees with the packed weights and the input.
@@ -302,32 +297,52 @@ fn check_operands(s: &ConvShape, x: &[f32], w: &ConvWeights) {
     assert_eq!(x.len(), s.input_len(), "conv2d input length");
 }
 
-/// The SIMD kernels' convolution (K > 0, weights in panels).
+/// Output pixels the call stores per image: all of them, or with `pool` one per 2×2 window.
+fn stored_pixels(s: &ConvShape, pool: bool) -> usize {
+    let (oh, ow) = (s.out_h(), s.out_w());
+    if pool { (oh / 2) * (ow / 2) } else { oh * ow }
+}
+
+/// [`conv_simd`] into a new vector, not zeroed first.
+fn conv_simd_new(
+    s: &ConvShape,
+    x: &[f32],
+    w: &ConvWeights,
+    width: usize,
+    relu: bool,
+    pool: bool,
+) -> Vec<f32> {
+    check_operands(s, x, w);
+    let len = s.batch * stored_pixels(s, pool) * s.cout;
+    let mut out = Vec::with_capacity(len);
+    // SAFETY: the capacity holds `len` values; the SIMD path stores each of them once (every
+    // row by `walk_rows`, which in pooled mode never splits a window since rows and tiles are
+    // multiples of 4; every column by the panels' masked stores) before the length is set.
+    unsafe {
+        conv_simd(s, x, w, width, relu, pool, out.as_mut_ptr());
+        out.set_len(len);
+    }
+    out
+}
+
+/// The SIMD kernels' convolution (K > 0, weights in panels of `width`).
 ///
 /// # Safety
-/// `out` is valid for writes of `s.output_len()` values and nothing else accesses them
-/// during the call.
+/// `out` is valid for writes of `batch · stored_pixels · cout` values and nothing else
+/// accesses them during the call.
 unsafe fn conv_simd(
     s: &ConvShape,
     x: &[f32],
     w: &ConvWeights,
+    width: usize,
     relu: bool,
     pool: bool,
     out: *mut f32,
 ) {
     let [cout, cin, kh, kw] = w.dims;
     let k = cin * kh * kw;
-    let width = w
-        .kernel
-        .panel_width()
-        .expect("a SIMD kernel's weights are in panels");
-    let (oh, ow) = (s.out_h(), s.out_w());
-    // Pooling drops an odd last row or column, as a 2×2/2 max pool does.
-    let rows = if pool {
-        s.batch * (oh / 2) * (ow / 2) * 4
-    } else {
-        s.batch * oh * ow
-    };
+    // GEMM rows: one per output pixel, or 4 per pooled pixel.
+    let rows = s.batch * stored_pixels(s, pool) * row_group(pool);
     if rows == 0 || cout == 0 {
         return;
     }
@@ -335,20 +350,15 @@ unsafe fn conv_simd(
     // A large weight splits even over few rows: reading it is the cost (a linear layer at
     // batch 1), and two cores read it faster than one.
     let parallel = threads > 1 && (rows * k * cout >= SPLIT_MACS || k * cout >= SPLIT_WEIGHTS);
+    let geometry = Geometry::new(s);
     let padded;
-    let (image, geometry) = if s.padding == [(0, 0), (0, 0)] {
-        (x, Geometry::new(s, s.h, s.w))
+    let image = if s.padding == [(0, 0), (0, 0)] {
+        x
     } else {
-        padded = pad_nhwc(s, x, parallel);
-        let hp = s.h + s.padding[0].0 + s.padding[0].1;
-        let wp = s.w + s.padding[1].0 + s.padding[1].1;
-        (&padded[..], Geometry::new(s, hp, wp))
+        padded = geometry.pad(s, x, parallel);
+        &padded[..]
     };
-    let bases = if pool {
-        geometry.pooled_bases(s.batch)
-    } else {
-        geometry.bases(s.batch)
-    };
+    let bases = geometry.bases(s.batch, pool);
     let operands = Operands {
         image,
         bases: &bases,
@@ -451,7 +461,7 @@ struct Geometry {
     /// Contiguous values per run: `kw·cin` when the kernel's columns are adjacent
     /// (dilation 1), else `cin`.
     run_len: usize,
-    /// Padded height and width, output width, stride.
+    /// Padded height and width, output height and width, stride, channels.
     hp: usize,
     wp: usize,
     oh: usize,
@@ -461,7 +471,9 @@ struct Geometry {
 }
 
 impl Geometry {
-    fn new(s: &ConvShape, hp: usize, wp: usize) -> Self {
+    fn new(s: &ConvShape) -> Self {
+        let [(top, bottom), (left, right)] = s.padding;
+        let (hp, wp) = (s.h + top + bottom, s.w + left + right);
         let (cin, [dy, dx]) = (s.cin, s.dilation);
         let mut runs = Vec::new();
         let run_len = if dx == 1 {
@@ -489,67 +501,55 @@ impl Geometry {
         }
     }
 
-    /// Offset of each output pixel's window (row `(n, oy, ox)`) in the image.
-    fn bases(&self, batch: usize) -> Vec<usize> {
-        let image = self.hp * self.wp * self.cin;
-        let mut bases = Vec::with_capacity(batch * self.oh * self.ow);
-        for n in 0..batch {
-            for oy in 0..self.oh {
-                for ox in 0..self.ow {
-                    let at = oy * self.stride[0] * self.wp + ox * self.stride[1];
-                    bases.push(n * image + at * self.cin);
-                }
-            }
-        }
-        bases
+    /// Offset in the padded image of output pixel `(n, oy, ox)`'s window.
+    fn base(&self, n: usize, oy: usize, ox: usize) -> usize {
+        let at = oy * self.stride[0] * self.wp + ox * self.stride[1];
+        (n * self.hp * self.wp + at) * self.cin
     }
-}
 
-impl Geometry {
-    /// [`Geometry::bases`] ordered by 2×2 pooling windows: for each pooled pixel `(n, py,
-    /// px)`, the output pixels `(2py, 2px)`, `(2py, 2px+1)`, `(2py+1, 2px)`, `(2py+1, 2px+1)`.
-    fn pooled_bases(&self, batch: usize) -> Vec<usize> {
-        let image = self.hp * self.wp * self.cin;
-        let (ph, pw) = (self.oh / 2, self.ow / 2);
-        let mut bases = Vec::with_capacity(batch * ph * pw * 4);
+    /// Each GEMM row's window offset: output pixels in raster order, or with `pool` ordered
+    /// by 2×2 pooling windows — for each pooled pixel `(n, py, px)` the output pixels
+    /// `(2py, 2px)`, `(2py, 2px+1)`, `(2py+1, 2px)`, `(2py+1, 2px+1)` (an odd last row or
+    /// column dropped).
+    fn bases(&self, batch: usize, pool: bool) -> Vec<usize> {
+        let g = if pool { 2 } else { 1 };
+        let (ph, pw) = (self.oh / g, self.ow / g);
+        let mut bases = Vec::with_capacity(batch * ph * pw * g * g);
         for n in 0..batch {
             for py in 0..ph {
                 for px in 0..pw {
-                    for (dy, dx) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
-                        let (oy, ox) = (2 * py + dy, 2 * px + dx);
-                        let at = oy * self.stride[0] * self.wp + ox * self.stride[1];
-                        bases.push(n * image + at * self.cin);
+                    for dy in 0..g {
+                        for dx in 0..g {
+                            bases.push(self.base(n, g * py + dy, g * px + dx));
+                        }
                     }
                 }
             }
         }
         bases
     }
-}
 
-/// Copies `x` `[batch, h, w, cin]` into a zero border of the convolution's padding; row by
-/// row over the pool when `parallel` (at batch 1 a serial copy of a large image cost ~10% of
-/// a strided ResNet convolution on two threads).
-fn pad_nhwc(s: &ConvShape, x: &[f32], parallel: bool) -> Vec<f32> {
-    let [(top, bottom), (left, right)] = s.padding;
-    let (hp, wp, cin) = (s.h + top + bottom, s.w + left + right, s.cin);
-    let mut padded = vec![0f32; s.batch * hp * wp * cin];
-    let copy_row = |(i, dst): (usize, &mut [f32])| {
-        let (n, y) = (i / hp, i % hp);
-        if y >= top && y < top + s.h {
-            let src = &x[(n * s.h + y - top) * s.w * cin..][..s.w * cin];
-            dst[left * cin..left * cin + src.len()].copy_from_slice(src);
+    /// Copies `x` `[batch, h, w, cin]` into a zero border of the convolution's padding; row
+    /// by row over the pool when `parallel` (at batch 1 a serial copy of a large image cost
+    /// ~10% of a strided ResNet convolution on two threads).
+    fn pad(&self, s: &ConvShape, x: &[f32], parallel: bool) -> Vec<f32> {
+        let [(top, _), (left, _)] = s.padding;
+        let (hp, row) = (self.hp, self.wp * self.cin);
+        let mut padded = vec![0f32; s.batch * hp * row];
+        let copy_row = |(i, dst): (usize, &mut [f32])| {
+            let (n, y) = (i / hp, i % hp);
+            if y >= top && y < top + s.h {
+                let src = &x[(n * s.h + y - top) * s.w * self.cin..][..s.w * self.cin];
+                dst[left * self.cin..][..src.len()].copy_from_slice(src);
+            }
+        };
+        if parallel {
+            padded.par_chunks_mut(row).enumerate().for_each(copy_row);
+        } else {
+            padded.chunks_mut(row).enumerate().for_each(copy_row);
         }
-    };
-    if parallel {
         padded
-            .par_chunks_mut(wp * cin)
-            .enumerate()
-            .for_each(copy_row);
-    } else {
-        padded.chunks_mut(wp * cin).enumerate().for_each(copy_row);
     }
-    padded
 }
 
 /// One call's operands, shared by its tasks.
