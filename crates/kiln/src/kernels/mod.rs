@@ -36,6 +36,42 @@ use burn::tensor::{DType, Device, Tensor};
 
 pub use extension::KilnKernels;
 
+/// The kernel a family of SIMD kernels runs: `best` (what this CPU supports), or the one the
+/// environment variable `var` names when this CPU runs it, so a lesser path (AVX2 on an
+/// AVX-512 machine) can be measured. `all` is ordered best first; a named kernel before
+/// `best` or an unknown name falls back to `best` with a warning that says why.
+fn kernel_from_env<K: Copy + PartialEq>(
+    var: &str,
+    all: &[K],
+    best: K,
+    name: fn(K) -> &'static str,
+) -> K {
+    let Ok(wanted) = std::env::var(var) else {
+        return best;
+    };
+    let rank = |k: K| all.iter().position(|a| *a == k);
+    match all.iter().copied().find(|k| name(*k) == wanted) {
+        Some(k) if rank(k) >= rank(best) => k,
+        Some(k) => {
+            tracing::warn!(
+                "{var}={wanted}: this CPU lacks {}; using {}",
+                name(k),
+                name(best)
+            );
+            best
+        }
+        None => {
+            let names: Vec<&str> = all.iter().map(|k| name(*k)).collect();
+            tracing::warn!(
+                "{var}={wanted} is not a kernel ({}); using {}",
+                names.join(", "),
+                name(best)
+            );
+            best
+        }
+    }
+}
+
 thread_local! {
     // The switch in force on this thread (`device.kiln_kernels`): set by a [`Scope`], on
     // otherwise. Per thread, like autocast: a tuner trial, a baseline and a server instance

@@ -46,30 +46,12 @@ impl F32Kernel {
     pub fn detect() -> F32Kernel {
         static KERNEL: OnceLock<F32Kernel> = OnceLock::new();
         *KERNEL.get_or_init(|| {
-            let best = F32Kernel::best_supported();
-            let Ok(name) = std::env::var("KILN_F32_KERNEL") else {
-                return best;
-            };
-            let all = [F32Kernel::Avx512, F32Kernel::Avx2, F32Kernel::Portable];
-            match all.into_iter().find(|k| k.name() == name) {
-                // Ordered best first: one at or after `best` runs here.
-                Some(k) if k as u8 >= best as u8 => k,
-                Some(k) => {
-                    tracing::warn!(
-                        "KILN_F32_KERNEL={name}: this CPU lacks {}; using {}",
-                        k.name(),
-                        best.name()
-                    );
-                    best
-                }
-                None => {
-                    tracing::warn!(
-                        "KILN_F32_KERNEL={name} is not a kernel (avx512, avx2, portable); using {}",
-                        best.name()
-                    );
-                    best
-                }
-            }
+            super::kernel_from_env(
+                "KILN_F32_KERNEL",
+                &[F32Kernel::Avx512, F32Kernel::Avx2, F32Kernel::Portable],
+                F32Kernel::best_supported(),
+                F32Kernel::name,
+            )
         })
     }
 

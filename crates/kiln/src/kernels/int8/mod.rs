@@ -140,31 +140,12 @@ impl Kernel {
     pub fn detect() -> Kernel {
         static KERNEL: OnceLock<Kernel> = OnceLock::new();
         *KERNEL.get_or_init(|| {
-            let best = Kernel::best_supported();
-            let Ok(name) = std::env::var("KILN_INT8_KERNEL") else {
-                return best;
-            };
-            let all = [Kernel::Vnni512, Kernel::Avx2, Kernel::Scalar];
-            match all.into_iter().find(|k| k.name() == name) {
-                // Kernels are ordered best first: one at or after `best` runs here.
-                Some(k) if k as u8 >= best as u8 => k,
-                Some(k) => {
-                    tracing::warn!(
-                        "KILN_INT8_KERNEL={name}: this CPU lacks {}; using {}",
-                        k.name(),
-                        best.name()
-                    );
-                    best
-                }
-                None => {
-                    tracing::warn!(
-                        "KILN_INT8_KERNEL={name} is not a kernel (avx512-vnni, avx2, scalar); \
-                         using {}",
-                        best.name()
-                    );
-                    best
-                }
-            }
+            super::kernel_from_env(
+                "KILN_INT8_KERNEL",
+                &[Kernel::Vnni512, Kernel::Avx2, Kernel::Scalar],
+                Kernel::best_supported(),
+                Kernel::name,
+            )
         })
     }
 
