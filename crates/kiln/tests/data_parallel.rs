@@ -449,26 +449,16 @@ fn a_watermark_crossing_on_one_rank_halves_the_micro_batch_on_all() {
         };
         train(opts, &data, Some(c)).unwrap()
     });
-    let adapted: Vec<usize> = ranks[0]
-        .sink
-        .events
+    let adapted: Vec<usize> = common::batch_adaptations(&ranks[0].sink)
         .iter()
-        .filter_map(|e| match e {
-            Event::BatchAdapted(b) => Some(b.micro_batch),
-            _ => None,
-        })
+        .map(|b| b.micro_batch)
         .collect();
     assert_eq!(adapted, vec![4, 2, 1], "rank 0 halved with rank 1");
     // Rank 0's events report rank 1's crossing (its 1-byte watermark and a reading above
     // it), not rank 0's own reading under a watermark it never reached.
-    let marks: Vec<(u64, u64)> = ranks[0]
-        .sink
-        .events
+    let marks: Vec<(u64, u64)> = common::watermark_events(&ranks[0].sink)
         .iter()
-        .filter_map(|e| match e {
-            Event::MemoryWatermark(w) => Some((w.in_use_bytes, w.threshold_bytes)),
-            _ => None,
-        })
+        .map(|w| (w.in_use_bytes, w.threshold_bytes))
         .collect();
     assert!(!marks.is_empty());
     assert!(

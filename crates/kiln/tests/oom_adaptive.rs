@@ -3,12 +3,14 @@
 //! step fits under the watermark, and keeps the effective batch. Its own test binary (and a
 //! single test), because the heap count is process-wide.
 
+mod common;
+
 use burn::tensor::Device;
 use kiln::Trainer;
 use kiln::burn;
 use kiln::datasets::{Split, bundled};
+use kiln::observe::MemorySink;
 use kiln::observe::heap::{CountingAlloc, take_peak_bytes};
-use kiln::observe::{Event, MemorySink};
 use kiln::train::TrainOptions;
 use kiln::zoo::ModelKind;
 
@@ -56,21 +58,13 @@ fn a_tight_budget_halves_until_the_step_fits_and_keeps_the_effective_batch() {
     // A budget between them, nearer the small end: 512 and 256 do not fit, 128 should.
     let watermark = eighth + (full - eighth) / 4;
     let (sink, _) = run(BATCH, 4, Some(watermark));
-    let changes: Vec<_> = sink
-        .events
+    let changes: Vec<_> = common::batch_adaptations(&sink)
         .iter()
-        .filter_map(|e| match e {
-            Event::BatchAdapted(b) => Some((b.micro_batch, b.effective_batch)),
-            _ => None,
-        })
+        .map(|b| (b.micro_batch, b.effective_batch))
         .collect();
-    let readings: Vec<_> = sink
-        .events
+    let readings: Vec<_> = common::watermark_events(&sink)
         .iter()
-        .filter_map(|e| match e {
-            Event::MemoryWatermark(m) => Some(m.in_use_bytes),
-            _ => None,
-        })
+        .map(|m| m.in_use_bytes)
         .collect();
     let context = format!(
         "peaks: {full} at {BATCH}, {eighth} at {}; watermark {watermark}; crossings {readings:?}; \

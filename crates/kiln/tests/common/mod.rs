@@ -4,7 +4,9 @@
 use kiln::burn::tensor::Device;
 use kiln::datasets::{Split, bundled};
 use kiln::guard::{GuardOptions, GuardPolicy};
-use kiln::observe::{Event, GuardEvent, MemorySink, Profiler, SpanRecord, timed};
+use kiln::observe::{
+    BatchAdaptedEvent, Event, GuardEvent, MemorySink, Profiler, SpanRecord, WatermarkEvent, timed,
+};
 use kiln::train::TrainOptions;
 use kiln::zoo::ModelKind;
 use tracing_subscriber::layer::SubscriberExt;
@@ -41,15 +43,36 @@ impl kiln::data::Dataset for Poisoned {
     }
 }
 
+/// The events of one kind a run reported, in order (`pick` keeps its kind).
+fn events_of<T>(sink: &MemorySink, pick: impl Fn(&Event) -> Option<&T>) -> Vec<T>
+where
+    T: Clone,
+{
+    sink.events.iter().filter_map(pick).cloned().collect()
+}
+
 /// The guard events a run reported, in order.
 pub fn guard_events(sink: &MemorySink) -> Vec<GuardEvent> {
-    sink.events
-        .iter()
-        .filter_map(|e| match e {
-            Event::Guard(g) => Some(g.clone()),
-            _ => None,
-        })
-        .collect()
+    events_of(sink, |e| match e {
+        Event::Guard(g) => Some(g),
+        _ => None,
+    })
+}
+
+/// The micro-batch changes a run reported (OOM-adaptive halving), in order.
+pub fn batch_adaptations(sink: &MemorySink) -> Vec<BatchAdaptedEvent> {
+    events_of(sink, |e| match e {
+        Event::BatchAdapted(b) => Some(b),
+        _ => None,
+    })
+}
+
+/// The memory-watermark crossings a run reported, in order.
+pub fn watermark_events(sink: &MemorySink) -> Vec<WatermarkEvent> {
+    events_of(sink, |e| match e {
+        Event::MemoryWatermark(w) => Some(w),
+        _ => None,
+    })
 }
 
 /// How many weights differ bit for bit, and the largest absolute difference.
