@@ -58,6 +58,17 @@ pub trait Collective: Send + Sync {
     fn barrier(&self) -> Result<()>;
     /// The engine, for logs and the plan (`"single"`, `"threads"`, `"mpi"`).
     fn engine(&self) -> &'static str;
+
+    /// Every rank's `mine` (the same length on every rank), by rank: `size · mine.len()`
+    /// values from one all-reduce, each rank filling its own slot of zeros (a value summed
+    /// with zeros is exact, so the sum is the gather).
+    fn all_gather_f64(&self, mine: &[f64]) -> Result<Vec<f64>> {
+        let n = mine.len();
+        let mut all = vec![0.0; n * self.size()];
+        all[n * self.rank()..][..n].copy_from_slice(mine);
+        self.all_reduce_f64(&mut all, ReduceOp::Sum)?;
+        Ok(all)
+    }
 }
 
 /// The error for a broadcast from a rank the world does not have (every engine checks it

@@ -8,7 +8,6 @@ use burn::optim::ModuleOptimizer;
 use super::Run;
 use super::accumulate::Accumulated;
 use super::update::StepOutcome;
-use crate::distributed::ReduceOp;
 use crate::error::Result;
 use crate::observe::{BatchAdaptedEvent, Event, StepEvent, WatermarkEvent, memory};
 use crate::train::contract::TrainStep;
@@ -88,26 +87,22 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
         let threshold = mark.threshold();
         let reading = memory::in_use_reading();
         let crossed_here = reading.is_some_and(|in_use| mark.check(in_use));
-        // The crossing reported: this rank's, or under data parallelism the rank that is
-        // furthest over its watermark (every rank's reading and threshold travel in one small
-        // all-reduce, each rank in its own slot), so rank 0's event names real figures.
-        let mut crossing =
-            crossed_here.then(|| (self.trainer.rank(), reading.unwrap_or(0), threshold));
-        let collective = self.trainer.collective.clone();
-        if collective.size() > 1 {
-            let mut slots = vec![0.0; 3 * collective.size()];
-            if crossed_here {
-                let slot = &mut slots[3 * collective.rank()..][..3];
-                slot.copy_from_slice(&[1.0, reading.unwrap_or(0) as f64, threshold as f64]);
-            }
-            collective.all_reduce_f64(&mut slots, ReduceOp::Sum)?;
-            crossing = slots
-                .chunks_exact(3)
-                .enumerate()
-                .filter(|(_, s)| s[0] > 0.0)
-                .max_by(|(_, a), (_, b)| (a[1] / a[2]).total_cmp(&(b[1] / b[2])))
-                .map(|(rank, s)| (rank, s[1] as u64, s[2] as u64));
-        }
+        // The crossing reported: under data parallelism the rank that is furthest over its
+        // watermark (every rank's reading and threshold are gathered), so rank 0's event
+        // names real figures even when only another rank crossed.
+        let mine = match reading {
+            Some(in_use) if crossed_here => [1.0, in_use as f64, threshold as f64],
+            _ => [0.0; 3],
+        };
+        let crossing = self
+            .trainer
+            .collective
+            .all_gather_f64(&mine)?
+            .chunks_exact(3)
+            .enumerate()
+            .filter(|(_, s)| s[0] > 0.0)
+            .max_by(|(_, a), (_, b)| (a[1] / a[2]).total_cmp(&(b[1] / b[2])))
+            .map(|(rank, s)| (rank, s[1] as u64, s[2] as u64));
         let Some((rank, in_use, threshold)) = crossing else {
             return Ok(false);
         };
