@@ -512,12 +512,11 @@ fn take_or_clone(
 /// that op (its kernel applies it while the output is in cache); the ReLU node passes its
 /// input on.
 fn fuse_relu(graph: &Graph, ops: &mut [Prepared]) {
-    for (j, node) in graph.nodes.iter().enumerate() {
-        let [input] = node.inputs[..] else { continue };
-        if !matches!(ops[j], Prepared::Relu) || graph.uses(input) != 1 {
+    for j in 0..graph.nodes.len() {
+        if !matches!(ops[j], Prepared::Relu) {
             continue;
         }
-        let Some(i) = graph.nodes[..j].iter().rposition(|n| n.output == input) else {
+        let Some(i) = sole_producer(graph, j) else {
             continue;
         };
         if let Prepared::Conv { relu, .. } | Prepared::Linear { relu, .. } = &mut ops[i] {
@@ -531,9 +530,7 @@ fn fuse_relu(graph: &Graph, ops: &mut [Prepared]) {
 /// into that convolution (the ReLU's node is already an identity): the pooled maximum is
 /// taken in the convolution's registers, so its full output is never written.
 fn fuse_relu_pool(graph: &Graph, ops: &mut [Prepared]) {
-    let producer =
-        |v: ValueId, before: usize| graph.nodes[..before].iter().rposition(|n| n.output == v);
-    for (j, node) in graph.nodes.iter().enumerate() {
+    for j in 0..graph.nodes.len() {
         let Prepared::MaxPool(pool) = &ops[j] else {
             continue;
         };
@@ -541,22 +538,11 @@ fn fuse_relu_pool(graph: &Graph, ops: &mut [Prepared]) {
             && pool.stride == [2, 2]
             && pool.dilation == [1, 1]
             && matches!(pool.padding, burn::nn::PaddingConfig2d::Valid);
-        let [relu_out] = node.inputs[..] else {
+        let Some(r) = sole_producer(graph, j).filter(|_| plain_2x2) else {
             continue;
         };
-        if !plain_2x2 || graph.uses(relu_out) != 1 {
-            continue;
-        }
-        let Some(r) = producer(relu_out, j) else {
-            continue;
-        };
-        let [conv_out] = graph.nodes[r].inputs[..] else {
-            continue;
-        };
-        if !matches!(ops[r], Prepared::Identity) || graph.uses(conv_out) != 1 {
-            continue;
-        }
-        let Some(c) = producer(conv_out, r) else {
+        let Some(c) = sole_producer(graph, r).filter(|_| matches!(ops[r], Prepared::Identity))
+        else {
             continue;
         };
         let pool = pool.clone();
@@ -570,6 +556,18 @@ fn fuse_relu_pool(graph: &Graph, ops: &mut [Prepared]) {
             ops[j] = Prepared::Identity;
         }
     }
+}
+
+/// The node whose output node `j` reads as its one input, when `j` is that output's only
+/// reader (so folding `j` into it changes nothing else).
+fn sole_producer(graph: &Graph, j: usize) -> Option<usize> {
+    let [input] = graph.nodes[j].inputs[..] else {
+        return None;
+    };
+    if graph.uses(input) != 1 {
+        return None;
+    }
+    graph.nodes[..j].iter().rposition(|n| n.output == input)
 }
 
 fn conv_options(g: &ConvGeometry) -> ConvOptions<2> {
