@@ -48,7 +48,26 @@ fn main() {
         ("R18 3x3/2 64→128 b1", 1, 64, 56, 128, 3, 2, 1),
         ("R18 3x3 512 7² b1", 1, 512, 7, 512, 3, 1, 1),
         ("W5 3x3 64 32² b8", 8, 64, 32, 64, 3, 1, 1),
+        // ResNet-18 at 224², batch 1: every convolution shape once (the table's last line
+        // sums them weighted by how often each occurs).
+        ("R18 conv1 7x7/2 b1", 1, 3, 224, 64, 7, 2, 3),
+        ("R18 3x3 128 28² b1", 1, 128, 28, 128, 3, 1, 1),
+        ("R18 1x1/2 64→128 b1", 1, 64, 56, 128, 1, 2, 0),
+        ("R18 3x3/2 128→256 b1", 1, 128, 28, 256, 3, 2, 1),
+        ("R18 3x3 256 14² b1", 1, 256, 14, 256, 3, 1, 1),
+        ("R18 1x1/2 128→256 b1", 1, 128, 28, 256, 1, 2, 0),
+        ("R18 3x3/2 256→512 b1", 1, 256, 14, 512, 3, 2, 1),
+        ("R18 1x1/2 256→512 b1", 1, 256, 14, 512, 1, 2, 0),
     ];
+    // How often each shape occurs in ResNet-18 (by name; others 0).
+    let resnet18_count = |name: &str| match name {
+        "R18 3x3 64 56² b1" => 4.0,
+        "R18 3x3 128 28² b1" | "R18 3x3 256 14² b1" | "R18 3x3 512 7² b1" => 3.0,
+        n if n.starts_with("R18") => 1.0,
+        _ => 0.0,
+    };
+    // ms: the `gemm` path, then each SIMD kernel.
+    let mut resnet18_ms = [0.0; 3];
     println!("{threads} thread(s); G multiply-adds/s (ms per call)");
     pool.install(|| {
         for (name, batch, cin, side, cout, k, stride, pad) in cases {
@@ -77,12 +96,19 @@ fn main() {
                 iters,
             );
             let mut line = format!("{name:22} gemm {}", rate(gemm));
-            for kernel in &kernels {
+            resnet18_ms[0] += gemm * resnet18_count(name);
+            for (i, kernel) in kernels.iter().enumerate() {
                 let packed = ConvWeights::pack_for(*kernel, [cout, cin, k, k], &w, Some(&bias));
                 let ms = time(|| conv2d_nhwc(&s, &x, &packed, true, &mut out), iters);
                 line += &format!(" | {} {} {:.2}x", kernel.name(), rate(ms), gemm / ms);
+                resnet18_ms[1 + i] += ms * resnet18_count(name);
             }
             println!("{line}");
         }
     });
+    let mut total = format!("ResNet-18 b1 convs, ms: gemm {:.2}", resnet18_ms[0]);
+    for (i, kernel) in kernels.iter().enumerate() {
+        total += &format!(" | {} {:.2}", kernel.name(), resnet18_ms[1 + i]);
+    }
+    println!("{total}");
 }

@@ -7,9 +7,9 @@
 use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
 use burn::tensor::ops::ConvOptions;
 use burn::tensor::{Device, FloatDType, Tensor, TensorData};
-use rayon::prelude::*;
 
 use crate::kernels::implicit::ConvWeights;
+use crate::kernels::nhwc::nhwc_to_nchw;
 
 use super::graph::{ConvGeometry, Graph, Op, QuantWeight, ValueId, Weight, batch_norm_affine};
 use crate::error::{KilnError, Result};
@@ -598,36 +598,6 @@ fn image(v: Value, device: &Device) -> std::result::Result<Tensor<4>, String> {
             Ok(host_tensor(nhwc_to_nchw(&data, dims), [b, c, h, w], device))
         }
     }
-}
-
-/// Transposes channels-last `[B, H, W, C]` values to `[B, C, H, W]`.
-fn nhwc_to_nchw(x: &[f32], [b, h, w, c]: [usize; 4]) -> Vec<f32> {
-    transpose_images(x, b, [h * w, c])
-}
-
-/// Transposes `[B, C, H, W]` values to channels-last `[B, H, W, C]`.
-fn nchw_to_nhwc(x: &[f32], [b, c, h, w]: [usize; 4]) -> Vec<f32> {
-    transpose_images(x, b, [c, h * w])
-}
-
-/// Transposes each of `b` row-major `[rows, cols]` matrices in `x` (one per image), in
-/// parallel over the images.
-fn transpose_images(x: &[f32], b: usize, [rows, cols]: [usize; 2]) -> Vec<f32> {
-    let mut y = vec![0f32; x.len()];
-    if y.is_empty() {
-        return y;
-    }
-    y.par_chunks_mut(rows * cols)
-        .zip(x.par_chunks(rows * cols))
-        .take(b)
-        .for_each(|(out, img)| {
-            for (r, row) in img.chunks_exact(cols).enumerate() {
-                for (col, v) in row.iter().enumerate() {
-                    out[col * rows + r] = *v;
-                }
-            }
-        });
-    y
 }
 
 /// The value as a device batch `[B, F]` (images are flattened).

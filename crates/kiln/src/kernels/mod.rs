@@ -17,6 +17,7 @@ mod extension;
 pub mod implicit;
 pub mod int8;
 pub mod linear;
+pub mod nhwc;
 pub mod norm;
 pub mod pool;
 #[cfg(test)]

@@ -121,6 +121,8 @@ pub fn load(bytes: &[u8], name: &str, device: &Device) -> Result<OnnxModel, Onnx
             outputs,
             scalar,
             kind,
+            packed: Default::default(),
+            relu: false,
         });
     }
 
@@ -145,7 +147,7 @@ pub fn load(bytes: &[u8], name: &str, device: &Device) -> Result<OnnxModel, Onnx
     for &s in &output_slots {
         uses[s] += 1;
     }
-    Ok(OnnxModel {
+    let mut model = OnnxModel {
         name: name.to_string(),
         inputs,
         outputs,
@@ -156,7 +158,9 @@ pub fn load(bytes: &[u8], name: &str, device: &Device) -> Result<OnnxModel, Onnx
         uses,
         device: device.clone(),
         kiln_kernels: true,
-    })
+    };
+    model.fuse_relus();
+    Ok(model)
 }
 
 /// The slot a node input reads: a constant uploaded now, or the slot of the value that

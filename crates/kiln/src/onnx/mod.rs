@@ -15,6 +15,7 @@
 //! A model with operators Kiln cannot run is refused at load with one error that lists every
 //! such operator and how often it occurs.
 
+mod host;
 mod load;
 mod ops;
 mod passes;
@@ -27,6 +28,7 @@ use std::path::Path;
 use burn::tensor::{Device, TensorData};
 use onnx_ir::Node;
 
+use host::Slot;
 pub use passes::{OnnxPass, OnnxPassReport};
 pub use value::{Value, ValueKind};
 
@@ -116,6 +118,10 @@ struct Step {
     /// Per output: whether onnx-ir declares it an ONNX scalar, and its kind when declared.
     scalar: Vec<bool>,
     kind: Vec<Option<ValueKind>>,
+    /// A convolution's weights packed for the host kernels on its first host run.
+    packed: host::ConvCache,
+    /// A ReLU fused into this step (a Conv or an Add) at load: the output is `max(0, ·)`.
+    relu: bool,
 }
 
 /// Graphs with at least this many nodes run on a rayon pool thread: their many small ops
@@ -199,6 +205,16 @@ impl OnnxModel {
         counts
     }
 
+    /// Layers whose weights have been packed for Kiln's host kernels (convolutions and
+    /// linear layers that ran channels-last on the CPU; packing happens on a layer's first
+    /// run with Kiln's kernels on).
+    pub fn packed_layers(&self) -> usize {
+        self.steps
+            .iter()
+            .filter(|s| s.packed.get().is_some_and(Option::is_some))
+            .count()
+    }
+
     /// Number of nodes that run.
     pub fn node_count(&self) -> usize {
         self.steps.len()
@@ -230,14 +246,20 @@ impl OnnxModel {
     fn run_here(&self, inputs: Vec<Value>) -> Result<Vec<Value>, OnnxError> {
         // Entered here, on the thread that runs the ops (the run may have hopped to the pool).
         let _kernels = crate::kernels::Scope::enter(self.kiln_kernels);
-        let mut slots = self.constants.clone();
+        // Image layers run channels-last on the host where Kiln's CPU kernels serve.
+        let on_host = crate::kernels::serves(&self.device);
+        let mut slots: Vec<Option<Slot>> = self
+            .constants
+            .iter()
+            .map(|c| c.clone().map(Slot::Value))
+            .collect();
         for (&slot, value) in self.input_slots.iter().zip(inputs) {
-            slots[slot] = Some(value);
+            slots[slot] = Some(Slot::Value(value));
         }
         let mut remaining = self.uses.clone();
         for step in &self.steps {
-            // A value's last reader takes it, so Burn may reuse its buffer in place.
-            let ins: Vec<Option<Value>> = step
+            // A value's last reader takes it, so its buffer may be reused in place.
+            let mut ins: Vec<Option<Slot>> = step
                 .inputs
                 .iter()
                 .map(|s| {
@@ -255,21 +277,16 @@ impl OnnxModel {
             // in the profile's table.
             let _node =
                 tracing::trace_span!("onnx.node", op = %step.op_name, node = %step.name).entered();
-            let outs = catch_unwind(AssertUnwindSafe(|| match &step.op {
-                StepOp::Onnx(node) => ops::run(node, &ins, &self.device),
-                StepOp::QLinear(q) => q.run(&ins),
-                StepOp::QConv(q) => q.run(&ins),
-                StepOp::Affine { scale, shift } => passes::affine(&ins, scale, shift),
-            }))
-            .unwrap_or_else(|panic| {
-                Err(OnnxError::Shape(format!(
-                    "the operator panicked: {}",
-                    panic_text(&panic)
-                )))
-            })
-            .map_err(|e| {
-                OnnxError::Shape(format!("node `{}` ({}): {e}", step.name, step.op_name))
-            })?;
+            let outs = catch_unwind(AssertUnwindSafe(|| self.run_step(step, &mut ins, on_host)))
+                .unwrap_or_else(|panic| {
+                    Err(OnnxError::Shape(format!(
+                        "the operator panicked: {}",
+                        panic_text(&panic)
+                    )))
+                })
+                .map_err(|e| {
+                    OnnxError::Shape(format!("node `{}` ({}): {e}", step.name, step.op_name))
+                })?;
             if outs.len() < step.outputs.len() {
                 return Err(OnnxError::Unsupported(format!(
                     "node `{}` ({}) has {} outputs; Kiln computes {}",
@@ -279,12 +296,18 @@ impl OnnxModel {
                     outs.len()
                 )));
             }
-            for (i, (value, &slot)) in outs.into_iter().zip(&step.outputs).enumerate() {
-                let value = match step.kind[i] {
-                    Some(kind) if kind != value.kind() => value.to_kind(kind)?,
-                    _ => value,
+            for (i, (out, &slot)) in outs.into_iter().zip(&step.outputs).enumerate() {
+                let out = match out {
+                    Slot::Value(value) => {
+                        let value = match step.kind[i] {
+                            Some(kind) if kind != value.kind() => value.to_kind(kind)?,
+                            _ => value,
+                        };
+                        Slot::Value(value.with_scalar(step.scalar[i]))
+                    }
+                    image => image,
                 };
-                slots[slot] = Some(value.with_scalar(step.scalar[i]));
+                slots[slot] = Some(out);
             }
         }
         self.output_slots
@@ -292,9 +315,53 @@ impl OnnxModel {
             .map(|&s| {
                 slots[s]
                     .clone()
-                    .ok_or_else(|| OnnxError::Graph(format!("output slot {s} was never written")))
+                    .ok_or_else(|| OnnxError::Graph(format!("output slot {s} was never written")))?
+                    .into_value(&self.device)
             })
             .collect()
+    }
+
+    /// Runs one step: on the host's image kernels when `on_host` and the step is one they
+    /// take, else on values (images converted back to NCHW first).
+    fn run_step(
+        &self,
+        step: &Step,
+        ins: &mut [Option<Slot>],
+        on_host: bool,
+    ) -> Result<Vec<Slot>, OnnxError> {
+        if on_host && let StepOp::Onnx(node) = &step.op {
+            let constant: Vec<bool> = step
+                .inputs
+                .iter()
+                .map(|s| s.is_some_and(|s| self.constants[s].is_some()))
+                .collect();
+            let host_step = host::HostStep {
+                node,
+                constant: &constant,
+                cache: &step.packed,
+                outputs: step.outputs.len(),
+                relu: step.relu,
+            };
+            if let Some(outs) = host::run(&host_step, ins) {
+                return outs;
+            }
+        }
+        let ins: Vec<Option<Value>> = ins
+            .iter_mut()
+            .map(|s| s.take().map(|s| s.into_value(&self.device)).transpose())
+            .collect::<Result<_, _>>()?;
+        let outs = match &step.op {
+            StepOp::Onnx(node) => ops::run(node, &ins, &self.device),
+            StepOp::QLinear(q) => q.run(&ins),
+            StepOp::QConv(q) => q.run(&ins),
+            StepOp::Affine { scale, shift } => passes::affine(&ins, scale, shift),
+        }?;
+        let mut outs = outs.into_iter();
+        let first = match (step.relu, outs.next()) {
+            (true, Some(y)) => Some(ops::math::unary(ops::math::Unary::Relu, y)?),
+            (_, y) => y,
+        };
+        Ok(first.into_iter().chain(outs).map(Slot::Value).collect())
     }
 
     fn check_inputs(&self, inputs: &[Value]) -> Result<(), OnnxError> {

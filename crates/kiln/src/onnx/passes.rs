@@ -186,10 +186,15 @@ impl OnnxModel {
     /// Applies `pass` and reports what it changed.
     pub fn apply(&mut self, pass: OnnxPass) -> Result<OnnxPassReport, OnnxError> {
         let nodes_before = self.steps.len();
-        let changes = match pass {
+        let mut changes = match pass {
             OnnxPass::Fold => self.fold_batch_norm()?,
             OnnxPass::Int8 => self.quantize_int8()?,
         };
+        // A fold can put a ReLU right after a convolution.
+        let relus = self.fuse_relus();
+        if relus > 0 {
+            changes.push(format!("{relus} ReLU(s) fused into the layer before them"));
+        }
         // Constants nothing reads any more (folded or packed weights) are dropped.
         for (slot, constant) in self.constants.iter_mut().enumerate() {
             if self.uses[slot] == 0 && !self.output_slots.contains(&slot) {
@@ -237,6 +242,47 @@ impl OnnxModel {
         self.constants.push(Some(value));
         self.uses.push(0);
         Ok(self.constants.len() - 1)
+    }
+
+    /// Folds each ReLU that alone reads a Conv's or an Add's output into that step (applied
+    /// in the convolution's store or the addition's pass on the host path, right after the
+    /// operator elsewhere). Returns how many were fused.
+    pub(super) fn fuse_relus(&mut self) -> usize {
+        let mut fused = 0;
+        let mut at = 0;
+        while at < self.steps.len() {
+            let Some(Node::Relu(_)) = self.steps[at].op.node() else {
+                at += 1;
+                continue;
+            };
+            let layer = self.steps[at]
+                .inputs
+                .first()
+                .copied()
+                .flatten()
+                .and_then(|x| {
+                    let layer = self.producer(x)?;
+                    let step = &self.steps[layer];
+                    let fusable = matches!(step.op.node(), Some(Node::Conv2d(_) | Node::Add(_)))
+                        && !step.relu
+                        && step.outputs.len() == 1
+                        && self.uses[x] == 1
+                        && !self.output_slots.contains(&x);
+                    fusable.then_some(layer)
+                });
+            let Some(layer) = layer else {
+                at += 1;
+                continue;
+            };
+            let out = self.steps[at].outputs[0];
+            let step = &mut self.steps[layer];
+            step.relu = true;
+            step.outputs[0] = out;
+            step.op_name.push_str("+Relu");
+            self.remove_step(at);
+            fused += 1;
+        }
+        fused
     }
 
     /// The step that writes `slot`, if one does.
@@ -352,8 +398,13 @@ impl OnnxModel {
                 .copied()
                 .flatten()
                 .is_none_or(|s| self.constants[s].is_some());
-        (params_constant && weight_constant && self.uses[x] == 1 && !self.output_slots.contains(&x))
-            .then_some(conv)
+        // A convolution with a ReLU fused in no longer writes what the BatchNorm reads.
+        (params_constant
+            && weight_constant
+            && !conv_step.relu
+            && self.uses[x] == 1
+            && !self.output_slots.contains(&x))
+        .then_some(conv)
     }
 
     /// Folds BatchNormalization step `bn` into convolution step `conv`: `W' = W·a`,
@@ -572,13 +623,15 @@ impl OnnxModel {
         };
         let q = quantize_rows(&w, co, ci * kh * kw);
         let weight = pack_conv_weights(&q, ci, &geometry, kernel);
+        // A ReLU already fused into the Conv step moves into the int8 epilogue.
+        let relu = std::mem::take(&mut self.steps[at].relu);
         self.replace(
             at,
             StepOp::QConv(QConv {
                 weight,
                 bias,
                 geometry,
-                relu: false,
+                relu,
             }),
         );
         Ok(Some(false))

@@ -13,11 +13,12 @@ use rayon::prelude::*;
 
 use super::{
     ConvInput, NhwcConv, Prepared, Value, add_broadcast, attention, check_features, flat,
-    for_image, host, host_max_pool, host_tensor, image, nchw_to_nhwc, nhwc_columns, nhwc_rows,
-    quantized_conv, quantized_matmul, seq, to_compute, to_f32, value_dims,
+    for_image, host, host_max_pool, host_tensor, image, nhwc_columns, nhwc_rows, quantized_conv,
+    quantized_matmul, seq, to_compute, to_f32, value_dims,
 };
 use crate::infer::graph::{ConvGeometry, QuantWeight};
 use crate::kernels::int8::{ImageLayout, PackedWeights};
+use crate::kernels::nhwc::nchw_to_nhwc;
 use crate::kernels::pool::{PoolShape, max_pool2d_nhwc};
 
 /// An operation's result, or what was wrong with its inputs.

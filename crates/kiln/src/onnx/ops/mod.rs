@@ -12,7 +12,6 @@ use burn::tensor::Device;
 use burn::tensor::ops::PadMode as BurnPadMode;
 use onnx_ir::node::attention::AttentionQkMatmulOutputMode;
 use onnx_ir::node::pad::{ConstantValueInput, PadInput, PadMode};
-use onnx_ir::node::padding::AutoPad;
 use onnx_ir::node::resize::{CoordinateTransformMode, NearestMode, ResizeMode};
 use onnx_ir::{ArgType, DType, Node, RuntimeInputRef};
 
@@ -210,20 +209,39 @@ fn resize_kind(c: &onnx_ir::node::resize::ResizeConfig) -> Result<ResizeKind, St
     }
 }
 
-fn window(
-    kernel: [usize; 2],
-    stride: [usize; 2],
-    dilation: [usize; 2],
-    padding: &onnx_ir::node::padding::PaddingConfig2d,
-    auto_pad: &AutoPad,
-) -> Window {
-    Window {
+/// The spatial window of a Conv, MaxPool or AveragePool node.
+pub fn node_window(node: &Node) -> Result<Window, OnnxError> {
+    // The three configs name the same fields (pooling spells the stride `strides`).
+    macro_rules! fields {
+        ($c:expr, $stride:ident) => {{
+            let c = &$c;
+            (
+                c.kernel_size,
+                c.$stride,
+                c.dilation,
+                &c.padding,
+                &c.auto_pad,
+            )
+        }};
+    }
+    let (kernel, stride, dilation, padding, auto_pad) = match node {
+        Node::Conv2d(n) => fields!(n.config, stride),
+        Node::MaxPool2d(n) => fields!(n.config, strides),
+        Node::AveragePool2d(n) => fields!(n.config, strides),
+        other => {
+            return Err(OnnxError::Graph(format!(
+                "{} has no convolution or pooling window",
+                other.node_type()
+            )));
+        }
+    };
+    Ok(Window {
         kernel,
         stride,
         dilation,
         padding: padding.clone(),
         auto_pad: auto_pad.clone(),
-    }
+    })
 }
 
 fn binary(op: Binary, ins: Inputs, node: &Node) -> Result<Vec<Value>, OnnxError> {
@@ -265,7 +283,7 @@ pub fn run(node: &Node, ins: Inputs, device: &Device) -> Result<Vec<Value>, Onnx
     match node {
         Node::Conv2d(n) => {
             let c = &n.config;
-            let w = window(c.kernel_size, c.stride, c.dilation, &c.padding, &c.auto_pad);
+            let w = node_window(node)?;
             one(nn::conv2d(
                 x()?,
                 input(ins, 1, node)?,
@@ -289,24 +307,12 @@ pub fn run(node: &Node, ins: Inputs, device: &Device) -> Result<Vec<Value>, Onnx
         }
         Node::MaxPool2d(n) => {
             let c = &n.config;
-            let w = window(
-                c.kernel_size,
-                c.strides,
-                c.dilation,
-                &c.padding,
-                &c.auto_pad,
-            );
+            let w = node_window(node)?;
             one(nn::max_pool(x()?, &w, c.ceil_mode)?)
         }
         Node::AveragePool2d(n) => {
             let c = &n.config;
-            let w = window(
-                c.kernel_size,
-                c.strides,
-                c.dilation,
-                &c.padding,
-                &c.auto_pad,
-            );
+            let w = node_window(node)?;
             one(nn::avg_pool(x()?, &w, c.ceil_mode, c.count_include_pad)?)
         }
         Node::GlobalAveragePool(_) => one(nn::global_pool(x()?, false)?),

@@ -28,7 +28,7 @@ pub struct Window {
 
 impl Window {
     /// `(begin, end)` padding per spatial axis for an input of `spatial` size.
-    fn pads(&self, spatial: [usize; 2]) -> [(usize, usize); 2] {
+    pub fn pads(&self, spatial: [usize; 2]) -> [(usize, usize); 2] {
         match self.auto_pad {
             AutoPad::SameUpper | AutoPad::SameLower => {
                 let mut out = [(0, 0); 2];

@@ -1,0 +1,768 @@
+//! Channels-last (NHWC) image kernels for inference on the host: depthwise convolution,
+//! pooling with padding and ceil mode, global average pooling, per-channel and element-wise
+//! arithmetic, activations in place, and the layout transposes.
+//!
+//! Why channels-last: Kiln's implicit-GEMM convolution ([`super::implicit`]) reads and writes
+//! NHWC, so an imported model whose image layers all run here keeps its activations NHWC from
+//! the first convolution to the global pool, with no transpose per layer (ONNX Runtime keeps
+//! its NCHWc blocked layout for the same reason). Every kernel's inner loop runs along the
+//! channels, contiguous in this layout, so it vectorizes; each is compiled once more for
+//! AVX-512 and for AVX2 + FMA, picked by [`F32Kernel::detect`] (`KILN_F32_KERNEL`).
+
+use rayon::prelude::*;
+
+use super::implicit::F32Kernel;
+
+/// Values below which a kernel runs on the calling thread: a rayon dispatch costs more.
+const PARALLEL_MIN: usize = 1 << 15;
+
+/// Defines `fn $name(args)` whose body is compiled three times, for AVX-512, for AVX2 + FMA
+/// and for the baseline, and run as [`F32Kernel::detect`] picks (`KILN_F32_KERNEL`): the same
+/// Rust, so LLVM vectorizes each copy to its instruction set's width.
+macro_rules! multiversion {
+    ($(#[$meta:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $body:block) => {
+        $(#[$meta])*
+        fn $name($($arg: $ty),*) {
+            #[inline(always)]
+            fn portable($($arg: $ty),*) $body
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx2,fma")]
+                unsafe fn avx512($($arg: $ty),*) {
+                    portable($($arg),*)
+                }
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn avx2($($arg: $ty),*) {
+                    portable($($arg),*)
+                }
+                match F32Kernel::detect() {
+                    // SAFETY: `detect` picks an instruction set only where the CPU has it.
+                    F32Kernel::Avx512 => unsafe { avx512($($arg),*) },
+                    // SAFETY: as above.
+                    F32Kernel::Avx2 => unsafe { avx2($($arg),*) },
+                    F32Kernel::Portable => portable($($arg),*),
+                }
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            portable($($arg),*)
+        }
+    };
+}
+
+/// `[batch, channels, h, w]` values to channels-last `[batch, h, w, channels]`.
+pub fn nchw_to_nhwc(x: &[f32], [b, c, h, w]: [usize; 4]) -> Vec<f32> {
+    transpose_images(x, b, [c, h * w])
+}
+
+/// Channels-last `[batch, h, w, channels]` values to `[batch, channels, h, w]`.
+pub fn nhwc_to_nchw(x: &[f32], [b, h, w, c]: [usize; 4]) -> Vec<f32> {
+    transpose_images(x, b, [h * w, c])
+}
+
+/// Side of the square blocks the transpose moves: 16 × 16 values read and written stay in
+/// L1 (a plain column walk misses a cache line per value on large images).
+const TRANSPOSE_BLOCK: usize = 16;
+
+/// Transposes each of the `b` row-major `[rows, cols]` matrices in `x`.
+fn transpose_images(x: &[f32], b: usize, [rows, cols]: [usize; 2]) -> Vec<f32> {
+    let plane = rows * cols;
+    assert_eq!(x.len(), b * plane, "transpose input length");
+    let mut y = vec![0f32; x.len()];
+    if plane == 0 || rows == 1 || cols == 1 {
+        y.copy_from_slice(x);
+        return y;
+    }
+    // Task: one image's band of TRANSPOSE_BLOCK source columns = a contiguous run of
+    // output rows, walked in square blocks.
+    let band = |src: &[f32], (k, out): (usize, &mut [f32])| {
+        let c0 = k * TRANSPOSE_BLOCK;
+        let c1 = (c0 + TRANSPOSE_BLOCK).min(cols);
+        for r0 in (0..rows).step_by(TRANSPOSE_BLOCK) {
+            for r in r0..(r0 + TRANSPOSE_BLOCK).min(rows) {
+                for (j, &v) in src[r * cols..][c0..c1].iter().enumerate() {
+                    out[j * rows + r] = v;
+                }
+            }
+        }
+    };
+    let band_len = rows * TRANSPOSE_BLOCK;
+    y.chunks_mut(plane)
+        .zip(x.chunks(plane))
+        .for_each(|(out, src)| {
+            if plane < PARALLEL_MIN {
+                out.chunks_mut(band_len)
+                    .enumerate()
+                    .for_each(|t| band(src, t));
+            } else {
+                out.par_chunks_mut(band_len)
+                    .enumerate()
+                    .for_each(|t| band(src, t));
+            }
+        });
+    y
+}
+
+/// An activation applied in place.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Activation {
+    /// `max(x, 0)`.
+    Relu,
+    /// Clamp to `[min, max]`.
+    Clip(f32, f32),
+    /// `1 / (1 + e^(-x))`.
+    Sigmoid,
+    /// `clamp(alpha·x + beta, 0, 1)`.
+    HardSigmoid(f32, f32),
+    /// `x · clamp(x/6 + 1/2, 0, 1)`.
+    HardSwish,
+}
+
+/// Applies `act` to every value, in parallel chunks when there are many.
+pub fn activate(values: &mut [f32], act: Activation) {
+    if act == Activation::Sigmoid {
+        return super::activation::sigmoid_in_place(values);
+    }
+    if values.len() < PARALLEL_MIN {
+        activate_slice(values, act);
+    } else {
+        values
+            .par_chunks_mut(PARALLEL_MIN)
+            .for_each(|chunk| activate_slice(chunk, act));
+    }
+}
+
+multiversion! {
+    fn activate_slice(values: &mut [f32], act: Activation) {
+        match act {
+            Activation::Relu => values.iter_mut().for_each(|v| *v = v.max(0.0)),
+            Activation::Clip(lo, hi) => values.iter_mut().for_each(|v| *v = v.max(lo).min(hi)),
+            Activation::HardSigmoid(a, b) => values
+                .iter_mut()
+                .for_each(|v| *v = (a * *v + b).clamp(0.0, 1.0)),
+            Activation::HardSwish => values
+                .iter_mut()
+                .for_each(|v| *v *= (*v * (1.0 / 6.0) + 0.5).clamp(0.0, 1.0)),
+            Activation::Sigmoid => super::activation::sigmoid_in_place(values),
+        }
+    }
+}
+
+/// An element-wise arithmetic operator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arith {
+    /// `a + b`.
+    Add,
+    /// `a − b`.
+    Sub,
+    /// `a · b`.
+    Mul,
+    /// `a / b`.
+    Div,
+}
+
+impl Arith {
+    #[inline(always)]
+    fn apply(self, a: f32, b: f32) -> f32 {
+        match self {
+            Arith::Add => a + b,
+            Arith::Sub => a - b,
+            Arith::Mul => a * b,
+            Arith::Div => a / b,
+        }
+    }
+}
+
+/// `a = op(a, b)` element by element (same length), then `relu` when asked.
+pub fn arith_in_place(a: &mut [f32], b: &[f32], op: Arith, relu: bool) {
+    assert_eq!(a.len(), b.len(), "element-wise operands differ in length");
+    if a.len() < PARALLEL_MIN {
+        arith_slice(a, b, op, relu);
+    } else {
+        a.par_chunks_mut(PARALLEL_MIN)
+            .zip(b.par_chunks(PARALLEL_MIN))
+            .for_each(|(a, b)| arith_slice(a, b, op, relu));
+    }
+}
+
+multiversion! {
+    fn arith_slice(a: &mut [f32], b: &[f32], op: Arith, relu: bool) {
+        for (x, &y) in a.iter_mut().zip(b) {
+            let v = op.apply(*x, y);
+            *x = if relu { v.max(0.0) } else { v };
+        }
+    }
+}
+
+/// `x = op(x, v)` per channel: `x` holds groups of `pixels` pixels of `channels` values, and
+/// group `g` uses row `g mod rows` of `v` (`[rows, channels]`: one row for a per-channel
+/// constant over a batch, one per image for a squeeze-excitation gate `[n, c]` over
+/// `[n, h, w, c]`). With `swap`, `x = op(v, x)`.
+pub fn arith_channels_in_place(
+    x: &mut [f32],
+    v: &[f32],
+    [pixels, channels]: [usize; 2],
+    op: Arith,
+    swap: bool,
+) {
+    let group = pixels * channels;
+    if group == 0 {
+        return;
+    }
+    assert_eq!(x.len() % group, 0, "per-channel operand: image length");
+    assert!(
+        !v.is_empty() && v.len().is_multiple_of(channels),
+        "per-channel operand: {} values for {channels} channels",
+        v.len()
+    );
+    let rows = v.len() / channels;
+    let run = |(g, xs): (usize, &mut [f32])| {
+        let row = &v[(g % rows) * channels..][..channels];
+        arith_pixels(xs, row, op, swap);
+    };
+    if x.len() < PARALLEL_MIN {
+        x.chunks_mut(group).enumerate().for_each(run);
+    } else {
+        x.par_chunks_mut(group).enumerate().for_each(run);
+    }
+}
+
+multiversion! {
+    fn arith_pixels(xs: &mut [f32], row: &[f32], op: Arith, swap: bool) {
+        for px in xs.chunks_exact_mut(row.len()) {
+            for (x, &y) in px.iter_mut().zip(row) {
+                *x = if swap { op.apply(y, *x) } else { op.apply(*x, y) };
+            }
+        }
+    }
+}
+
+/// The geometry of a pooling or depthwise window over a channels-last image.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Window2d {
+    /// `[batch, h, w, channels]` of the input.
+    pub dims: [usize; 4],
+    /// Kernel height and width.
+    pub kernel: [usize; 2],
+    /// Stride (rows, columns).
+    pub stride: [usize; 2],
+    /// Dilation (rows, columns).
+    pub dilation: [usize; 2],
+    /// `[(top, bottom), (left, right)]`.
+    pub pads: [(usize, usize); 2],
+    /// Output size rounded up (ONNX `ceil_mode`): a last window may start in the bottom or
+    /// right padding's shadow, but never past the input and its begin padding.
+    pub ceil_mode: bool,
+}
+
+impl Window2d {
+    fn out_len(&self, axis: usize) -> usize {
+        let input = self.dims[1 + axis];
+        let (begin, end) = self.pads[axis];
+        let span = (self.kernel[axis] - 1) * self.dilation[axis] + 1;
+        let padded = input + begin + end;
+        if padded < span {
+            return 0;
+        }
+        let steps = padded - span;
+        let stride = self.stride[axis];
+        let mut out = if self.ceil_mode {
+            steps.div_ceil(stride) + 1
+        } else {
+            steps / stride + 1
+        };
+        // ONNX and PyTorch: the last window must start inside the input or its begin pad.
+        if self.ceil_mode && (out - 1) * stride >= input + begin {
+            out -= 1;
+        }
+        out
+    }
+
+    /// `[batch, oh, ow, channels]` of the output.
+    pub fn out_dims(&self) -> [usize; 4] {
+        [self.dims[0], self.out_len(0), self.out_len(1), self.dims[3]]
+    }
+
+    /// The kernel taps of output index `o` on `axis` that land inside the input, and the
+    /// input index of the first: taps `k0..k1` read input `i0 + (k − k0)·dilation`.
+    #[inline(always)]
+    fn valid_taps(&self, axis: usize, o: usize) -> (usize, usize, usize) {
+        let input = self.dims[1 + axis] as isize;
+        let (start, begin) = ((o * self.stride[axis]) as isize, self.pads[axis].0 as isize);
+        let d = self.dilation[axis] as isize;
+        let first = start - begin;
+        // The first tap k with first + k·d ≥ 0, and one past the last with first + k·d < input.
+        let k0 = if first >= 0 { 0 } else { (-first + d - 1) / d };
+        let k1 = if first >= input {
+            0
+        } else {
+            ((input - first + d - 1) / d).min(self.kernel[axis] as isize)
+        };
+        let k0 = k0.min(k1);
+        (k0 as usize, k1 as usize, (first + k0 * d).max(0) as usize)
+    }
+
+    /// For average pooling with the padding counted: window cells inside the padded input
+    /// (ONNX: a ceil-mode window's part past the end padding does not count).
+    fn padded_cells(&self, axis: usize, o: usize) -> usize {
+        let (input, (begin, end)) = (self.dims[1 + axis], self.pads[axis]);
+        let start = o * self.stride[axis];
+        let stop =
+            (start + (self.kernel[axis] - 1) * self.dilation[axis] + 1).min(input + begin + end);
+        (stop - start).div_ceil(self.dilation[axis])
+    }
+}
+
+/// What a pooling window computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PoolKind {
+    /// The maximum (padding never wins; a NaN does).
+    Max,
+    /// The mean over the valid cells, or with `count_include_pad` over the padded window.
+    Average {
+        /// Divide by the window's cells inside the padded input, not only the valid ones.
+        count_include_pad: bool,
+    },
+}
+
+/// Max or average pooling of a channels-last image.
+pub fn pool2d(x: &[f32], win: &Window2d, kind: PoolKind) -> Vec<f32> {
+    let [b, h, w, c] = win.dims;
+    assert_eq!(x.len(), b * h * w * c, "pool2d input length");
+    let [_, oh, ow, _] = win.out_dims();
+    let mut out = vec![0f32; b * oh * ow * c];
+    if out.is_empty() {
+        return out;
+    }
+    let row = |(r, o_row): (usize, &mut [f32])| pool_row(x, win, kind, r, o_row);
+    if out.len() < PARALLEL_MIN {
+        out.chunks_exact_mut(ow * c).enumerate().for_each(row);
+    } else {
+        out.par_chunks_exact_mut(ow * c).enumerate().for_each(row);
+    }
+    out
+}
+
+multiversion! {
+    /// Output row `r` (image `r / oh`, row `r mod oh`) of [`pool2d`].
+    fn pool_row(x: &[f32], win: &Window2d, kind: PoolKind, r: usize, o_row: &mut [f32]) {
+        let [_, h, w, c] = win.dims;
+        let oh = win.out_len(0);
+        let (n, oy) = (r / oh, r % oh);
+        let (ky0, ky1, iy0) = win.valid_taps(0, oy);
+        for (ox, o) in o_row.chunks_exact_mut(c).enumerate() {
+            let (kx0, kx1, ix0) = win.valid_taps(1, ox);
+            match kind {
+                PoolKind::Max => o.fill(f32::NEG_INFINITY),
+                PoolKind::Average { .. } => o.fill(0.0),
+            }
+            for ky in 0..ky1 - ky0 {
+                let iy = iy0 + ky * win.dilation[0];
+                for kx in 0..kx1 - kx0 {
+                    let ix = ix0 + kx * win.dilation[1];
+                    let px = &x[((n * h + iy) * w + ix) * c..][..c];
+                    match kind {
+                        PoolKind::Max => {
+                            for (o, &v) in o.iter_mut().zip(px) {
+                                *o = if v.is_nan() || v > *o { v } else { *o };
+                            }
+                        }
+                        PoolKind::Average { .. } => {
+                            for (o, &v) in o.iter_mut().zip(px) {
+                                *o += v;
+                            }
+                        }
+                    }
+                }
+            }
+            if let PoolKind::Average { count_include_pad } = kind {
+                let count = if count_include_pad {
+                    win.padded_cells(0, oy) * win.padded_cells(1, ox)
+                } else {
+                    (ky1 - ky0) * (kx1 - kx0)
+                };
+                let scale = 1.0 / count.max(1) as f32;
+                o.iter_mut().for_each(|v| *v *= scale);
+            }
+        }
+    }
+}
+
+/// The mean of each image's pixels per channel: `[batch, channels]` from `[batch, h, w,
+/// channels]`.
+pub fn global_average(x: &[f32], [b, h, w, c]: [usize; 4]) -> Vec<f32> {
+    assert_eq!(x.len(), b * h * w * c, "global_average input length");
+    let mut out = vec![0f32; b * c];
+    if c == 0 {
+        return out;
+    }
+    for (n, o) in out.chunks_exact_mut(c).enumerate() {
+        mean_pixels(&x[n * h * w * c..][..h * w * c], o);
+    }
+    out
+}
+
+multiversion! {
+    /// `o` = the mean of the pixels (rows of `o.len()` values) in `image`.
+    fn mean_pixels(image: &[f32], o: &mut [f32]) {
+        let c = o.len();
+        for px in image.chunks_exact(c) {
+            for (o, &v) in o.iter_mut().zip(px) {
+                *o += v;
+            }
+        }
+        let scale = 1.0 / (image.len() / c).max(1) as f32;
+        o.iter_mut().for_each(|v| *v *= scale);
+    }
+}
+
+/// A depthwise convolution's weight `[channels, 1, kh, kw]` packed tap-major
+/// (`[kh·kw][channels]`), with its bias.
+#[derive(Debug, Clone)]
+pub struct DepthwiseWeights {
+    channels: usize,
+    kernel: [usize; 2],
+    taps: Vec<f32>,
+    bias: Vec<f32>,
+}
+
+impl DepthwiseWeights {
+    /// Packs `weight` `[channels, 1, kh, kw]` and `bias` `[channels]` (zeros without one).
+    pub fn pack(channels: usize, kernel: [usize; 2], weight: &[f32], bias: Option<&[f32]>) -> Self {
+        let taps_per = kernel[0] * kernel[1];
+        assert_eq!(weight.len(), channels * taps_per, "depthwise weight length");
+        let mut taps = vec![0f32; weight.len()];
+        for ch in 0..channels {
+            for t in 0..taps_per {
+                taps[t * channels + ch] = weight[ch * taps_per + t];
+            }
+        }
+        let bias = bias.map_or_else(|| vec![0.0; channels], <[f32]>::to_vec);
+        assert_eq!(bias.len(), channels, "depthwise bias length");
+        DepthwiseWeights {
+            channels,
+            kernel,
+            taps,
+            bias,
+        }
+    }
+
+    /// Channels (input = output).
+    pub fn channels(&self) -> usize {
+        self.channels
+    }
+
+    /// Kernel height and width.
+    pub fn kernel(&self) -> [usize; 2] {
+        self.kernel
+    }
+}
+
+/// Depthwise convolution (one filter per channel) of a channels-last image, bias added and
+/// ReLU applied (with `relu`) before the store: `[batch, oh, ow, channels]`.
+pub fn depthwise_conv2d(x: &[f32], win: &Window2d, w: &DepthwiseWeights, relu: bool) -> Vec<f32> {
+    let [b, h, wd, c] = win.dims;
+    assert_eq!(
+        c, w.channels,
+        "depthwise weights packed for another channel count"
+    );
+    assert_eq!(
+        win.kernel, w.kernel,
+        "depthwise weights packed for another kernel"
+    );
+    assert_eq!(x.len(), b * h * wd * c, "depthwise input length");
+    let [_, oh, ow, _] = win.out_dims();
+    let mut out = vec![0f32; b * oh * ow * c];
+    if out.is_empty() {
+        return out;
+    }
+    let row = |(r, o_row): (usize, &mut [f32])| depthwise_row(x, win, w, relu, r, o_row);
+    let work = out.len() * win.kernel[0] * win.kernel[1];
+    if work < PARALLEL_MIN * 4 {
+        out.chunks_exact_mut(ow * c).enumerate().for_each(row);
+    } else {
+        out.par_chunks_exact_mut(ow * c).enumerate().for_each(row);
+    }
+    out
+}
+
+multiversion! {
+    /// Output row `r` (image `r / oh`, row `r mod oh`) of [`depthwise_conv2d`].
+    fn depthwise_row(
+        x: &[f32],
+        win: &Window2d,
+        w: &DepthwiseWeights,
+        relu: bool,
+        r: usize,
+        o_row: &mut [f32],
+    ) {
+        let [_, h, wd, c] = win.dims;
+        let (oh, kw) = (win.out_len(0), win.kernel[1]);
+        let (n, oy) = (r / oh, r % oh);
+        let (ky0, ky1, iy0) = win.valid_taps(0, oy);
+        for (ox, o) in o_row.chunks_exact_mut(c).enumerate() {
+            let (kx0, kx1, ix0) = win.valid_taps(1, ox);
+            o.copy_from_slice(&w.bias);
+            for ky in ky0..ky1 {
+                let iy = iy0 + (ky - ky0) * win.dilation[0];
+                for kx in kx0..kx1 {
+                    let ix = ix0 + (kx - kx0) * win.dilation[1];
+                    let px = &x[((n * h + iy) * wd + ix) * c..][..c];
+                    let tap = &w.taps[(ky * kw + kx) * c..][..c];
+                    for ((o, &v), &k) in o.iter_mut().zip(px).zip(tap) {
+                        *o += v * k;
+                    }
+                }
+            }
+            if relu {
+                o.iter_mut().for_each(|v| *v = v.max(0.0));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::testing::{relative_error, values};
+
+    fn window(dims: [usize; 4], k: usize, s: usize, p: (usize, usize), ceil: bool) -> Window2d {
+        Window2d {
+            dims,
+            kernel: [k, k],
+            stride: [s, s],
+            dilation: [1, 1],
+            pads: [p, p],
+            ceil_mode: ceil,
+        }
+    }
+
+    /// Direct f64 loops over NCHW, the reference every kernel here is checked against.
+    fn reference_pool(x: &[f32], win: &Window2d, kind: PoolKind) -> Vec<f64> {
+        let [b, h, w, c] = win.dims;
+        let [_, oh, ow, _] = win.out_dims();
+        let mut out = vec![0f64; b * oh * ow * c];
+        for n in 0..b {
+            for oy in 0..oh {
+                for ox in 0..ow {
+                    for ch in 0..c {
+                        let (mut acc, mut cells) = (
+                            if kind == PoolKind::Max {
+                                f64::NEG_INFINITY
+                            } else {
+                                0.0
+                            },
+                            0,
+                        );
+                        for ky in 0..win.kernel[0] {
+                            for kx in 0..win.kernel[1] {
+                                let iy =
+                                    (oy * win.stride[0] + ky) as isize - win.pads[0].0 as isize;
+                                let ix =
+                                    (ox * win.stride[1] + kx) as isize - win.pads[1].0 as isize;
+                                if iy < 0 || ix < 0 || iy >= h as isize || ix >= w as isize {
+                                    continue;
+                                }
+                                let v =
+                                    x[((n * h + iy as usize) * w + ix as usize) * c + ch] as f64;
+                                cells += 1;
+                                acc = if kind == PoolKind::Max {
+                                    acc.max(v)
+                                } else {
+                                    acc + v
+                                };
+                            }
+                        }
+                        if let PoolKind::Average { count_include_pad } = kind {
+                            let count = if count_include_pad {
+                                let span = |o: usize, a: usize| {
+                                    let start = o * win.stride[a];
+                                    let end = (start + win.kernel[a])
+                                        .min(win.dims[1 + a] + win.pads[a].0 + win.pads[a].1);
+                                    end - start
+                                };
+                                span(oy, 0) * span(ox, 1)
+                            } else {
+                                cells
+                            };
+                            acc /= count as f64;
+                        }
+                        out[((n * oh + oy) * ow + ox) * c + ch] = acc;
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn pooling_matches_a_direct_loop_with_pads_and_ceil_mode() {
+        for (dims, k, s, p, ceil) in [
+            ([1, 112, 112, 64], 3, 2, (1, 1), false), // ResNet's stem pool
+            ([2, 13, 13, 24], 3, 2, (0, 0), true),    // SqueezeNet's ceil-mode pool
+            ([1, 7, 9, 5], 2, 2, (0, 0), true),
+            ([3, 8, 8, 17], 3, 1, (1, 1), false),
+        ] {
+            let win = window(dims, k, s, p, ceil);
+            let x = values(dims.iter().product(), 3);
+            for kind in [
+                PoolKind::Max,
+                PoolKind::Average {
+                    count_include_pad: false,
+                },
+                PoolKind::Average {
+                    count_include_pad: true,
+                },
+            ] {
+                let got = pool2d(&x, &win, kind);
+                let want = reference_pool(&x, &win, kind);
+                assert!(
+                    relative_error(&got, &want) < 1e-6,
+                    "{dims:?} k{k} s{s} {kind:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn depthwise_matches_a_direct_loop() {
+        for (dims, k, s, p) in [
+            ([1, 28, 28, 144], 3, 1, (1, 1)),
+            ([2, 15, 15, 40], 5, 2, (2, 2)),
+            ([1, 9, 9, 7], 3, 2, (1, 1)),
+        ] {
+            let win = window(dims, k, s, p, false);
+            let c = dims[3];
+            let x = values(dims.iter().product(), 5);
+            let wt = values(c * k * k, 6);
+            let bias = values(c, 7);
+            let packed = DepthwiseWeights::pack(c, [k, k], &wt, Some(&bias));
+            for relu in [false, true] {
+                let got = depthwise_conv2d(&x, &win, &packed, relu);
+                let [b, h, w, _] = dims;
+                let [_, oh, ow, _] = win.out_dims();
+                let mut want = vec![0f64; got.len()];
+                for n in 0..b {
+                    for oy in 0..oh {
+                        for ox in 0..ow {
+                            for ch in 0..c {
+                                let mut acc = bias[ch] as f64;
+                                for ky in 0..k {
+                                    for kx in 0..k {
+                                        let iy = (oy * s + ky) as isize - p.0 as isize;
+                                        let ix = (ox * s + kx) as isize - p.0 as isize;
+                                        if iy < 0 || ix < 0 || iy >= h as isize || ix >= w as isize
+                                        {
+                                            continue;
+                                        }
+                                        acc += x[((n * h + iy as usize) * w + ix as usize) * c + ch]
+                                            as f64
+                                            * wt[(ch * k + ky) * k + kx] as f64;
+                                    }
+                                }
+                                want[((n * oh + oy) * ow + ox) * c + ch] =
+                                    if relu { acc.max(0.0) } else { acc };
+                            }
+                        }
+                    }
+                }
+                assert!(
+                    relative_error(&got, &want) < 1e-5,
+                    "{dims:?} k{k} relu {relu}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn transposes_invert_each_other_and_match_the_definition() {
+        for dims in [[2, 3, 5, 7], [1, 64, 56, 56], [3, 17, 4, 1], [1, 1, 3, 3]] {
+            let [b, c, h, w] = dims;
+            let x = values(b * c * h * w, 1);
+            let nhwc = nchw_to_nhwc(&x, dims);
+            for n in 0..b {
+                for ch in 0..c {
+                    for p in 0..h * w {
+                        assert_eq!(nhwc[(n * h * w + p) * c + ch], x[(n * c + ch) * h * w + p]);
+                    }
+                }
+            }
+            assert_eq!(nhwc_to_nchw(&nhwc, [b, h, w, c]), x);
+        }
+    }
+
+    #[test]
+    fn activations_and_arithmetic_match_their_definitions() {
+        let x = values(40_000, 2);
+        for act in [
+            Activation::Relu,
+            Activation::Clip(0.0, 6.0),
+            Activation::HardSigmoid(0.2, 0.5),
+            Activation::HardSwish,
+            Activation::Sigmoid,
+        ] {
+            let mut got = x.clone();
+            activate(&mut got, act);
+            let want: Vec<f64> = x
+                .iter()
+                .map(|&v| {
+                    let v = v as f64;
+                    match act {
+                        Activation::Relu => v.max(0.0),
+                        Activation::Clip(lo, hi) => v.clamp(lo as f64, hi as f64),
+                        Activation::HardSigmoid(a, b) => (a as f64 * v + b as f64).clamp(0.0, 1.0),
+                        Activation::HardSwish => v * (v / 6.0 + 0.5).clamp(0.0, 1.0),
+                        Activation::Sigmoid => 1.0 / (1.0 + (-v).exp()),
+                    }
+                })
+                .collect();
+            assert!(relative_error(&got, &want) < 1e-6, "{act:?}");
+        }
+        let y = values(40_000, 3);
+        for op in [Arith::Add, Arith::Sub, Arith::Mul, Arith::Div] {
+            let mut got = x.clone();
+            arith_in_place(&mut got, &y, op, true);
+            let want: Vec<f64> = x
+                .iter()
+                .zip(&y)
+                .map(|(&a, &b)| {
+                    let (a, b) = (a as f64, b as f64);
+                    match op {
+                        Arith::Add => a + b,
+                        Arith::Sub => a - b,
+                        Arith::Mul => a * b,
+                        Arith::Div => a / b,
+                    }
+                    .max(0.0)
+                })
+                .collect();
+            assert!(relative_error(&got, &want) < 1e-6, "{op:?}");
+        }
+        // A gate per (image, channel) over 2 images of 10×10 pixels × 200 channels.
+        let gate = values(2 * 200, 4);
+        let mut got = x.clone();
+        arith_channels_in_place(&mut got, &gate, [100, 200], Arith::Mul, false);
+        let want: Vec<f64> = x
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| v as f64 * gate[(i / 20_000) * 200 + i % 200] as f64)
+            .collect();
+        assert!(relative_error(&got, &want) < 1e-6);
+    }
+
+    #[test]
+    fn global_average_is_the_mean_per_channel() {
+        let dims = [2, 7, 7, 12];
+        let x = values(2 * 49 * 12, 8);
+        let got = global_average(&x, dims);
+        let want: Vec<f64> = (0..24)
+            .map(|i| {
+                let (n, c) = (i / 12, i % 12);
+                (0..49)
+                    .map(|p| x[(n * 49 + p) * 12 + c] as f64)
+                    .sum::<f64>()
+                    / 49.0
+            })
+            .collect();
+        assert!(relative_error(&got, &want) < 1e-6);
+    }
+}

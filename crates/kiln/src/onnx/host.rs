@@ -1,0 +1,539 @@
+//! Channels-last execution of an imported model's image layers on the host.
+//!
+//! When Kiln's CPU kernels serve the model's device, a convolution with constant weights
+//! runs on [`crate::kernels::implicit`] (dense) or [`crate::kernels::nhwc`] (depthwise) with
+//! its weights packed once, on first use, and its output stays a channels-last host
+//! [`Image`] for the layers after it: activations, element-wise arithmetic (residual adds,
+//! squeeze-excitation gates), pooling, channel concatenation and the next convolution all run
+//! on images too. Any other operator receives its inputs converted back to NCHW
+//! [`Value`]s, so every graph runs, and a graph made of these layers transposes only at its
+//! entry and after its global pool (a 1×1 image, whose NCHW and NHWC layouts coincide).
+//!
+//! Why: per-node Burn calls on NCHW tensors paid an im2col copy, a zero fill and a separate
+//! pass for bias, activation and pooling per layer (BENCHMARKS run 23: ResNet-18 at 0.31×
+//! ONNX Runtime, 44% of its time in the GEMM and the rest around it).
+
+use std::sync::{Arc, OnceLock};
+
+use burn::tensor::{Device, Tensor, TensorData};
+use onnx_ir::Node;
+use onnx_ir::node::clip::ClipInput;
+
+use super::OnnxError;
+use super::ops::nn::Window;
+use super::ops::node_window;
+use super::value::{Value, ValueKind};
+use crate::kernels::conv::ConvShape;
+use crate::kernels::implicit::{ConvWeights, conv2d_nhwc_new, linear_rows};
+use crate::kernels::nhwc::{
+    Activation, Arith, DepthwiseWeights, PoolKind, Window2d, activate, arith_channels_in_place,
+    arith_in_place, depthwise_conv2d, global_average, nchw_to_nhwc, nhwc_to_nchw, pool2d,
+};
+
+/// A float image `[n, h, w, c]` on the host, channels-last. Shared (`Arc`) so a value read
+/// by two layers (a residual block's input) is not copied; its last reader takes it and may
+/// write in place.
+#[derive(Debug, Clone)]
+pub(super) struct Image {
+    data: Arc<Vec<f32>>,
+    dims: [usize; 4],
+}
+
+impl Image {
+    fn new(data: Vec<f32>, dims: [usize; 4]) -> Self {
+        Image {
+            data: Arc::new(data),
+            dims,
+        }
+    }
+
+    /// An NCHW float value as an image.
+    fn from_value(v: Value) -> Result<Image, OnnxError> {
+        let [n, c, h, w]: [usize; 4] = v.dims().try_into().map_err(|d| {
+            OnnxError::Shape(format!("an image layer takes [N, C, H, W]; got {d:?}"))
+        })?;
+        let values = v.to_kind(ValueKind::Float)?.to_f32s()?;
+        // With one pixel (or one channel) both layouts hold the same sequence.
+        let data = if h * w == 1 || c == 1 {
+            values
+        } else {
+            nchw_to_nhwc(&values, [n, c, h, w])
+        };
+        Ok(Image::new(data, [n, h, w, c]))
+    }
+
+    /// The image as an NCHW value on `device`.
+    fn into_value(self, device: &Device) -> Result<Value, OnnxError> {
+        let [n, h, w, c] = self.dims;
+        let nchw = if h * w == 1 || c == 1 {
+            self.into_vec()
+        } else {
+            nhwc_to_nchw(&self.data, self.dims)
+        };
+        Ok(Value::float(Tensor::<4>::from_data(
+            TensorData::new(nchw, [n, c, h, w]),
+            device,
+        )))
+    }
+
+    /// The values, copied only when another reader still holds them.
+    fn into_vec(self) -> Vec<f32> {
+        Arc::try_unwrap(self.data).unwrap_or_else(|shared| (*shared).clone())
+    }
+}
+
+/// A value between steps: an ONNX value, or an image a host layer left channels-last.
+#[derive(Debug, Clone)]
+// Values are the common case and the slots few (one per graph value): boxing them would cost
+// an allocation per value per run for no saving that matters.
+#[allow(clippy::large_enum_variant)]
+pub(super) enum Slot {
+    /// A tensor on the model's device, in ONNX layout.
+    Value(Value),
+    /// A host image, channels-last.
+    Image(Image),
+}
+
+impl Slot {
+    /// The slot as an ONNX value (an image transposed back to NCHW).
+    pub(super) fn into_value(self, device: &Device) -> Result<Value, OnnxError> {
+        match self {
+            Slot::Value(v) => Ok(v),
+            Slot::Image(image) => image.into_value(device),
+        }
+    }
+
+    fn into_image(self) -> Result<Image, OnnxError> {
+        match self {
+            Slot::Image(image) => Ok(image),
+            Slot::Value(v) => Image::from_value(v),
+        }
+    }
+}
+
+/// A convolution's weights packed for the host kernels, made on the step's first run.
+#[derive(Debug)]
+pub(super) enum PackedConv {
+    /// One group: the implicit GEMM.
+    Dense(ConvWeights),
+    /// One filter per channel.
+    Depthwise(DepthwiseWeights),
+    /// A linear layer (`Linear`, `Gemm`, `MatMul` by a constant): a 1×1 convolution over
+    /// the rows of its input, its weight packed once instead of transposed and packed per
+    /// call.
+    Linear(ConvWeights),
+}
+
+/// Per step: the packed convolution, once known (`None` inside: the step stays on the ONNX
+/// path, e.g. a grouped convolution or a computed weight).
+pub(super) type ConvCache = OnceLock<Option<PackedConv>>;
+
+/// What a step needs to run on the host.
+pub(super) struct HostStep<'a> {
+    pub node: &'a Node,
+    /// Which inputs are model constants (weights).
+    pub constant: &'a [bool],
+    pub cache: &'a ConvCache,
+    pub outputs: usize,
+    /// A ReLU fused into the step (Conv, Add).
+    pub relu: bool,
+}
+
+/// Runs `step` on the host when it can: `None` means "not here" (the caller converts the
+/// inputs to values and runs the ONNX operator); the inputs are untouched then.
+pub(super) fn run(
+    step: &HostStep,
+    ins: &mut [Option<Slot>],
+) -> Option<Result<Vec<Slot>, OnnxError>> {
+    let is_image = |i: usize| matches!(ins.get(i), Some(Some(Slot::Image(_))));
+    let image_in = is_image(0);
+    match step.node {
+        Node::Conv2d(n) => {
+            let window = node_window(step.node).ok()?;
+            let packed = step
+                .cache
+                .get_or_init(|| pack_conv(step, ins, n.config.groups))
+                .as_ref()?;
+            let x = take(ins, 0)?;
+            Some(conv(x, packed, &window, step.relu).map(|image| vec![Slot::Image(image)]))
+        }
+        Node::Relu(_) if image_in => unary(ins, Activation::Relu),
+        Node::Sigmoid(_) if image_in => unary(ins, Activation::Sigmoid),
+        Node::HardSwish(_) if image_in => unary(ins, Activation::HardSwish),
+        Node::HardSigmoid(n) if image_in => unary(
+            ins,
+            Activation::HardSigmoid(n.config.alpha as f32, n.config.beta as f32),
+        ),
+        Node::Clip(n) if image_in => {
+            let bound = |b: &Option<ClipInput>, none: f32| match b {
+                None => Some(none),
+                Some(ClipInput::Static(v)) => Some(*v as f32),
+                Some(ClipInput::Runtime(_)) => None,
+            };
+            let (lo, hi) = (
+                bound(&n.config.min, f32::NEG_INFINITY)?,
+                bound(&n.config.max, f32::INFINITY)?,
+            );
+            unary(ins, Activation::Clip(lo, hi))
+        }
+        Node::Identity(_) | Node::Dropout(_) if image_in && step.outputs == 1 => {
+            Some(Ok(vec![take(ins, 0)?]))
+        }
+        Node::Add(_) => binary(ins, Arith::Add, step.relu),
+        Node::Sub(_) => binary(ins, Arith::Sub, false),
+        Node::Mul(_) => binary(ins, Arith::Mul, false),
+        Node::Div(_) => binary(ins, Arith::Div, false),
+        Node::MaxPool2d(n) if image_in => {
+            let c = &n.config;
+            let window = node_window(step.node).ok()?;
+            pool(ins, &window, c.ceil_mode, PoolKind::Max)
+        }
+        Node::AveragePool2d(n) if image_in => {
+            let c = &n.config;
+            let window = node_window(step.node).ok()?;
+            let kind = PoolKind::Average {
+                count_include_pad: c.count_include_pad,
+            };
+            pool(ins, &window, c.ceil_mode, kind)
+        }
+        Node::GlobalAveragePool(_) if image_in => {
+            let Some(Slot::Image(image)) = take(ins, 0) else {
+                return None;
+            };
+            let [n, h, w, c] = image.dims;
+            let means = global_average(&image.data, [n, h, w, c]);
+            // `[n, 1, 1, c]` channels-last is `[n, c, 1, 1]` in NCHW: the same sequence.
+            Some(Ok(vec![Slot::Image(Image::new(means, [n, 1, 1, c]))]))
+        }
+        Node::Concat(n) if n.config.axis == 1 => concat_channels(ins),
+        Node::Linear(n) => linear(step, ins, n.config.transpose_weight, true),
+        Node::Gemm(n) => {
+            let c = &n.config;
+            let plain = c.alpha == 1.0 && c.trans_a == 0 && (c.beta == 1.0 || ins.len() < 3);
+            if !plain {
+                return None;
+            }
+            linear(step, ins, c.trans_b != 0, true)
+        }
+        Node::MatMul(_) => linear(step, ins, false, false),
+        _ => None,
+    }
+}
+
+/// A linear layer whose weight (input 1; `[out, in]` when `out_major`, else `[in, out]`)
+/// and bias (input 2, with `biased`) are constants, over the last axis of its input.
+fn linear(
+    step: &HostStep,
+    ins: &mut [Option<Slot>],
+    out_major: bool,
+    biased: bool,
+) -> Option<Result<Vec<Slot>, OnnxError>> {
+    let packed = step
+        .cache
+        .get_or_init(|| pack_linear(step, ins, out_major, biased))
+        .as_ref()?;
+    let PackedConv::Linear(weights) = packed else {
+        return None;
+    };
+    let [outputs, inputs, ..] = weights.dims();
+    let x = match ins.first()? {
+        Some(Slot::Value(v)) if v.rank() >= 2 && v.dims().last() == Some(&inputs) => v.clone(),
+        _ => return None,
+    };
+    ins[0] = None;
+    let run = || -> Result<Vec<Slot>, OnnxError> {
+        let mut dims = x.dims();
+        let device = x.device();
+        let host = x.to_kind(ValueKind::Float)?.to_f32s()?;
+        let rows = host.len() / inputs.max(1);
+        let mut out = vec![0f32; rows * outputs];
+        let _op = tracing::trace_span!("kiln.linear_rows", rows, inputs, outputs).entered();
+        linear_rows(rows, &host, weights, false, &mut out);
+        if let Some(last) = dims.last_mut() {
+            *last = outputs;
+        }
+        let value = Value::from_data(TensorData::new(out, dims), &device)?;
+        Ok(vec![Slot::Value(value)])
+    };
+    Some(run())
+}
+
+fn pack_linear(
+    step: &HostStep,
+    ins: &[Option<Slot>],
+    out_major: bool,
+    biased: bool,
+) -> Option<PackedConv> {
+    let constant = |i: usize| step.constant.get(i).copied().unwrap_or(false);
+    let has_bias = biased && ins.get(2).is_some_and(Option::is_some);
+    if !constant(1) || (has_bias && !constant(2)) {
+        return None;
+    }
+    let (weight, dims) = float_constant(ins, 1)?;
+    let [a, b]: [usize; 2] = dims.try_into().ok()?;
+    let (outputs, inputs) = if out_major { (a, b) } else { (b, a) };
+    let bias = if has_bias {
+        Some(float_constant(ins, 2)?.0)
+            .filter(|b| b.len() == outputs)?
+            .into()
+    } else {
+        None
+    };
+    // `[in, out]` rows, the layout `ConvWeights::linear` takes.
+    let rows = if out_major {
+        let mut t = vec![0f32; weight.len()];
+        for o in 0..outputs {
+            for i in 0..inputs {
+                t[i * outputs + o] = weight[o * inputs + i];
+            }
+        }
+        t
+    } else {
+        weight
+    };
+    Some(PackedConv::Linear(ConvWeights::linear(
+        inputs,
+        outputs,
+        &rows,
+        bias.as_deref(),
+    )))
+}
+
+/// Input `i` as host floats with its dimensions, when it is a float value.
+fn float_constant(ins: &[Option<Slot>], i: usize) -> Option<(Vec<f32>, Vec<usize>)> {
+    match ins.get(i)? {
+        Some(Slot::Value(v)) if v.kind() == ValueKind::Float => Some((v.to_f32s().ok()?, v.dims())),
+        _ => None,
+    }
+}
+
+/// Takes input `i` (the caller's slots are rebuilt per run, so taking is free).
+fn take(ins: &mut [Option<Slot>], i: usize) -> Option<Slot> {
+    ins.get_mut(i).and_then(Option::take)
+}
+
+/// Packs the weights of Conv step `step` when they are constants and the grouping is one the
+/// host kernels run (one group, or depthwise with one filter per channel).
+fn pack_conv(step: &HostStep, ins: &[Option<Slot>], groups: usize) -> Option<PackedConv> {
+    let constant = |i: usize| step.constant.get(i).copied().unwrap_or(false);
+    if !constant(1) || (ins.get(2).is_some_and(Option::is_some) && !constant(2)) {
+        return None;
+    }
+    let (weight, dims) = float_constant(ins, 1)?;
+    let [cout, per_group, kh, kw]: [usize; 4] = dims.try_into().ok()?;
+    let bias = match ins.get(2) {
+        Some(Some(_)) => Some(float_constant(ins, 2)?.0).filter(|b| b.len() == cout),
+        _ => None,
+    };
+    if ins.get(2).is_some_and(Option::is_some) && bias.is_none() {
+        return None;
+    }
+    if groups == 1 {
+        return Some(PackedConv::Dense(ConvWeights::pack(
+            [cout, per_group, kh, kw],
+            &weight,
+            bias.as_deref(),
+        )));
+    }
+    (per_group == 1 && groups == cout).then(|| {
+        PackedConv::Depthwise(DepthwiseWeights::pack(
+            cout,
+            [kh, kw],
+            &weight,
+            bias.as_deref(),
+        ))
+    })
+}
+
+/// The convolution of `x` (an image, or an NCHW value converted once).
+fn conv(x: Slot, packed: &PackedConv, window: &Window, relu: bool) -> Result<Image, OnnxError> {
+    let image = x.into_image()?;
+    let [n, h, w, c] = image.dims;
+    let pads = window.pads([h, w]);
+    let (cin, kernel) = match packed {
+        PackedConv::Dense(weights) => {
+            let [_, cin, kh, kw] = weights.dims();
+            (cin, [kh, kw])
+        }
+        PackedConv::Depthwise(weights) => (weights.channels(), weights.kernel()),
+        PackedConv::Linear(_) => {
+            return Err(OnnxError::Graph(
+                "a Conv step holds a linear layer's weights".into(),
+            ));
+        }
+    };
+    if c != cin {
+        return Err(OnnxError::Shape(format!(
+            "Conv expects {cin} input channels; the input has {c}"
+        )));
+    }
+    for axis in 0..2 {
+        let span = (kernel[axis] - 1) * window.dilation[axis] + 1;
+        let padded = [h, w][axis] + pads[axis].0 + pads[axis].1;
+        if padded < span {
+            return Err(OnnxError::Shape(format!(
+                "Conv input {h}×{w} (padded {padded} on axis {axis}) is smaller than its \
+                 {kernel:?} kernel"
+            )));
+        }
+    }
+    match packed {
+        PackedConv::Dense(weights) => {
+            let [cout, ..] = weights.dims();
+            let s = ConvShape {
+                batch: n,
+                cin,
+                h,
+                w,
+                cout,
+                kh: kernel[0],
+                kw: kernel[1],
+                stride: window.stride,
+                padding: pads,
+                dilation: window.dilation,
+            };
+            let _op = tracing::trace_span!("kiln.conv2d_nhwc", input = ?image.dims, cout).entered();
+            let out = conv2d_nhwc_new(&s, &image.data, weights, relu);
+            Ok(Image::new(out, [n, s.out_h(), s.out_w(), cout]))
+        }
+        PackedConv::Depthwise(weights) => {
+            let win = Window2d {
+                dims: image.dims,
+                kernel,
+                stride: window.stride,
+                dilation: window.dilation,
+                pads,
+                ceil_mode: false,
+            };
+            let _op = tracing::trace_span!("kiln.depthwise_nhwc", input = ?image.dims).entered();
+            let out = depthwise_conv2d(&image.data, &win, weights, relu);
+            Ok(Image::new(out, win.out_dims()))
+        }
+        PackedConv::Linear(_) => unreachable!("refused above"),
+    }
+}
+
+fn unary(ins: &mut [Option<Slot>], act: Activation) -> Option<Result<Vec<Slot>, OnnxError>> {
+    let Some(Slot::Image(image)) = take(ins, 0) else {
+        return None;
+    };
+    let dims = image.dims;
+    let mut data = image.into_vec();
+    activate(&mut data, act);
+    Some(Ok(vec![Slot::Image(Image::new(data, dims))]))
+}
+
+/// An operand of a per-channel operation: `[rows, channels]` values.
+fn per_channel(slot: &Slot, image: [usize; 4]) -> Option<Vec<f32>> {
+    let [n, _, _, c] = image;
+    match slot {
+        // A squeeze-excitation gate left channels-last: `[n or 1, 1, 1, c]`.
+        Slot::Image(g) => {
+            let [gn, gh, gw, gc] = g.dims;
+            (gh * gw == 1 && gc == c && (gn == n || gn == 1)).then(|| (*g.data).clone())
+        }
+        // A constant or gate in ONNX layout: `[c, 1, 1]`, `[1 or n, c, 1, 1]`, or a scalar.
+        Slot::Value(v) if v.kind() == ValueKind::Float => {
+            let dims = v.dims();
+            if v.len() == 1 {
+                return Some(vec![v.to_f32s().ok()?[0]; c]);
+            }
+            let fits = match dims.as_slice() {
+                [vc, 1, 1] => *vc == c,
+                [vn, vc, 1, 1] => *vc == c && (*vn == n || *vn == 1),
+                _ => false,
+            };
+            fits.then(|| v.to_f32s().ok()).flatten()
+        }
+        Slot::Value(_) => None,
+    }
+}
+
+/// Element-wise arithmetic with an image operand: two images of one size, or an image and
+/// a per-channel operand (a constant, a scalar or a squeeze-excitation gate) on either side.
+fn binary(ins: &mut [Option<Slot>], op: Arith, relu: bool) -> Option<Result<Vec<Slot>, OnnxError>> {
+    let (a, b) = (ins.first()?.as_ref()?, ins.get(1)?.as_ref()?);
+    let row_for = |x: &Slot, v: &Slot| match x {
+        Slot::Image(x) => per_channel(v, x.dims),
+        Slot::Value(_) => None,
+    };
+    // (which input is the full image, the other as per-channel rows, whether it comes first)
+    let (x_at, rows, swap) = match (a, b) {
+        (Slot::Image(a), Slot::Image(b)) if a.dims == b.dims => (0, None, false),
+        _ => match row_for(a, b) {
+            Some(rows) => (0, Some(rows), false),
+            None => (1, Some(row_for(b, a)?), true),
+        },
+    };
+    let other = take(ins, 1 - x_at)?;
+    let Some(Slot::Image(x)) = take(ins, x_at) else {
+        return None;
+    };
+    let dims = x.dims;
+    let mut data = x.into_vec();
+    match (rows, other) {
+        (Some(rows), _) => {
+            let [_, h, w, c] = dims;
+            arith_channels_in_place(&mut data, &rows, [h * w, c], op, swap);
+            if relu {
+                activate(&mut data, Activation::Relu);
+            }
+        }
+        (None, Slot::Image(o)) => arith_in_place(&mut data, &o.data, op, relu),
+        (None, Slot::Value(_)) => return None,
+    }
+    Some(Ok(vec![Slot::Image(Image::new(data, dims))]))
+}
+
+fn pool(
+    ins: &mut [Option<Slot>],
+    window: &Window,
+    ceil_mode: bool,
+    kind: PoolKind,
+) -> Option<Result<Vec<Slot>, OnnxError>> {
+    let Some(Slot::Image(image)) = take(ins, 0) else {
+        return None;
+    };
+    let [_, h, w, _] = image.dims;
+    let win = Window2d {
+        dims: image.dims,
+        kernel: window.kernel,
+        stride: window.stride,
+        dilation: window.dilation,
+        pads: window.pads([h, w]),
+        ceil_mode,
+    };
+    let [_, oh, ow, _] = win.out_dims();
+    if oh * ow == 0 {
+        return Some(Err(OnnxError::Shape(format!(
+            "pooling a {h}×{w} input with a {:?} window leaves no output",
+            window.kernel
+        ))));
+    }
+    let out = pool2d(&image.data, &win, kind);
+    Some(Ok(vec![Slot::Image(Image::new(out, win.out_dims()))]))
+}
+
+/// Channel concatenation of images of one size (DenseNet, SqueezeNet's fire modules).
+fn concat_channels(ins: &mut [Option<Slot>]) -> Option<Result<Vec<Slot>, OnnxError>> {
+    let images: Vec<&Image> = ins
+        .iter()
+        .map(|s| match s {
+            Some(Slot::Image(i)) => Some(i),
+            _ => None,
+        })
+        .collect::<Option<_>>()?;
+    let [n, h, w, _] = images.first()?.dims;
+    if images.iter().any(|i| i.dims[..3] != [n, h, w]) {
+        return None;
+    }
+    let c: usize = images.iter().map(|i| i.dims[3]).sum();
+    let mut out = Vec::with_capacity(n * h * w * c);
+    for px in 0..n * h * w {
+        for image in &images {
+            let ci = image.dims[3];
+            out.extend_from_slice(&image.data[px * ci..][..ci]);
+        }
+    }
+    Some(Ok(vec![Slot::Image(Image::new(out, [n, h, w, c]))]))
+}
