@@ -229,3 +229,15 @@ fn int8_stays_near_onnx_runtime() {
         );
     }
 }
+
+/// ResNet's residual blocks end with `Add` + `Relu`: both fold into the convolution that
+/// runs last before them (the sum and the ReLU in its store), none stay separate; the
+/// outputs still match ONNX Runtime (the `resnet` test above runs the fused model).
+#[test]
+fn residual_adds_and_relus_fuse_into_convolutions() {
+    let model = OnnxModel::load(&models_dir().join("resnet.onnx"), &Device::default()).unwrap();
+    let counts = model.op_counts();
+    let count = |op: &str| counts.get(op).copied().unwrap_or(0);
+    assert_eq!(count("Add") + count("Relu"), 0, "{counts:?}");
+    assert!(count("Conv2d+Add+Relu") >= 2, "{counts:?}");
+}

@@ -24,7 +24,7 @@ use super::ops::nn::Window;
 use super::ops::node_window;
 use super::value::{Value, ValueKind};
 use crate::kernels::conv::ConvShape;
-use crate::kernels::implicit::{ConvWeights, conv2d_nhwc_new, linear_rows};
+use crate::kernels::implicit::{ConvWeights, conv2d_nhwc_add_new, conv2d_nhwc_new, linear_rows};
 use crate::kernels::nhwc::{
     Activation, Arith, DepthwiseWeights, PoolKind, Window2d, activate, arith_channels_in_place,
     arith_in_place, depthwise_conv2d, global_average, nchw_to_nhwc, nhwc_to_nchw, pool2d,
@@ -111,32 +111,42 @@ impl Slot {
     }
 }
 
-/// A convolution's weights packed for the host kernels, made on the step's first run.
+/// A layer's weights packed for the host kernels, made on the step's first run.
 #[derive(Debug)]
-pub(super) enum PackedConv {
-    /// One group: the implicit GEMM.
-    Dense(ConvWeights),
-    /// One filter per channel.
-    Depthwise(DepthwiseWeights),
+pub(super) enum Packed {
+    /// A convolution.
+    Conv(PackedConv),
     /// A linear layer (`Linear`, `Gemm`, `MatMul` by a constant): a 1×1 convolution over
     /// the rows of its input, its weight packed once instead of transposed and packed per
     /// call.
     Linear(ConvWeights),
 }
 
-/// Per step: the packed convolution, once known (`None` inside: the step stays on the ONNX
-/// path, e.g. a grouped convolution or a computed weight).
-pub(super) type ConvCache = OnceLock<Option<PackedConv>>;
+/// A convolution's packed weights.
+#[derive(Debug)]
+pub(super) enum PackedConv {
+    /// One group: the implicit GEMM.
+    Dense(ConvWeights),
+    /// One filter per channel.
+    Depthwise(DepthwiseWeights),
+}
+
+/// Per step: the packed layer, once known (`None` inside: the step stays on the ONNX path,
+/// e.g. a grouped convolution or a computed weight).
+pub(super) type PackCache = OnceLock<Option<Packed>>;
 
 /// What a step needs to run on the host.
 pub(super) struct HostStep<'a> {
     pub node: &'a Node,
     /// Which inputs are model constants (weights).
     pub constant: &'a [bool],
-    pub cache: &'a ConvCache,
+    pub cache: &'a PackCache,
     pub outputs: usize,
     /// A ReLU fused into the step (Conv, Add).
     pub relu: bool,
+    /// A residual fused into a Conv: the input index of the value added before the ReLU.
+    pub residual: Option<usize>,
+    pub device: &'a Device,
 }
 
 /// Runs `step` on the host when it can: `None` means "not here" (the caller converts the
@@ -150,12 +160,15 @@ pub(super) fn run(
     match step.node {
         Node::Conv2d(n) => {
             let window = node_window(step.node).ok()?;
-            let packed = step
+            let Some(Packed::Conv(packed)) = step
                 .cache
-                .get_or_init(|| pack_conv(step, ins, n.config.groups))
-                .as_ref()?;
+                .get_or_init(|| pack_conv(step, ins, n.config.groups).map(Packed::Conv))
+            else {
+                return None;
+            };
+            let residual = step.residual.and_then(|i| take(ins, i));
             let x = take(ins, 0)?;
-            Some(conv(x, packed, &window, step.relu).map(|image| vec![Slot::Image(image)]))
+            Some(conv(x, packed, &window, (step.relu, residual), step.device))
         }
         Node::Relu(_) if image_in => unary(ins, Activation::Relu),
         Node::Sigmoid(_) if image_in => unary(ins, Activation::Sigmoid),
@@ -228,11 +241,10 @@ fn linear(
     out_major: bool,
     biased: bool,
 ) -> Option<Result<Vec<Slot>, OnnxError>> {
-    let packed = step
+    let Some(Packed::Linear(weights)) = step
         .cache
         .get_or_init(|| pack_linear(step, ins, out_major, biased))
-        .as_ref()?;
-    let PackedConv::Linear(weights) = packed else {
+    else {
         return None;
     };
     let [outputs, inputs, ..] = weights.dims();
@@ -263,7 +275,7 @@ fn pack_linear(
     ins: &[Option<Slot>],
     out_major: bool,
     biased: bool,
-) -> Option<PackedConv> {
+) -> Option<Packed> {
     let constant = |i: usize| step.constant.get(i).copied().unwrap_or(false);
     let has_bias = biased && ins.get(2).is_some_and(Option::is_some);
     if !constant(1) || (has_bias && !constant(2)) {
@@ -291,7 +303,7 @@ fn pack_linear(
     } else {
         weight
     };
-    Some(PackedConv::Linear(ConvWeights::linear(
+    Some(Packed::Linear(ConvWeights::linear(
         inputs,
         outputs,
         &rows,
@@ -345,8 +357,15 @@ fn pack_conv(step: &HostStep, ins: &[Option<Slot>], groups: usize) -> Option<Pac
     })
 }
 
-/// The convolution of `x` (an image, or an NCHW value converted once).
-fn conv(x: Slot, packed: &PackedConv, window: &Window, relu: bool) -> Result<Image, OnnxError> {
+/// The convolution of `x` (an image, or an NCHW value converted once), plus `residual`
+/// when given (in the kernel's store when it has the output's shape), then ReLU with `relu`.
+fn conv(
+    x: Slot,
+    packed: &PackedConv,
+    window: &Window,
+    (relu, residual): (bool, Option<Slot>),
+    device: &Device,
+) -> Result<Vec<Slot>, OnnxError> {
     let image = x.into_image()?;
     let [n, h, w, c] = image.dims;
     let pads = window.pads([h, w]);
@@ -356,11 +375,6 @@ fn conv(x: Slot, packed: &PackedConv, window: &Window, relu: bool) -> Result<Ima
             (cin, [kh, kw])
         }
         PackedConv::Depthwise(weights) => (weights.channels(), weights.kernel()),
-        PackedConv::Linear(_) => {
-            return Err(OnnxError::Graph(
-                "a Conv step holds a linear layer's weights".into(),
-            ));
-        }
     };
     if c != cin {
         return Err(OnnxError::Shape(format!(
@@ -377,9 +391,33 @@ fn conv(x: Slot, packed: &PackedConv, window: &Window, relu: bool) -> Result<Ima
             )));
         }
     }
-    match packed {
+    let win = Window2d {
+        dims: image.dims,
+        kernel,
+        stride: window.stride,
+        dilation: window.dilation,
+        pads,
+        ceil_mode: false,
+    };
+    let [_, oh, ow, _] = win.out_dims();
+    let cout = match packed {
+        PackedConv::Dense(weights) => weights.dims()[0],
+        PackedConv::Depthwise(_) => c,
+    };
+    let out_dims = [n, oh, ow, cout];
+    // A residual of the output's shape goes into the store; another (a broadcast operand) is
+    // added after, and the ReLU waits for it.
+    let (in_store, after) = match residual {
+        None => (None, None),
+        Some(Slot::Image(r)) if r.dims == out_dims => (Some(r), None),
+        Some(Slot::Value(v)) if v.kind() == ValueKind::Float && v.dims() == [n, cout, oh, ow] => {
+            (Some(Image::from_value(v)?), None)
+        }
+        Some(other) => (None, Some(other)),
+    };
+    let relu_now = relu && after.is_none();
+    let out = match packed {
         PackedConv::Dense(weights) => {
-            let [cout, ..] = weights.dims();
             let s = ConvShape {
                 batch: n,
                 cin,
@@ -393,24 +431,42 @@ fn conv(x: Slot, packed: &PackedConv, window: &Window, relu: bool) -> Result<Ima
                 dilation: window.dilation,
             };
             let _op = tracing::trace_span!("kiln.conv2d_nhwc", input = ?image.dims, cout).entered();
-            let out = conv2d_nhwc_new(&s, &image.data, weights, relu);
-            Ok(Image::new(out, [n, s.out_h(), s.out_w(), cout]))
+            match &in_store {
+                Some(r) => conv2d_nhwc_add_new(&s, &image.data, weights, &r.data, relu_now),
+                None => conv2d_nhwc_new(&s, &image.data, weights, relu_now),
+            }
         }
         PackedConv::Depthwise(weights) => {
-            let win = Window2d {
-                dims: image.dims,
-                kernel,
-                stride: window.stride,
-                dilation: window.dilation,
-                pads,
-                ceil_mode: false,
-            };
             let _op = tracing::trace_span!("kiln.depthwise_nhwc", input = ?image.dims).entered();
-            let out = depthwise_conv2d(&image.data, &win, weights, relu);
-            Ok(Image::new(out, win.out_dims()))
+            let fused_relu = relu_now && in_store.is_none();
+            let mut out = depthwise_conv2d(&image.data, &win, weights, fused_relu);
+            if let Some(r) = &in_store {
+                arith_in_place(&mut out, &r.data, Arith::Add, relu_now);
+            }
+            out
         }
-        PackedConv::Linear(_) => unreachable!("refused above"),
+    };
+    let out = Slot::Image(Image::new(out, out_dims));
+    let Some(r) = after else {
+        return Ok(vec![out]);
+    };
+    let mut operands = [Some(out), Some(r)];
+    if let Some(sum) = binary(&mut operands, Arith::Add, relu) {
+        return sum;
     }
+    // `binary` leaves operands it cannot take: numpy broadcasting on values.
+    let [Some(y), Some(r)] = operands else {
+        return Err(OnnxError::Graph("a residual operand went missing".into()));
+    };
+    let mut sum = super::ops::math::binary(
+        super::ops::math::Binary::Add,
+        y.into_value(device)?,
+        r.into_value(device)?,
+    )?;
+    if relu {
+        sum = super::ops::math::unary(super::ops::math::Unary::Relu, sum)?;
+    }
+    Ok(vec![Slot::Value(sum)])
 }
 
 fn unary(ins: &mut [Option<Slot>], act: Activation) -> Option<Result<Vec<Slot>, OnnxError>> {

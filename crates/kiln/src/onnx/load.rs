@@ -123,6 +123,7 @@ pub fn load(bytes: &[u8], name: &str, device: &Device) -> Result<OnnxModel, Onnx
             kind,
             packed: Default::default(),
             relu: false,
+            residual: None,
         });
     }
 
@@ -160,6 +161,7 @@ pub fn load(bytes: &[u8], name: &str, device: &Device) -> Result<OnnxModel, Onnx
         kiln_kernels: true,
     };
     model.fuse_relus();
+    model.fuse_residuals();
     Ok(model)
 }
 

@@ -119,9 +119,12 @@ struct Step {
     scalar: Vec<bool>,
     kind: Vec<Option<ValueKind>>,
     /// A convolution's weights packed for the host kernels on its first host run.
-    packed: host::ConvCache,
+    packed: host::PackCache,
     /// A ReLU fused into this step (a Conv or an Add) at load: the output is `max(0, ·)`.
     relu: bool,
+    /// A residual Add fused into this convolution at load: the input (by index) added to its
+    /// output, before the ReLU.
+    residual: Option<usize>,
 }
 
 /// Graphs with at least this many nodes run on a rayon pool thread: their many small ops
@@ -341,26 +344,40 @@ impl OnnxModel {
                 cache: &step.packed,
                 outputs: step.outputs.len(),
                 relu: step.relu,
+                residual: step.residual,
+                device: &self.device,
             };
             if let Some(outs) = host::run(&host_step, ins) {
                 return outs;
             }
         }
-        let ins: Vec<Option<Value>> = ins
+        let mut ins: Vec<Option<Value>> = ins
             .iter_mut()
             .map(|s| s.take().map(|s| s.into_value(&self.device)).transpose())
             .collect::<Result<_, _>>()?;
+        let residual = step
+            .residual
+            .and_then(|i| ins.get_mut(i).and_then(Option::take));
         let outs = match &step.op {
             StepOp::Onnx(node) => ops::run(node, &ins, &self.device),
             StepOp::QLinear(q) => q.run(&ins),
             StepOp::QConv(q) => q.run(&ins),
             StepOp::Affine { scale, shift } => passes::affine(&ins, scale, shift),
         }?;
+        // What was fused into the step at load, after the operator: the residual sum, then
+        // the ReLU.
         let mut outs = outs.into_iter();
-        let first = match (step.relu, outs.next()) {
-            (true, Some(y)) => Some(ops::math::unary(ops::math::Unary::Relu, y)?),
-            (_, y) => y,
-        };
+        let mut first = outs.next();
+        if let Some(r) = residual {
+            first = first
+                .map(|y| ops::math::binary(ops::math::Binary::Add, y, r))
+                .transpose()?;
+        }
+        if step.relu {
+            first = first
+                .map(|y| ops::math::unary(ops::math::Unary::Relu, y))
+                .transpose()?;
+        }
         Ok(first.into_iter().chain(outs).map(Slot::Value).collect())
     }
 

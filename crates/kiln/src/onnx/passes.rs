@@ -285,6 +285,63 @@ impl OnnxModel {
         fused
     }
 
+    /// Folds each residual `Add` of a convolution's output and an earlier value into that
+    /// convolution (added, and a fused ReLU applied, in its store on the host path; right
+    /// after the operator elsewhere). The convolution must be the Add's only reader of its
+    /// output and come after the other operand's producer (ResNet's downsample convolution
+    /// is exported after the block's second one: the sum goes into whichever runs last).
+    /// Returns how many were fused.
+    pub(super) fn fuse_residuals(&mut self) -> usize {
+        let mut fused = 0;
+        let mut at = 0;
+        while at < self.steps.len() {
+            let step = &self.steps[at];
+            let operands = match (step.op.node(), step.inputs.as_slice()) {
+                (Some(Node::Add(_)), &[Some(a), Some(b)]) if step.outputs.len() == 1 => [a, b],
+                _ => {
+                    at += 1;
+                    continue;
+                }
+            };
+            let produced_at = |slot: usize| self.producer(slot);
+            let conv_for = |i: usize| -> Option<usize> {
+                let (mine, other) = (operands[i], operands[1 - i]);
+                let conv = produced_at(mine)?;
+                let c = &self.steps[conv];
+                let fusable = matches!(c.op.node(), Some(Node::Conv2d(_)))
+                    && !c.relu
+                    && c.residual.is_none()
+                    && c.outputs.len() == 1
+                    && mine != other
+                    && self.uses[mine] == 1
+                    && !self.output_slots.contains(&mine)
+                    && produced_at(other).is_none_or(|p| p < conv);
+                fusable.then_some(conv)
+            };
+            let Some((conv, skip)) = [0, 1]
+                .into_iter()
+                .filter_map(|i| conv_for(i).map(|c| (c, operands[1 - i])))
+                .max_by_key(|&(c, _)| c)
+            else {
+                at += 1;
+                continue;
+            };
+            let (out, relu) = (self.steps[at].outputs[0], self.steps[at].relu);
+            let c = &mut self.steps[conv];
+            // Conv inputs: x, weight, bias (absent: None), then the residual.
+            c.inputs.resize(3, None);
+            c.inputs.push(Some(skip));
+            c.residual = Some(3);
+            c.relu = relu;
+            c.outputs[0] = out;
+            c.op_name.push_str(if relu { "+Add+Relu" } else { "+Add" });
+            self.uses[skip] += 1;
+            self.remove_step(at);
+            fused += 1;
+        }
+        fused
+    }
+
     /// The step that writes `slot`, if one does.
     fn producer(&self, slot: usize) -> Option<usize> {
         self.steps.iter().position(|s| s.outputs.contains(&slot))
@@ -402,6 +459,7 @@ impl OnnxModel {
         (params_constant
             && weight_constant
             && !conv_step.relu
+            && conv_step.residual.is_none()
             && self.uses[x] == 1
             && !self.output_slots.contains(&x))
         .then_some(conv)
@@ -623,8 +681,9 @@ impl OnnxModel {
         };
         let q = quantize_rows(&w, co, ci * kh * kw);
         let weight = pack_conv_weights(&q, ci, &geometry, kernel);
-        // A ReLU already fused into the Conv step moves into the int8 epilogue.
-        let relu = std::mem::take(&mut self.steps[at].relu);
+        // A ReLU already fused into the Conv step moves into the int8 epilogue, unless a
+        // residual must be added before it.
+        let relu = self.steps[at].residual.is_none() && std::mem::take(&mut self.steps[at].relu);
         self.replace(
             at,
             StepOp::QConv(QConv {
@@ -638,10 +697,19 @@ impl OnnxModel {
     }
 
     /// Puts `op` in step `at`, which now reads only its first input.
+    /// A fused residual input stays, as input 1.
     fn replace(&mut self, at: usize, op: StepOp) {
         let step = &mut self.steps[at];
+        let residual = step
+            .residual
+            .and_then(|i| step.inputs.get(i).copied().flatten());
         for s in step.inputs.drain(1..).flatten() {
             self.uses[s] = self.uses[s].saturating_sub(1);
+        }
+        if let Some(r) = residual {
+            step.inputs.push(Some(r));
+            self.uses[r] += 1;
+            step.residual = Some(1);
         }
         step.op_name = match op {
             StepOp::QLinear(_) => "QLinear".into(),

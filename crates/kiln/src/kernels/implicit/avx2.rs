@@ -3,7 +3,7 @@
 use std::arch::x86_64::*;
 
 use super::avx2_dims::{COLS, ROWS};
-use super::{Tile, TileRows, walk_rows};
+use super::{Tile, tile_rows, walk_rows};
 
 /// Lanes per register.
 const LANES: usize = 8;
@@ -28,25 +28,22 @@ pub(super) unsafe fn rows(tile: &Tile, bases: &[usize], out: *mut f32) {
         for (i, window) in bases.chunks_exact(4).enumerate() {
             let out = out.wrapping_add(i * tile.out_stride);
             // SAFETY: the caller's contract, for this window's rows.
-            unsafe { block::<4>(tile, window.try_into().unwrap(), out, &masks) };
+            unsafe {
+                block::<4>(
+                    tile,
+                    window.try_into().unwrap(),
+                    (out, std::ptr::null()),
+                    &masks,
+                )
+            };
         }
         return;
     }
     walk_rows(bases.len(), ROWS, SMALL, |i, rows| {
         let out = out.wrapping_add(i * tile.out_stride);
-        // SAFETY: the caller's contract, for the tile's rows (walk_rows keeps them in
-        // `bases`, so the conversions cannot fail).
-        unsafe {
-            match rows {
-                TileRows::Full => {
-                    block::<ROWS>(tile, bases[i..][..ROWS].try_into().unwrap(), out, &masks)
-                }
-                TileRows::Small => {
-                    block::<SMALL>(tile, bases[i..][..SMALL].try_into().unwrap(), out, &masks)
-                }
-                TileRows::One => block::<1>(tile, &[bases[i]], out, &masks),
-            }
-        }
+        let res = tile.residual_at(i);
+        // SAFETY: the caller's contract, for the tile's rows.
+        unsafe { tile_rows!(block, tile, bases, i, rows, (out, res), &masks, ROWS, SMALL) }
     });
 }
 
@@ -58,7 +55,7 @@ const SMALL: usize = 3;
 unsafe fn block<const R: usize>(
     tile: &Tile,
     bases: &[usize; R],
-    out: *mut f32,
+    (out, res): (*mut f32, *const f32),
     masks: &[__m256i; BLOCKS],
 ) {
     let (image, panel) = (tile.image.as_ptr(), tile.panel.as_ptr());
@@ -105,13 +102,16 @@ unsafe fn block<const R: usize>(
     }
     for (r, row) in acc.iter().enumerate() {
         for (b, v) in row.iter().enumerate() {
-            let v = if tile.relu {
-                _mm256_max_ps(*v, zero)
-            } else {
+            let at = r * tile.out_stride + b * LANES;
+            let v = if res.is_null() {
                 *v
+            } else {
+                // SAFETY: the residual has the output's layout; masked to the valid columns.
+                _mm256_add_ps(*v, unsafe { _mm256_maskload_ps(res.add(at), masks[b]) })
             };
+            let v = if tile.relu { _mm256_max_ps(v, zero) } else { v };
             // SAFETY: masked to this panel's valid columns of row r.
-            unsafe { _mm256_maskstore_ps(out.add(r * tile.out_stride + b * LANES), masks[b], v) };
+            unsafe { _mm256_maskstore_ps(out.add(at), masks[b], v) };
         }
     }
 }

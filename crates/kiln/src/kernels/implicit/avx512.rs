@@ -3,7 +3,7 @@
 use std::arch::x86_64::*;
 
 use super::avx512_dims::{COLS, ROWS};
-use super::{Tile, TileRows, row_group, walk_rows};
+use super::{Tile, row_group, tile_rows, walk_rows};
 
 /// Lanes per register.
 const LANES: usize = 16;
@@ -25,19 +25,9 @@ pub(super) unsafe fn rows(tile: &Tile, bases: &[usize], out: *mut f32) {
     let (full, small) = if tile.pool { POOL_TILES } else { (ROWS, SMALL) };
     walk_rows(bases.len(), full, small, |i, rows| {
         let out = out.wrapping_add(i / group * tile.out_stride);
-        // SAFETY: the caller's contract, for the tile's rows (walk_rows keeps them in
-        // `bases`, so the conversions cannot fail).
-        unsafe {
-            match rows {
-                TileRows::Full => {
-                    block::<ROWS>(tile, bases[i..][..ROWS].try_into().unwrap(), out, &masks)
-                }
-                TileRows::Small => {
-                    block::<SMALL>(tile, bases[i..][..SMALL].try_into().unwrap(), out, &masks)
-                }
-                TileRows::One => block::<1>(tile, &[bases[i]], out, &masks),
-            }
-        }
+        let res = tile.residual_at(i / group);
+        // SAFETY: the caller's contract, for the tile's rows.
+        unsafe { tile_rows!(block, tile, bases, i, rows, (out, res), &masks, ROWS, SMALL) }
     });
 }
 
@@ -52,7 +42,7 @@ const POOL_TILES: (usize, usize) = (ROWS, SMALL);
 unsafe fn block<const R: usize>(
     tile: &Tile,
     bases: &[usize; R],
-    out: *mut f32,
+    (out, res): (*mut f32, *const f32),
     masks: &[__mmask16; BLOCKS],
 ) {
     let (image, panel) = (tile.image.as_ptr(), tile.panel.as_ptr());
@@ -99,13 +89,16 @@ unsafe fn block<const R: usize>(
     }
     for (r, row) in acc.iter().enumerate() {
         for (b, v) in row.iter().enumerate() {
-            let v = if tile.relu {
-                _mm512_max_ps(*v, zero)
-            } else {
+            let at = r * tile.out_stride + b * LANES;
+            let v = if res.is_null() {
                 *v
+            } else {
+                // SAFETY: the residual has the output's layout; masked to the valid columns.
+                _mm512_add_ps(*v, unsafe { _mm512_maskz_loadu_ps(masks[b], res.add(at)) })
             };
+            let v = if tile.relu { _mm512_max_ps(v, zero) } else { v };
             // SAFETY: masked to this panel's valid columns of row r.
-            unsafe { _mm512_mask_storeu_ps(out.add(r * tile.out_stride + b * LANES), masks[b], v) };
+            unsafe { _mm512_mask_storeu_ps(out.add(at), masks[b], v) };
         }
     }
 }

@@ -219,7 +219,7 @@ pub fn conv2d_nhwc(s: &ConvShape, x: &[f32], w: &ConvWeights, relu: bool, out: &
     }
     match simd_width(w) {
         // SAFETY: `out` holds the output's `output_len` values and is borrowed uniquely.
-        Some(width) => unsafe { conv_simd(s, x, w, width, relu, false, out.as_mut_ptr()) },
+        Some(width) => unsafe { conv_simd(s, x, w, width, Epilogue::relu(relu), out.as_mut_ptr()) },
         None => {
             let bias = w.has_bias.then_some(&w.bias[..]);
             conv2d_nhwc_forward(s, x, &w.data, bias, relu, out)
@@ -232,11 +232,64 @@ pub fn conv2d_nhwc(s: &ConvShape, x: &[f32], w: &ConvWeights, relu: bool, out: &
 /// pure cost).
 pub fn conv2d_nhwc_new(s: &ConvShape, x: &[f32], w: &ConvWeights, relu: bool) -> Vec<f32> {
     match simd_width(w) {
-        Some(width) => conv_simd_new(s, x, w, width, relu, false),
+        Some(width) => conv_simd_new(s, x, w, width, Epilogue::relu(relu)),
         None => {
             let mut out = vec![0f32; s.output_len()];
             conv2d_nhwc(s, x, w, relu, &mut out);
             out
+        }
+    }
+}
+
+/// `relu(conv(x) + bias + residual)` (ReLU with `relu`), `residual` in the output's layout
+/// `[batch, oh, ow, cout]`: a residual block's addition in the convolution's store, so the
+/// sum is never a separate pass over memory (ResNet's blocks end so).
+pub fn conv2d_nhwc_add_new(
+    s: &ConvShape,
+    x: &[f32],
+    w: &ConvWeights,
+    residual: &[f32],
+    relu: bool,
+) -> Vec<f32> {
+    assert_eq!(residual.len(), s.output_len(), "conv2d residual length");
+    match simd_width(w) {
+        Some(width) => conv_simd_new(
+            s,
+            x,
+            w,
+            width,
+            Epilogue {
+                relu,
+                pool: false,
+                residual: Some(residual),
+            },
+        ),
+        None => {
+            let mut out = conv2d_nhwc_new(s, x, w, false);
+            for (o, r) in out.iter_mut().zip(residual) {
+                let v = *o + r;
+                *o = if relu { v.max(0.0) } else { v };
+            }
+            out
+        }
+    }
+}
+
+/// What the SIMD kernels do between the accumulators and the store.
+#[derive(Clone, Copy)]
+struct Epilogue<'a> {
+    relu: bool,
+    /// 2×2 max pool after the ReLU ([`conv2d_nhwc_relu_pool2_new`]).
+    pool: bool,
+    residual: Option<&'a [f32]>,
+}
+
+impl Epilogue<'_> {
+    fn relu(relu: bool) -> Self {
+        Epilogue {
+            relu,
+            pool: false,
+            residual: None,
         }
     }
 }
@@ -252,7 +305,17 @@ pub fn conv2d_nhwc_new(s: &ConvShape, x: &[f32], w: &ConvWeights, relu: bool) ->
 /// pool's "NaN wins" rule.
 pub fn conv2d_nhwc_relu_pool2_new(s: &ConvShape, x: &[f32], w: &ConvWeights) -> Vec<f32> {
     match simd_width(w) {
-        Some(width) => conv_simd_new(s, x, w, width, true, true),
+        Some(width) => conv_simd_new(
+            s,
+            x,
+            w,
+            width,
+            Epilogue {
+                relu: true,
+                pool: true,
+                residual: None,
+            },
+        ),
         None => {
             let y = conv2d_nhwc_new(s, x, w, true);
             let pooled = PoolShape::nchw([s.batch, 1, s.out_h(), s.out_w()], [2, 2], [2, 2]);
@@ -291,17 +354,16 @@ fn conv_simd_new(
     x: &[f32],
     w: &ConvWeights,
     width: usize,
-    relu: bool,
-    pool: bool,
+    epilogue: Epilogue,
 ) -> Vec<f32> {
     check_operands(s, x, w);
-    let len = s.batch * stored_pixels(s, pool) * s.cout;
+    let len = s.batch * stored_pixels(s, epilogue.pool) * s.cout;
     let mut out = Vec::with_capacity(len);
     // SAFETY: the capacity holds `len` values; the SIMD path stores each of them once (every
     // row by `walk_rows`, which in pooled mode never splits a window since rows and tiles are
     // multiples of 4; every column by the panels' masked stores) before the length is set.
     unsafe {
-        conv_simd(s, x, w, width, relu, pool, out.as_mut_ptr());
+        conv_simd(s, x, w, width, epilogue, out.as_mut_ptr());
         out.set_len(len);
     }
     out
@@ -317,10 +379,18 @@ unsafe fn conv_simd(
     x: &[f32],
     w: &ConvWeights,
     width: usize,
-    relu: bool,
-    pool: bool,
+    epilogue: Epilogue,
     out: *mut f32,
 ) {
+    let Epilogue {
+        relu,
+        pool,
+        residual,
+    } = epilogue;
+    if let Some(r) = residual {
+        assert!(!pool, "a pooled convolution takes no residual");
+        assert_eq!(r.len(), s.output_len(), "conv2d residual length");
+    }
     let [cout, cin, kh, kw] = w.dims;
     let k = cin * kh * kw;
     // GEMM rows: one per output pixel, or 4 per pooled pixel.
@@ -350,6 +420,7 @@ unsafe fn conv_simd(
         width,
         relu,
         pool,
+        residual,
     };
     // Work items: (block of rows, panel), row-block-major, so one task's consecutive items
     // reuse the block's input from cache across panels. Few rows (deep layers at batch 1)
@@ -556,6 +627,8 @@ struct Operands<'a> {
     width: usize,
     relu: bool,
     pool: bool,
+    /// Added to the output before the ReLU (the output's layout).
+    residual: Option<&'a [f32]>,
 }
 
 impl Operands<'_> {
@@ -581,6 +654,9 @@ impl Operands<'_> {
             cols: (cout - col0).min(self.width),
             out_stride: cout,
             pool: self.pool,
+            residual: self.residual.map_or(std::ptr::null(), |r| {
+                r[rows.start / row_group(self.pool) * cout + col0..].as_ptr()
+            }),
         };
         // SAFETY: the caller's contract; row r of the rectangle starts at (r·cout + col0).
         unsafe {
@@ -592,6 +668,33 @@ impl Operands<'_> {
         };
     }
 }
+
+/// Runs an instruction set's `block::<R>` on the tile `walk_rows` picked at row `i`: its full
+/// tile (`$full` rows), its narrow one (`$small`), or one row. `walk_rows` keeps every tile
+/// inside `bases`, so the slice conversions cannot fail.
+macro_rules! tile_rows {
+    ($block:ident, $tile:expr, $bases:expr, $i:expr, $rows:expr, $dest:expr, $masks:expr,
+     $full:ident, $small:ident) => {
+        match $rows {
+            $crate::kernels::implicit::TileRows::Full => $block::<$full>(
+                $tile,
+                $bases[$i..][..$full].try_into().unwrap(),
+                $dest,
+                $masks,
+            ),
+            $crate::kernels::implicit::TileRows::Small => $block::<$small>(
+                $tile,
+                $bases[$i..][..$small].try_into().unwrap(),
+                $dest,
+                $masks,
+            ),
+            $crate::kernels::implicit::TileRows::One => {
+                $block::<1>($tile, &[$bases[$i]], $dest, $masks)
+            }
+        }
+    };
+}
+pub(crate) use tile_rows;
 
 /// Which register tile covers the rows from a given one on.
 #[derive(Clone, Copy)]
@@ -637,6 +740,9 @@ struct Tile<'a> {
     /// Rows come in groups of 4 (a 2×2 pooling window, see [`conv2d_nhwc_relu_pool2_new`]):
     /// each group's maximum after ReLU is stored, as one output row.
     pool: bool,
+    /// A residual in the output's layout from the tile's first row, added before the ReLU;
+    /// null for none.
+    residual: *const f32,
 }
 
 /// GEMM rows per stored output row: 4 when the epilogue pools 2×2 windows.
@@ -645,6 +751,15 @@ fn row_group(pool: bool) -> usize {
 }
 
 impl Tile<'_> {
+    /// The residual from output row `row` on (null without one).
+    fn residual_at(&self, row: usize) -> *const f32 {
+        if self.residual.is_null() {
+            self.residual
+        } else {
+            self.residual.wrapping_add(row * self.out_stride)
+        }
+    }
+
     /// Runs the register tiles over `bases` (one per row), writing row `i` at
     /// `out[i·out_stride..][..cols]`.
     ///

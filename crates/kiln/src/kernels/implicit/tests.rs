@@ -253,3 +253,44 @@ fn convolution_relu_and_2x2_pool_in_one_pass_match_the_f64_reference() {
         }
     }
 }
+
+/// The residual sum in the store (`relu(conv + bias + residual)`) on every kernel, against
+/// the reference plus the residual: ResNet's block ends, with odd channel counts so the
+/// masked loads and stores of a partial panel are covered, and batch > 1 so tiles span
+/// images.
+#[test]
+fn residual_in_the_store_matches_the_reference() {
+    for (s, relu) in [
+        (
+            shape(1, 16, [9, 9], 32, [3, 3], [1, 1], [(1, 1); 2], [1, 1]),
+            true,
+        ),
+        (
+            shape(2, 8, [7, 6], 37, [3, 3], [2, 2], [(1, 1); 2], [1, 1]),
+            false,
+        ),
+        (
+            shape(3, 5, [5, 5], 13, [1, 1], [1, 1], [(0, 0); 2], [1, 1]),
+            true,
+        ),
+    ] {
+        let x = values(s.input_len(), 4);
+        let w = values(s.weight_len(), 5);
+        let b = values(s.cout, 6);
+        let residual = values(s.output_len(), 7);
+        let want: Vec<f64> = reference(&s, &x, &w, Some(&b), false)
+            .iter()
+            .zip(&residual)
+            .map(|(y, r)| {
+                let v = y + *r as f64;
+                if relu { v.max(0.0) } else { v }
+            })
+            .collect();
+        for kernel in supported() {
+            let packed = ConvWeights::pack_for(kernel, [s.cout, s.cin, s.kh, s.kw], &w, Some(&b));
+            let got = conv2d_nhwc_add_new(&s, &x, &packed, &residual, relu);
+            let err = relative_error(&got, &want);
+            assert!(err < 1e-5, "{} {s:?}: {err:.2e}", kernel.name());
+        }
+    }
+}
