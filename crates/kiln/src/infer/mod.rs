@@ -22,6 +22,7 @@ use burn::tensor::{Bytes, Device, Tensor};
 use serde::Serialize;
 
 pub use exec::Executor;
+pub(crate) use graph::batch_norm_affine;
 pub use graph::{ConvGeometry, Graph, Node, Op, QuantWeight, ValueId, Weight};
 pub use lower::lower;
 pub use passes::{

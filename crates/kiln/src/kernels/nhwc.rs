@@ -236,6 +236,34 @@ multiversion! {
     }
 }
 
+/// `x = x · scale + shift` per channel over channels-last pixels (an inference BatchNorm).
+pub fn scale_shift_in_place(x: &mut [f32], scale: &[f32], shift: &[f32]) {
+    let c = scale.len();
+    assert_eq!(shift.len(), c, "scale and shift lengths differ");
+    if c == 0 {
+        return;
+    }
+    assert_eq!(x.len() % c, 0, "scale_shift: image length");
+    // Whole pixels per chunk, so each chunk starts at channel 0.
+    let chunk = (PARALLEL_MIN / c).max(1) * c;
+    if x.len() < PARALLEL_MIN {
+        scale_shift_pixels(x, scale, shift);
+    } else {
+        x.par_chunks_mut(chunk)
+            .for_each(|xs| scale_shift_pixels(xs, scale, shift));
+    }
+}
+
+multiversion! {
+    fn scale_shift_pixels(xs: &mut [f32], scale: &[f32], shift: &[f32]) {
+        for px in xs.chunks_exact_mut(scale.len()) {
+            for ((x, &a), &b) in px.iter_mut().zip(scale).zip(shift) {
+                *x = *x * a + b;
+            }
+        }
+    }
+}
+
 /// The geometry of a pooling or depthwise window over a channels-last image.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Window2d {
@@ -745,6 +773,21 @@ mod tests {
             .iter()
             .enumerate()
             .map(|(i, &v)| v as f64 * gate[(i / 20_000) * 200 + i % 200] as f64)
+            .collect();
+        assert!(relative_error(&got, &want) < 1e-6);
+    }
+
+    #[test]
+    fn scale_shift_is_per_channel() {
+        let (c, pixels) = (37, 1000);
+        let x = values(c * pixels, 9);
+        let (a, b) = (values(c, 10), values(c, 11));
+        let mut got = x.clone();
+        scale_shift_in_place(&mut got, &a, &b);
+        let want: Vec<f64> = x
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| v as f64 * a[i % c] as f64 + b[i % c] as f64)
             .collect();
         assert!(relative_error(&got, &want) < 1e-6);
     }

@@ -23,11 +23,13 @@ use super::OnnxError;
 use super::ops::nn::Window;
 use super::ops::node_window;
 use super::value::{Value, ValueKind};
+use crate::infer::batch_norm_affine;
 use crate::kernels::conv::ConvShape;
 use crate::kernels::implicit::{ConvWeights, conv2d_nhwc_add_new, conv2d_nhwc_new, linear_rows};
 use crate::kernels::nhwc::{
     Activation, Arith, DepthwiseWeights, PoolKind, Window2d, activate, arith_channels_in_place,
     arith_in_place, depthwise_conv2d, global_average, nchw_to_nhwc, nhwc_to_nchw, pool2d,
+    scale_shift_in_place,
 };
 
 /// A float image `[n, h, w, c]` on the host, channels-last. Shared (`Arc`) so a value read
@@ -120,6 +122,8 @@ pub(super) enum Packed {
     /// the rows of its input, its weight packed once instead of transposed and packed per
     /// call.
     Linear(ConvWeights),
+    /// An inference BatchNormalization with constant parameters: `x · scale + shift`.
+    Affine { scale: Vec<f32>, shift: Vec<f32> },
 }
 
 /// A convolution's packed weights.
@@ -219,6 +223,19 @@ pub(super) fn run(
             Some(Ok(vec![Slot::Image(Image::new(means, [n, 1, 1, c]))]))
         }
         Node::Concat(n) if n.config.axis == 1 => concat_channels(ins),
+        Node::BatchNormalization(n) if image_in => {
+            let epsilon = match &n.config {
+                onnx_ir::node::batch_norm::BatchNormConfig::Static(c) => c.epsilon,
+                onnx_ir::node::batch_norm::BatchNormConfig::Runtime(c) => c.epsilon,
+            };
+            let Some(Packed::Affine { scale, shift }) = step
+                .cache
+                .get_or_init(|| pack_batch_norm(step, ins, epsilon))
+            else {
+                return None;
+            };
+            affine(ins, scale, shift)
+        }
         Node::Linear(n) => linear(step, ins, n.config.transpose_weight, true),
         Node::Gemm(n) => {
             let c = &n.config;
@@ -231,6 +248,69 @@ pub(super) fn run(
         Node::MatMul(_) => linear(step, ins, false, false),
         _ => None,
     }
+}
+
+/// An int8 convolution (the int8 pass's) of an image, its output left channels-last;
+/// then the fused residual (input `residual`) and ReLU, which the pass leaves outside the
+/// integer epilogue when there is a residual.
+pub(super) fn int8_conv(
+    q: &super::passes::QConv,
+    ins: &mut [Option<Slot>],
+    (residual, relu): (Option<usize>, bool),
+    device: &Device,
+) -> Option<Result<Vec<Slot>, OnnxError>> {
+    let x = take(ins, 0)?;
+    let residual = residual.and_then(|i| take(ins, i));
+    let run = || -> Result<Vec<Slot>, OnnxError> {
+        // An NCHW input (the graph's) is made channels-last once; the layers after stay so.
+        let x = x.into_image()?;
+        let _op = tracing::trace_span!("kiln.qconv_nhwc", input = ?x.dims).entered();
+        let (mut y, dims) = q.run_nhwc(&x.data, x.dims)?;
+        let Some(r) = residual else {
+            if relu {
+                activate(&mut y, Activation::Relu);
+            }
+            return Ok(vec![Slot::Image(Image::new(y, dims))]);
+        };
+        add_residual(Image::new(y, dims), r, relu, device)
+    };
+    Some(run())
+}
+
+/// A BatchNorm's `x · scale + shift` from its constant parameters (inputs 1 to 4).
+fn pack_batch_norm(step: &HostStep, ins: &[Option<Slot>], epsilon: f64) -> Option<Packed> {
+    if !(1..5).all(|i| step.constant.get(i).copied().unwrap_or(false)) {
+        return None;
+    }
+    let params: Vec<Vec<f32>> = (1..5)
+        .map(|i| float_constant(ins, i).map(|(v, _)| v))
+        .collect::<Option<_>>()?;
+    let [gamma, beta, mean, var] = <[Vec<f32>; 4]>::try_from(params).ok()?;
+    if [&beta, &mean, &var].iter().any(|p| p.len() != gamma.len()) {
+        return None;
+    }
+    let (scale, shift) = batch_norm_affine(&gamma, &beta, &mean, &var, epsilon);
+    Some(Packed::Affine { scale, shift })
+}
+
+/// `x · scale + shift` per channel on an image input (a BatchNorm, or the fold pass's
+/// precomputed one); `None` when the input is not an image of `scale.len()` channels.
+pub(super) fn affine(
+    ins: &mut [Option<Slot>],
+    scale: &[f32],
+    shift: &[f32],
+) -> Option<Result<Vec<Slot>, OnnxError>> {
+    match ins.first()? {
+        Some(Slot::Image(image)) if image.dims[3] == scale.len() => {}
+        _ => return None,
+    }
+    let Some(Slot::Image(image)) = take(ins, 0) else {
+        return None;
+    };
+    let dims = image.dims;
+    let mut data = image.into_vec();
+    scale_shift_in_place(&mut data, scale, shift);
+    Some(Ok(vec![Slot::Image(Image::new(data, dims))]))
 }
 
 /// A linear layer whose weight (input 1; `[out, in]` when `out_major`, else `[in, out]`)
@@ -446,11 +526,25 @@ fn conv(
             out
         }
     };
-    let out = Slot::Image(Image::new(out, out_dims));
-    let Some(r) = after else {
-        return Ok(vec![out]);
+    let out = Image::new(out, out_dims);
+    match after {
+        Some(r) => add_residual(out, r, relu, device),
+        None => Ok(vec![Slot::Image(out)]),
+    }
+}
+
+/// `out + r` (then ReLU with `relu`) for a residual that was not summed in a kernel's store:
+/// an image or NCHW value of `out`'s shape, a per-channel operand, or (numpy broadcasting)
+/// anything else on values.
+fn add_residual(out: Image, r: Slot, relu: bool, device: &Device) -> Result<Vec<Slot>, OnnxError> {
+    let [n, h, w, c] = out.dims;
+    let r = match r {
+        Slot::Value(v) if v.kind() == ValueKind::Float && v.dims() == [n, c, h, w] => {
+            Slot::Image(Image::from_value(v)?)
+        }
+        other => other,
     };
-    let mut operands = [Some(out), Some(r)];
+    let mut operands = [Some(Slot::Image(out)), Some(r)];
     if let Some(sum) = binary(&mut operands, Arith::Add, relu) {
         return sum;
     }

@@ -324,6 +324,43 @@ impl OnnxModel {
             .collect()
     }
 
+    /// The step on the host's image kernels, when they take it (`None`: the inputs are
+    /// untouched and the step runs on values).
+    fn run_on_host(
+        &self,
+        step: &Step,
+        ins: &mut [Option<Slot>],
+    ) -> Option<Result<Vec<Slot>, OnnxError>> {
+        match &step.op {
+            StepOp::Onnx(node) => {
+                let constant: Vec<bool> = step
+                    .inputs
+                    .iter()
+                    .map(|s| s.is_some_and(|s| self.constants[s].is_some()))
+                    .collect();
+                let host_step = host::HostStep {
+                    node,
+                    constant: &constant,
+                    cache: &step.packed,
+                    outputs: step.outputs.len(),
+                    relu: step.relu,
+                    residual: step.residual,
+                    device: &self.device,
+                };
+                host::run(&host_step, ins)
+            }
+            StepOp::Affine { scale, shift } => {
+                let (scale, shift) = match (scale.to_f32s(), shift.to_f32s()) {
+                    (Ok(a), Ok(b)) => (a, b),
+                    (Err(e), _) | (_, Err(e)) => return Some(Err(e)),
+                };
+                host::affine(ins, &scale, &shift)
+            }
+            StepOp::QConv(q) => host::int8_conv(q, ins, (step.residual, step.relu), &self.device),
+            StepOp::QLinear(_) => None,
+        }
+    }
+
     /// Runs one step: on the host's image kernels when `on_host` and the step is one they
     /// take, else on values (images converted back to NCHW first).
     fn run_step(
@@ -332,24 +369,8 @@ impl OnnxModel {
         ins: &mut [Option<Slot>],
         on_host: bool,
     ) -> Result<Vec<Slot>, OnnxError> {
-        if on_host && let StepOp::Onnx(node) = &step.op {
-            let constant: Vec<bool> = step
-                .inputs
-                .iter()
-                .map(|s| s.is_some_and(|s| self.constants[s].is_some()))
-                .collect();
-            let host_step = host::HostStep {
-                node,
-                constant: &constant,
-                cache: &step.packed,
-                outputs: step.outputs.len(),
-                relu: step.relu,
-                residual: step.residual,
-                device: &self.device,
-            };
-            if let Some(outs) = host::run(&host_step, ins) {
-                return outs;
-            }
+        if on_host && let Some(outs) = self.run_on_host(step, ins) {
+            return outs;
         }
         let mut ins: Vec<Option<Value>> = ins
             .iter_mut()

@@ -149,6 +149,30 @@ impl QConv {
         let dims: [usize; 4] = x.dims().try_into().map_err(|d| {
             OnnxError::Shape(format!("int8 convolution takes [N, C, H, W]; got {d:?}"))
         })?;
+        let host = x.to_f32s()?;
+        let (y, [b, ho, wo, co]) = self.convolve(&host, dims, ImageLayout::Nchw)?;
+        let nhwc = host_value(y, &[b, ho, wo, co], &x.device())?;
+        Ok(vec![super::ops::shape::transpose(nhwc, &[0, 3, 1, 2])?])
+    }
+
+    /// The convolution of a channels-last image `x` `[b, h, w, c]`: `[b, ho, wo, cout]`,
+    /// channels-last too (the integer GEMM's natural output).
+    pub(super) fn run_nhwc(
+        &self,
+        x: &[f32],
+        [b, h, w, c]: [usize; 4],
+    ) -> Result<(Vec<f32>, [usize; 4]), OnnxError> {
+        self.convolve(x, [b, c, h, w], ImageLayout::Nhwc)
+    }
+
+    /// `x` (`[b, c, h, w]` images stored as `layout`) through the integer implicit GEMM,
+    /// with its output dimensions `[b, ho, wo, cout]`.
+    fn convolve(
+        &self,
+        host: &[f32],
+        dims: [usize; 4],
+        layout: ImageLayout,
+    ) -> Result<(Vec<f32>, [usize; 4]), OnnxError> {
         let [b, _, h, w] = dims;
         let g = &self.geometry;
         let [top, left, bottom, right] = g.pads;
@@ -160,16 +184,9 @@ impl QConv {
                 g.kernel
             )));
         }
-        let host = x.to_f32s()?;
-        let quant = ActivationQuant::for_range(range_of(&host));
-        let (a, ho, wo) = QuantizedActivations::for_conv(
-            &host,
-            dims,
-            ImageLayout::Nchw,
-            g,
-            quant,
-            self.weight.kernel(),
-        );
+        let quant = ActivationQuant::for_range(range_of(host));
+        let (a, ho, wo) =
+            QuantizedActivations::for_conv(host, dims, layout, g, quant, self.weight.kernel());
         if a.cols != self.weight.cols {
             return Err(OnnxError::Shape(format!(
                 "int8 convolution: the input's {} channels do not fit the weights",
@@ -177,8 +194,7 @@ impl QConv {
             )));
         }
         let (y, _) = matmul_dequantized(&a, &self.weight, self.bias.as_deref(), self.relu);
-        let nhwc = host_value(y, &[b, ho, wo, self.weight.rows], &x.device())?;
-        Ok(vec![super::ops::shape::transpose(nhwc, &[0, 3, 1, 2])?])
+        Ok((y, [b, ho, wo, self.weight.rows]))
     }
 }
 
