@@ -241,3 +241,16 @@ fn residual_adds_and_relus_fuse_into_convolutions() {
     assert_eq!(count("Add") + count("Relu"), 0, "{counts:?}");
     assert!(count("Conv2d+Add+Relu") >= 2, "{counts:?}");
 }
+
+/// EfficientNet exports each SiLU as `Mul(x, Sigmoid(x))`: the pairs become single SiLU
+/// steps at load (the `efficientnet` test above checks the fused model's outputs), while the
+/// squeeze-excitation gates' sigmoids, which multiply something else, stay.
+#[test]
+fn sigmoid_products_of_their_own_input_fuse_into_silu() {
+    let model =
+        OnnxModel::load(&models_dir().join("efficientnet.onnx"), &Device::default()).unwrap();
+    let counts = model.op_counts();
+    let count = |op: &str| counts.get(op).copied().unwrap_or(0);
+    assert!(count("Silu") >= 3, "{counts:?}");
+    assert!(count("Sigmoid") >= 1, "{counts:?}");
+}

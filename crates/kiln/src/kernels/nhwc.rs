@@ -13,8 +13,15 @@ use rayon::prelude::*;
 
 use super::implicit::F32Kernel;
 
-/// Values below which a kernel runs on the calling thread: a rayon dispatch costs more.
-const PARALLEL_MIN: usize = 1 << 15;
+/// Values below which a memory-bound kernel runs on the calling thread, and the size of its
+/// parallel chunks: waking a pool thread costs about what one thread takes for this many
+/// (measured on MobileNet v3 small at batch 1, where 32 Ki-value chunks left 15% of the
+/// time in the scheduler).
+const PARALLEL_MIN: usize = 1 << 17;
+
+/// Multiply-adds below which a depthwise convolution stays on the calling thread (as
+/// [`super::implicit`]'s dense convolution does below 2 Mi).
+const DEPTHWISE_PARALLEL_MACS: usize = 1 << 21;
 
 /// Defines `fn $name(args)` whose body is compiled three times, for AVX-512, for AVX2 + FMA
 /// and for the baseline, and run as [`F32Kernel::detect`] picks (`KILN_F32_KERNEL`): the same
@@ -115,12 +122,16 @@ pub enum Activation {
     HardSigmoid(f32, f32),
     /// `x · clamp(x/6 + 1/2, 0, 1)`.
     HardSwish,
+    /// `x · sigmoid(x)`.
+    Silu,
 }
 
 /// Applies `act` to every value, in parallel chunks when there are many.
 pub fn activate(values: &mut [f32], act: Activation) {
-    if act == Activation::Sigmoid {
-        return super::activation::sigmoid_in_place(values);
+    match act {
+        Activation::Sigmoid => return super::activation::sigmoid_in_place(values),
+        Activation::Silu => return super::activation::silu_in_place(values),
+        _ => {}
     }
     if values.len() < PARALLEL_MIN {
         activate_slice(values, act);
@@ -143,6 +154,7 @@ multiversion! {
                 .iter_mut()
                 .for_each(|v| *v *= (*v * (1.0 / 6.0) + 0.5).clamp(0.0, 1.0)),
             Activation::Sigmoid => super::activation::sigmoid_in_place(values),
+            Activation::Silu => super::activation::silu_in_place(values),
         }
     }
 }
@@ -505,7 +517,7 @@ pub fn depthwise_conv2d(x: &[f32], win: &Window2d, w: &DepthwiseWeights, relu: b
     }
     let row = |(r, o_row): (usize, &mut [f32])| depthwise_row(x, win, w, relu, r, o_row);
     let work = out.len() * win.kernel[0] * win.kernel[1];
-    if work < PARALLEL_MIN * 4 {
+    if work < DEPTHWISE_PARALLEL_MACS {
         out.chunks_exact_mut(ow * c).enumerate().for_each(row);
     } else {
         out.par_chunks_exact_mut(ow * c).enumerate().for_each(row);
@@ -727,6 +739,7 @@ mod tests {
             Activation::HardSigmoid(0.2, 0.5),
             Activation::HardSwish,
             Activation::Sigmoid,
+            Activation::Silu,
         ] {
             let mut got = x.clone();
             activate(&mut got, act);
@@ -740,6 +753,7 @@ mod tests {
                         Activation::HardSigmoid(a, b) => (a as f64 * v + b as f64).clamp(0.0, 1.0),
                         Activation::HardSwish => v * (v / 6.0 + 0.5).clamp(0.0, 1.0),
                         Activation::Sigmoid => 1.0 / (1.0 + (-v).exp()),
+                        Activation::Silu => v / (1.0 + (-v).exp()),
                     }
                 })
                 .collect();

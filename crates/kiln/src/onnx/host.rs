@@ -223,6 +223,7 @@ pub(super) fn run(
             Some(Ok(vec![Slot::Image(Image::new(means, [n, 1, 1, c]))]))
         }
         Node::Concat(n) if n.config.axis == 1 => concat_channels(ins),
+        Node::Transpose(n) => relayout(ins, &n.config.perm, step.device),
         Node::BatchNormalization(n) if image_in => {
             let epsilon = match &n.config {
                 onnx_ir::node::batch_norm::BatchNormConfig::Static(c) => c.epsilon,
@@ -563,6 +564,14 @@ fn add_residual(out: Image, r: Slot, relu: bool, device: &Device) -> Result<Vec<
     Ok(vec![Slot::Value(sum)])
 }
 
+/// SiLU of an image input.
+pub(super) fn silu(ins: &mut [Option<Slot>]) -> Option<Result<Vec<Slot>, OnnxError>> {
+    match ins.first()? {
+        Some(Slot::Image(_)) => unary(ins, Activation::Silu),
+        _ => None,
+    }
+}
+
 fn unary(ins: &mut [Option<Slot>], act: Activation) -> Option<Result<Vec<Slot>, OnnxError>> {
     let Some(Slot::Image(image)) = take(ins, 0) else {
         return None;
@@ -662,6 +671,41 @@ fn pool(
     }
     let out = pool2d(&image.data, &win, kind);
     Some(Ok(vec![Slot::Image(Image::new(out, win.out_dims()))]))
+}
+
+/// A transpose between NCHW and NHWC that only relabels an image: `[0, 2, 3, 1]` of an
+/// image is its data as an `[n, h, w, c]` value, and `[0, 3, 1, 2]` of an `[n, h, w, c]`
+/// value is an image of that data (ConvNeXt permutes to channels-last around each block's
+/// LayerNorm and linear layers, and back).
+fn relayout(
+    ins: &mut [Option<Slot>],
+    perm: &[i64],
+    device: &Device,
+) -> Option<Result<Vec<Slot>, OnnxError>> {
+    let to_image = match (ins.first()?.as_ref()?, perm) {
+        (Slot::Image(_), [0, 2, 3, 1]) => false,
+        (Slot::Value(v), [0, 3, 1, 2]) if v.rank() == 4 && v.kind() == ValueKind::Float => true,
+        _ => return None,
+    };
+    let x = take(ins, 0)?;
+    let run = || -> Result<Vec<Slot>, OnnxError> {
+        Ok(vec![match x {
+            Slot::Image(image) if !to_image => {
+                let dims = image.dims;
+                let value = Tensor::<4>::from_data(TensorData::new(image.into_vec(), dims), device);
+                Slot::Value(Value::float(value))
+            }
+            Slot::Value(v) if to_image => {
+                let dims: [usize; 4] = v
+                    .dims()
+                    .try_into()
+                    .map_err(|d| OnnxError::Shape(format!("expected rank 4, got {d:?}")))?;
+                Slot::Image(Image::new(v.to_f32s()?, dims))
+            }
+            _ => return Err(OnnxError::Graph("relayout of an unexpected slot".into())),
+        }])
+    };
+    Some(run())
 }
 
 /// Channel concatenation of images of one size (DenseNet, SqueezeNet's fire modules).

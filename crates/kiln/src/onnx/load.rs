@@ -162,6 +162,7 @@ pub fn load(bytes: &[u8], name: &str, device: &Device) -> Result<OnnxModel, Onnx
     };
     model.fuse_relus();
     model.fuse_residuals();
+    model.fuse_silus();
     Ok(model)
 }
 

@@ -94,6 +94,8 @@ enum StepOp {
     QConv(passes::QConv),
     /// Inference BatchNorm reduced to `x · scale + shift` (constants shaped `[1, C, 1, ..]`).
     Affine { scale: Value, shift: Value },
+    /// `x · sigmoid(x)`: an exported `Sigmoid` and the `Mul` by its input, fused at load.
+    Silu,
 }
 
 impl StepOp {
@@ -357,6 +359,7 @@ impl OnnxModel {
                 host::affine(ins, &scale, &shift)
             }
             StepOp::QConv(q) => host::int8_conv(q, ins, (step.residual, step.relu), &self.device),
+            StepOp::Silu => host::silu(ins),
             StepOp::QLinear(_) => None,
         }
     }
@@ -384,6 +387,7 @@ impl OnnxModel {
             StepOp::QLinear(q) => q.run(&ins),
             StepOp::QConv(q) => q.run(&ins),
             StepOp::Affine { scale, shift } => passes::affine(&ins, scale, shift),
+            StepOp::Silu => passes::silu(&ins),
         }?;
         // What was fused into the step at load, after the operator: the residual sum, then
         // the ReLU.

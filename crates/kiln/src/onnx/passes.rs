@@ -118,6 +118,17 @@ pub(super) fn affine(ins: Inputs, scale: &Value, shift: &Value) -> Result<Vec<Va
     )?])
 }
 
+/// `x · sigmoid(x)` on values.
+pub(super) fn silu(ins: Inputs) -> Result<Vec<Value>, OnnxError> {
+    use super::ops::math::{Binary, Unary, binary, unary};
+    let x = first(ins)?;
+    Ok(vec![binary(
+        Binary::Mul,
+        x.clone(),
+        unary(Unary::Sigmoid, x)?,
+    )?])
+}
+
 impl QLinear {
     /// `x · W + b` over the last axis of `x`, through the integer kernel.
     pub(super) fn run(&self, ins: Inputs) -> Result<Vec<Value>, OnnxError> {
@@ -240,7 +251,7 @@ impl OnnxModel {
                 StepOp::QLinear(q) => q.weight.rows * (q.weight.cols + 4),
                 StepOp::QConv(q) => q.weight.rows * (q.weight.cols + 4),
                 StepOp::Affine { scale, shift } => (scale.len() + shift.len()) * 4,
-                StepOp::Onnx(_) => 0,
+                StepOp::Onnx(_) | StepOp::Silu => 0,
             })
             .sum();
         constants + packed
@@ -354,6 +365,50 @@ impl OnnxModel {
             self.uses[skip] += 1;
             self.remove_step(at);
             fused += 1;
+        }
+        fused
+    }
+
+    /// Fuses `Mul(x, Sigmoid(x))` (either operand order; the Sigmoid read by nothing else)
+    /// into one SiLU step: one pass over the values, where the exported pair made a copy
+    /// (the sigmoid's input is still read by the product), a sigmoid pass and a product pass.
+    /// Returns how many were fused.
+    pub(super) fn fuse_silus(&mut self) -> usize {
+        let mut fused = 0;
+        let mut at = 0;
+        while at < self.steps.len() {
+            let step = &self.steps[at];
+            let operands = match (step.op.node(), step.inputs.as_slice()) {
+                (Some(Node::Mul(_)), &[Some(a), Some(b)]) => [a, b],
+                _ => {
+                    at += 1;
+                    continue;
+                }
+            };
+            // (the sigmoid step, x)
+            let gate = (0..2).find_map(|i| {
+                let (x, s) = (operands[1 - i], operands[i]);
+                let p = self.producer(s)?;
+                let step = &self.steps[p];
+                let is_gate = matches!(step.op.node(), Some(Node::Sigmoid(_)))
+                    && step.inputs.first() == Some(&Some(x))
+                    && x != s
+                    && self.uses[s] == 1
+                    && !self.output_slots.contains(&s);
+                is_gate.then_some((p, x, s))
+            });
+            let Some((sigmoid, x, s)) = gate else {
+                at += 1;
+                continue;
+            };
+            let step = &mut self.steps[at];
+            step.inputs = vec![Some(x)];
+            step.op = StepOp::Silu;
+            step.op_name = "Silu".into();
+            self.uses[s] -= 1;
+            self.remove_step(sigmoid);
+            fused += 1;
+            // The sigmoid ran before the product: the product moved one step back.
         }
         fused
     }
@@ -566,7 +621,7 @@ impl OnnxModel {
                 match &mut self.steps[layer].op {
                     StepOp::QLinear(q) => q.relu = true,
                     StepOp::QConv(q) => q.relu = true,
-                    StepOp::Onnx(_) | StepOp::Affine { .. } => {
+                    StepOp::Onnx(_) | StepOp::Affine { .. } | StepOp::Silu => {
                         unreachable!("fusable_relu returns int8 layers")
                     }
                 }
@@ -731,6 +786,7 @@ impl OnnxModel {
             StepOp::QLinear(_) => "QLinear".into(),
             StepOp::QConv(_) => "QConv".into(),
             StepOp::Affine { .. } => "Affine".into(),
+            StepOp::Silu => "Silu".into(),
             StepOp::Onnx(ref n) => n.node_type().to_string(),
         };
         step.op = op;
