@@ -406,7 +406,8 @@ fn take(ins: &mut [Option<Slot>], i: usize) -> Option<Slot> {
 }
 
 /// Packs the weights of Conv step `step` when they are constants and the grouping is one the
-/// host kernels run (one group, or depthwise with one filter per channel).
+/// host kernels run (one group, depthwise with one filter per channel, or groups the
+/// implicit GEMM's panels hold).
 fn pack_conv(step: &HostStep, ins: &[Option<Slot>], groups: usize) -> Option<PackedConv> {
     let constant = |i: usize| step.constant.get(i).copied().unwrap_or(false);
     if !constant(1) || (ins.get(2).is_some_and(Option::is_some) && !constant(2)) {
@@ -428,14 +429,16 @@ fn pack_conv(step: &HostStep, ins: &[Option<Slot>], groups: usize) -> Option<Pac
             bias.as_deref(),
         )));
     }
-    (per_group == 1 && groups == cout).then(|| {
-        PackedConv::Depthwise(DepthwiseWeights::pack(
+    if per_group == 1 && groups == cout {
+        return Some(PackedConv::Depthwise(DepthwiseWeights::pack(
             cout,
             [kh, kw],
             &weight,
             bias.as_deref(),
-        ))
-    })
+        )));
+    }
+    ConvWeights::pack_grouped([cout, per_group, kh, kw], groups, &weight, bias.as_deref())
+        .map(PackedConv::Dense)
 }
 
 /// The convolution of `x` (an image, or an NCHW value converted once), plus `residual`
@@ -452,8 +455,8 @@ fn conv(
     let pads = window.pads([h, w]);
     let (cin, kernel) = match packed {
         PackedConv::Dense(weights) => {
-            let [_, cin, kh, kw] = weights.dims();
-            (cin, [kh, kw])
+            let [_, _, kh, kw] = weights.dims();
+            (weights.input_channels(), [kh, kw])
         }
         PackedConv::Depthwise(weights) => (weights.channels(), weights.kernel()),
     };

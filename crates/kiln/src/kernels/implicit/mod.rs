@@ -112,6 +112,11 @@ pub struct ConvWeights {
     /// unpadded, or empty.
     bias: Vec<f32>,
     has_bias: bool,
+    /// Input channels per pixel of the image: `dims[1]`, except for a grouped convolution,
+    /// whose panels each read a slice of `dims[1]` channels of a wider pixel.
+    pixel: usize,
+    /// Per panel, the first input channel of its slice (empty: 0 for every panel).
+    panel_offsets: Vec<usize>,
 }
 
 impl ConvWeights {
@@ -128,6 +133,79 @@ impl ConvWeights {
         bias: Option<&[f32]>,
     ) -> Self {
         Self::from_rows(kernel, dims, pack_weight_for_nhwc(dims, weight), bias)
+    }
+
+    /// Packs a grouped convolution's `weight` `[cout, cin / groups, kh, kw]` for the detected
+    /// kernel, or `None` where the panels cannot hold it (the portable kernel, or groups of
+    /// output channels that neither divide nor are divided by a panel).
+    ///
+    /// Each panel of output channels reads one contiguous slice of input channels: with
+    /// groups narrower than a panel (RegNet's 8, ResNeXt's 4), the slice of all the groups
+    /// it covers, the weights block-diagonal and zero elsewhere — full vector lanes at the
+    /// price of multiply-adds by those zeros, as a narrow group would leave lanes empty
+    /// anyway; with groups wider than a panel, its group's channels.
+    pub fn pack_grouped(
+        dims: [usize; 4],
+        groups: usize,
+        weight: &[f32],
+        bias: Option<&[f32]>,
+    ) -> Option<Self> {
+        Self::pack_grouped_for(F32Kernel::detect(), dims, groups, weight, bias)
+    }
+
+    /// [`ConvWeights::pack_grouped`] for a given kernel.
+    pub fn pack_grouped_for(
+        kernel: F32Kernel,
+        [cout, cg, kh, kw]: [usize; 4],
+        groups: usize,
+        weight: &[f32],
+        bias: Option<&[f32]>,
+    ) -> Option<Self> {
+        let width = kernel.panel_width()?;
+        if groups == 0 || !cout.is_multiple_of(groups) || cout == 0 || cg == 0 {
+            return None;
+        }
+        assert_eq!(
+            weight.len(),
+            cout * cg * kh * kw,
+            "grouped conv weight length"
+        );
+        let og = cout / groups;
+        let panels = cout.div_ceil(width);
+        // (input channels per panel, each panel's first input channel)
+        let (slice, offsets): (usize, Vec<usize>) = if width.is_multiple_of(og) {
+            let per = width / og * cg;
+            (per, (0..panels).map(|p| p * per).collect())
+        } else if og.is_multiple_of(width) {
+            (cg, (0..panels).map(|p| p * width / og * cg).collect())
+        } else {
+            return None;
+        };
+        let taps = kh * kw;
+        let mut plain = vec![0f32; taps * slice * cout];
+        for o in 0..cout {
+            let first = (o / og) * cg - offsets[o / width];
+            for i in 0..cg {
+                for t in 0..taps {
+                    plain[(t * slice + first + i) * cout + o] = weight[(o * cg + i) * taps + t];
+                }
+            }
+        }
+        let mut packed = Self::from_rows(kernel, [cout, slice, kh, kw], plain, bias);
+        packed.pixel = cg * groups;
+        packed.panel_offsets = offsets;
+        Some(packed)
+    }
+
+    /// Values a grouped convolution's last panel may read past the end of the image (its
+    /// slice runs over the last pixel's channels); zeros there keep the reads in bounds.
+    fn slack(&self) -> usize {
+        let [_, slice, ..] = self.dims;
+        self.panel_offsets
+            .iter()
+            .map(|&o| (o + slice).saturating_sub(self.pixel))
+            .max()
+            .unwrap_or(0)
     }
 
     /// A linear layer's weight `[inputs, outputs]` (Burn's layout: already one row per K
@@ -156,6 +234,8 @@ impl ConvWeights {
                 data: plain,
                 bias: bias.map(<[f32]>::to_vec).unwrap_or_default(),
                 has_bias: bias.is_some(),
+                pixel: dims[1],
+                panel_offsets: Vec::new(),
             };
         };
         let k = dims[1] * dims[2] * dims[3];
@@ -177,12 +257,20 @@ impl ConvWeights {
             data,
             bias: padded,
             has_bias: bias.is_some(),
+            pixel: dims[1],
+            panel_offsets: Vec::new(),
         }
     }
 
-    /// `[cout, cin, kh, kw]`.
+    /// `[cout, cin, kh, kw]` (for grouped weights, `cin` is the input channels one panel
+    /// reads; [`ConvWeights::input_channels`] is the image's).
     pub fn dims(&self) -> [usize; 4] {
         self.dims
+    }
+
+    /// Input channels per pixel of the image these weights convolve.
+    pub fn input_channels(&self) -> usize {
+        self.pixel
     }
 
     /// The kernel these weights were packed for.
@@ -333,10 +421,10 @@ fn simd_width(w: &ConvWeights) -> Option<usize> {
 
 /// The shape agrees with the packed weights and the input.
 fn check_operands(s: &ConvShape, x: &[f32], w: &ConvWeights) {
-    let [cout, cin, kh, kw] = w.dims;
+    let [cout, _, kh, kw] = w.dims;
     assert_eq!(
         (s.cout, s.cin, s.kh, s.kw),
-        (cout, cin, kh, kw),
+        (cout, w.pixel, kh, kw),
         "conv2d weights packed for another shape"
     );
     assert_eq!(x.len(), s.input_len(), "conv2d input length");
@@ -402,12 +490,13 @@ unsafe fn conv_simd(
     // A large weight splits even over few rows: reading it is the cost (a linear layer at
     // batch 1), and two cores read it faster than one.
     let parallel = threads > 1 && (rows * k * cout >= SPLIT_MACS || k * cout >= SPLIT_WEIGHTS);
-    let geometry = Geometry::new(s);
+    let geometry = Geometry::new(s, cin);
     let padded;
-    let image = if s.padding == [(0, 0), (0, 0)] {
+    let slack = w.slack();
+    let image = if s.padding == [(0, 0), (0, 0)] && slack == 0 {
         x
     } else {
-        padded = geometry.pad(s, x, parallel);
+        padded = geometry.pad(s, x, parallel, slack);
         &padded[..]
     };
     let bases = geometry.bases(s.batch, pool);
@@ -536,12 +625,15 @@ struct Geometry {
 }
 
 impl Geometry {
-    fn new(s: &ConvShape) -> Self {
+    /// The windows of `s` reading `channels` input channels from the start of each pixel
+    /// (all of `s.cin`, or a grouped panel's slice, whose offset the caller adds).
+    fn new(s: &ConvShape, channels: usize) -> Self {
         let [(top, bottom), (left, right)] = s.padding;
         let (hp, wp) = (s.h + top + bottom, s.w + left + right);
         let (cin, [dy, dx]) = (s.cin, s.dilation);
         let mut runs = Vec::new();
-        let run_len = if dx == 1 {
+        // A kernel row is one run when its pixels' channels are all read and adjacent.
+        let run_len = if dx == 1 && channels == cin {
             for ky in 0..s.kh {
                 runs.push(ky * dy * wp * cin);
             }
@@ -552,7 +644,7 @@ impl Geometry {
                     runs.push((ky * dy * wp + kx * dx) * cin);
                 }
             }
-            cin
+            channels
         };
         Geometry {
             runs,
@@ -594,13 +686,14 @@ impl Geometry {
         bases
     }
 
-    /// Copies `x` `[batch, h, w, cin]` into a zero border of the convolution's padding; row
+    /// Copies `x` `[batch, h, w, cin]` into a zero border of the convolution's padding (and
+    /// `slack` zeros after the end); row
     /// by row over the pool when `parallel` (at batch 1 a serial copy of a large image cost
     /// ~10% of a strided ResNet convolution on two threads).
-    fn pad(&self, s: &ConvShape, x: &[f32], parallel: bool) -> Vec<f32> {
+    fn pad(&self, s: &ConvShape, x: &[f32], parallel: bool, slack: usize) -> Vec<f32> {
         let [(top, _), (left, _)] = s.padding;
         let (hp, row) = (self.hp, self.wp * self.cin);
-        let mut padded = vec![0f32; s.batch * hp * row];
+        let mut padded = vec![0f32; s.batch * hp * row + slack];
         let copy_row = |(i, dst): (usize, &mut [f32])| {
             let (n, y) = (i / hp, i % hp);
             if y >= top && y < top + s.h {
@@ -608,10 +701,11 @@ impl Geometry {
                 dst[left * self.cin..][..src.len()].copy_from_slice(src);
             }
         };
+        let image = &mut padded[..s.batch * hp * row];
         if parallel {
-            padded.par_chunks_mut(row).enumerate().for_each(copy_row);
+            image.par_chunks_mut(row).enumerate().for_each(copy_row);
         } else {
-            padded.chunks_mut(row).enumerate().for_each(copy_row);
+            image.chunks_mut(row).enumerate().for_each(copy_row);
         }
         padded
     }
@@ -641,11 +735,17 @@ impl Operands<'_> {
         let cout = self.weights.dims[0];
         let k = self.runs.len() * self.run_len;
         // The last window reads up to here: every base + offset + j must stay inside.
+        let shift = self.weights.panel_offsets.get(panel).copied().unwrap_or(0);
         let last = self.bases[rows.end - 1] + self.runs[self.runs.len() - 1] + self.run_len;
-        assert!(last <= self.image.len(), "conv2d window outside the image");
+        assert!(
+            last + shift <= self.image.len(),
+            "conv2d window outside the image"
+        );
         let col0 = panel * self.width;
+        // A grouped panel reads its slice of each pixel's channels.
+        let image = &self.image[shift..];
         let tile = Tile {
-            image: self.image,
+            image,
             runs: self.runs,
             run_len: self.run_len,
             panel: &self.weights.data[panel * k * self.width..][..k * self.width],

@@ -294,3 +294,87 @@ fn residual_in_the_store_matches_the_reference() {
         }
     }
 }
+
+/// Grouped convolutions against a direct f64 loop on every SIMD kernel: groups narrower than
+/// a panel (RegNet's width 8, ResNeXt's 4, a last panel that runs past the channels) and
+/// wider than one (64 channels per group), with padding, stride and ReLU; and a grouping the
+/// panels cannot hold is refused.
+#[test]
+fn grouped_convolutions_match_a_direct_loop() {
+    let cases = [
+        // (batch, cin, side, cout, groups, kernel, stride, pad)
+        (1, 48, 9, 48, 6, 3, 1, 1),
+        (2, 32, 7, 64, 8, 3, 2, 1),
+        (1, 128, 5, 128, 2, 3, 1, 1),
+        (1, 24, 6, 24, 3, 1, 1, 0),
+    ];
+    for (batch, cin, side, cout, groups, k, stride, pad) in cases {
+        let s = shape(
+            batch,
+            cin,
+            [side, side],
+            cout,
+            [k, k],
+            [stride, stride],
+            [(pad, pad); 2],
+            [1, 1],
+        );
+        let (cg, og) = (cin / groups, cout / groups);
+        let x = values(s.input_len(), 8);
+        let w = values(cout * cg * k * k, 9);
+        let b = values(cout, 10);
+        let (oh, ow) = (s.out_h(), s.out_w());
+        let mut want = Vec::with_capacity(s.output_len());
+        for n in 0..batch {
+            for oy in 0..oh {
+                for ox in 0..ow {
+                    for o in 0..cout {
+                        let g = o / og;
+                        let mut acc = b[o] as f64;
+                        for ky in 0..k {
+                            for kx in 0..k {
+                                let iy = (oy * stride + ky) as isize - pad as isize;
+                                let ix = (ox * stride + kx) as isize - pad as isize;
+                                if iy < 0 || ix < 0 || iy >= side as isize || ix >= side as isize {
+                                    continue;
+                                }
+                                for i in 0..cg {
+                                    let px = (n * side + iy as usize) * side + ix as usize;
+                                    acc += x[px * cin + g * cg + i] as f64
+                                        * w[((o * cg + i) * k + ky) * k + kx] as f64;
+                                }
+                            }
+                        }
+                        want.push(acc.max(0.0));
+                    }
+                }
+            }
+        }
+        for kernel in supported() {
+            let Some(packed) =
+                ConvWeights::pack_grouped_for(kernel, [cout, cg, k, k], groups, &w, Some(&b))
+            else {
+                assert_eq!(
+                    kernel,
+                    F32Kernel::Portable,
+                    "{} refused a grouping",
+                    kernel.name()
+                );
+                continue;
+            };
+            let got = conv2d_nhwc_new(&s, &x, &packed, true);
+            let err = relative_error(&got, &want);
+            assert!(
+                err < 1e-5,
+                "{} {s:?} groups {groups}: {err:.2e}",
+                kernel.name()
+            );
+        }
+    }
+    // 12 output channels per group fit neither a 32- nor a 16-wide panel evenly.
+    let w = values(24 * 2 * 9, 11);
+    assert!(
+        ConvWeights::pack_grouped_for(F32Kernel::detect(), [24, 2, 3, 3], 2, &w, None).is_none()
+            || F32Kernel::detect() == F32Kernel::Portable
+    );
+}
