@@ -224,6 +224,13 @@ pub(super) fn run(
         }
         Node::Concat(n) if n.config.axis == 1 => concat_channels(ins),
         Node::Transpose(n) => relayout(ins, &n.config.perm, step.device),
+        Node::Split(n) if image_in && n.config.axis == 1 => {
+            let Some(Some(Slot::Image(image))) = ins.first() else {
+                return None;
+            };
+            let sizes = super::ops::static_split_sizes(n, image.dims[3])?;
+            split_channels(ins, &sizes)
+        }
         Node::BatchNormalization(n) if image_in => {
             let epsilon = match &n.config {
                 onnx_ir::node::batch_norm::BatchNormConfig::Static(c) => c.epsilon,
@@ -709,6 +716,40 @@ fn relayout(
         }])
     };
     Some(run())
+}
+
+/// An image split along its channels into parts of `sizes` channels (ShuffleNet's
+/// branches).
+fn split_channels(
+    ins: &mut [Option<Slot>],
+    sizes: &[usize],
+) -> Option<Result<Vec<Slot>, OnnxError>> {
+    let Some(Some(Slot::Image(image))) = ins.first() else {
+        return None;
+    };
+    let [n, h, w, c] = image.dims;
+    if sizes.iter().sum::<usize>() != c {
+        return Some(Err(OnnxError::Shape(format!(
+            "split sizes {sizes:?} do not add up to the {c} channels"
+        ))));
+    }
+    let mut parts: Vec<Vec<f32>> = sizes
+        .iter()
+        .map(|&s| Vec::with_capacity(n * h * w * s))
+        .collect();
+    for px in image.data.chunks_exact(c.max(1)) {
+        let mut at = 0;
+        for (part, &size) in parts.iter_mut().zip(sizes) {
+            part.extend_from_slice(&px[at..at + size]);
+            at += size;
+        }
+    }
+    ins[0] = None;
+    Some(Ok(parts
+        .into_iter()
+        .zip(sizes)
+        .map(|(data, &size)| Slot::Image(Image::new(data, [n, h, w, size])))
+        .collect()))
 }
 
 /// Channel concatenation of images of one size (DenseNet, SqueezeNet's fire modules).

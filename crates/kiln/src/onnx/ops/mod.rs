@@ -276,6 +276,24 @@ fn unary(op: Unary, ins: Inputs, node: &Node) -> Result<Vec<Value>, OnnxError> {
     Ok(vec![math::unary(op, input(ins, 0, node)?)?])
 }
 
+/// The part sizes of a Split along an axis of `dim` values, when the node fixes them (sizes
+/// given, a part size, or an even split); `None` when an input gives them at run time.
+pub fn static_split_sizes(n: &onnx_ir::node::split::SplitNode, dim: usize) -> Option<Vec<usize>> {
+    use onnx_ir::node::split::SplitSizesInput;
+    Some(match (&n.config.split_sizes, n.config.split_size) {
+        (Some(SplitSizesInput::Static(s)), _) => s.clone(),
+        (Some(SplitSizesInput::Runtime(_)), _) => return None,
+        (None, Some(size)) if size > 0 => {
+            let mut s = vec![size; dim / size];
+            if !dim.is_multiple_of(size) {
+                s.push(dim % size);
+            }
+            s
+        }
+        _ => shape::even_split(dim, n.config.num_outputs.unwrap_or(n.outputs.len())),
+    })
+}
+
 /// Runs `node` on `ins`; one value per node output.
 pub fn run(node: &Node, ins: Inputs, device: &Device) -> Result<Vec<Value>, OnnxError> {
     let x = || input(ins, 0, node);
@@ -505,21 +523,13 @@ pub fn run(node: &Node, ins: Inputs, device: &Device) -> Result<Vec<Value>, Onnx
                 .dims()
                 .get(axis)
                 .ok_or_else(|| OnnxError::Shape(format!("split axis {axis} of {:?}", v.dims())))?;
-            let outputs = n.outputs.len();
-            let sizes: Vec<usize> = match (&n.config.split_sizes, n.config.split_size) {
-                (Some(SplitSizesInput::Static(s)), _) => s.clone(),
-                (Some(SplitSizesInput::Runtime(r)), _) => runtime_ints(ins, r, node)?
+            let sizes: Vec<usize> = match &n.config.split_sizes {
+                Some(SplitSizesInput::Runtime(r)) => runtime_ints(ins, r, node)?
                     .into_iter()
                     .map(|s| s.max(0) as usize)
                     .collect(),
-                (None, Some(size)) if size > 0 => {
-                    let mut s = vec![size; dim / size];
-                    if dim % size != 0 {
-                        s.push(dim % size);
-                    }
-                    s
-                }
-                _ => shape::even_split(dim, n.config.num_outputs.unwrap_or(outputs)),
+                _ => static_split_sizes(n, dim)
+                    .ok_or_else(|| OnnxError::Graph("split sizes read at run time".into()))?,
             };
             shape::split(v, axis, &sizes)
         }
