@@ -232,10 +232,7 @@ pub(super) fn run(
             split_channels(ins, &sizes)
         }
         Node::BatchNormalization(n) if image_in => {
-            let epsilon = match &n.config {
-                onnx_ir::node::batch_norm::BatchNormConfig::Static(c) => c.epsilon,
-                onnx_ir::node::batch_norm::BatchNormConfig::Runtime(c) => c.epsilon,
-            };
+            let epsilon = super::ops::batch_norm_epsilon(n);
             let Some(Packed::Affine { scale, shift }) = step
                 .cache
                 .get_or_init(|| pack_batch_norm(step, ins, epsilon))

@@ -465,10 +465,7 @@ impl OnnxModel {
         let Some(Node::BatchNormalization(n)) = self.steps[at].op.node() else {
             return Ok(false);
         };
-        let eps = match &n.config {
-            onnx_ir::node::batch_norm::BatchNormConfig::Static(c) => c.epsilon,
-            onnx_ir::node::batch_norm::BatchNormConfig::Runtime(c) => c.epsilon,
-        };
+        let eps = super::ops::batch_norm_epsilon(n);
         let params: Option<Vec<Vec<f32>>> = (1..5)
             .map(|i| {
                 self.constant_f32s(self.steps[at].inputs.get(i).copied().flatten())
@@ -540,10 +537,7 @@ impl OnnxModel {
     /// `b' = (b − mean)·a + beta` with `a = scale / √(var + ε)` per output channel.
     fn fold_into(&mut self, conv: usize, bn: usize) -> Result<(), OnnxError> {
         let eps = match self.steps[bn].op.node() {
-            Some(Node::BatchNormalization(n)) => match &n.config {
-                onnx_ir::node::batch_norm::BatchNormConfig::Static(c) => c.epsilon,
-                onnx_ir::node::batch_norm::BatchNormConfig::Runtime(c) => c.epsilon,
-            },
+            Some(Node::BatchNormalization(n)) => super::ops::batch_norm_epsilon(n),
             _ => return Err(OnnxError::Graph("fold: not a BatchNormalization".into())),
         };
         let param = |i: usize| {

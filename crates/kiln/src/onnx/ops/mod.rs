@@ -209,6 +209,14 @@ fn resize_kind(c: &onnx_ir::node::resize::ResizeConfig) -> Result<ResizeKind, St
     }
 }
 
+/// A BatchNormalization node's epsilon (onnx-ir keeps it in either config form).
+pub fn batch_norm_epsilon(n: &onnx_ir::node::batch_norm::BatchNormalizationNode) -> f64 {
+    match &n.config {
+        onnx_ir::node::batch_norm::BatchNormConfig::Static(c) => c.epsilon,
+        onnx_ir::node::batch_norm::BatchNormConfig::Runtime(c) => c.epsilon,
+    }
+}
+
 /// The spatial window of a Conv, MaxPool or AveragePool node.
 pub fn node_window(node: &Node) -> Result<Window, OnnxError> {
     // The three configs name the same fields (pooling spells the stride `strides`).
@@ -336,10 +344,7 @@ pub fn run(node: &Node, ins: Inputs, device: &Device) -> Result<Vec<Value>, Onnx
         Node::GlobalAveragePool(_) => one(nn::global_pool(x()?, false)?),
         Node::GlobalMaxPool(_) => one(nn::global_pool(x()?, true)?),
         Node::BatchNormalization(n) => {
-            let eps = match &n.config {
-                onnx_ir::node::batch_norm::BatchNormConfig::Static(c) => c.epsilon,
-                onnx_ir::node::batch_norm::BatchNormConfig::Runtime(c) => c.epsilon,
-            };
+            let eps = batch_norm_epsilon(n);
             one(nn::batch_norm(
                 x()?,
                 input(ins, 1, node)?,
