@@ -541,20 +541,105 @@ multiversion! {
         let (ky0, ky1, iy0) = win.valid_taps(0, oy);
         for (ox, o) in o_row.chunks_exact_mut(c).enumerate() {
             let (kx0, kx1, ix0) = win.valid_taps(1, ox);
-            o.copy_from_slice(&w.bias);
+            // The taps' input pixels and weights, as offsets.
+            let mut taps = [(0usize, 0usize); MAX_TAPS];
+            let mut count = 0;
             for ky in ky0..ky1 {
                 let iy = iy0 + (ky - ky0) * win.dilation[0];
                 for kx in kx0..kx1 {
                     let ix = ix0 + (kx - kx0) * win.dilation[1];
-                    let px = &x[((n * h + iy) * wd + ix) * c..][..c];
-                    let tap = &w.taps[(ky * kw + kx) * c..][..c];
-                    for ((o, &v), &k) in o.iter_mut().zip(px).zip(tap) {
-                        *o += v * k;
+                    if count < MAX_TAPS {
+                        taps[count] = (((n * h + iy) * wd + ix) * c, (ky * kw + kx) * c);
                     }
+                    count += 1;
                 }
+            }
+            if count > MAX_TAPS {
+                depthwise_pixel_plain(x, w, win, (n, oy, ox), o);
+            } else {
+                depthwise_pixel(x, w, &taps[..count], o);
             }
             if relu {
                 o.iter_mut().for_each(|v| *v = v.max(0.0));
+            }
+        }
+    }
+}
+
+/// Kernel taps the blocked depthwise loop holds offsets for (7×7, ConvNeXt's, is the
+/// largest in the exported families); larger kernels take the plain loop.
+const MAX_TAPS: usize = 49;
+
+/// Channels per register block of the depthwise loop: 64 floats are four AVX-512 or eight
+/// AVX2 registers of accumulators, kept across all taps (the plain loop reloaded and stored
+/// the output at every tap: three loads and a store per multiply-add).
+const DEPTHWISE_BLOCK: usize = 64;
+
+/// One output pixel `o` of a depthwise convolution from its `taps` (input offset, weight
+/// offset): blocks of 64 channels, then of 16, then one by one, each block's accumulators
+/// held across all taps. Inlined into the multiversioned row.
+#[inline(always)]
+fn depthwise_pixel(x: &[f32], w: &DepthwiseWeights, taps: &[(usize, usize)], o: &mut [f32]) {
+    let c = o.len();
+    let mut c0 = 0;
+    while c0 + DEPTHWISE_BLOCK <= c {
+        depthwise_block::<DEPTHWISE_BLOCK>(x, w, taps, o, c0);
+        c0 += DEPTHWISE_BLOCK;
+    }
+    while c0 + 16 <= c {
+        depthwise_block::<16>(x, w, taps, o, c0);
+        c0 += 16;
+    }
+    while c0 < c {
+        depthwise_block::<1>(x, w, taps, o, c0);
+        c0 += 1;
+    }
+}
+
+/// Channels `c0..c0 + B` of [`depthwise_pixel`].
+#[inline(always)]
+fn depthwise_block<const B: usize>(
+    x: &[f32],
+    w: &DepthwiseWeights,
+    taps: &[(usize, usize)],
+    o: &mut [f32],
+    c0: usize,
+) {
+    let mut acc = [0f32; B];
+    acc.copy_from_slice(&w.bias[c0..c0 + B]);
+    for &(xo, wo) in taps {
+        let px = &x[xo + c0..][..B];
+        let k = &w.taps[wo + c0..][..B];
+        for i in 0..B {
+            acc[i] += px[i] * k[i];
+        }
+    }
+    o[c0..c0 + B].copy_from_slice(&acc);
+}
+
+/// [`depthwise_pixel`] for kernels with more than [`MAX_TAPS`] taps: output pixel `(n, oy,
+/// ox)` accumulated in place, tap by tap.
+#[inline(always)]
+fn depthwise_pixel_plain(
+    x: &[f32],
+    w: &DepthwiseWeights,
+    win: &Window2d,
+    (n, oy, ox): (usize, usize, usize),
+    o: &mut [f32],
+) {
+    let [_, h, wd, c] = win.dims;
+    let kw = win.kernel[1];
+    let (ky0, ky1, iy0) = win.valid_taps(0, oy);
+    let (kx0, kx1, ix0) = win.valid_taps(1, ox);
+    o.copy_from_slice(&w.bias);
+    for ky in ky0..ky1 {
+        let iy = iy0 + (ky - ky0) * win.dilation[0];
+        for kx in kx0..kx1 {
+            let ix = ix0 + (kx - kx0) * win.dilation[1];
+            let px = &x[((n * h + iy) * wd + ix) * c..][..c];
+            let tap = &w.taps[(ky * kw + kx) * c..][..c];
+            for ((o, &v), &k) in o.iter_mut().zip(px).zip(tap) {
+                *o += v * k;
             }
         }
     }
@@ -669,6 +754,8 @@ mod tests {
             ([1, 28, 28, 144], 3, 1, (1, 1)),
             ([2, 15, 15, 40], 5, 2, (2, 2)),
             ([1, 9, 9, 7], 3, 2, (1, 1)),
+            ([1, 14, 14, 200], 7, 1, (3, 3)), // ConvNeXt's 7×7: 3 blocks + 8 channels
+            ([1, 12, 12, 70], 9, 1, (4, 4)),  // past MAX_TAPS: the plain loop
         ] {
             let win = window(dims, k, s, p, false);
             let c = dims[3];
