@@ -254,3 +254,18 @@ fn sigmoid_products_of_their_own_input_fuse_into_silu() {
     assert!(count("Silu") >= 3, "{counts:?}");
     assert!(count("Sigmoid") >= 1, "{counts:?}");
 }
+
+/// MobileNet v2's ReLU6 (`Clip(0, 6)`) folds into the convolution before it (the clamp in
+/// its store); the `mobilenet_v2` test above checks the fused model's outputs, with Kiln's
+/// kernels and without.
+#[test]
+fn relu6_clips_fuse_into_convolutions() {
+    let model =
+        OnnxModel::load(&models_dir().join("mobilenet_v2.onnx"), &Device::default()).unwrap();
+    let counts = model.op_counts();
+    assert_eq!(counts.get("Clip"), None, "{counts:?}");
+    assert!(
+        counts.get("Conv2d+Clip").copied().unwrap_or(0) >= 4,
+        "{counts:?}"
+    );
+}

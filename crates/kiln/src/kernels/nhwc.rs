@@ -498,8 +498,14 @@ impl DepthwiseWeights {
 }
 
 /// Depthwise convolution (one filter per channel) of a channels-last image, bias added and
-/// ReLU applied (with `relu`) before the store: `[batch, oh, ow, channels]`.
-pub fn depthwise_conv2d(x: &[f32], win: &Window2d, w: &DepthwiseWeights, relu: bool) -> Vec<f32> {
+/// the output clamped to `clamp`'s `[lo, hi]` (ReLU: `[0, ∞]`, ReLU6: `[0, 6]`) before the
+/// store: `[batch, oh, ow, channels]`.
+pub fn depthwise_conv2d(
+    x: &[f32],
+    win: &Window2d,
+    w: &DepthwiseWeights,
+    clamp: Option<[f32; 2]>,
+) -> Vec<f32> {
     let [b, h, wd, c] = win.dims;
     assert_eq!(
         c, w.channels,
@@ -515,7 +521,7 @@ pub fn depthwise_conv2d(x: &[f32], win: &Window2d, w: &DepthwiseWeights, relu: b
     if out.is_empty() {
         return out;
     }
-    let row = |(r, o_row): (usize, &mut [f32])| depthwise_row(x, win, w, relu, r, o_row);
+    let row = |(r, o_row): (usize, &mut [f32])| depthwise_row(x, win, w, clamp, r, o_row);
     let work = out.len() * win.kernel[0] * win.kernel[1];
     if work < DEPTHWISE_PARALLEL_MACS {
         out.chunks_exact_mut(ow * c).enumerate().for_each(row);
@@ -531,7 +537,7 @@ multiversion! {
         x: &[f32],
         win: &Window2d,
         w: &DepthwiseWeights,
-        relu: bool,
+        clamp: Option<[f32; 2]>,
         r: usize,
         o_row: &mut [f32],
     ) {
@@ -559,8 +565,8 @@ multiversion! {
             } else {
                 depthwise_pixel(x, w, &taps[..count], o);
             }
-            if relu {
-                o.iter_mut().for_each(|v| *v = v.max(0.0));
+            if let Some([lo, hi]) = clamp {
+                o.iter_mut().for_each(|v| *v = v.max(lo).min(hi));
             }
         }
     }
@@ -764,7 +770,7 @@ mod tests {
             let bias = values(c, 7);
             let packed = DepthwiseWeights::pack(c, [k, k], &wt, Some(&bias));
             for relu in [false, true] {
-                let got = depthwise_conv2d(&x, &win, &packed, relu);
+                let got = depthwise_conv2d(&x, &win, &packed, relu.then_some([0.0, f32::INFINITY]));
                 let [b, h, w, _] = dims;
                 let [_, oh, ow, _] = win.out_dims();
                 let mut want = vec![0f64; got.len()];

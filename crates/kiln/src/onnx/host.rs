@@ -17,7 +17,6 @@ use std::sync::{Arc, OnceLock};
 
 use burn::tensor::{Device, Tensor, TensorData};
 use onnx_ir::Node;
-use onnx_ir::node::clip::ClipInput;
 
 use super::OnnxError;
 use super::ops::nn::Window;
@@ -25,7 +24,7 @@ use super::ops::node_window;
 use super::value::{Value, ValueKind};
 use crate::infer::batch_norm_affine;
 use crate::kernels::conv::ConvShape;
-use crate::kernels::implicit::{ConvWeights, conv2d_nhwc_add_new, conv2d_nhwc_new, linear_rows};
+use crate::kernels::implicit::{ConvWeights, RELU, conv2d_nhwc_fused_new, linear_rows};
 use crate::kernels::nhwc::{
     Activation, Arith, DepthwiseWeights, PoolKind, Window2d, activate, arith_channels_in_place,
     arith_in_place, depthwise_conv2d, global_average, nchw_to_nhwc, nhwc_to_nchw, pool2d,
@@ -148,6 +147,8 @@ pub(super) struct HostStep<'a> {
     pub outputs: usize,
     /// A ReLU fused into the step (Conv, Add).
     pub relu: bool,
+    /// A Clip with constant bounds fused into a Conv.
+    pub clip: Option<[f32; 2]>,
     /// A residual fused into a Conv: the input index of the value added before the ReLU.
     pub residual: Option<usize>,
     pub device: &'a Device,
@@ -172,7 +173,8 @@ pub(super) fn run(
             };
             let residual = step.residual.and_then(|i| take(ins, i));
             let x = take(ins, 0)?;
-            Some(conv(x, packed, &window, (step.relu, residual), step.device))
+            let clamp = step.clip.or(step.relu.then_some(RELU));
+            Some(conv(x, packed, &window, (clamp, residual), step.device))
         }
         Node::Relu(_) if image_in => unary(ins, Activation::Relu),
         Node::Sigmoid(_) if image_in => unary(ins, Activation::Sigmoid),
@@ -182,15 +184,7 @@ pub(super) fn run(
             Activation::HardSigmoid(n.config.alpha as f32, n.config.beta as f32),
         ),
         Node::Clip(n) if image_in => {
-            let bound = |b: &Option<ClipInput>, none: f32| match b {
-                None => Some(none),
-                Some(ClipInput::Static(v)) => Some(*v as f32),
-                Some(ClipInput::Runtime(_)) => None,
-            };
-            let (lo, hi) = (
-                bound(&n.config.min, f32::NEG_INFINITY)?,
-                bound(&n.config.max, f32::INFINITY)?,
-            );
+            let [lo, hi] = super::ops::constant_clip(n)?;
             unary(ins, Activation::Clip(lo, hi))
         }
         Node::Identity(_) | Node::Dropout(_) if image_in && step.outputs == 1 => {
@@ -261,23 +255,25 @@ pub(super) fn run(
 pub(super) fn int8_conv(
     q: &super::passes::QConv,
     ins: &mut [Option<Slot>],
-    (residual, relu): (Option<usize>, bool),
+    (residual, relu, clip): (Option<usize>, bool, Option<[f32; 2]>),
     device: &Device,
 ) -> Option<Result<Vec<Slot>, OnnxError>> {
     let x = take(ins, 0)?;
     let residual = residual.and_then(|i| take(ins, i));
+    let clamp = clip.or(relu.then_some(RELU));
     let run = || -> Result<Vec<Slot>, OnnxError> {
         // An NCHW input (the graph's) is made channels-last once; the layers after stay so.
         let x = x.into_image()?;
         let _op = tracing::trace_span!("kiln.qconv_nhwc", input = ?x.dims).entered();
-        let (mut y, dims) = q.run_nhwc(&x.data, x.dims)?;
-        let Some(r) = residual else {
-            if relu {
-                activate(&mut y, Activation::Relu);
-            }
-            return Ok(vec![Slot::Image(Image::new(y, dims))]);
-        };
-        add_residual(Image::new(y, dims), r, relu, device)
+        let (y, dims) = q.run_nhwc(&x.data, x.dims)?;
+        let y = Image::new(y, dims);
+        match residual {
+            Some(r) => add_residual(y, r, clamp, device),
+            None => match clamp {
+                Some([lo, hi]) => Ok(vec![clamp_slot(Slot::Image(y), lo, hi)?]),
+                None => Ok(vec![Slot::Image(y)]),
+            },
+        }
     };
     Some(run())
 }
@@ -451,7 +447,7 @@ fn conv(
     x: Slot,
     packed: &PackedConv,
     window: &Window,
-    (relu, residual): (bool, Option<Slot>),
+    (clamp, residual): (Option<[f32; 2]>, Option<Slot>),
     device: &Device,
 ) -> Result<Vec<Slot>, OnnxError> {
     let image = x.into_image()?;
@@ -503,7 +499,8 @@ fn conv(
         }
         Some(other) => (None, Some(other)),
     };
-    let relu_now = relu && after.is_none();
+    // With a residual added after the store, the activation waits for it.
+    let clamp_now = clamp.filter(|_| after.is_none());
     let out = match packed {
         PackedConv::Dense(weights) => {
             let s = ConvShape {
@@ -519,32 +516,40 @@ fn conv(
                 dilation: window.dilation,
             };
             let _op = tracing::trace_span!("kiln.conv2d_nhwc", input = ?image.dims, cout).entered();
-            match &in_store {
-                Some(r) => conv2d_nhwc_add_new(&s, &image.data, weights, &r.data, relu_now),
-                None => conv2d_nhwc_new(&s, &image.data, weights, relu_now),
-            }
+            let residual = in_store.as_ref().map(|r| &r.data[..]);
+            conv2d_nhwc_fused_new(&s, &image.data, weights, residual, clamp_now)
         }
         PackedConv::Depthwise(weights) => {
             let _op = tracing::trace_span!("kiln.depthwise_nhwc", input = ?image.dims).entered();
-            let fused_relu = relu_now && in_store.is_none();
-            let mut out = depthwise_conv2d(&image.data, &win, weights, fused_relu);
-            if let Some(r) = &in_store {
-                arith_in_place(&mut out, &r.data, Arith::Add, relu_now);
+            match &in_store {
+                None => depthwise_conv2d(&image.data, &win, weights, clamp_now),
+                Some(r) => {
+                    let mut out = depthwise_conv2d(&image.data, &win, weights, None);
+                    arith_in_place(&mut out, &r.data, Arith::Add, false);
+                    if let Some([lo, hi]) = clamp_now {
+                        activate(&mut out, Activation::Clip(lo, hi));
+                    }
+                    out
+                }
             }
-            out
         }
     };
     let out = Image::new(out, out_dims);
     match after {
-        Some(r) => add_residual(out, r, relu, device),
+        Some(r) => add_residual(out, r, clamp, device),
         None => Ok(vec![Slot::Image(out)]),
     }
 }
 
-/// `out + r` (then ReLU with `relu`) for a residual that was not summed in a kernel's store:
-/// an image or NCHW value of `out`'s shape, a per-channel operand, or (numpy broadcasting)
-/// anything else on values.
-fn add_residual(out: Image, r: Slot, relu: bool, device: &Device) -> Result<Vec<Slot>, OnnxError> {
+/// `out + r`, then clamped to `clamp`, for a residual that was not summed in a kernel's
+/// store: an image or NCHW value of `out`'s shape, a per-channel operand, or (numpy
+/// broadcasting) anything else on values.
+fn add_residual(
+    out: Image,
+    r: Slot,
+    clamp: Option<[f32; 2]>,
+    device: &Device,
+) -> Result<Vec<Slot>, OnnxError> {
     let [n, h, w, c] = out.dims;
     let r = match r {
         Slot::Value(v) if v.kind() == ValueKind::Float && v.dims() == [n, c, h, w] => {
@@ -553,22 +558,43 @@ fn add_residual(out: Image, r: Slot, relu: bool, device: &Device) -> Result<Vec<
         other => other,
     };
     let mut operands = [Some(Slot::Image(out)), Some(r)];
-    if let Some(sum) = binary(&mut operands, Arith::Add, relu) {
-        return sum;
-    }
-    // `binary` leaves operands it cannot take: numpy broadcasting on values.
-    let [Some(y), Some(r)] = operands else {
-        return Err(OnnxError::Graph("a residual operand went missing".into()));
+    let sum = match binary(&mut operands, Arith::Add, false) {
+        Some(sum) => sum?,
+        None => {
+            // `binary` leaves operands it cannot take: numpy broadcasting on values.
+            let [Some(y), Some(r)] = operands else {
+                return Err(OnnxError::Graph("a residual operand went missing".into()));
+            };
+            vec![Slot::Value(super::ops::math::binary(
+                super::ops::math::Binary::Add,
+                y.into_value(device)?,
+                r.into_value(device)?,
+            )?)]
+        }
     };
-    let mut sum = super::ops::math::binary(
-        super::ops::math::Binary::Add,
-        y.into_value(device)?,
-        r.into_value(device)?,
-    )?;
-    if relu {
-        sum = super::ops::math::unary(super::ops::math::Unary::Relu, sum)?;
+    match clamp {
+        None => Ok(sum),
+        Some([lo, hi]) => sum
+            .into_iter()
+            .map(|slot| clamp_slot(slot, lo, hi))
+            .collect(),
     }
-    Ok(vec![Slot::Value(sum)])
+}
+
+/// `slot` clamped to `[lo, hi]`, in place for an image.
+fn clamp_slot(slot: Slot, lo: f32, hi: f32) -> Result<Slot, OnnxError> {
+    match slot {
+        Slot::Image(image) => {
+            let dims = image.dims;
+            let mut data = image.into_vec();
+            activate(&mut data, Activation::Clip(lo, hi));
+            Ok(Slot::Image(Image::new(data, dims)))
+        }
+        Slot::Value(v) => Ok(Slot::Value(super::ops::math::unary(
+            super::ops::math::Unary::Clip(Some(lo), Some(hi)),
+            v,
+        )?)),
+    }
 }
 
 /// SiLU of an image input.

@@ -123,6 +123,7 @@ pub fn load(bytes: &[u8], name: &str, device: &Device) -> Result<OnnxModel, Onnx
             kind,
             packed: Default::default(),
             relu: false,
+            clip: None,
             residual: None,
         });
     }

@@ -124,6 +124,8 @@ struct Step {
     packed: host::PackCache,
     /// A ReLU fused into this step (a Conv or an Add) at load: the output is `max(0, ·)`.
     relu: bool,
+    /// A Clip with constant bounds (ReLU6) fused into this convolution at load.
+    clip: Option<[f32; 2]>,
     /// A residual Add fused into this convolution at load: the input (by index) added to its
     /// output, before the ReLU.
     residual: Option<usize>,
@@ -346,6 +348,7 @@ impl OnnxModel {
                     cache: &step.packed,
                     outputs: step.outputs.len(),
                     relu: step.relu,
+                    clip: step.clip,
                     residual: step.residual,
                     device: &self.device,
                 };
@@ -358,7 +361,9 @@ impl OnnxModel {
                 };
                 host::affine(ins, &scale, &shift)
             }
-            StepOp::QConv(q) => host::int8_conv(q, ins, (step.residual, step.relu), &self.device),
+            StepOp::QConv(q) => {
+                host::int8_conv(q, ins, (step.residual, step.relu, step.clip), &self.device)
+            }
             StepOp::Silu => host::silu(ins),
             StepOp::QLinear(_) => None,
         }
@@ -401,6 +406,11 @@ impl OnnxModel {
         if step.relu {
             first = first
                 .map(|y| ops::math::unary(ops::math::Unary::Relu, y))
+                .transpose()?;
+        }
+        if let Some([lo, hi]) = step.clip {
+            first = first
+                .map(|y| ops::math::unary(ops::math::Unary::Clip(Some(lo), Some(hi)), y))
                 .transpose()?;
         }
         Ok(first.into_iter().chain(outs).map(Slot::Value).collect())

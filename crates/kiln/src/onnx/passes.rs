@@ -271,16 +271,28 @@ impl OnnxModel {
         Ok(self.constants.len() - 1)
     }
 
-    /// Folds each ReLU that alone reads a Conv's or an Add's output into that step (applied
-    /// in the convolution's store or the addition's pass on the host path, right after the
-    /// operator elsewhere). Returns how many were fused.
+    /// Folds each ReLU that alone reads a Conv's or an Add's output into that step, and each
+    /// Clip with constant bounds (ReLU6) that alone reads a Conv's (applied in the
+    /// convolution's store or the addition's pass on the host path, right after the operator
+    /// elsewhere). Returns how many were fused.
     pub(super) fn fuse_relus(&mut self) -> usize {
         let mut fused = 0;
         let mut at = 0;
         while at < self.steps.len() {
-            let Some(Node::Relu(_)) = self.steps[at].op.node() else {
-                at += 1;
-                continue;
+            // ReLU into a Conv or an Add; a Clip with constant bounds (ReLU6) into a Conv.
+            let clip = match self.steps[at].op.node() {
+                Some(Node::Relu(_)) => None,
+                Some(Node::Clip(n)) => match super::ops::constant_clip(n) {
+                    Some(bounds) => Some(bounds),
+                    None => {
+                        at += 1;
+                        continue;
+                    }
+                },
+                _ => {
+                    at += 1;
+                    continue;
+                }
             };
             let layer = self.steps[at]
                 .inputs
@@ -290,8 +302,14 @@ impl OnnxModel {
                 .and_then(|x| {
                     let layer = self.producer(x)?;
                     let step = &self.steps[layer];
-                    let fusable = matches!(step.op.node(), Some(Node::Conv2d(_) | Node::Add(_)))
+                    let kind_fits = match step.op.node() {
+                        Some(Node::Conv2d(_)) => step.residual.is_none(),
+                        Some(Node::Add(_)) => clip.is_none(),
+                        _ => false,
+                    };
+                    let fusable = kind_fits
                         && !step.relu
+                        && step.clip.is_none()
                         && step.outputs.len() == 1
                         && self.uses[x] == 1
                         && !self.output_slots.contains(&x);
@@ -303,9 +321,17 @@ impl OnnxModel {
             };
             let out = self.steps[at].outputs[0];
             let step = &mut self.steps[layer];
-            step.relu = true;
+            match clip {
+                Some(bounds) => {
+                    step.clip = Some(bounds);
+                    step.op_name.push_str("+Clip");
+                }
+                None => {
+                    step.relu = true;
+                    step.op_name.push_str("+Relu");
+                }
+            }
             step.outputs[0] = out;
-            step.op_name.push_str("+Relu");
             self.remove_step(at);
             fused += 1;
         }
@@ -337,6 +363,7 @@ impl OnnxModel {
                 let c = &self.steps[conv];
                 let fusable = matches!(c.op.node(), Some(Node::Conv2d(_)))
                     && !c.relu
+                    && c.clip.is_none()
                     && c.residual.is_none()
                     && c.outputs.len() == 1
                     && mine != other
@@ -527,6 +554,7 @@ impl OnnxModel {
         (params_constant
             && weight_constant
             && !conv_step.relu
+            && conv_step.clip.is_none()
             && conv_step.residual.is_none()
             && self.uses[x] == 1
             && !self.output_slots.contains(&x))

@@ -109,7 +109,12 @@ unsafe fn block<const R: usize>(
                 // SAFETY: the residual has the output's layout; masked to the valid columns.
                 _mm256_add_ps(*v, unsafe { _mm256_maskload_ps(res.add(at), masks[b]) })
             };
-            let v = if tile.relu { _mm256_max_ps(v, zero) } else { v };
+            let v = match tile.clamp {
+                Some([lo, hi]) => {
+                    _mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(lo)), _mm256_set1_ps(hi))
+                }
+                None => v,
+            };
             // SAFETY: masked to this panel's valid columns of row r.
             unsafe { _mm256_maskstore_ps(out.add(at), masks[b], v) };
         }

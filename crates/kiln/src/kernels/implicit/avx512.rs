@@ -96,7 +96,12 @@ unsafe fn block<const R: usize>(
                 // SAFETY: the residual has the output's layout; masked to the valid columns.
                 _mm512_add_ps(*v, unsafe { _mm512_maskz_loadu_ps(masks[b], res.add(at)) })
             };
-            let v = if tile.relu { _mm512_max_ps(v, zero) } else { v };
+            let v = match tile.clamp {
+                Some([lo, hi]) => {
+                    _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(lo)), _mm512_set1_ps(hi))
+                }
+                None => v,
+            };
             // SAFETY: masked to this panel's valid columns of row r.
             unsafe { _mm512_mask_storeu_ps(out.add(at), masks[b], v) };
         }

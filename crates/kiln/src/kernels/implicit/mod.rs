@@ -329,17 +329,20 @@ pub fn conv2d_nhwc_new(s: &ConvShape, x: &[f32], w: &ConvWeights, relu: bool) ->
     }
 }
 
-/// `relu(conv(x) + bias + residual)` (ReLU with `relu`), `residual` in the output's layout
-/// `[batch, oh, ow, cout]`: a residual block's addition in the convolution's store, so the
-/// sum is never a separate pass over memory (ResNet's blocks end so).
-pub fn conv2d_nhwc_add_new(
+/// `clamp(conv(x) + bias + residual)`: the residual (in the output's layout `[batch, oh, ow,
+/// cout]`) when given, then the activation's bounds `[lo, hi]` when given (ReLU is `[0, ∞]`,
+/// ReLU6 `[0, 6]`), both in the convolution's store, so neither is a separate pass over
+/// memory (ResNet's blocks end with a sum and a ReLU, MobileNet v2's layers with ReLU6).
+pub fn conv2d_nhwc_fused_new(
     s: &ConvShape,
     x: &[f32],
     w: &ConvWeights,
-    residual: &[f32],
-    relu: bool,
+    residual: Option<&[f32]>,
+    clamp: Option<[f32; 2]>,
 ) -> Vec<f32> {
-    assert_eq!(residual.len(), s.output_len(), "conv2d residual length");
+    if let Some(r) = residual {
+        assert_eq!(r.len(), s.output_len(), "conv2d residual length");
+    }
     match simd_width(w) {
         Some(width) => conv_simd_new(
             s,
@@ -347,26 +350,32 @@ pub fn conv2d_nhwc_add_new(
             w,
             width,
             Epilogue {
-                relu,
+                clamp,
                 pool: false,
-                residual: Some(residual),
+                residual,
             },
         ),
         None => {
             let mut out = conv2d_nhwc_new(s, x, w, false);
-            for (o, r) in out.iter_mut().zip(residual) {
-                let v = *o + r;
-                *o = if relu { v.max(0.0) } else { v };
+            if let Some(r) = residual {
+                out.iter_mut().zip(r).for_each(|(o, r)| *o += r);
+            }
+            if let Some([lo, hi]) = clamp {
+                out.iter_mut().for_each(|o| *o = o.max(lo).min(hi));
             }
             out
         }
     }
 }
 
+/// The bounds of a ReLU, as [`conv2d_nhwc_fused_new`] takes them.
+pub const RELU: [f32; 2] = [0.0, f32::INFINITY];
+
 /// What the SIMD kernels do between the accumulators and the store.
 #[derive(Clone, Copy)]
 struct Epilogue<'a> {
-    relu: bool,
+    /// Clamp to `[lo, hi]` after the residual (ReLU: [`RELU`]).
+    clamp: Option<[f32; 2]>,
     /// 2×2 max pool after the ReLU ([`conv2d_nhwc_relu_pool2_new`]).
     pool: bool,
     residual: Option<&'a [f32]>,
@@ -375,7 +384,7 @@ struct Epilogue<'a> {
 impl Epilogue<'_> {
     fn relu(relu: bool) -> Self {
         Epilogue {
-            relu,
+            clamp: relu.then_some(RELU),
             pool: false,
             residual: None,
         }
@@ -399,7 +408,7 @@ pub fn conv2d_nhwc_relu_pool2_new(s: &ConvShape, x: &[f32], w: &ConvWeights) -> 
             w,
             width,
             Epilogue {
-                relu: true,
+                clamp: Some(RELU),
                 pool: true,
                 residual: None,
             },
@@ -471,7 +480,7 @@ unsafe fn conv_simd(
     out: *mut f32,
 ) {
     let Epilogue {
-        relu,
+        clamp,
         pool,
         residual,
     } = epilogue;
@@ -507,7 +516,7 @@ unsafe fn conv_simd(
         run_len: geometry.run_len,
         weights: w,
         width,
-        relu,
+        clamp,
         pool,
         residual,
     };
@@ -719,7 +728,7 @@ struct Operands<'a> {
     run_len: usize,
     weights: &'a ConvWeights,
     width: usize,
-    relu: bool,
+    clamp: Option<[f32; 2]>,
     pool: bool,
     /// Added to the output before the ReLU (the output's layout).
     residual: Option<&'a [f32]>,
@@ -750,7 +759,7 @@ impl Operands<'_> {
             run_len: self.run_len,
             panel: &self.weights.data[panel * k * self.width..][..k * self.width],
             bias: &self.weights.bias[col0..col0 + self.width],
-            relu: self.relu,
+            clamp: self.clamp,
             cols: (cout - col0).min(self.width),
             out_stride: cout,
             pool: self.pool,
@@ -833,7 +842,8 @@ struct Tile<'a> {
     panel: &'a [f32],
     /// `[width]`.
     bias: &'a [f32],
-    relu: bool,
+    /// Bounds applied after the bias and the residual, before the store.
+    clamp: Option<[f32; 2]>,
     /// Valid columns of this panel (≤ width).
     cols: usize,
     out_stride: usize,

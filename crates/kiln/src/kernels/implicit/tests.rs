@@ -288,7 +288,7 @@ fn residual_in_the_store_matches_the_reference() {
             .collect();
         for kernel in supported() {
             let packed = ConvWeights::pack_for(kernel, [s.cout, s.cin, s.kh, s.kw], &w, Some(&b));
-            let got = conv2d_nhwc_add_new(&s, &x, &packed, &residual, relu);
+            let got = conv2d_nhwc_fused_new(&s, &x, &packed, Some(&residual), relu.then_some(RELU));
             let err = relative_error(&got, &want);
             assert!(err < 1e-5, "{} {s:?}: {err:.2e}", kernel.name());
         }

@@ -209,6 +209,20 @@ fn resize_kind(c: &onnx_ir::node::resize::ResizeConfig) -> Result<ResizeKind, St
     }
 }
 
+/// A Clip's bounds when both are constants (`[-∞, ∞]` for a missing one).
+pub fn constant_clip(n: &onnx_ir::node::clip::ClipNode) -> Option<[f32; 2]> {
+    use onnx_ir::node::clip::ClipInput;
+    let bound = |b: &Option<ClipInput>, none: f32| match b {
+        None => Some(none),
+        Some(ClipInput::Static(v)) => Some(*v as f32),
+        Some(ClipInput::Runtime(_)) => None,
+    };
+    Some([
+        bound(&n.config.min, f32::NEG_INFINITY)?,
+        bound(&n.config.max, f32::INFINITY)?,
+    ])
+}
+
 /// A BatchNormalization node's epsilon (onnx-ir keeps it in either config form).
 pub fn batch_norm_epsilon(n: &onnx_ir::node::batch_norm::BatchNormalizationNode) -> f64 {
     match &n.config {
