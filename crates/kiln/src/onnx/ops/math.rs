@@ -258,7 +258,7 @@ fn float_unary<const D: usize>(op: Unary, x: Tensor<D>) -> Tensor<D> {
         Unary::Relu => activation::relu(x),
         Unary::Sigmoid => crate::kernels::activation::sigmoid(x),
         Unary::Tanh => x.tanh(),
-        Unary::Erf => x.erf(),
+        Unary::Erf => crate::kernels::activation::erf(x),
         Unary::Sqrt => x.sqrt(),
         Unary::Exp => x.exp(),
         Unary::Log => x.log(),
@@ -273,7 +273,7 @@ fn float_unary<const D: usize>(op: Unary, x: Tensor<D>) -> Tensor<D> {
         Unary::LeakyRelu(alpha) => activation::leaky_relu(x, alpha as f64),
         Unary::HardSigmoid(alpha, beta) => (x * alpha + beta).clamp(0.0, 1.0),
         Unary::HardSwish => x.clone() * (x / 6.0 + 0.5).clamp(0.0, 1.0),
-        Unary::Gelu => activation::gelu(x),
+        Unary::Gelu => crate::kernels::activation::gelu(x),
         Unary::GeluTanh => {
             let inner = (x.clone() + x.clone().powf_scalar(3.0) * 0.044715)
                 * (2.0f32 / std::f32::consts::PI).sqrt();
