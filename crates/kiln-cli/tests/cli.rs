@@ -1261,11 +1261,14 @@ fn optimize_onnx_reports_each_pass_and_writes_a_servable_model() {
     assert_eq!(stages.len(), 3);
     let field = |i: usize, k: &str| stages[i][k].as_f64().unwrap();
     assert_eq!(stages[2]["passes"], "fold+int8");
-    assert_eq!(
-        field(0, "nodes") - field(1, "nodes"),
-        14.0,
-        "14 BatchNorms fold"
+    // The 14 BatchNorms fold; the ReLUs each of them stood before then fuse into the
+    // convolution too (fewer nodes still, reported as a change of their own).
+    let changes = stages[1]["changes"].to_string();
+    assert!(
+        changes.contains("folded 14 BatchNormalization"),
+        "{changes}"
     );
+    assert!(field(0, "nodes") - field(1, "nodes") >= 14.0, "{changes}");
     assert!(field(1, "max_rel_diff_vs_f32") < 1e-4);
     assert!(field(2, "max_rel_diff_vs_f32") < 0.2);
     assert!(field(2, "weight_bytes") < field(1, "weight_bytes") / 3.0);

@@ -269,3 +269,35 @@ fn relu6_clips_fuse_into_convolutions() {
         "{counts:?}"
     );
 }
+
+/// A pass applied after the model has run (its weights already packed for the host kernels)
+/// takes effect: the fold rewires the convolutions to folded weights, which must be packed
+/// anew (`kiln optimize --onnx` measures each stage on one model this way).
+#[test]
+fn passes_after_a_run_repack_the_weights() {
+    use kiln::onnx::OnnxPass;
+    let dir = models_dir();
+    let mut model = OnnxModel::load(&dir.join("resnet_unfolded.onnx"), &Device::default()).unwrap();
+    let bytes = std::fs::read(dir.join("resnet_unfolded.ref.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let inputs = || model_inputs(&st, "b3");
+    let reference = tensor(&st, "b3.out.0").unwrap();
+    let theirs = reference.convert::<f32>().try_to_vec::<f32>().unwrap();
+    let run = |model: &OnnxModel| -> f32 {
+        let out = model.run_data(inputs()).unwrap().remove(0);
+        relative_error(&out.convert::<f32>().try_to_vec::<f32>().unwrap(), &theirs)
+    };
+    assert!(run(&model) <= TOLERANCE);
+    assert!(model.packed_layers() > 0);
+    model.apply(OnnxPass::Fold).unwrap();
+    let err = run(&model);
+    assert!(
+        err <= TOLERANCE,
+        "folded after a run: relative error {err:.2e}"
+    );
+}
+
+/// The reference inputs `{prefix}.in.input` of a single-input image model.
+fn model_inputs(st: &SafeTensors, prefix: &str) -> Vec<TensorData> {
+    vec![tensor(st, &format!("{prefix}.in.input")).unwrap()]
+}

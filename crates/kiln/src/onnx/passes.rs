@@ -217,6 +217,11 @@ impl OnnxModel {
             OnnxPass::Fold => self.fold_batch_norm()?,
             OnnxPass::Int8 => self.quantize_int8()?,
         };
+        // Weights packed by earlier runs may be stale now (a fold rewires a convolution to
+        // new constants): every layer packs again on its next run.
+        for step in &mut self.steps {
+            step.packed = Default::default();
+        }
         // A fold can put a ReLU right after a convolution.
         let relus = self.fuse_relus();
         if relus > 0 {
