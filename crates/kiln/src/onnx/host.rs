@@ -1,17 +1,18 @@
 //! Channels-last execution of an imported model's image layers on the host.
 //!
 //! When Kiln's CPU kernels serve the model's device, a convolution with constant weights
-//! runs on [`crate::kernels::implicit`] (dense) or [`crate::kernels::nhwc`] (depthwise) with
-//! its weights packed once, on first use, and its output stays a channels-last host
-//! [`Image`] for the layers after it: activations, element-wise arithmetic (residual adds,
-//! squeeze-excitation gates), pooling, channel concatenation and the next convolution all run
-//! on images too. Any other operator receives its inputs converted back to NCHW
+//! runs on [`crate::kernels::implicit`] (dense and grouped) or [`crate::kernels::nhwc`]
+//! (depthwise) with its weights packed once, on first use, and its output stays a
+//! channels-last host [`Image`] for the layers after it: activations, BatchNorm, element-wise
+//! arithmetic (residual adds, squeeze-excitation gates), pooling, channel concatenation and
+//! split and the next convolution all run on images too; linear layers by a constant run on
+//! the implicit GEMM with their weight packed once. Any other operator receives its inputs converted back to NCHW
 //! [`Value`]s, so every graph runs, and a graph made of these layers transposes only at its
 //! entry and after its global pool (a 1×1 image, whose NCHW and NHWC layouts coincide).
 //!
 //! Why: per-node Burn calls on NCHW tensors paid an im2col copy, a zero fill and a separate
-//! pass for bias, activation and pooling per layer (BENCHMARKS run 23: ResNet-18 at 0.31×
-//! ONNX Runtime, 44% of its time in the GEMM and the rest around it).
+//! pass for bias, activation and pooling per layer (BENCHMARKS run 20: ResNet-18 at 0.31×
+//! ONNX Runtime, 44% of its time in the GEMM and the rest around it; run 31: after).
 
 use std::sync::{Arc, OnceLock};
 
