@@ -142,8 +142,8 @@ pub(super) type PackCache = OnceLock<Option<Packed>>;
 /// What a step needs to run on the host.
 pub(super) struct HostStep<'a> {
     pub node: &'a Node,
-    /// Which inputs are model constants (weights).
-    pub constant: &'a [bool],
+    /// Whether input `i` is a model constant (a weight).
+    pub constant: &'a dyn Fn(usize) -> bool,
     pub cache: &'a PackCache,
     pub outputs: usize,
     /// A ReLU fused into the step (Conv, Add).
@@ -281,7 +281,7 @@ pub(super) fn int8_conv(
 
 /// A BatchNorm's `x · scale + shift` from its constant parameters (inputs 1 to 4).
 fn pack_batch_norm(step: &HostStep, ins: &[Option<Slot>], epsilon: f64) -> Option<Packed> {
-    if !(1..5).all(|i| step.constant.get(i).copied().unwrap_or(false)) {
+    if !(1..5).all(step.constant) {
         return None;
     }
     let params: Vec<Vec<f32>> = (1..5)
@@ -358,7 +358,7 @@ fn pack_linear(
     out_major: bool,
     biased: bool,
 ) -> Option<Packed> {
-    let constant = |i: usize| step.constant.get(i).copied().unwrap_or(false);
+    let constant = step.constant;
     let has_bias = biased && ins.get(2).is_some_and(Option::is_some);
     if !constant(1) || (has_bias && !constant(2)) {
         return None;
@@ -410,7 +410,7 @@ fn take(ins: &mut [Option<Slot>], i: usize) -> Option<Slot> {
 /// host kernels run (one group, depthwise with one filter per channel, or groups the
 /// implicit GEMM's panels hold).
 fn pack_conv(step: &HostStep, ins: &[Option<Slot>], groups: usize) -> Option<PackedConv> {
-    let constant = |i: usize| step.constant.get(i).copied().unwrap_or(false);
+    let constant = step.constant;
     if !constant(1) || (ins.get(2).is_some_and(Option::is_some) && !constant(2)) {
         return None;
     }

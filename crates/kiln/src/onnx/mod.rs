@@ -212,9 +212,9 @@ impl OnnxModel {
         counts
     }
 
-    /// Layers whose weights have been packed for Kiln's host kernels (convolutions and
-    /// linear layers that ran channels-last on the CPU; packing happens on a layer's first
-    /// run with Kiln's kernels on).
+    /// Layers whose weights have been packed for Kiln's host kernels (convolutions, linear
+    /// layers and BatchNorms that ran channels-last on the CPU; packing happens on a layer's
+    /// first run with Kiln's kernels on).
     pub fn packed_layers(&self) -> usize {
         self.steps
             .iter()
@@ -337,11 +337,14 @@ impl OnnxModel {
     ) -> Option<Result<Vec<Slot>, OnnxError>> {
         match &step.op {
             StepOp::Onnx(node) => {
-                let constant: Vec<bool> = step
-                    .inputs
-                    .iter()
-                    .map(|s| s.is_some_and(|s| self.constants[s].is_some()))
-                    .collect();
+                // Asked only while packing (a step's first run), so not collected per run.
+                let constant = |i: usize| {
+                    step.inputs
+                        .get(i)
+                        .copied()
+                        .flatten()
+                        .is_some_and(|s| self.constants[s].is_some())
+                };
                 let host_step = host::HostStep {
                     node,
                     constant: &constant,
@@ -355,11 +358,15 @@ impl OnnxModel {
                 host::run(&host_step, ins)
             }
             StepOp::Affine { scale, shift } => {
-                let (scale, shift) = match (scale.to_f32s(), shift.to_f32s()) {
-                    (Ok(a), Ok(b)) => (a, b),
-                    (Err(e), _) | (_, Err(e)) => return Some(Err(e)),
+                // Read back from the device once, on the step's first host run.
+                let packed = step.packed.get_or_init(|| {
+                    let (scale, shift) = (scale.to_f32s().ok()?, shift.to_f32s().ok()?);
+                    Some(host::Packed::Affine { scale, shift })
+                });
+                let Some(host::Packed::Affine { scale, shift }) = packed else {
+                    return None;
                 };
-                host::affine(ins, &scale, &shift)
+                host::affine(ins, scale, shift)
             }
             StepOp::QConv(q) => {
                 host::int8_conv(q, ins, (step.residual, step.relu, step.clip), &self.device)
