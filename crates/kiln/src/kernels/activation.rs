@@ -3,8 +3,10 @@
 //! Burn's `flex` sigmoid is a scalar `1 / (1 + expf(-x))` per element: 60% of EfficientNet-B0's
 //! batch-1 time in BENCHMARKS run 20 (49 SiLU and squeeze-excitation gates). Here `exp` is a
 //! branch-free Cody–Waite range reduction with a degree-6 polynomial (relative error below
-//! 2e-7 over the clamped range), written so the loop vectorizes: compiled for AVX2+FMA when
-//! the CPU has them (checked once at run time), plain SIMD otherwise, in parallel over chunks.
+//! 2e-7 over the clamped range), written so the loop vectorizes: compiled for AVX-512, for
+//! AVX2 + FMA and for the baseline by the kernels' `multiversion!` (the instruction set
+//! `KILN_F32_KERNEL` or the CPU picks), in parallel over chunks. Erf and GELU are built the
+//! same way.
 
 use burn::tensor::{DType, Tensor, TensorData, activation};
 use rayon::prelude::*;
@@ -54,46 +56,36 @@ fn on_host<const D: usize>(
 
 /// Replaces each value by its error function, in parallel chunks.
 pub fn erf_in_place(values: &mut [f32]) {
-    in_chunks(values, |v| {
-        for x in v.iter_mut() {
-            *x = erf_one(*x);
-        }
-    });
+    in_chunks(values, erf_slice);
 }
 
 /// Replaces each value by its exact GELU, in parallel chunks.
 pub fn gelu_in_place(values: &mut [f32]) {
-    in_chunks(values, |v| {
-        for x in v.iter_mut() {
-            *x *= 0.5 * (1.0 + erf_one(*x * std::f32::consts::FRAC_1_SQRT_2));
-        }
-    });
+    in_chunks(values, gelu_slice);
 }
 
-/// Runs `body` over `values` in parallel chunks, compiled for AVX2 + FMA where the CPU has
-/// them: `body` is a closure type, so each instantiation of `avx2` calls it directly and
-/// LLVM inlines it there and vectorizes it to that width.
-#[inline(always)]
-fn in_chunks<F: Fn(&mut [f32]) + Sync>(values: &mut [f32], body: F) {
-    let run = |chunk: &mut [f32]| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-                #[target_feature(enable = "avx2,fma")]
-                unsafe fn avx2<F: Fn(&mut [f32])>(chunk: &mut [f32], body: &F) {
-                    body(chunk)
-                }
-                // SAFETY: the CPU has AVX2 and FMA (checked just above).
-                unsafe { avx2(chunk, &body) };
-                return;
-            }
-        }
-        body(chunk)
-    };
+/// Runs `slice` over `values`, in parallel chunks when there are many.
+fn in_chunks(values: &mut [f32], slice: impl Fn(&mut [f32]) + Send + Sync) {
     if values.len() <= CHUNK {
-        run(values);
+        slice(values);
     } else {
-        values.par_chunks_mut(CHUNK).for_each(run);
+        values.par_chunks_mut(CHUNK).for_each(slice);
+    }
+}
+
+multiversion! {
+    fn erf_slice(values: &mut [f32]) {
+        for x in values.iter_mut() {
+            *x = erf_one(*x);
+        }
+    }
+}
+
+multiversion! {
+    fn gelu_slice(values: &mut [f32]) {
+        for x in values.iter_mut() {
+            *x *= 0.5 * (1.0 + erf_one(*x * std::f32::consts::FRAC_1_SQRT_2));
+        }
     }
 }
 
@@ -111,53 +103,26 @@ fn erf_one(x: f32) -> f32 {
 
 /// Replaces each value by its sigmoid, in parallel chunks.
 pub fn sigmoid_in_place(values: &mut [f32]) {
-    logistic_in_place(values, false);
+    in_chunks(values, |chunk| logistic_slice(chunk, false));
 }
 
 /// Replaces each value `x` by `x · sigmoid(x)` (SiLU, "swish"), in parallel chunks: one pass
 /// where the exported graph computes a sigmoid and then a product (EfficientNet's 49 gates).
 pub fn silu_in_place(values: &mut [f32]) {
-    logistic_in_place(values, true);
+    in_chunks(values, |chunk| logistic_slice(chunk, true));
 }
 
-/// Sigmoid, or with `times_x` SiLU, of every value.
-fn logistic_in_place(values: &mut [f32], times_x: bool) {
-    if values.len() <= CHUNK {
-        logistic_slice(values, times_x);
-    } else {
-        values
-            .par_chunks_mut(CHUNK)
-            .for_each(|chunk| logistic_slice(chunk, times_x));
-    }
-}
-
-fn logistic_slice(values: &mut [f32], times_x: bool) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-            // SAFETY: the CPU has AVX2 and FMA (checked just above).
-            unsafe { logistic_avx2(values, times_x) };
-            return;
-        }
-    }
-    logistic_portable(values, times_x);
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn logistic_avx2(values: &mut [f32], times_x: bool) {
-    logistic_portable(values, times_x);
-}
-
-#[inline(always)]
-fn logistic_portable(values: &mut [f32], times_x: bool) {
-    if times_x {
-        for v in values.iter_mut() {
-            *v /= 1.0 + exp(-*v);
-        }
-    } else {
-        for v in values.iter_mut() {
-            *v = 1.0 / (1.0 + exp(-*v));
+multiversion! {
+    /// Sigmoid, or with `times_x` SiLU, of every value.
+    fn logistic_slice(values: &mut [f32], times_x: bool) {
+        if times_x {
+            for v in values.iter_mut() {
+                *v /= 1.0 + exp(-*v);
+            }
+        } else {
+            for v in values.iter_mut() {
+                *v = 1.0 / (1.0 + exp(-*v));
+            }
         }
     }
 }

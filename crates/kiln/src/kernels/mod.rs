@@ -11,6 +11,40 @@
 //! - [`conv2d`], [`linear`](fn@linear), [`max_pool2d`], [`batch_norm_train`]: the entry points models call; they run Kiln's kernel on the
 //!   `flex` device (with or without autodiff) and Burn's own op on every other device.
 
+/// Defines `fn $name(args)` whose body is compiled three times, for AVX-512, for AVX2 + FMA
+/// and for the baseline, and run as [`implicit::F32Kernel::detect`] picks
+/// (`KILN_F32_KERNEL`): the same Rust, so LLVM vectorizes each copy to its instruction set's
+/// width. Used by the element-wise kernels of [`nhwc`] and [`activation`].
+macro_rules! multiversion {
+    ($(#[$meta:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $body:block) => {
+        $(#[$meta])*
+        fn $name($($arg: $ty),*) {
+            #[inline(always)]
+            fn portable($($arg: $ty),*) $body
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx2,fma")]
+                unsafe fn avx512($($arg: $ty),*) {
+                    portable($($arg),*)
+                }
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn avx2($($arg: $ty),*) {
+                    portable($($arg),*)
+                }
+                match $crate::kernels::implicit::F32Kernel::detect() {
+                    // SAFETY: `detect` picks an instruction set only where the CPU has it.
+                    $crate::kernels::implicit::F32Kernel::Avx512 => unsafe { avx512($($arg),*) },
+                    // SAFETY: as above.
+                    $crate::kernels::implicit::F32Kernel::Avx2 => unsafe { avx2($($arg),*) },
+                    $crate::kernels::implicit::F32Kernel::Portable => portable($($arg),*),
+                }
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            portable($($arg),*)
+        }
+    };
+}
+
 pub mod activation;
 pub mod conv;
 mod extension;

@@ -7,11 +7,10 @@
 //! the first convolution to the global pool, with no transpose per layer (ONNX Runtime keeps
 //! its NCHWc blocked layout for the same reason). Every kernel's inner loop runs along the
 //! channels, contiguous in this layout, so it vectorizes; each is compiled once more for
-//! AVX-512 and for AVX2 + FMA, picked by [`F32Kernel::detect`] (`KILN_F32_KERNEL`).
+//! AVX-512 and for AVX2 + FMA (the kernels' `multiversion!`), picked by
+//! [`super::implicit::F32Kernel::detect`] (`KILN_F32_KERNEL`).
 
 use rayon::prelude::*;
-
-use super::implicit::F32Kernel;
 
 /// Values below which a memory-bound kernel runs on the calling thread, and the size of its
 /// parallel chunks: waking a pool thread costs about what one thread takes for this many
@@ -22,39 +21,6 @@ const PARALLEL_MIN: usize = 1 << 17;
 /// Multiply-adds below which a depthwise convolution stays on the calling thread (as
 /// [`super::implicit`]'s dense convolution does below 2 Mi).
 const DEPTHWISE_PARALLEL_MACS: usize = 1 << 21;
-
-/// Defines `fn $name(args)` whose body is compiled three times, for AVX-512, for AVX2 + FMA
-/// and for the baseline, and run as [`F32Kernel::detect`] picks (`KILN_F32_KERNEL`): the same
-/// Rust, so LLVM vectorizes each copy to its instruction set's width.
-macro_rules! multiversion {
-    ($(#[$meta:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $body:block) => {
-        $(#[$meta])*
-        fn $name($($arg: $ty),*) {
-            #[inline(always)]
-            fn portable($($arg: $ty),*) $body
-            #[cfg(target_arch = "x86_64")]
-            {
-                #[target_feature(enable = "avx512f,avx2,fma")]
-                unsafe fn avx512($($arg: $ty),*) {
-                    portable($($arg),*)
-                }
-                #[target_feature(enable = "avx2,fma")]
-                unsafe fn avx2($($arg: $ty),*) {
-                    portable($($arg),*)
-                }
-                match F32Kernel::detect() {
-                    // SAFETY: `detect` picks an instruction set only where the CPU has it.
-                    F32Kernel::Avx512 => unsafe { avx512($($arg),*) },
-                    // SAFETY: as above.
-                    F32Kernel::Avx2 => unsafe { avx2($($arg),*) },
-                    F32Kernel::Portable => portable($($arg),*),
-                }
-            }
-            #[cfg(not(target_arch = "x86_64"))]
-            portable($($arg),*)
-        }
-    };
-}
 
 /// `[batch, channels, h, w]` values to channels-last `[batch, h, w, channels]`.
 pub fn nchw_to_nhwc(x: &[f32], [b, c, h, w]: [usize; 4]) -> Vec<f32> {
