@@ -230,14 +230,30 @@ fn int8_stays_near_onnx_runtime() {
     }
 }
 
+/// The steps of model `name` after load, by operator: a counter (0 for an absent one) and
+/// the counts themselves, for messages.
+fn op_counts(
+    name: &str,
+) -> (
+    impl Fn(&str) -> usize,
+    std::collections::BTreeMap<String, usize>,
+) {
+    let model = OnnxModel::load(
+        &models_dir().join(format!("{name}.onnx")),
+        &Device::default(),
+    )
+    .unwrap();
+    let counts = model.op_counts();
+    let lookup = counts.clone();
+    (move |op: &str| lookup.get(op).copied().unwrap_or(0), counts)
+}
+
 /// ResNet's residual blocks end with `Add` + `Relu`: both fold into the convolution that
 /// runs last before them (the sum and the ReLU in its store), none stay separate; the
 /// outputs still match ONNX Runtime (the `resnet` test above runs the fused model).
 #[test]
 fn residual_adds_and_relus_fuse_into_convolutions() {
-    let model = OnnxModel::load(&models_dir().join("resnet.onnx"), &Device::default()).unwrap();
-    let counts = model.op_counts();
-    let count = |op: &str| counts.get(op).copied().unwrap_or(0);
+    let (count, counts) = op_counts("resnet");
     assert_eq!(count("Add") + count("Relu"), 0, "{counts:?}");
     assert!(count("Conv2d+Add+Relu") >= 2, "{counts:?}");
 }
@@ -247,10 +263,7 @@ fn residual_adds_and_relus_fuse_into_convolutions() {
 /// squeeze-excitation gates' sigmoids, which multiply something else, stay.
 #[test]
 fn sigmoid_products_of_their_own_input_fuse_into_silu() {
-    let model =
-        OnnxModel::load(&models_dir().join("efficientnet.onnx"), &Device::default()).unwrap();
-    let counts = model.op_counts();
-    let count = |op: &str| counts.get(op).copied().unwrap_or(0);
+    let (count, counts) = op_counts("efficientnet");
     assert!(count("Silu") >= 3, "{counts:?}");
     assert!(count("Sigmoid") >= 1, "{counts:?}");
 }
@@ -260,14 +273,9 @@ fn sigmoid_products_of_their_own_input_fuse_into_silu() {
 /// kernels and without.
 #[test]
 fn relu6_clips_fuse_into_convolutions() {
-    let model =
-        OnnxModel::load(&models_dir().join("mobilenet_v2.onnx"), &Device::default()).unwrap();
-    let counts = model.op_counts();
-    assert_eq!(counts.get("Clip"), None, "{counts:?}");
-    assert!(
-        counts.get("Conv2d+Clip").copied().unwrap_or(0) >= 4,
-        "{counts:?}"
-    );
+    let (count, counts) = op_counts("mobilenet_v2");
+    assert_eq!(count("Clip"), 0, "{counts:?}");
+    assert!(count("Conv2d+Clip") >= 4, "{counts:?}");
 }
 
 /// A pass applied after the model has run (its weights already packed for the host kernels)

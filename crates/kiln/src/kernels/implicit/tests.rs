@@ -3,7 +3,21 @@ use crate::kernels::testing::{relative_error, values};
 
 /// Direct f64 convolution over NHWC input, `[cout, cin, kh, kw]` weight: the reference.
 fn reference(s: &ConvShape, x: &[f32], w: &[f32], bias: Option<&[f32]>, relu: bool) -> Vec<f64> {
+    reference_grouped(s, 1, x, w, bias, relu)
+}
+
+/// [`reference`] with `groups`: weight `[cout, cin / groups, kh, kw]`, output channel `o`
+/// reading the input channels of its group.
+fn reference_grouped(
+    s: &ConvShape,
+    groups: usize,
+    x: &[f32],
+    w: &[f32],
+    bias: Option<&[f32]>,
+    relu: bool,
+) -> Vec<f64> {
     let (oh, ow) = (s.out_h(), s.out_w());
+    let (cg, og) = (s.cin / groups, s.cout / groups);
     let mut out = Vec::with_capacity(s.output_len());
     for n in 0..s.batch {
         for oy in 0..oh {
@@ -19,10 +33,10 @@ fn reference(s: &ConvShape, x: &[f32], w: &[f32], bias: Option<&[f32]>, relu: bo
                             if iy < 0 || ix < 0 || iy >= s.h as isize || ix >= s.w as isize {
                                 continue;
                             }
-                            for c in 0..s.cin {
-                                let xv =
-                                    x[((n * s.h + iy as usize) * s.w + ix as usize) * s.cin + c];
-                                let wv = w[((o * s.cin + c) * s.kh + ky) * s.kw + kx];
+                            let px = (n * s.h + iy as usize) * s.w + ix as usize;
+                            for c in 0..cg {
+                                let xv = x[px * s.cin + (o / og) * cg + c];
+                                let wv = w[((o * cg + c) * s.kh + ky) * s.kw + kx];
                                 acc += xv as f64 * wv as f64;
                             }
                         }
@@ -319,37 +333,11 @@ fn grouped_convolutions_match_a_direct_loop() {
             [(pad, pad); 2],
             [1, 1],
         );
-        let (cg, og) = (cin / groups, cout / groups);
+        let cg = cin / groups;
         let x = values(s.input_len(), 8);
         let w = values(cout * cg * k * k, 9);
         let b = values(cout, 10);
-        let (oh, ow) = (s.out_h(), s.out_w());
-        let mut want = Vec::with_capacity(s.output_len());
-        for n in 0..batch {
-            for oy in 0..oh {
-                for ox in 0..ow {
-                    for o in 0..cout {
-                        let g = o / og;
-                        let mut acc = b[o] as f64;
-                        for ky in 0..k {
-                            for kx in 0..k {
-                                let iy = (oy * stride + ky) as isize - pad as isize;
-                                let ix = (ox * stride + kx) as isize - pad as isize;
-                                if iy < 0 || ix < 0 || iy >= side as isize || ix >= side as isize {
-                                    continue;
-                                }
-                                for i in 0..cg {
-                                    let px = (n * side + iy as usize) * side + ix as usize;
-                                    acc += x[px * cin + g * cg + i] as f64
-                                        * w[((o * cg + i) * k + ky) * k + kx] as f64;
-                                }
-                            }
-                        }
-                        want.push(acc.max(0.0));
-                    }
-                }
-            }
-        }
+        let want = reference_grouped(&s, groups, &x, &w, Some(&b), true);
         for kernel in supported() {
             let Some(packed) =
                 ConvWeights::pack_grouped_for(kernel, [cout, cg, k, k], groups, &w, Some(&b))
