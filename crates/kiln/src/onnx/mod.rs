@@ -98,6 +98,14 @@ enum StepOp {
     Silu,
 }
 
+impl Step {
+    /// Nothing was fused after the operator (ReLU, Clip, residual): its output is the
+    /// operator's own, so another fusion may still act on it.
+    fn plain_output(&self) -> bool {
+        !self.relu && self.clip.is_none() && self.residual.is_none()
+    }
+}
+
 impl StepOp {
     /// The onnx-ir node, when the step still runs one.
     fn node(&self) -> Option<&Node> {

@@ -305,19 +305,14 @@ impl OnnxModel {
                 .copied()
                 .flatten()
                 .and_then(|x| {
-                    let layer = self.producer(x)?;
+                    let layer = self.sole_producer(x)?;
                     let step = &self.steps[layer];
                     let kind_fits = match step.op.node() {
-                        Some(Node::Conv2d(_)) => step.residual.is_none(),
+                        Some(Node::Conv2d(_)) => true,
                         Some(Node::Add(_)) => clip.is_none(),
                         _ => false,
                     };
-                    let fusable = kind_fits
-                        && !step.relu
-                        && step.clip.is_none()
-                        && step.outputs.len() == 1
-                        && self.uses[x] == 1
-                        && !self.output_slots.contains(&x);
+                    let fusable = kind_fits && step.plain_output() && step.outputs.len() == 1;
                     fusable.then_some(layer)
                 });
             let Some(layer) = layer else {
@@ -361,20 +356,15 @@ impl OnnxModel {
                     continue;
                 }
             };
-            let produced_at = |slot: usize| self.producer(slot);
             let conv_for = |i: usize| -> Option<usize> {
                 let (mine, other) = (operands[i], operands[1 - i]);
-                let conv = produced_at(mine)?;
+                let conv = self.sole_producer(mine)?;
                 let c = &self.steps[conv];
                 let fusable = matches!(c.op.node(), Some(Node::Conv2d(_)))
-                    && !c.relu
-                    && c.clip.is_none()
-                    && c.residual.is_none()
+                    && c.plain_output()
                     && c.outputs.len() == 1
                     && mine != other
-                    && self.uses[mine] == 1
-                    && !self.output_slots.contains(&mine)
-                    && produced_at(other).is_none_or(|p| p < conv);
+                    && self.producer(other).is_none_or(|p| p < conv);
                 fusable.then_some(conv)
             };
             let Some((conv, skip)) = [0, 1]
@@ -420,13 +410,11 @@ impl OnnxModel {
             // (the sigmoid step, x)
             let gate = (0..2).find_map(|i| {
                 let (x, s) = (operands[1 - i], operands[i]);
-                let p = self.producer(s)?;
+                let p = self.sole_producer(s)?;
                 let step = &self.steps[p];
                 let is_gate = matches!(step.op.node(), Some(Node::Sigmoid(_)))
                     && step.inputs.first() == Some(&Some(x))
-                    && x != s
-                    && self.uses[s] == 1
-                    && !self.output_slots.contains(&s);
+                    && x != s;
                 is_gate.then_some((p, x, s))
             });
             let Some((sigmoid, x, s)) = gate else {
@@ -443,6 +431,16 @@ impl OnnxModel {
             // The sigmoid ran before the product: the product moved one step back.
         }
         fused
+    }
+
+    /// The step that writes `slot`, when the one reader asking is its only one (`slot` read
+    /// once and not a graph output): what every fusion needs before folding that reader into
+    /// the step.
+    fn sole_producer(&self, slot: usize) -> Option<usize> {
+        if self.uses[slot] != 1 || self.output_slots.contains(&slot) {
+            return None;
+        }
+        self.producer(slot)
     }
 
     /// The step that writes `slot`, if one does.
@@ -540,7 +538,7 @@ impl OnnxModel {
             .iter()
             .take(4)
             .all(|s| s.is_some_and(|s| self.constants[s].is_some()));
-        let conv = self.producer(x)?;
+        let conv = self.sole_producer(x)?;
         let conv_step = &self.steps[conv];
         let weight_constant = matches!(conv_step.op.node(), Some(Node::Conv2d(_)))
             && conv_step
@@ -556,14 +554,7 @@ impl OnnxModel {
                 .flatten()
                 .is_none_or(|s| self.constants[s].is_some());
         // A convolution with a ReLU fused in no longer writes what the BatchNorm reads.
-        (params_constant
-            && weight_constant
-            && !conv_step.relu
-            && conv_step.clip.is_none()
-            && conv_step.residual.is_none()
-            && self.uses[x] == 1
-            && !self.output_slots.contains(&x))
-        .then_some(conv)
+        (params_constant && weight_constant && conv_step.plain_output()).then_some(conv)
     }
 
     /// Folds BatchNormalization step `bn` into convolution step `conv`: `W' = W·a`,
@@ -677,9 +668,9 @@ impl OnnxModel {
             return None;
         };
         let x = (*step.inputs.first()?)?;
-        let layer = self.producer(x)?;
+        let layer = self.sole_producer(x)?;
         let int8 = matches!(self.steps[layer].op, StepOp::QLinear(_) | StepOp::QConv(_));
-        (int8 && self.uses[x] == 1 && !self.output_slots.contains(&x)).then_some(layer)
+        int8.then_some(layer)
     }
 
     /// Replaces step `at` by an int8 linear layer when its weight (input 1) is a constant
