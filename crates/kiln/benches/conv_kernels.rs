@@ -4,37 +4,15 @@
 //!
 //!     cargo bench -p kiln --bench conv_kernels -- 2     # threads (default 1)
 
-use std::time::Instant;
+mod support;
 
-use kiln::kernels::conv::{ConvShape, conv2d_nhwc_forward, pack_weight_for_nhwc};
+use support::time;
+
+use kiln::kernels::conv::{conv2d_nhwc_forward, pack_weight_for_nhwc};
 use kiln::kernels::implicit::{ConvWeights, F32Kernel, conv2d_nhwc};
 
-/// Best of 5 repeats of `iters` calls, in ms per call, after 3 warm-up calls.
-fn time(mut f: impl FnMut(), iters: usize) -> f64 {
-    for _ in 0..3 {
-        f();
-    }
-    (0..5)
-        .map(|_| {
-            let t = Instant::now();
-            for _ in 0..iters {
-                f();
-            }
-            t.elapsed().as_secs_f64() * 1e3 / iters as f64
-        })
-        .fold(f64::MAX, f64::min)
-}
-
 fn main() {
-    // `cargo bench` passes `--bench`; the first number is the thread count.
-    let threads = std::env::args()
-        .skip(1)
-        .find_map(|a| a.parse::<usize>().ok())
-        .unwrap_or(1);
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .expect("a thread pool");
+    let (threads, pool) = support::pool_from_args();
     let kernels: Vec<F32Kernel> = [F32Kernel::Avx512, F32Kernel::Avx2]
         .into_iter()
         .filter(|k| *k as u8 >= F32Kernel::detect() as u8)
@@ -71,18 +49,7 @@ fn main() {
     println!("{threads} thread(s); G multiply-adds/s (ms per call)");
     pool.install(|| {
         for (name, batch, cin, side, cout, k, stride, pad) in cases {
-            let s = ConvShape {
-                batch,
-                cin,
-                h: side,
-                w: side,
-                cout,
-                kh: k,
-                kw: k,
-                stride: [stride, stride],
-                padding: [(pad, pad); 2],
-                dilation: [1, 1],
-            };
+            let s = support::square_conv(batch, cin, side, cout, k, stride, pad);
             let x: Vec<f32> = (0..s.input_len()).map(|i| (i % 7) as f32 * 0.1).collect();
             let w: Vec<f32> = (0..s.weight_len()).map(|i| (i % 5) as f32 * 0.01).collect();
             let bias = vec![0.1f32; cout];

@@ -1,0 +1,57 @@
+//! What the kernel benchmarks share: the thread count from the command line and a timer.
+
+use std::time::Instant;
+
+/// The thread count (the first number among the arguments; `cargo bench` passes `--bench`
+/// too), default 1, and a rayon pool of that size.
+pub fn pool_from_args() -> (usize, rayon::ThreadPool) {
+    let threads = std::env::args()
+        .skip(1)
+        .find_map(|a| a.parse::<usize>().ok())
+        .unwrap_or(1);
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .expect("a thread pool");
+    (threads, pool)
+}
+
+/// Best of 5 repeats of `iters` calls, in ms per call, after 3 warm-up calls.
+pub fn time(mut f: impl FnMut(), iters: usize) -> f64 {
+    for _ in 0..3 {
+        f();
+    }
+    (0..5)
+        .map(|_| {
+            let t = Instant::now();
+            for _ in 0..iters {
+                f();
+            }
+            t.elapsed().as_secs_f64() * 1e3 / iters as f64
+        })
+        .fold(f64::MAX, f64::min)
+}
+
+/// A convolution with square images and kernels, the same stride and padding on both axes.
+pub fn square_conv(
+    batch: usize,
+    cin: usize,
+    side: usize,
+    cout: usize,
+    kernel: usize,
+    stride: usize,
+    pad: usize,
+) -> kiln::kernels::conv::ConvShape {
+    kiln::kernels::conv::ConvShape {
+        batch,
+        cin,
+        h: side,
+        w: side,
+        cout,
+        kh: kernel,
+        kw: kernel,
+        stride: [stride; 2],
+        padding: [(pad, pad); 2],
+        dilation: [1, 1],
+    }
+}
