@@ -10,6 +10,7 @@
 //! bias is the GEMM's initial value. Images are spread over the threads; a single image uses a
 //! multi-threaded GEMM instead.
 
+use std::cell::RefCell;
 use std::ops::Range;
 
 use gemm::{Parallelism, gemm};
@@ -267,6 +268,22 @@ struct Scratch {
     staged: Vec<f32>,
 }
 
+thread_local! {
+    /// This thread's scratch, kept between calls (a few MB: W5's largest unfolded group is
+    /// 2.4 MB). Why: a fresh buffer per call came back from the allocator as new pages that the
+    /// kernel zeroes — 4% of W5's training step in `clear_page_erms`, plus a memset per resize.
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// Runs `f` with this thread's [`SCRATCH`], or with fresh buffers when it is already in use
+/// (a nested call: a GEMM's worker thread that picked up another convolution).
+fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
+    SCRATCH.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut scratch) => f(&mut scratch),
+        Err(_) => f(&mut Scratch::default()),
+    })
+}
+
 /// Output pixels one GEMM should have at least: images are grouped side by side in one GEMM
 /// until their pixels reach this. Why: ResNet's last stages have 8×8 and 4×4 images, and a GEMM
 /// per 4×4 image packs the whole weight (512 × 4608 floats) to multiply it by 16 columns —
@@ -295,10 +312,9 @@ fn per_group<'a, 'b>(
         pairs
             .collect::<Vec<_>>()
             .into_par_iter()
-            .for_each_init(Scratch::default, run);
+            .for_each(|pair| with_scratch(|scratch| run(scratch, pair)));
     } else {
-        let mut scratch = Scratch::default();
-        pairs.for_each(|pair| run(&mut scratch, pair));
+        with_scratch(|scratch| pairs.for_each(|pair| run(scratch, pair)));
     }
 }
 
@@ -743,40 +759,41 @@ fn weight_grad_part(
     let image_out = s.cout * p;
     let transposed = k > s.cout;
     let mut sum = vec![0.0f32; k * s.cout];
-    let mut scratch = Scratch::default();
-    for start in images.clone().step_by(group) {
-        let g = group.min(images.end - start);
-        let n = g * p;
-        // This image's input channels `channels`: one contiguous run of planes.
-        let image =
-            |i: usize| &x[((start + i) * s.cin + channels.start) * plane..][..sub.image_len()];
-        let cols: &[f32] = if sub.is_pointwise() && g == 1 {
-            image(0)
-        } else {
-            scratch.cols.resize(k * n, 0.0);
-            for i in 0..g {
-                im2col(&sub, image(i), &mut scratch.cols[i * p..], n);
+    with_scratch(|scratch| {
+        for start in images.clone().step_by(group) {
+            let g = group.min(images.end - start);
+            let n = g * p;
+            // This image's input channels `channels`: one contiguous run of planes.
+            let image =
+                |i: usize| &x[((start + i) * s.cin + channels.start) * plane..][..sub.image_len()];
+            let cols: &[f32] = if sub.is_pointwise() && g == 1 {
+                image(0)
+            } else {
+                scratch.cols.resize(k * n, 0.0);
+                for i in 0..g {
+                    im2col(&sub, image(i), &mut scratch.cols[i * p..], n);
+                }
+                &scratch.cols
+            };
+            let grads = &dout[start * image_out..(start + g) * image_out];
+            let grads: &[f32] = if g == 1 {
+                grads
+            } else {
+                interleave(grads, s.cout, p, &mut scratch.staged);
+                &scratch.staged
+            };
+            let accumulate = start > images.start;
+            if transposed {
+                // dWᵀ (k × cout) += cols (k × n) · doutᵀ (n × cout).
+                let dims = (k, s.cout, n);
+                matmul(dims, &mut sum, accumulate, cols, (n, 1), grads, (1, n), 1);
+            } else {
+                // dW (cout × k) += dout (cout × n) · colsᵀ (n × k).
+                let dims = (s.cout, k, n);
+                matmul(dims, &mut sum, accumulate, grads, (n, 1), cols, (1, n), 1);
             }
-            &scratch.cols
-        };
-        let grads = &dout[start * image_out..(start + g) * image_out];
-        let grads: &[f32] = if g == 1 {
-            grads
-        } else {
-            interleave(grads, s.cout, p, &mut scratch.staged);
-            &scratch.staged
-        };
-        let accumulate = start > images.start;
-        if transposed {
-            // dWᵀ (k × cout) += cols (k × n) · doutᵀ (n × cout).
-            let dims = (k, s.cout, n);
-            matmul(dims, &mut sum, accumulate, cols, (n, 1), grads, (1, n), 1);
-        } else {
-            // dW (cout × k) += dout (cout × n) · colsᵀ (n × k).
-            let dims = (s.cout, k, n);
-            matmul(dims, &mut sum, accumulate, grads, (n, 1), cols, (1, n), 1);
         }
-    }
+    });
     let taps = s.kh * s.kw;
     WeightGradPart {
         rows: channels.start * taps..channels.end * taps,
