@@ -127,6 +127,16 @@ fn im2col(s: &ConvShape, image: &[f32], cols: &mut [f32], ld: usize) {
                 let dj = (kj * s.dilation[1]) as isize - s.padding[1].0 as isize;
                 // Output columns whose input column lies inside the image: [lo, hi).
                 let (lo, hi) = valid_range(ow, s.stride[1], dj, s.w);
+                if s.stride == [1, 1] && ow == s.w {
+                    let tap = SameTap::new((s.h, s.w), oh, (di, dj));
+                    dst[..tap.y0 * ow].fill(0.0);
+                    dst[tap.y1 * ow..].fill(0.0);
+                    dst[tap.start..tap.end].copy_from_slice(&plane[tap.source()]);
+                    // What the copy took from the neighbouring rows is padding.
+                    zero_edges(&mut dst[tap.y0 * ow..tap.y1 * ow], ow, (lo, hi));
+                    row += 1;
+                    continue;
+                }
                 for oy in 0..oh {
                     let out = &mut dst[oy * ow..(oy + 1) * ow];
                     let iy = (oy * s.stride[0]) as isize + di;
@@ -152,10 +162,62 @@ fn im2col(s: &ConvShape, image: &[f32], cols: &mut [f32], ld: usize) {
     }
 }
 
+/// Where one kernel tap reads in a stride-1 convolution whose output is as wide as its input
+/// (`same` padding): output `oy·w + ox` reads plane `(oy + di)·w + ox + dj`, the same offset
+/// `shift` for every value. Output rows `[y0, y1)` read inside the image; over them output
+/// `[start, end)` maps to the plane contiguously (clipped at both ends), and the columns
+/// outside `[lo, hi)` of those rows fall on the neighbouring row, not on the image.
+///
+/// Why: [`im2col`] and [`col2im`] then move one contiguous run per tap instead of one image
+/// row (4 to 32 floats for ResNet's 3×3 layers) at a time — the row-by-row unfold was 5.5% of
+/// W5's training step and the fold 3.3%.
+struct SameTap {
+    y0: usize,
+    y1: usize,
+    start: usize,
+    end: usize,
+    shift: isize,
+}
+
+impl SameTap {
+    fn new((h, w): (usize, usize), oh: usize, (di, dj): (isize, isize)) -> Self {
+        let y0 = (-di).clamp(0, oh as isize) as usize;
+        let y1 = (h as isize - di).clamp(y0 as isize, oh as isize) as usize;
+        let shift = di * w as isize + dj;
+        let (first, last) = ((y0 * w) as isize, (y1 * w) as isize);
+        let start = (-shift).clamp(first, last);
+        let end = ((h * w) as isize - shift).clamp(start, last);
+        let (start, end) = (start as usize, end as usize);
+        SameTap {
+            y0,
+            y1,
+            start,
+            end,
+            shift,
+        }
+    }
+
+    /// The plane range `[start, end)` reads (empty when the tap reads no value of the image).
+    fn source(&self) -> Range<usize> {
+        if self.start == self.end {
+            return 0..0;
+        }
+        (self.start as isize + self.shift) as usize..(self.end as isize + self.shift) as usize
+    }
+}
+
+/// Zeroes columns `[0, lo)` and `[hi, w)` of the `w`-wide rows of `rows`.
+fn zero_edges(rows: &mut [f32], w: usize, (lo, hi): (usize, usize)) {
+    for row in rows.chunks_exact_mut(w) {
+        row[..lo].fill(0.0);
+        row[hi..].fill(0.0);
+    }
+}
+
 /// Adds the unfolded gradient `dcols` `[cin·kh·kw, oh·ow]` (row `r` at `dcols[r·ld..]`, as in
 /// [`im2col`]) back into the image gradient `[cin, h, w]` (the transpose of [`im2col`]); `dx`
-/// must start zeroed.
-fn col2im(s: &ConvShape, dcols: &[f32], dx: &mut [f32], ld: usize) {
+/// must start zeroed. `dcols` is scratch: its values that fall on padding may be zeroed.
+fn col2im(s: &ConvShape, dcols: &mut [f32], dx: &mut [f32], ld: usize) {
     let (oh, ow) = (s.out_h(), s.out_w());
     let p = oh * ow;
     let mut row = 0;
@@ -163,10 +225,21 @@ fn col2im(s: &ConvShape, dcols: &[f32], dx: &mut [f32], ld: usize) {
         let plane = &mut dx[c * s.h * s.w..(c + 1) * s.h * s.w];
         for ki in 0..s.kh {
             for kj in 0..s.kw {
-                let src = &dcols[row * ld..row * ld + p];
+                let src = &mut dcols[row * ld..row * ld + p];
                 let di = (ki * s.dilation[0]) as isize - s.padding[0].0 as isize;
                 let dj = (kj * s.dilation[1]) as isize - s.padding[1].0 as isize;
                 let (lo, hi) = valid_range(ow, s.stride[1], dj, s.w);
+                if s.stride == [1, 1] && ow == s.w {
+                    // Gradients that fall on padding become zeros, so one contiguous add
+                    // (adding 0.0 leaves a value as it is) covers the tap.
+                    let tap = SameTap::new((s.h, s.w), oh, (di, dj));
+                    zero_edges(&mut src[tap.y0 * ow..tap.y1 * ow], ow, (lo, hi));
+                    for (d, v) in plane[tap.source()].iter_mut().zip(&src[tap.start..tap.end]) {
+                        *d += v;
+                    }
+                    row += 1;
+                    continue;
+                }
                 for oy in 0..oh {
                     let iy = (oy * s.stride[0]) as isize + di;
                     if iy < 0 || iy >= s.h as isize || lo >= hi {
@@ -625,7 +698,7 @@ pub fn conv2d_input_grad(s: &ConvShape, dout: &[f32], weight: &[f32], dx: &mut [
         );
         dx.fill(0.0);
         for (i, dx) in dx.chunks_exact_mut(s.image_len()).enumerate() {
-            col2im(s, &scratch.cols[i * p..], dx, n);
+            col2im(s, &mut scratch.cols[i * p..], dx, n);
         }
     };
     let pairs = dout
@@ -909,6 +982,27 @@ mod tests {
                 stride: [1, 2],
                 padding: [(0, 1), (2, 0)],
                 dilation: [2, 1],
+                ..base
+            },
+            // `same` padding at stride 1 (the contiguous unfold), also dilated and with a
+            // kernel taller than the image.
+            ConvShape {
+                padding: [(1, 1), (1, 1)],
+                ..base
+            },
+            ConvShape {
+                kh: 3,
+                kw: 5,
+                padding: [(4, 0), (4, 4)],
+                dilation: [2, 2],
+                ..base
+            },
+            ConvShape {
+                h: 2,
+                w: 3,
+                kh: 5,
+                kw: 3,
+                padding: [(2, 2), (1, 1)],
                 ..base
             },
             // A kernel wider than the padded input leaves whole rows of padding only.
