@@ -585,12 +585,7 @@ fn add_residual(
 /// `slot` clamped to `[lo, hi]`, in place for an image.
 fn clamp_slot(slot: Slot, lo: f32, hi: f32) -> Result<Slot, OnnxError> {
     match slot {
-        Slot::Image(image) => {
-            let dims = image.dims;
-            let mut data = image.into_vec();
-            activate(&mut data, Activation::Clip(lo, hi));
-            Ok(Slot::Image(Image::new(data, dims)))
-        }
+        Slot::Image(image) => Ok(activated(image, Activation::Clip(lo, hi))),
         Slot::Value(v) => Ok(Slot::Value(super::ops::math::unary(
             super::ops::math::Unary::Clip(Some(lo), Some(hi)),
             v,
@@ -610,10 +605,15 @@ fn unary(ins: &mut [Option<Slot>], act: Activation) -> Option<Result<Vec<Slot>, 
     let Some(Slot::Image(image)) = take(ins, 0) else {
         return None;
     };
+    Some(Ok(vec![activated(image, act)]))
+}
+
+/// `act` of every value of `image` (in place when this was its last reader).
+fn activated(image: Image, act: Activation) -> Slot {
     let dims = image.dims;
     let mut data = image.into_vec();
     activate(&mut data, act);
-    Some(Ok(vec![Slot::Image(Image::new(data, dims))]))
+    Slot::Image(Image::new(data, dims))
 }
 
 /// An operand of a per-channel operation: `[rows, channels]` values.
