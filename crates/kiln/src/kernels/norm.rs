@@ -52,10 +52,8 @@ pub fn batch_norm_stats(s: &NormShape, x: &[f32]) -> (Vec<f32>, Vec<f32>) {
         .map(|c| {
             let (mut sum, mut sq) = (0f64, 0f64);
             for run in s.runs(x, c) {
-                let (a, b) = run
-                    .iter()
-                    .fold((0f32, 0f32), |(a, b), &v| (a + v, b + v * v));
-                // Partial sums per run in f32 (vectorizes), totals in f64.
+                // Partial sums per run in f32 lanes, totals in f64.
+                let (a, b) = lane_sums(run, run, |v, _| (v, v * v));
                 sum += f64::from(a);
                 sq += f64::from(b);
             }
@@ -64,6 +62,32 @@ pub fn batch_norm_stats(s: &NormShape, x: &[f32]) -> (Vec<f32>, Vec<f32>) {
         })
         .collect();
     stats.into_iter().unzip()
+}
+
+/// `(Σ f(x, y).0, Σ f(x, y).1)` over two equally long slices, summed in 16 independent f32
+/// lanes. Why: a plain float fold is one dependency chain that the compiler may not reorder
+/// (each add waits for the previous, ~3 cycles per value), so the statistics pass ran at a
+/// fraction of memory speed; independent lanes vectorize.
+#[inline(always)]
+fn lane_sums(xs: &[f32], ys: &[f32], f: impl Fn(f32, f32) -> (f32, f32)) -> (f32, f32) {
+    const LANES: usize = 16;
+    let (mut a, mut b) = ([0f32; LANES], [0f32; LANES]);
+    let (xc, yc) = (xs.chunks_exact(LANES), ys.chunks_exact(LANES));
+    let (x_rest, y_rest) = (xc.remainder(), yc.remainder());
+    for (xs, ys) in xc.zip(yc) {
+        for i in 0..LANES {
+            let (p, q) = f(xs[i], ys[i]);
+            a[i] += p;
+            b[i] += q;
+        }
+    }
+    let (mut sa, mut sb) = (a.iter().sum::<f32>(), b.iter().sum::<f32>());
+    for (&x, &y) in x_rest.iter().zip(y_rest) {
+        let (p, q) = f(x, y);
+        sa += p;
+        sb += q;
+    }
+    (sa, sb)
 }
 
 /// One channel's constants: the affine form `y = x · a + b` of the normalization (`a = γ/σ`,
@@ -172,12 +196,10 @@ pub fn batch_norm_backward(
             let k = ch[c];
             let (mut sg, mut sgx) = (0f64, 0f64);
             for (xs, gs) in s.runs(x, c).zip(s.runs(dy, c)) {
-                let (mut p, mut q) = (0f32, 0f32);
-                for (&v, &g) in xs.iter().zip(gs) {
+                let (p, q) = lane_sums(xs, gs, |v, g| {
                     let g = k.through_relu(relu, v, g);
-                    p += g;
-                    q += g * (v - k.mean) * k.inv;
-                }
+                    (g, g * (v - k.mean) * k.inv)
+                });
                 sg += f64::from(p);
                 sgx += f64::from(q);
             }
@@ -275,11 +297,17 @@ mod tests {
 
     #[test]
     fn forward_and_gradients_match_an_f64_reference_with_and_without_relu() {
-        let s = NormShape {
-            batch: 3,
-            channels: 5,
-            plane: 7,
-        };
+        // A plane shorter than the 16 summing lanes, and one with whole lanes and a remainder.
+        for (batch, channels, plane) in [(3, 5, 7), (2, 3, 37)] {
+            check_against_reference(NormShape {
+                batch,
+                channels,
+                plane,
+            });
+        }
+    }
+
+    fn check_against_reference(s: NormShape) {
         let mut state = 17u64;
         let mut next = || {
             state = state
