@@ -343,8 +343,9 @@ struct Scratch {
 
 thread_local! {
     /// This thread's scratch, kept between calls (a few MB: W5's largest unfolded group is
-    /// 2.4 MB). Why: a fresh buffer per call came back from the allocator as new pages that the
-    /// kernel zeroes — 4% of W5's training step in `clear_page_erms`, plus a memset per resize.
+    /// 2.4 MB), so a call neither allocates nor zero-fills its buffers again (every value a
+    /// call reads it has written). No step-time change on W5 was measurable (BENCHMARKS.md
+    /// run 32); the page zeroing seen in `perf` was the working set's first touch.
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
 
@@ -710,10 +711,11 @@ pub fn conv2d_input_grad(s: &ConvShape, dout: &[f32], weight: &[f32], dx: &mut [
 /// Gradient of the weight: `dweight` `[cout, cin, kh, kw]` from `x` and `dout`, summed over the
 /// batch.
 ///
-/// With enough input channels the threads split the weight by input channels, each summing
-/// its rows over the whole batch (no per-thread copies of the weight to add up, and the result
-/// does not depend on the thread count); otherwise (the 3-channel stem) they split the images,
-/// each summing its share into its own buffer, added at the end in a fixed order.
+/// A large weight (≥ [`SPLIT_WEIGHT`] elements) with enough input channels is split over the
+/// threads by input channels, each thread summing its rows over the whole batch (no per-thread
+/// copies of the weight to add up, and the result does not depend on the thread count);
+/// otherwise the threads split the images, each summing its share into its own buffer, added
+/// at the end in a fixed order.
 pub fn conv2d_weight_grad(s: &ConvShape, x: &[f32], dout: &[f32], dweight: &mut [f32]) {
     assert_eq!(x.len(), s.input_len(), "conv2d input length");
     assert_eq!(dout.len(), s.output_len(), "conv2d output-gradient length");
