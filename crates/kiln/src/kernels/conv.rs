@@ -711,7 +711,7 @@ pub fn conv2d_input_grad(s: &ConvShape, dout: &[f32], weight: &[f32], dx: &mut [
 /// Gradient of the weight: `dweight` `[cout, cin, kh, kw]` from `x` and `dout`, summed over the
 /// batch.
 ///
-/// A large weight (≥ [`SPLIT_WEIGHT`] elements) with enough input channels is split over the
+/// A large weight (≥ 256 K elements) with enough input channels is split over the
 /// threads by input channels, each thread summing its rows over the whole batch (no per-thread
 /// copies of the weight to add up, and the result does not depend on the thread count);
 /// otherwise the threads split the images, each summing its share into its own buffer, added
