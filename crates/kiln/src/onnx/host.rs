@@ -466,16 +466,7 @@ fn conv(
             "Conv expects {cin} input channels; the input has {c}"
         )));
     }
-    for axis in 0..2 {
-        let span = (kernel[axis] - 1) * window.dilation[axis] + 1;
-        let padded = [h, w][axis] + pads[axis].0 + pads[axis].1;
-        if padded < span {
-            return Err(OnnxError::Shape(format!(
-                "Conv input {h}×{w} (padded {padded} on axis {axis}) is smaller than its \
-                 {kernel:?} kernel"
-            )));
-        }
-    }
+    kernel_fits([h, w], pads, kernel, window.dilation)?;
     let win = Window2d {
         dims: image.dims,
         kernel,
@@ -678,6 +669,27 @@ fn binary(ins: &mut [Option<Slot>], op: Arith, relu: bool) -> Option<Result<Vec<
     Some(Ok(vec![Slot::Image(Image::new(data, dims))]))
 }
 
+/// Refuses a convolution whose (dilated) kernel is larger than its padded `[h, w]` input:
+/// it would have no output.
+pub(super) fn kernel_fits(
+    [h, w]: [usize; 2],
+    pads: [(usize, usize); 2],
+    kernel: [usize; 2],
+    dilation: [usize; 2],
+) -> Result<(), OnnxError> {
+    for (axis, len) in [h, w].into_iter().enumerate() {
+        let span = (kernel[axis].max(1) - 1) * dilation[axis] + 1;
+        let padded = len + pads[axis].0 + pads[axis].1;
+        if padded < span {
+            return Err(OnnxError::Shape(format!(
+                "Conv input {h}×{w} (padded {padded} on axis {axis}) is smaller than its \
+                 {kernel:?} kernel (dilation {dilation:?})"
+            )));
+        }
+    }
+    Ok(())
+}
+
 fn pool(
     ins: &mut [Option<Slot>],
     window: &Window,
@@ -798,4 +810,21 @@ fn concat_channels(ins: &mut [Option<Slot>]) -> Option<Result<Vec<Slot>, OnnxErr
         }
     }
     Some(Ok(vec![Slot::Image(Image::new(out, [n, h, w, c]))]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_kernel_larger_than_its_padded_input_is_refused_with_the_sizes() {
+        let none = [(0, 0); 2];
+        let err = kernel_fits([2, 5], none, [3, 3], [1, 1]).expect_err("3×3 on 2 rows");
+        let text = err.to_string();
+        assert!(text.contains("2×5") && text.contains("axis 0"), "{text}");
+        // Padding makes it fit; dilation makes the span larger again.
+        assert!(kernel_fits([2, 5], [(1, 0), (0, 0)], [3, 3], [1, 1]).is_ok());
+        assert!(kernel_fits([4, 4], none, [3, 3], [2, 2]).is_err());
+        assert!(kernel_fits([5, 5], none, [3, 3], [2, 2]).is_ok());
+    }
 }

@@ -187,14 +187,8 @@ impl QConv {
         let [b, _, h, w] = dims;
         let g = &self.geometry;
         let [top, left, bottom, right] = g.pads;
-        if h + top + bottom < g.dilation[0] * (g.kernel[0] - 1) + 1
-            || w + left + right < g.dilation[1] * (g.kernel[1] - 1) + 1
-        {
-            return Err(OnnxError::Shape(format!(
-                "input {h}×{w} is smaller than the {:?} kernel",
-                g.kernel
-            )));
-        }
+        let pads = [(top, bottom), (left, right)];
+        super::host::kernel_fits([h, w], pads, g.kernel, g.dilation)?;
         let quant = ActivationQuant::for_range(range_of(host));
         let (a, ho, wo) =
             QuantizedActivations::for_conv(host, dims, layout, g, quant, self.weight.kernel());
