@@ -25,7 +25,7 @@ use super::ops::node_window;
 use super::value::{Value, ValueKind};
 use crate::infer::batch_norm_affine;
 use crate::kernels::conv::ConvShape;
-use crate::kernels::implicit::{ConvWeights, RELU, conv2d_nhwc_fused_new, linear_rows};
+use crate::kernels::implicit::{ConvWeights, conv2d_nhwc_fused_new, linear_rows};
 use crate::kernels::nhwc::{
     Activation, Arith, DepthwiseWeights, PoolKind, Window2d, activate, arith_channels_in_place,
     arith_in_place, depthwise_conv2d, global_average, nchw_to_nhwc, nhwc_to_nchw, pool2d,
@@ -146,10 +146,10 @@ pub(super) struct HostStep<'a> {
     pub constant: &'a dyn Fn(usize) -> bool,
     pub cache: &'a PackCache,
     pub outputs: usize,
-    /// A ReLU fused into the step (Conv, Add).
+    /// A ReLU fused into the step (read by an Add).
     pub relu: bool,
-    /// A Clip with constant bounds fused into a Conv.
-    pub clip: Option<[f32; 2]>,
+    /// What was fused after a Conv as one clamp ([`super::Step::clamp`]).
+    pub clamp: Option<[f32; 2]>,
     /// A residual fused into a Conv: the input index of the value added before the ReLU.
     pub residual: Option<usize>,
     pub device: &'a Device,
@@ -174,8 +174,13 @@ pub(super) fn run(
             };
             let residual = step.residual.and_then(|i| take(ins, i));
             let x = take(ins, 0)?;
-            let clamp = step.clip.or(step.relu.then_some(RELU));
-            Some(conv(x, packed, &window, (clamp, residual), step.device))
+            Some(conv(
+                x,
+                packed,
+                &window,
+                (step.clamp, residual),
+                step.device,
+            ))
         }
         Node::Relu(_) if image_in => unary(ins, Activation::Relu),
         Node::Sigmoid(_) if image_in => unary(ins, Activation::Sigmoid),
@@ -251,17 +256,16 @@ pub(super) fn run(
 }
 
 /// An int8 convolution (the int8 pass's) of an image, its output left channels-last;
-/// then the fused residual (input `residual`) and ReLU, which the pass leaves outside the
+/// then the fused residual (input `residual`) and clamp, which the pass leaves outside the
 /// integer epilogue when there is a residual.
 pub(super) fn int8_conv(
     q: &super::passes::QConv,
     ins: &mut [Option<Slot>],
-    (residual, relu, clip): (Option<usize>, bool, Option<[f32; 2]>),
+    (residual, clamp): (Option<usize>, Option<[f32; 2]>),
     device: &Device,
 ) -> Option<Result<Vec<Slot>, OnnxError>> {
     let x = take(ins, 0)?;
     let residual = residual.and_then(|i| take(ins, i));
-    let clamp = clip.or(relu.then_some(RELU));
     let run = || -> Result<Vec<Slot>, OnnxError> {
         // An NCHW input (the graph's) is made channels-last once; the layers after stay so.
         let x = x.into_image()?;

@@ -104,6 +104,13 @@ impl Step {
     fn plain_output(&self) -> bool {
         !self.relu && self.clip.is_none() && self.residual.is_none()
     }
+
+    /// The ReLU or Clip fused after the operator as one clamp: a Clip's bounds, a ReLU's
+    /// `[0, ∞]` (a fusion takes only a plain output, so the two never stack).
+    fn clamp(&self) -> Option<[f32; 2]> {
+        self.clip
+            .or(self.relu.then_some(crate::kernels::implicit::RELU))
+    }
 }
 
 impl StepOp {
@@ -359,7 +366,7 @@ impl OnnxModel {
                     cache: &step.packed,
                     outputs: step.outputs.len(),
                     relu: step.relu,
-                    clip: step.clip,
+                    clamp: step.clamp(),
                     residual: step.residual,
                     device: &self.device,
                 };
@@ -377,7 +384,7 @@ impl OnnxModel {
                 host::affine(ins, scale, shift)
             }
             StepOp::QConv(q) => {
-                host::int8_conv(q, ins, (step.residual, step.relu, step.clip), &self.device)
+                host::int8_conv(q, ins, (step.residual, step.clamp()), &self.device)
             }
             StepOp::Silu => host::silu(ins),
             StepOp::QLinear(_) => None,
