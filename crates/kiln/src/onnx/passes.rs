@@ -279,19 +279,15 @@ impl OnnxModel {
         let mut at = 0;
         while at < self.steps.len() {
             // ReLU into a Conv or an Add; a Clip with constant bounds (ReLU6) into a Conv.
-            let clip = match self.steps[at].op.node() {
-                Some(Node::Relu(_)) => None,
-                Some(Node::Clip(n)) => match super::ops::constant_clip(n) {
-                    Some(bounds) => Some(bounds),
-                    None => {
-                        at += 1;
-                        continue;
-                    }
-                },
-                _ => {
-                    at += 1;
-                    continue;
-                }
+            // `Some(None)`: a ReLU; `Some(Some(bounds))`: a constant Clip; `None`: neither.
+            let activation = match self.steps[at].op.node() {
+                Some(Node::Relu(_)) => Some(None),
+                Some(Node::Clip(n)) => super::ops::constant_clip(n).map(Some),
+                _ => None,
+            };
+            let Some(clip) = activation else {
+                at += 1;
+                continue;
             };
             let layer = self.steps[at]
                 .inputs
