@@ -62,31 +62,23 @@ fn main() {
                 time(|| conv2d_weight_grad(&s, &x, &g, &mut dw), 1),
             ]
         });
-        let rate = |ms: f64| macs / ms / 1e6;
-        println!(
-            "{name:<16} {:>9.2} {:>9.1} {:>9.2} {:>9.1} {:>9.2} {:>9.1}",
-            ms[0],
-            rate(ms[0]),
-            ms[1],
-            rate(ms[1]),
-            ms[2],
-            rate(ms[2])
-        );
+        println!("{name:<16}{}", columns(ms, macs));
         for (t, m) in totals.iter_mut().zip(ms) {
             *t += m * count as f64;
         }
         total_macs += macs * count as f64;
     }
-    let rate = |ms: f64| total_macs / ms / 1e6;
     println!(
-        "{:<16} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>9.1}   all: {:.1} ms",
+        "{:<16}{}   all: {:.1} ms",
         "W5 (weighted)",
-        totals[0],
-        rate(totals[0]),
-        totals[1],
-        rate(totals[1]),
-        totals[2],
-        rate(totals[2]),
+        columns(totals, total_macs),
         totals.iter().sum::<f64>()
     );
+}
+
+/// Each operation's ms and G multiply-adds/s, as table columns.
+fn columns(ms: [f64; 3], macs: f64) -> String {
+    ms.iter()
+        .map(|&m| format!(" {m:>9.2} {:>9.1}", macs / m / 1e6))
+        .collect()
 }

@@ -729,7 +729,6 @@ pub fn conv2d_weight_grad(s: &ConvShape, x: &[f32], dout: &[f32], dweight: &mut 
         return;
     }
     let threads = pool_threads();
-    let taps = s.kh * s.kw;
     if s.weight_len() >= SPLIT_WEIGHT && s.cin >= 4 * threads {
         // Every thread sums over the whole batch, so the grouping need not leave groups for
         // other threads, and the same for any thread count keeps the sums' order fixed.
@@ -756,14 +755,15 @@ pub fn conv2d_weight_grad(s: &ConvShape, x: &[f32], dout: &[f32], dweight: &mut 
         .into_par_iter()
         .map(|images| weight_grad_part(s, x, dout, 0..s.cin, images, group))
         .collect();
-    let (first, rest) = parts.split_at_mut(1);
+    let Some((first, rest)) = parts.split_first_mut() else {
+        return;
+    };
     for part in rest.iter() {
-        for (d, v) in first[0].sum.iter_mut().zip(&part.sum) {
+        for (d, v) in first.sum.iter_mut().zip(&part.sum) {
             *d += v;
         }
     }
-    debug_assert_eq!(first[0].rows.len(), s.cin * taps);
-    first[0].place(s, dweight);
+    first.place(s, dweight);
 }
 
 /// Weight elements from which [`conv2d_weight_grad`] splits the work by input channels rather
