@@ -2,7 +2,8 @@
 //! `gemm`-crate path (patch gather + GEMM) against the implicit-GEMM kernel on AVX-512 and
 //! AVX2 (each where this CPU has it), per shape, in G multiply-adds/s (BENCHMARKS.md run 29).
 //!
-//!     cargo bench -p kiln --bench conv_kernels -- 2     # threads (default 1)
+//!     cargo bench -p kiln --bench conv_kernels -- 2       # threads (default 1)
+//!     cargo bench -p kiln --bench conv_kernels -- 2 8     # ResNet-18's shapes at batch 8
 
 mod support;
 
@@ -13,6 +14,8 @@ use kiln::kernels::implicit::{ConvWeights, F32Kernel, conv2d_nhwc};
 
 fn main() {
     let (threads, pool) = support::pool_from_args();
+    // ResNet-18's shapes run at this batch (the second number; default 1).
+    let rb = support::number_arg(1).unwrap_or(1);
     let kernels: Vec<F32Kernel> = [F32Kernel::Avx512, F32Kernel::Avx2]
         .into_iter()
         .filter(|k| *k as u8 >= F32Kernel::detect() as u8)
@@ -22,31 +25,33 @@ fn main() {
         ("W3 conv1 b1", 1, 1, 28, 32, 3, 1, 0),
         ("W3 conv2 b1", 1, 32, 26, 64, 3, 1, 0),
         ("W3 conv2 b64", 64, 32, 26, 64, 3, 1, 0),
-        ("R18 3x3 64 56² b1", 1, 64, 56, 64, 3, 1, 1),
-        ("R18 3x3/2 64→128 b1", 1, 64, 56, 128, 3, 2, 1),
-        ("R18 3x3 512 7² b1", 1, 512, 7, 512, 3, 1, 1),
+        ("R18 3x3 64 56²", rb, 64, 56, 64, 3, 1, 1),
+        ("R18 3x3/2 64→128", rb, 64, 56, 128, 3, 2, 1),
+        ("R18 3x3 512 7²", rb, 512, 7, 512, 3, 1, 1),
         ("W5 3x3 64 32² b8", 8, 64, 32, 64, 3, 1, 1),
-        // ResNet-18 at 224², batch 1: every convolution shape once (the table's last line
+        // ResNet-18 at 224², batch `rb`: every convolution shape once (the table's last line
         // sums them weighted by how often each occurs).
-        ("R18 conv1 7x7/2 b1", 1, 3, 224, 64, 7, 2, 3),
-        ("R18 3x3 128 28² b1", 1, 128, 28, 128, 3, 1, 1),
-        ("R18 1x1/2 64→128 b1", 1, 64, 56, 128, 1, 2, 0),
-        ("R18 3x3/2 128→256 b1", 1, 128, 28, 256, 3, 2, 1),
-        ("R18 3x3 256 14² b1", 1, 256, 14, 256, 3, 1, 1),
-        ("R18 1x1/2 128→256 b1", 1, 128, 28, 256, 1, 2, 0),
-        ("R18 3x3/2 256→512 b1", 1, 256, 14, 512, 3, 2, 1),
-        ("R18 1x1/2 256→512 b1", 1, 256, 14, 512, 1, 2, 0),
+        ("R18 conv1 7x7/2", rb, 3, 224, 64, 7, 2, 3),
+        ("R18 3x3 128 28²", rb, 128, 28, 128, 3, 1, 1),
+        ("R18 1x1/2 64→128", rb, 64, 56, 128, 1, 2, 0),
+        ("R18 3x3/2 128→256", rb, 128, 28, 256, 3, 2, 1),
+        ("R18 3x3 256 14²", rb, 256, 14, 256, 3, 1, 1),
+        ("R18 1x1/2 128→256", rb, 128, 28, 256, 1, 2, 0),
+        ("R18 3x3/2 256→512", rb, 256, 14, 512, 3, 2, 1),
+        ("R18 1x1/2 256→512", rb, 256, 14, 512, 1, 2, 0),
     ];
     // How often each shape occurs in ResNet-18 (by name; others 0).
     let resnet18_count = |name: &str| match name {
-        "R18 3x3 64 56² b1" => 4.0,
-        "R18 3x3 128 28² b1" | "R18 3x3 256 14² b1" | "R18 3x3 512 7² b1" => 3.0,
+        "R18 3x3 64 56²" => 4.0,
+        "R18 3x3 128 28²" | "R18 3x3 256 14²" | "R18 3x3 512 7²" => 3.0,
         n if n.starts_with("R18") => 1.0,
         _ => 0.0,
     };
     // ms: the `gemm` path, then each SIMD kernel.
     let mut resnet18_ms = [0.0; 3];
-    println!("{threads} thread(s); G multiply-adds/s (ms per call)");
+    println!(
+        "{threads} thread(s), ResNet-18 shapes at batch {rb}; G multiply-adds/s (ms per call)"
+    );
     pool.install(|| {
         for (name, batch, cin, side, cout, k, stride, pad) in cases {
             let s = support::square_conv(batch, cin, side, cout, k, stride, pad);
@@ -73,7 +78,7 @@ fn main() {
             println!("{line}");
         }
     });
-    let mut total = format!("ResNet-18 b1 convs, ms: gemm {:.2}", resnet18_ms[0]);
+    let mut total = format!("ResNet-18 b{rb} convs, ms: gemm {:.2}", resnet18_ms[0]);
     for (i, kernel) in kernels.iter().enumerate() {
         total += &format!(" | {} {:.2}", kernel.name(), resnet18_ms[1 + i]);
     }

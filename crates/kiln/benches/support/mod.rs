@@ -5,15 +5,21 @@ use std::time::Instant;
 /// The thread count (the first number among the arguments; `cargo bench` passes `--bench`
 /// too), default 1, and a rayon pool of that size.
 pub fn pool_from_args() -> (usize, rayon::ThreadPool) {
-    let threads = std::env::args()
-        .skip(1)
-        .find_map(|a| a.parse::<usize>().ok())
-        .unwrap_or(1);
+    let threads = number_arg(0).unwrap_or(1);
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()
         .expect("a thread pool");
     (threads, pool)
+}
+
+/// The `index`-th number among the command-line arguments (`cargo bench` passes `--bench`
+/// and name filters too).
+pub fn number_arg(index: usize) -> Option<usize> {
+    std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse::<usize>().ok())
+        .nth(index)
 }
 
 /// Best of 5 repeats of `iters` calls, in ms per call, after 3 warm-up calls.

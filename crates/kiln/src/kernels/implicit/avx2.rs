@@ -3,13 +3,13 @@
 use std::arch::x86_64::*;
 
 use super::avx2_dims::{COLS, ROWS};
-use super::{Tile, tile_rows, walk_rows};
+use super::{Tile, tile_rows, walk_tiles};
 
 /// Lanes per register.
 const LANES: usize = 8;
 const BLOCKS: usize = COLS / LANES;
 
-/// All rows of `bases` for one panel, in the tiles [`walk_rows`] picks.
+/// All rows of `bases` for one panel, in the tiles [`walk_tiles`] picks.
 ///
 /// # Safety
 /// The CPU supports AVX2 and FMA; every `base + run + j` (`j < run_len`) indexes
@@ -39,16 +39,16 @@ pub(super) unsafe fn rows(tile: &Tile, bases: &[usize], out: *mut f32) {
         }
         return;
     }
-    walk_rows(bases.len(), ROWS, SMALL, |i, rows| {
+    walk_tiles(bases.len(), ROWS, 1, |i, rows| {
         let out = out.wrapping_add(i * tile.out_stride);
         let res = tile.residual_at(i);
         // SAFETY: the caller's contract, for the tile's rows.
-        unsafe { tile_rows!(block, tile, bases, i, rows, (out, res), &masks, ROWS, SMALL) }
+        unsafe { tile_rows!(block, tile, bases, i, rows, (out, res), &masks, [1 2 3 4 5 6]) }
     });
 }
 
-/// Rows of the narrower tile that finishes a short last tile.
-const SMALL: usize = 3;
+// The tile sizes listed above go up to the full tile.
+const _: () = assert!(ROWS == 6);
 
 #[inline]
 #[target_feature(enable = "avx2,fma")]

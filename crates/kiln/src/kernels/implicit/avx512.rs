@@ -3,13 +3,13 @@
 use std::arch::x86_64::*;
 
 use super::avx512_dims::{COLS, ROWS};
-use super::{Tile, row_group, tile_rows, walk_rows};
+use super::{Tile, row_group, tile_rows, walk_tiles};
 
 /// Lanes per register.
 const LANES: usize = 16;
 const BLOCKS: usize = COLS / LANES;
 
-/// All rows of `bases` for one panel, in the tiles [`walk_rows`] picks.
+/// All rows of `bases` for one panel, in the tiles [`walk_tiles`] picks.
 ///
 /// # Safety
 /// The CPU supports AVX-512F; every `base + run + j` (`j < run_len`) indexes `tile.image`;
@@ -22,20 +22,19 @@ pub(super) unsafe fn rows(tile: &Tile, bases: &[usize], out: *mut f32) {
         ((1u32 << valid) - 1) as __mmask16
     });
     let group = row_group(tile.pool);
-    let (full, small) = if tile.pool { POOL_TILES } else { (ROWS, SMALL) };
-    walk_rows(bases.len(), full, small, |i, rows| {
+    // Pooled rows come in windows of 4, which a tile never splits (ROWS is a multiple of 4).
+    walk_tiles(bases.len(), ROWS, group, |i, rows| {
         let out = out.wrapping_add(i / group * tile.out_stride);
         let res = tile.residual_at(i / group);
         // SAFETY: the caller's contract, for the tile's rows.
-        unsafe { tile_rows!(block, tile, bases, i, rows, (out, res), &masks, ROWS, SMALL) }
+        unsafe {
+            tile_rows!(block, tile, bases, i, rows, (out, res), &masks, [1 2 3 4 5 6 7 8 9 10 11 12])
+        }
     });
 }
 
-/// Rows of the narrower tile that finishes a short last tile.
-const SMALL: usize = 4;
-
-/// Full and narrow tiles when rows come in pooling windows of 4 (both multiples of 4).
-const POOL_TILES: (usize, usize) = (ROWS, SMALL);
+// The tile sizes listed above go up to the full tile.
+const _: () = assert!(ROWS == 12);
 
 #[inline]
 #[target_feature(enable = "avx512f")]

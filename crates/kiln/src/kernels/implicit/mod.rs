@@ -21,6 +21,7 @@ mod avx512;
 #[cfg(test)]
 mod tests;
 
+use std::ops::Range;
 use std::sync::OnceLock;
 
 use rayon::prelude::*;
@@ -457,7 +458,7 @@ fn conv_simd_new(
     let len = s.batch * stored_pixels(s, epilogue.pool) * s.cout;
     let mut out = Vec::with_capacity(len);
     // SAFETY: the capacity holds `len` values; the SIMD path stores each of them once (every
-    // row by `walk_rows`, which in pooled mode never splits a window since rows and tiles are
+    // row by `walk_tiles`, which in pooled mode never splits a window since rows and tiles are
     // multiples of 4; every column by the panels' masked stores) before the length is set.
     unsafe {
         conv_simd(s, x, w, width, epilogue, out.as_mut_ptr());
@@ -512,8 +513,7 @@ unsafe fn conv_simd(
     let operands = Operands {
         image,
         bases: &bases,
-        runs: &geometry.runs,
-        run_len: geometry.run_len,
+        geometry: &geometry,
         weights: w,
         width,
         clamp,
@@ -631,6 +631,12 @@ struct Geometry {
     ow: usize,
     stride: [usize; 2],
     cin: usize,
+    /// Image height, top padding, kernel height and its dilation: which kernel rows of an
+    /// output row read the image rather than the padding ([`Geometry::kernel_rows`]).
+    h: usize,
+    top: usize,
+    kh: usize,
+    dy: usize,
 }
 
 impl Geometry {
@@ -664,7 +670,38 @@ impl Geometry {
             ow: s.out_w(),
             stride: s.stride,
             cin,
+            h: s.h,
+            top,
+            kh: s.kh,
+            dy,
         }
+    }
+
+    /// The runs (a range of [`Geometry::runs`]) output row `oy` reads from the image: its
+    /// kernel rows that fall on the top or bottom padding read only zeros, so a tile of such
+    /// rows skips them. Runs are kernel-row-major, so the rest is one range.
+    fn kernel_rows(&self, oy: usize) -> Range<usize> {
+        // Kernel row ky reads image row oy·stride + ky·dy − top.
+        let y = oy * self.stride[0];
+        let first = self.top.saturating_sub(y).div_ceil(self.dy).min(self.kh);
+        let last = (self.h + self.top)
+            .saturating_sub(y)
+            .div_ceil(self.dy)
+            .min(self.kh);
+        let per_row = self.runs.len() / self.kh.max(1);
+        first * per_row..last.max(first) * per_row
+    }
+
+    /// From GEMM row `row` (raster order, [`Geometry::bases`] without pooling) up to `end`:
+    /// the runs row `row` reads and where the rows reading the same runs stop.
+    fn segment(&self, row: usize, end: usize) -> (Range<usize>, usize) {
+        let pixels = self.oh * self.ow;
+        let (image, oy) = (row / pixels, row % pixels / self.ow);
+        let runs = self.kernel_rows(oy);
+        let next = (oy + 1..self.oh)
+            .find(|&y| self.kernel_rows(y) != runs)
+            .unwrap_or(self.oh);
+        (runs, (image * pixels + next * self.ow).min(end))
     }
 
     /// Offset in the padded image of output pixel `(n, oy, ox)`'s window.
@@ -724,8 +761,7 @@ impl Geometry {
 struct Operands<'a> {
     image: &'a [f32],
     bases: &'a [usize],
-    runs: &'a [usize],
-    run_len: usize,
+    geometry: &'a Geometry,
     weights: &'a ConvWeights,
     width: usize,
     clamp: Option<[f32; 2]>,
@@ -740,96 +776,88 @@ impl Operands<'_> {
     /// # Safety
     /// `out` is the call's `[rows / row_group, cout]` output and no other thread touches this
     /// rectangle.
-    unsafe fn rectangle(&self, rows: std::ops::Range<usize>, panel: usize, out: *mut f32) {
+    unsafe fn rectangle(&self, rows: Range<usize>, panel: usize, out: *mut f32) {
         let cout = self.weights.dims[0];
-        let k = self.runs.len() * self.run_len;
+        let (runs, run_len) = (&self.geometry.runs[..], self.geometry.run_len);
+        let k = runs.len() * run_len;
         // The last window reads up to here: every base + offset + j must stay inside.
         let shift = self.weights.panel_offsets.get(panel).copied().unwrap_or(0);
-        let last = self.bases[rows.end - 1] + self.runs[self.runs.len() - 1] + self.run_len;
+        let last = self.bases[rows.end - 1] + runs[runs.len() - 1] + run_len;
         assert!(
             last + shift <= self.image.len(),
             "conv2d window outside the image"
         );
         let col0 = panel * self.width;
-        // A grouped panel reads its slice of each pixel's channels.
-        let image = &self.image[shift..];
-        let tile = Tile {
-            image,
-            runs: self.runs,
-            run_len: self.run_len,
-            panel: &self.weights.data[panel * k * self.width..][..k * self.width],
-            bias: &self.weights.bias[col0..col0 + self.width],
-            clamp: self.clamp,
-            cols: (cout - col0).min(self.width),
-            out_stride: cout,
-            pool: self.pool,
-            residual: self.residual.map_or(std::ptr::null(), |r| {
-                r[rows.start / row_group(self.pool) * cout + col0..].as_ptr()
-            }),
-        };
-        // SAFETY: the caller's contract; row r of the rectangle starts at (r·cout + col0).
-        unsafe {
-            tile.run(
-                self.weights.kernel,
-                &self.bases[rows.clone()],
-                out.add(rows.start / row_group(self.pool) * cout + col0),
-            )
-        };
+        let panel_values = &self.weights.data[panel * k * self.width..][..k * self.width];
+        let group = row_group(self.pool);
+        // Rows on the image's top or bottom border skip the kernel rows that read padding
+        // (a 3×3 kernel on a 7×7 image: 2 of 21 kernel rows per image column). Pooled rows
+        // are ordered by windows, not by image rows: all their runs are read.
+        let mut start = rows.start;
+        while start < rows.end {
+            let (span, end) = if self.pool {
+                (0..runs.len(), rows.end)
+            } else {
+                self.geometry.segment(start, rows.end)
+            };
+            let tile = Tile {
+                // A grouped panel reads its slice of each pixel's channels.
+                image: &self.image[shift..],
+                runs: &runs[span.clone()],
+                run_len,
+                panel: &panel_values
+                    [span.start * run_len * self.width..span.end * run_len * self.width],
+                bias: &self.weights.bias[col0..col0 + self.width],
+                clamp: self.clamp,
+                cols: (cout - col0).min(self.width),
+                out_stride: cout,
+                pool: self.pool,
+                residual: self.residual.map_or(std::ptr::null(), |r| {
+                    r[start / group * cout + col0..].as_ptr()
+                }),
+            };
+            // SAFETY: the caller's contract; row r of the rectangle starts at (r·cout + col0).
+            unsafe {
+                tile.run(
+                    self.weights.kernel,
+                    &self.bases[start..end],
+                    out.add(start / group * cout + col0),
+                )
+            };
+            start = end;
+        }
     }
 }
 
-/// Runs an instruction set's `block::<R>` on the tile `walk_rows` picked at row `i`: its full
-/// tile (`$full` rows), its narrow one (`$small`), or one row. `walk_rows` keeps every tile
-/// inside `bases`, so the slice conversions cannot fail.
+/// Runs an instruction set's `block::<R>` on the `$rows`-row tile starting at row `$i`, for
+/// each `R` the kernel instantiates (`[1 2 …]`: every size up to its full tile, so a short
+/// segment is one tile of its own size, not a narrow tile plus single rows at half speed).
+/// [`walk_tiles`] keeps every tile inside `bases` and within the listed sizes, so the slice
+/// conversions cannot fail.
 macro_rules! tile_rows {
     ($block:ident, $tile:expr, $bases:expr, $i:expr, $rows:expr, $dest:expr, $masks:expr,
-     $full:ident, $small:ident) => {
+     [$($r:literal)*]) => {
         match $rows {
-            $crate::kernels::implicit::TileRows::Full => $block::<$full>(
-                $tile,
-                $bases[$i..][..$full].try_into().unwrap(),
-                $dest,
-                $masks,
-            ),
-            $crate::kernels::implicit::TileRows::Small => $block::<$small>(
-                $tile,
-                $bases[$i..][..$small].try_into().unwrap(),
-                $dest,
-                $masks,
-            ),
-            $crate::kernels::implicit::TileRows::One => {
-                $block::<1>($tile, &[$bases[$i]], $dest, $masks)
-            }
+            $($r => $block::<$r>($tile, $bases[$i..][..$r].try_into().unwrap(), $dest, $masks),)*
+            rows => unreachable!("no {rows}-row register tile"),
         }
     };
 }
 pub(crate) use tile_rows;
 
-/// Which register tile covers the rows from a given one on.
-#[derive(Clone, Copy)]
-enum TileRows {
-    /// The kernel's full tile (`ROWS` rows).
-    Full,
-    /// The narrower tile (`SMALL` rows) that finishes a short last tile.
-    Small,
-    /// One row: what is left after that (a linear layer at batch 1 is one row; a wider tile
-    /// would multiply the weight by copies of it).
-    One,
-}
-
-/// Walks `n` rows in full tiles of `full`, then tiles of `small`, then single rows:
-/// `f(first_row, tile)`.
-fn walk_rows(n: usize, full: usize, small: usize, mut f: impl FnMut(usize, TileRows)) {
+/// Walks `n` rows in as few tiles of at most `full` rows as possible, their sizes as equal as
+/// possible and multiples of `unit` (4 when rows come in pooling windows; `n` is then a
+/// multiple of 4 too): `f(first_row, rows)`. Why equal sizes: a tile of one or two rows keeps
+/// too few accumulator chains to hide the FMA latency, while 25 rows as 9 + 8 + 8 run at the
+/// full tile's speed.
+fn walk_tiles(n: usize, full: usize, unit: usize, mut f: impl FnMut(usize, usize)) {
+    let units = n / unit;
+    let tiles = units.div_ceil(full / unit);
     let mut i = 0;
-    for (step, tile) in [
-        (full, TileRows::Full),
-        (small, TileRows::Small),
-        (1, TileRows::One),
-    ] {
-        while n - i >= step {
-            f(i, tile);
-            i += step;
-        }
+    for t in 0..tiles {
+        let rows = (units / tiles + usize::from(t < units % tiles)) * unit;
+        f(i, rows);
+        i += rows;
     }
 }
 

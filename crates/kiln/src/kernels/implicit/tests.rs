@@ -366,3 +366,109 @@ fn grouped_convolutions_match_a_direct_loop() {
             || F32Kernel::detect() == F32Kernel::Portable
     );
 }
+
+/// Rows on the top and bottom border skip the kernel rows that read padding: the runs
+/// [`Geometry::kernel_rows`] gives are exactly the kernel rows inside the image (checked
+/// against a scan of every kernel row), for strides, dilations, per-tap runs and padding
+/// wider than the kernel's reach (rows that read nothing).
+#[test]
+fn border_rows_read_exactly_the_kernel_rows_inside_the_image() {
+    let cases = [
+        // (h, kh, stride, dilation, (top, bottom), per-tap runs)
+        (7, 3, 1, 1, (1, 1), false),
+        (224, 7, 2, 1, (3, 3), false),
+        (14, 3, 2, 1, (1, 1), false),
+        (9, 3, 1, 2, (2, 2), true),
+        (5, 3, 1, 1, (4, 3), false),
+        (6, 1, 1, 1, (0, 0), false),
+    ];
+    for (h, kh, stride, dilation, padding, per_tap) in cases {
+        let kw = 3;
+        let s = shape(
+            1,
+            4,
+            [h, 8],
+            8,
+            [kh, kw],
+            [stride, 1],
+            [padding, (1, 1)],
+            [dilation, if per_tap { 2 } else { 1 }],
+        );
+        let geometry = Geometry::new(&s, s.cin);
+        let per_row = if per_tap { kw } else { 1 };
+        assert_eq!(geometry.runs.len(), kh * per_row);
+        for oy in 0..s.out_h() {
+            let inside: Vec<usize> = (0..kh)
+                .filter(|ky| {
+                    let y = (oy * stride + ky * dilation) as isize - padding.0 as isize;
+                    (0..h as isize).contains(&y)
+                })
+                .collect();
+            let want = match (inside.first(), inside.last()) {
+                (Some(a), Some(b)) => a * per_row..(b + 1) * per_row,
+                _ => {
+                    let runs = geometry.kernel_rows(oy);
+                    assert!(
+                        runs.is_empty(),
+                        "{s:?} row {oy}: {runs:?} reads only padding"
+                    );
+                    continue;
+                }
+            };
+            assert_eq!(geometry.kernel_rows(oy), want, "{s:?} row {oy}");
+        }
+        // Segments cover each image's rows in order and end where the runs change.
+        let pixels = s.out_h() * s.out_w();
+        let mut row = 0;
+        while row < pixels {
+            let (runs, end) = geometry.segment(row, pixels);
+            assert!(end > row);
+            for r in row..end {
+                assert_eq!(geometry.kernel_rows(r / s.out_w()), runs);
+            }
+            row = end;
+        }
+    }
+    // Output rows that read only padding still store their bias (and activation).
+    check(
+        shape(2, 3, [5, 6], 9, [3, 3], [1, 1], [(4, 3), (1, 1)], [1, 1]),
+        true,
+        true,
+    );
+    check(
+        shape(1, 6, [7, 7], 40, [3, 3], [1, 1], [(1, 1); 2], [1, 1]),
+        true,
+        false,
+    );
+}
+
+/// Tiles cover the rows in order, none over the full tile, sizes multiples of the unit and
+/// within one unit of each other.
+#[test]
+fn tiles_split_rows_evenly() {
+    for (n, full, unit) in [
+        (0, 12, 1),
+        (1, 12, 1),
+        (13, 12, 1),
+        (25, 12, 1),
+        (49, 6, 1),
+        (24, 12, 4),
+        (20, 12, 4),
+    ] {
+        let mut sizes = Vec::new();
+        let mut next = 0;
+        walk_tiles(n, full, unit, |i, rows| {
+            assert_eq!(i, next);
+            next += rows;
+            sizes.push(rows);
+        });
+        assert_eq!(next, n);
+        assert_eq!(sizes.len(), n.div_ceil(full), "{n} rows: {sizes:?}");
+        assert!(sizes.iter().all(|&r| r > 0 && r <= full && r % unit == 0));
+        let (lo, hi) = (sizes.iter().min(), sizes.iter().max());
+        assert!(
+            hi.zip(lo).is_none_or(|(h, l)| h - l <= unit),
+            "{n}: {sizes:?}"
+        );
+    }
+}
