@@ -631,12 +631,10 @@ struct Geometry {
     ow: usize,
     stride: [usize; 2],
     cin: usize,
-    /// Image height, top padding, kernel height and its dilation: which kernel rows of an
-    /// output row read the image rather than the padding ([`Geometry::kernel_rows`]).
-    h: usize,
-    top: usize,
-    kh: usize,
-    dy: usize,
+    /// Output rows grouped by the runs they read (see [`Geometry::kernel_rows`]): each
+    /// group's first output row and its runs, in order from row 0. One group when no
+    /// kernel row ever falls on the top or bottom padding; 3 for a 3×3 `same` convolution.
+    row_groups: Vec<(usize, Range<usize>)>,
 }
 
 impl Geometry {
@@ -661,6 +659,14 @@ impl Geometry {
             }
             channels
         };
+        let per_row = runs.len() / s.kh.max(1);
+        let mut row_groups: Vec<(usize, Range<usize>)> = Vec::new();
+        for oy in 0..s.out_h() {
+            let read = kernel_rows(s, oy, per_row);
+            if row_groups.last().is_none_or(|(_, runs)| *runs != read) {
+                row_groups.push((oy, read));
+            }
+        }
         Geometry {
             runs,
             run_len,
@@ -670,38 +676,37 @@ impl Geometry {
             ow: s.out_w(),
             stride: s.stride,
             cin,
-            h: s.h,
-            top,
-            kh: s.kh,
-            dy,
+            row_groups,
         }
     }
 
-    /// The runs (a range of [`Geometry::runs`]) output row `oy` reads from the image: its
-    /// kernel rows that fall on the top or bottom padding read only zeros, so a tile of such
-    /// rows skips them. Runs are kernel-row-major, so the rest is one range.
+    /// The runs output row `oy` reads (see [`kernel_rows`]).
     fn kernel_rows(&self, oy: usize) -> Range<usize> {
-        // Kernel row ky reads image row oy·stride + ky·dy − top.
-        let y = oy * self.stride[0];
-        let first = self.top.saturating_sub(y).div_ceil(self.dy).min(self.kh);
-        let last = (self.h + self.top)
-            .saturating_sub(y)
-            .div_ceil(self.dy)
-            .min(self.kh);
-        let per_row = self.runs.len() / self.kh.max(1);
-        first * per_row..last.max(first) * per_row
+        let at = self.row_groups.partition_point(|(first, _)| *first <= oy);
+        self.row_groups[at - 1].1.clone()
     }
 
     /// From GEMM row `row` (raster order, [`Geometry::bases`] without pooling) up to `end`:
-    /// the runs row `row` reads and where the rows reading the same runs stop.
+    /// the runs row `row` reads and where the rows reading the same runs stop. A segment
+    /// goes on into the next image when that image's first rows read the same runs: without
+    /// vertical padding (a linear layer is a batch of 1×1 images) the whole range is one
+    /// segment, not one per image.
     fn segment(&self, row: usize, end: usize) -> (Range<usize>, usize) {
         let pixels = self.oh * self.ow;
         let (image, oy) = (row / pixels, row % pixels / self.ow);
-        let runs = self.kernel_rows(oy);
-        let next = (oy + 1..self.oh)
-            .find(|&y| self.kernel_rows(y) != runs)
-            .unwrap_or(self.oh);
-        (runs, (image * pixels + next * self.ow).min(end))
+        let groups = &self.row_groups;
+        let at = groups.partition_point(|(first, _)| *first <= oy) - 1;
+        let runs = groups[at].1.clone();
+        let stop = match (groups.get(at + 1), groups.len()) {
+            (Some((next, _)), _) => image * pixels + next * self.ow,
+            // The image's last rows; every row reads the same runs.
+            (None, 1) => end,
+            // The next image's first rows read other runs: a row's first and last kernel
+            // rows inside the image only move up the kernel down the image, so the first
+            // group equals the last only when there is one.
+            (None, _) => (image + 1) * pixels,
+        };
+        (runs, stop.min(end))
     }
 
     /// Offset in the padded image of output pixel `(n, oy, ox)`'s window.
@@ -755,6 +760,19 @@ impl Geometry {
         }
         padded
     }
+}
+
+/// The runs (a range of [`Geometry::runs`], `per_row` runs per kernel row) output row `oy`
+/// of `s` reads from the image: its kernel rows that fall on the top or bottom padding read
+/// only zeros, so a tile of such rows skips them. Runs are kernel-row-major, so the rest is
+/// one range.
+fn kernel_rows(s: &ConvShape, oy: usize, per_row: usize) -> Range<usize> {
+    let (top, dy) = (s.padding[0].0, s.dilation[0]);
+    // Kernel row ky reads image row oy·stride + ky·dy − top.
+    let y = oy * s.stride[0];
+    let first = top.saturating_sub(y).div_ceil(dy).min(s.kh);
+    let last = (s.h + top).saturating_sub(y).div_ceil(dy).min(s.kh);
+    first * per_row..last.max(first) * per_row
 }
 
 /// One call's operands, shared by its tasks.

@@ -381,6 +381,8 @@ fn border_rows_read_exactly_the_kernel_rows_inside_the_image() {
         (9, 3, 1, 2, (2, 2), true),
         (5, 3, 1, 1, (4, 3), false),
         (6, 1, 1, 1, (0, 0), false),
+        // A linear layer's rows: 1×1 images.
+        (1, 1, 1, 1, (0, 0), false),
     ];
     for (h, kh, stride, dilation, padding, per_tap) in cases {
         let kw = 3;
@@ -417,15 +419,23 @@ fn border_rows_read_exactly_the_kernel_rows_inside_the_image() {
             };
             assert_eq!(geometry.kernel_rows(oy), want, "{s:?} row {oy}");
         }
-        // Segments cover each image's rows in order and end where the runs change.
-        let pixels = s.out_h() * s.out_w();
+        // Segments cover two images' rows in order and end where the runs change; the
+        // bottom rows of one image and the top rows of the next share one when they read
+        // the same runs.
+        let (pixels, ow) = (s.out_h() * s.out_w(), s.out_w());
+        let runs_of = |r: usize| geometry.kernel_rows(r % pixels / ow);
         let mut row = 0;
-        while row < pixels {
-            let (runs, end) = geometry.segment(row, pixels);
+        while row < 2 * pixels {
+            let (runs, end) = geometry.segment(row, 2 * pixels);
             assert!(end > row);
-            for r in row..end {
-                assert_eq!(geometry.kernel_rows(r / s.out_w()), runs);
-            }
+            assert!(
+                (row..end).all(|r| runs_of(r) == runs),
+                "{s:?} rows {row}..{end}"
+            );
+            assert!(
+                end == 2 * pixels || runs_of(end) != runs,
+                "{s:?} split at {end}"
+            );
             row = end;
         }
     }
