@@ -631,7 +631,7 @@ struct Geometry {
     ow: usize,
     stride: [usize; 2],
     cin: usize,
-    /// Output rows grouped by the runs they read (see [`Geometry::kernel_rows`]): each
+    /// Output rows grouped by the runs they read (see [`kernel_rows`]): each
     /// group's first output row and its runs, in order from row 0. One group when no
     /// kernel row ever falls on the top or bottom padding; 3 for a 3×3 `same` convolution.
     row_groups: Vec<(usize, Range<usize>)>,
@@ -678,12 +678,6 @@ impl Geometry {
             cin,
             row_groups,
         }
-    }
-
-    /// The runs output row `oy` reads (see [`kernel_rows`]).
-    fn kernel_rows(&self, oy: usize) -> Range<usize> {
-        let at = self.row_groups.partition_point(|(first, _)| *first <= oy);
-        self.row_groups[at - 1].1.clone()
     }
 
     /// From GEMM row `row` (raster order, [`Geometry::bases`] without pooling) up to `end`:
