@@ -50,6 +50,7 @@ pub mod conv;
 mod extension;
 pub mod implicit;
 pub mod int8;
+pub mod layer_norm;
 pub mod linear;
 pub mod nhwc;
 pub mod norm;

@@ -69,7 +69,7 @@ pub fn batch_norm_stats(s: &NormShape, x: &[f32]) -> (Vec<f32>, Vec<f32>) {
 /// (each add waits for the previous, ~3 cycles per value), so the statistics pass ran at a
 /// fraction of memory speed; independent lanes vectorize.
 #[inline(always)]
-fn lane_sums(xs: &[f32], ys: &[f32], f: impl Fn(f32, f32) -> (f32, f32)) -> (f32, f32) {
+pub(super) fn lane_sums(xs: &[f32], ys: &[f32], f: impl Fn(f32, f32) -> (f32, f32)) -> (f32, f32) {
     const LANES: usize = 16;
     let (mut a, mut b) = ([0f32; LANES], [0f32; LANES]);
     let (xc, yc) = (xs.chunks_exact(LANES), ys.chunks_exact(LANES));

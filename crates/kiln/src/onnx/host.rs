@@ -24,8 +24,10 @@ use super::ops::nn::Window;
 use super::ops::node_window;
 use super::value::{Value, ValueKind};
 use crate::infer::batch_norm_affine;
+use crate::kernels::activation::erf_in_place;
 use crate::kernels::conv::ConvShape;
 use crate::kernels::implicit::{ConvWeights, conv2d_nhwc_fused_new, linear_rows};
+use crate::kernels::layer_norm::layer_norm_rows;
 use crate::kernels::nhwc::{
     Activation, Arith, DepthwiseWeights, PoolKind, Window2d, activate, arith_channels_in_place,
     arith_in_place, depthwise_conv2d, global_average, nchw_to_nhwc, nhwc_to_nchw, pool2d,
@@ -84,6 +86,52 @@ impl Image {
     }
 }
 
+/// A float value of any rank on the host in ONNX's own row-major layout: what a linear layer
+/// or LayerNorm on the host leaves, and what the transpose `[0, 2, 3, 1]` makes of an image
+/// (its data as they are). The host layers after it (linear layers, LayerNorm, element-wise
+/// arithmetic and activations, the transpose back to an image) read it without converting:
+/// ConvNeXt's blocks and transformers' MLPs are such chains, and each Burn tensor between
+/// two host layers cost two copies (BENCHMARKS.md run 33).
+#[derive(Debug, Clone)]
+pub(super) struct Rows {
+    data: Arc<Vec<f32>>,
+    dims: Vec<usize>,
+}
+
+impl Rows {
+    fn new(data: Vec<f32>, dims: Vec<usize>) -> Self {
+        Rows {
+            data: Arc::new(data),
+            dims,
+        }
+    }
+
+    /// The length of the last axis (the one linear layers and LayerNorm work along).
+    fn last(&self) -> usize {
+        self.dims.last().copied().unwrap_or(1)
+    }
+
+    /// The values, copied only when another reader still holds them.
+    fn into_vec(self) -> Vec<f32> {
+        Arc::try_unwrap(self.data).unwrap_or_else(|shared| (*shared).clone())
+    }
+
+    /// The value on `device`.
+    fn into_value(self, device: &Device) -> Result<Value, OnnxError> {
+        let dims = self.dims.clone();
+        Value::from_data(TensorData::new(self.into_vec(), dims), device)
+    }
+
+    /// Input `i` of a host step as rows: host rows as they are, a float value copied out.
+    fn from_slot(ins: &mut [Option<Slot>], i: usize) -> Option<Result<Rows, OnnxError>> {
+        match take(ins, i)? {
+            Slot::Rows(rows) => Some(Ok(rows)),
+            Slot::Value(v) => Some(v.to_f32s().map(|data| Rows::new(data, v.dims()))),
+            Slot::Image(_) => None,
+        }
+    }
+}
+
 /// A value between steps: an ONNX value, or an image a host layer left channels-last.
 #[derive(Debug, Clone)]
 // Values are the common case and the slots few (one per graph value): boxing them would cost
@@ -94,6 +142,8 @@ pub(super) enum Slot {
     Value(Value),
     /// A host image, channels-last.
     Image(Image),
+    /// A host value in ONNX layout.
+    Rows(Rows),
 }
 
 impl Slot {
@@ -102,6 +152,7 @@ impl Slot {
         match self {
             Slot::Value(v) => Ok(v),
             Slot::Image(image) => image.into_value(device),
+            Slot::Rows(rows) => rows.into_value(device),
         }
     }
 
@@ -109,6 +160,28 @@ impl Slot {
         match self {
             Slot::Image(image) => Ok(image),
             Slot::Value(v) => Image::from_value(v),
+            Slot::Rows(rows) => {
+                let dims: [usize; 4] = rows.dims.clone().try_into().map_err(|d| {
+                    OnnxError::Shape(format!("an image layer takes [N, C, H, W]; got {d:?}"))
+                })?;
+                let [n, c, h, w] = dims;
+                Ok(Image::new(
+                    nchw_to_nhwc(&rows.into_vec(), dims),
+                    [n, h, w, c],
+                ))
+            }
+        }
+    }
+
+    /// Whether the slot is a float tensor whose last axis has `len` values (a host row
+    /// layer's input).
+    fn has_rows_of(&self, len: usize) -> bool {
+        match self {
+            Slot::Rows(r) => r.dims.len() >= 2 && r.last() == len,
+            Slot::Value(v) => {
+                v.kind() == ValueKind::Float && v.rank() >= 2 && v.dims().last() == Some(&len)
+            }
+            Slot::Image(_) => false,
         }
     }
 }
@@ -124,6 +197,11 @@ pub(super) enum Packed {
     Linear(ConvWeights),
     /// An inference BatchNormalization with constant parameters: `x · scale + shift`.
     Affine { scale: Vec<f32>, shift: Vec<f32> },
+    /// A LayerNormalization over the last axis with constant scale (and shift).
+    LayerNorm {
+        gamma: Vec<f32>,
+        beta: Option<Vec<f32>>,
+    },
 }
 
 /// A convolution's packed weights.
@@ -163,6 +241,7 @@ pub(super) fn run(
 ) -> Option<Result<Vec<Slot>, OnnxError>> {
     let is_image = |i: usize| matches!(ins.get(i), Some(Some(Slot::Image(_))));
     let image_in = is_image(0);
+    let rows_in = matches!(ins.first(), Some(Some(Slot::Rows(_))));
     match step.node {
         Node::Conv2d(n) => {
             let window = node_window(step.node).ok()?;
@@ -182,18 +261,28 @@ pub(super) fn run(
                 step.device,
             ))
         }
-        Node::Relu(_) if image_in => unary(ins, Activation::Relu),
-        Node::Sigmoid(_) if image_in => unary(ins, Activation::Sigmoid),
-        Node::HardSwish(_) if image_in => unary(ins, Activation::HardSwish),
-        Node::HardSigmoid(n) if image_in => unary(
+        Node::Erf(_) if rows_in => {
+            let Some(Slot::Rows(rows)) = take(ins, 0) else {
+                return None;
+            };
+            let dims = rows.dims.clone();
+            let mut data = rows.into_vec();
+            erf_in_place(&mut data);
+            Some(Ok(vec![Slot::Rows(Rows::new(data, dims))]))
+        }
+        Node::LayerNormalization(n) => layer_norm(step, ins, n.config.axis, n.config.epsilon),
+        Node::Relu(_) if image_in || rows_in => unary(ins, Activation::Relu),
+        Node::Sigmoid(_) if image_in || rows_in => unary(ins, Activation::Sigmoid),
+        Node::HardSwish(_) if image_in || rows_in => unary(ins, Activation::HardSwish),
+        Node::HardSigmoid(n) if image_in || rows_in => unary(
             ins,
             Activation::HardSigmoid(n.config.alpha as f32, n.config.beta as f32),
         ),
-        Node::Clip(n) if image_in => {
+        Node::Clip(n) if image_in || rows_in => {
             let [lo, hi] = super::ops::constant_clip(n)?;
             unary(ins, Activation::Clip(lo, hi))
         }
-        Node::Identity(_) | Node::Dropout(_) if image_in && step.outputs == 1 => {
+        Node::Identity(_) | Node::Dropout(_) if (image_in || rows_in) && step.outputs == 1 => {
             Some(Ok(vec![take(ins, 0)?]))
         }
         Node::Add(_) => binary(ins, Arith::Add, step.relu),
@@ -223,7 +312,7 @@ pub(super) fn run(
             Some(Ok(vec![Slot::Image(Image::new(means, [n, 1, 1, c]))]))
         }
         Node::Concat(n) if n.config.axis == 1 => concat_channels(ins),
-        Node::Transpose(n) => relayout(ins, &n.config.perm, step.device),
+        Node::Transpose(n) => relayout(ins, &n.config.perm),
         Node::Split(n) if image_in && n.config.axis == 1 => {
             let Some(Some(Slot::Image(image))) = ins.first() else {
                 return None;
@@ -319,6 +408,52 @@ pub(super) fn affine(
     Some(Ok(vec![Slot::Image(Image::new(data, dims))]))
 }
 
+/// LayerNormalization over the last axis of a float input (rows or a value of rank ≥ 2)
+/// with constant scale and shift, on the host: the result stays host rows.
+fn layer_norm(
+    step: &HostStep,
+    ins: &mut [Option<Slot>],
+    axis: i64,
+    epsilon: f64,
+) -> Option<Result<Vec<Slot>, OnnxError>> {
+    let Some(Packed::LayerNorm { gamma, beta }) = step.cache.get_or_init(|| {
+        let has_beta = ins.get(2).is_some_and(Option::is_some);
+        if !(step.constant)(1) || (has_beta && !(step.constant)(2)) {
+            return None;
+        }
+        let gamma = float_constant(ins, 1)?.0;
+        let beta = if has_beta {
+            Some(float_constant(ins, 2)?.0)
+                .filter(|b| b.len() == gamma.len())?
+                .into()
+        } else {
+            None
+        };
+        Some(Packed::LayerNorm { gamma, beta })
+    }) else {
+        return None;
+    };
+    let x = ins.first()?.as_ref()?;
+    let rank = match x {
+        Slot::Rows(r) => r.dims.len(),
+        Slot::Value(v) => v.rank(),
+        Slot::Image(_) => return None,
+    };
+    let last_axis = axis == -1 || usize::try_from(axis).is_ok_and(|a| a + 1 == rank);
+    if !last_axis || !x.has_rows_of(gamma.len()) {
+        return None;
+    }
+    let rows = match Rows::from_slot(ins, 0)? {
+        Ok(rows) => rows,
+        Err(e) => return Some(Err(e)),
+    };
+    let dims = rows.dims.clone();
+    let mut data = rows.into_vec();
+    let _op = tracing::trace_span!("kiln.layer_norm", dims = ?dims).entered();
+    layer_norm_rows(&mut data, gamma, beta.as_deref(), epsilon as f32);
+    Some(Ok(vec![Slot::Rows(Rows::new(data, dims))]))
+}
+
 /// A linear layer whose weight (input 1; `[out, in]` when `out_major`, else `[in, out]`)
 /// and bias (input 2, with `biased`) are constants, over the last axis of its input.
 fn linear(
@@ -334,26 +469,22 @@ fn linear(
         return None;
     };
     let [outputs, inputs, ..] = weights.dims();
-    let x = match ins.first()? {
-        Some(Slot::Value(v)) if v.rank() >= 2 && v.dims().last() == Some(&inputs) => v.clone(),
-        _ => return None,
+    if !ins.first()?.as_ref()?.has_rows_of(inputs) {
+        return None;
+    }
+    let x = match Rows::from_slot(ins, 0)? {
+        Ok(x) => x,
+        Err(e) => return Some(Err(e)),
     };
-    ins[0] = None;
-    let run = || -> Result<Vec<Slot>, OnnxError> {
-        let mut dims = x.dims();
-        let device = x.device();
-        let host = x.to_kind(ValueKind::Float)?.to_f32s()?;
-        let rows = host.len() / inputs.max(1);
-        let mut out = vec![0f32; rows * outputs];
-        let _op = tracing::trace_span!("kiln.linear_rows", rows, inputs, outputs).entered();
-        linear_rows(rows, &host, weights, false, &mut out);
-        if let Some(last) = dims.last_mut() {
-            *last = outputs;
-        }
-        let value = Value::from_data(TensorData::new(out, dims), &device)?;
-        Ok(vec![Slot::Value(value)])
-    };
-    Some(run())
+    let rows = x.data.len() / inputs.max(1);
+    let mut out = vec![0f32; rows * outputs];
+    let _op = tracing::trace_span!("kiln.linear_rows", rows, inputs, outputs).entered();
+    linear_rows(rows, &x.data, weights, false, &mut out);
+    let mut dims = x.dims;
+    if let Some(last) = dims.last_mut() {
+        *last = outputs;
+    }
+    Some(Ok(vec![Slot::Rows(Rows::new(out, dims))]))
 }
 
 fn pack_linear(
@@ -581,6 +712,7 @@ fn add_residual(
 fn clamp_slot(slot: Slot, lo: f32, hi: f32) -> Result<Slot, OnnxError> {
     match slot {
         Slot::Image(image) => Ok(activated(image, Activation::Clip(lo, hi))),
+        Slot::Rows(rows) => Ok(activated_rows(rows, Activation::Clip(lo, hi))),
         Slot::Value(v) => Ok(Slot::Value(super::ops::math::unary(
             super::ops::math::Unary::Clip(Some(lo), Some(hi)),
             v,
@@ -597,10 +729,23 @@ pub(super) fn silu(ins: &mut [Option<Slot>]) -> Option<Result<Vec<Slot>, OnnxErr
 }
 
 fn unary(ins: &mut [Option<Slot>], act: Activation) -> Option<Result<Vec<Slot>, OnnxError>> {
-    let Some(Slot::Image(image)) = take(ins, 0) else {
+    // A value stays in its slot for the ONNX operator.
+    if let Slot::Value(_) = ins.first()?.as_ref()? {
         return None;
-    };
-    Some(Ok(vec![activated(image, act)]))
+    }
+    match take(ins, 0)? {
+        Slot::Image(image) => Some(Ok(vec![activated(image, act)])),
+        Slot::Rows(rows) => Some(Ok(vec![activated_rows(rows, act)])),
+        Slot::Value(_) => None,
+    }
+}
+
+/// `act` of every value of `rows` (in place when this was its last reader).
+fn activated_rows(rows: Rows, act: Activation) -> Slot {
+    let dims = rows.dims.clone();
+    let mut data = rows.into_vec();
+    activate(&mut data, act);
+    Slot::Rows(Rows::new(data, dims))
 }
 
 /// `act` of every value of `image` (in place when this was its last reader).
@@ -633,7 +778,7 @@ fn per_channel(slot: &Slot, image: [usize; 4]) -> Option<Vec<f32>> {
             };
             fits.then(|| v.to_f32s().ok()).flatten()
         }
-        Slot::Value(_) => None,
+        Slot::Value(_) | Slot::Rows(_) => None,
     }
 }
 
@@ -641,9 +786,12 @@ fn per_channel(slot: &Slot, image: [usize; 4]) -> Option<Vec<f32>> {
 /// a per-channel operand (a constant, a scalar or a squeeze-excitation gate) on either side.
 fn binary(ins: &mut [Option<Slot>], op: Arith, relu: bool) -> Option<Result<Vec<Slot>, OnnxError>> {
     let (a, b) = (ins.first()?.as_ref()?, ins.get(1)?.as_ref()?);
+    if matches!(a, Slot::Rows(_)) || matches!(b, Slot::Rows(_)) {
+        return binary_rows(ins, op, relu);
+    }
     let row_for = |x: &Slot, v: &Slot| match x {
         Slot::Image(x) => per_channel(v, x.dims),
-        Slot::Value(_) => None,
+        Slot::Value(_) | Slot::Rows(_) => None,
     };
     // (which input is the full image, the other as per-channel rows, whether it comes first)
     let (x_at, rows, swap) = match (a, b) {
@@ -668,9 +816,90 @@ fn binary(ins: &mut [Option<Slot>], op: Arith, relu: bool) -> Option<Result<Vec<
             }
         }
         (None, Slot::Image(o)) => arith_in_place(&mut data, &o.data, op, relu),
-        (None, Slot::Value(_)) => return None,
+        (None, Slot::Value(_) | Slot::Rows(_)) => return None,
     }
     Some(Ok(vec![Slot::Image(Image::new(data, dims))]))
+}
+
+/// Element-wise arithmetic with a host-rows operand: two operands of one shape (rows, or
+/// rows and a float value), or rows and an operand along their last axis (a bias, a layer
+/// scale, a scalar) on either side; `None` for any other broadcast.
+fn binary_rows(
+    ins: &mut [Option<Slot>],
+    op: Arith,
+    relu: bool,
+) -> Option<Result<Vec<Slot>, OnnxError>> {
+    let (a, b) = (ins.first()?.as_ref()?, ins.get(1)?.as_ref()?);
+    // (which input is the rows, whether the other is the same shape, whether it comes first)
+    let (x_at, same, swap) = match (a, b) {
+        (Slot::Rows(x), other) if same_shape(other, &x.dims) => (0, true, false),
+        (other, Slot::Rows(x)) if same_shape(other, &x.dims) => (1, true, true),
+        (Slot::Rows(x), other) if along_last(other, x.last()) => (0, false, false),
+        (other, Slot::Rows(x)) if along_last(other, x.last()) => (1, false, true),
+        _ => return None,
+    };
+    let other = float_values(take(ins, 1 - x_at)?)?;
+    let Some(Slot::Rows(x)) = take(ins, x_at) else {
+        return None;
+    };
+    let dims = x.dims.clone();
+    let c = x.last();
+    let mut data = x.into_vec();
+    let other = match other {
+        Ok(v) => v,
+        Err(e) => return Some(Err(e)),
+    };
+    if same {
+        if swap && matches!(op, Arith::Sub | Arith::Div) {
+            // `other ∘ rows`: not commutative, so into the other operand's buffer.
+            let mut out = other;
+            arith_in_place(&mut out, &data, op, relu);
+            data = out;
+        } else {
+            arith_in_place(&mut data, &other, op, relu);
+        }
+    } else {
+        let row = if other.len() == 1 {
+            vec![other[0]; c]
+        } else {
+            other
+        };
+        arith_channels_in_place(&mut data, &row, [1, c], op, swap);
+        if relu {
+            activate(&mut data, Activation::Relu);
+        }
+    }
+    Some(Ok(vec![Slot::Rows(Rows::new(data, dims))]))
+}
+
+/// Whether `slot` is a float operand of exactly `dims`.
+fn same_shape(slot: &Slot, dims: &[usize]) -> bool {
+    match slot {
+        Slot::Rows(r) => r.dims == dims,
+        Slot::Value(v) => v.kind() == ValueKind::Float && v.dims() == dims,
+        Slot::Image(_) => false,
+    }
+}
+
+/// Whether `slot` is a float operand that broadcasts along the last axis of `c` values: a
+/// scalar, or ones but for a last axis of `c` (`[c]`, `[1, 1, c]`).
+fn along_last(slot: &Slot, c: usize) -> bool {
+    let dims = match slot {
+        Slot::Rows(r) => r.dims.clone(),
+        Slot::Value(v) if v.kind() == ValueKind::Float => v.dims(),
+        _ => return false,
+    };
+    let len: usize = dims.iter().product();
+    len == 1 || (dims.last() == Some(&c) && len == c)
+}
+
+/// A float operand's values (copied out of a value, shared rows cloned).
+fn float_values(slot: Slot) -> Option<Result<Vec<f32>, OnnxError>> {
+    match slot {
+        Slot::Rows(r) => Some(Ok(r.into_vec())),
+        Slot::Value(v) => Some(v.to_f32s()),
+        Slot::Image(_) => None,
+    }
 }
 
 /// Refuses a convolution whose (dilated) kernel is larger than its padded `[h, w]` input:
@@ -724,26 +953,34 @@ fn pool(
 }
 
 /// A transpose between NCHW and NHWC that only relabels an image: `[0, 2, 3, 1]` of an
-/// image is its data as an `[n, h, w, c]` value, and `[0, 3, 1, 2]` of an `[n, h, w, c]`
-/// value is an image of that data (ConvNeXt permutes to channels-last around each block's
-/// LayerNorm and linear layers, and back).
-fn relayout(
-    ins: &mut [Option<Slot>],
-    perm: &[i64],
-    device: &Device,
-) -> Option<Result<Vec<Slot>, OnnxError>> {
+/// image is its data as `[n, h, w, c]` host rows (shared, not copied), and `[0, 3, 1, 2]` of
+/// `[n, h, w, c]` rows or a value is an image of that data (ConvNeXt permutes to
+/// channels-last around each block's LayerNorm and linear layers, and back).
+fn relayout(ins: &mut [Option<Slot>], perm: &[i64]) -> Option<Result<Vec<Slot>, OnnxError>> {
     let to_image = match (ins.first()?.as_ref()?, perm) {
         (Slot::Image(_), [0, 2, 3, 1]) => false,
+        (Slot::Rows(r), [0, 3, 1, 2]) if r.dims.len() == 4 => true,
         (Slot::Value(v), [0, 3, 1, 2]) if v.rank() == 4 && v.kind() == ValueKind::Float => true,
         _ => return None,
     };
     let x = take(ins, 0)?;
     let run = || -> Result<Vec<Slot>, OnnxError> {
         Ok(vec![match x {
-            Slot::Image(image) if !to_image => {
-                let dims = image.dims;
-                let value = Tensor::<4>::from_data(TensorData::new(image.into_vec(), dims), device);
-                Slot::Value(Value::float(value))
+            // The data as they are, shared: no copy either way.
+            Slot::Image(image) if !to_image => Slot::Rows(Rows {
+                data: image.data,
+                dims: image.dims.to_vec(),
+            }),
+            Slot::Rows(rows) if to_image => {
+                let dims: [usize; 4] = rows
+                    .dims
+                    .clone()
+                    .try_into()
+                    .map_err(|d| OnnxError::Shape(format!("expected rank 4, got {d:?}")))?;
+                Slot::Image(Image {
+                    data: rows.data,
+                    dims,
+                })
             }
             Slot::Value(v) if to_image => {
                 let dims: [usize; 4] = v
