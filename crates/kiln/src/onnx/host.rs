@@ -1068,4 +1068,60 @@ mod tests {
         assert!(kernel_fits([4, 4], none, [3, 3], [2, 2]).is_err());
         assert!(kernel_fits([5, 5], none, [3, 3], [2, 2]).is_ok());
     }
+
+    fn value(data: &[f32], dims: &[usize]) -> Slot {
+        let data = TensorData::new(data.to_vec(), dims.to_vec());
+        Slot::Value(Value::from_data(data, &Device::default()).unwrap())
+    }
+
+    fn rows(data: &[f32], dims: &[usize]) -> Slot {
+        Slot::Rows(Rows::new(data.to_vec(), dims.to_vec()))
+    }
+
+    /// Runs `binary_rows` on `(a, b)`: the result's values and dims.
+    fn run_rows(a: Slot, b: Slot, op: Arith, relu: bool) -> Option<(Vec<f32>, Vec<usize>)> {
+        let mut ins = [Some(a), Some(b)];
+        match binary_rows(&mut ins, op, relu)?.unwrap().pop() {
+            Some(Slot::Rows(r)) => Some((r.data.to_vec(), r.dims)),
+            other => panic!("host rows expected, got {other:?}"),
+        }
+    }
+
+    /// Host-rows arithmetic keeps the operand order of `Sub` and `Div` on either side, for
+    /// same-shape operands and for operands along the last axis (a bias `[c]`, a scalar),
+    /// applies the fused ReLU, and leaves other broadcasts to the ONNX operator with the
+    /// inputs in place.
+    #[test]
+    fn arithmetic_on_host_rows_keeps_operand_order() {
+        let x = [1.0, -2.0, 3.0, 4.0, -5.0, 6.0];
+        let y = [0.5, 0.25, 2.0, -1.0, 4.0, 8.0];
+        let dims = [2, 3];
+        let (got, d) = run_rows(value(&y, &dims), rows(&x, &dims), Arith::Sub, false).unwrap();
+        assert_eq!(d, dims);
+        assert_eq!(
+            got,
+            y.iter().zip(&x).map(|(a, b)| a - b).collect::<Vec<_>>()
+        );
+        let (got, _) = run_rows(rows(&x, &dims), rows(&y, &dims), Arith::Add, true).unwrap();
+        assert_eq!(
+            got,
+            x.iter()
+                .zip(&y)
+                .map(|(a, b)| (a + b).max(0.0))
+                .collect::<Vec<_>>()
+        );
+        let bias = [10.0, 20.0, 40.0];
+        let (got, _) = run_rows(value(&bias, &[3]), rows(&x, &dims), Arith::Div, false).unwrap();
+        let want: Vec<f32> = x.iter().enumerate().map(|(i, v)| bias[i % 3] / v).collect();
+        assert_eq!(got, want);
+        let (got, _) = run_rows(rows(&x, &dims), value(&[2.0], &[1]), Arith::Sub, false).unwrap();
+        assert_eq!(got, x.iter().map(|v| v - 2.0).collect::<Vec<_>>());
+        // A column operand `[2, 1]` broadcasts along the first axis: not a host case.
+        let mut ins = [Some(rows(&x, &dims)), Some(value(&[1.0, 2.0], &[2, 1]))];
+        assert!(binary_rows(&mut ins, Arith::Mul, false).is_none());
+        assert!(
+            ins.iter().all(Option::is_some),
+            "inputs taken by a refused case"
+        );
+    }
 }
