@@ -695,9 +695,9 @@ impl Geometry {
             (Some((next, _)), _) => image * pixels + next * self.ow,
             // The image's last rows; every row reads the same runs.
             (None, 1) => end,
-            // The next image's first rows read other runs: a row's first and last kernel
-            // rows inside the image only move up the kernel down the image, so the first
-            // group equals the last only when there is one.
+            // The next image's first rows read other runs: both ends of `kernel_rows` only
+            // decrease from the top row to the bottom one, so the first group equals the
+            // last only when there is one.
             (None, _) => (image + 1) * pixels,
         };
         (runs, stop.min(end))
