@@ -291,7 +291,7 @@ impl Window2d {
     /// The kernel taps of output index `o` on `axis` that land inside the input, and the
     /// input index of the first: taps `k0..k1` read input `i0 + (k − k0)·dilation`.
     #[inline(always)]
-    fn valid_taps(&self, axis: usize, o: usize) -> (usize, usize, usize) {
+    pub(crate) fn valid_taps(&self, axis: usize, o: usize) -> (usize, usize, usize) {
         let input = self.dims[1 + axis] as isize;
         let (start, begin) = ((o * self.stride[axis]) as isize, self.pads[axis].0 as isize);
         let d = self.dilation[axis] as isize;

@@ -27,6 +27,7 @@ use std::sync::OnceLock;
 use rayon::prelude::*;
 
 use super::conv::{ConvShape, conv2d_nhwc_forward, pack_weight_for_nhwc};
+use super::nhwc::Window2d;
 use super::pool::{PoolShape, max_pool2d_nhwc};
 
 /// Which f32 convolution kernel this CPU runs.
@@ -759,14 +760,19 @@ impl Geometry {
 /// The runs (a range of [`Geometry::runs`], `per_row` runs per kernel row) output row `oy`
 /// of `s` reads from the image: its kernel rows that fall on the top or bottom padding read
 /// only zeros, so a tile of such rows skips them. Runs are kernel-row-major, so the rest is
-/// one range.
+/// one range: the kernel rows inside the image, as the depthwise and pooling windows find
+/// them.
 fn kernel_rows(s: &ConvShape, oy: usize, per_row: usize) -> Range<usize> {
-    let (top, dy) = (s.padding[0].0, s.dilation[0]);
-    // Kernel row ky reads image row oy·stride + ky·dy − top.
-    let y = oy * s.stride[0];
-    let first = top.saturating_sub(y).div_ceil(dy).min(s.kh);
-    let last = (s.h + top).saturating_sub(y).div_ceil(dy).min(s.kh);
-    first * per_row..last.max(first) * per_row
+    let window = Window2d {
+        dims: [s.batch, s.h, s.w, s.cin],
+        kernel: [s.kh, s.kw],
+        stride: s.stride,
+        dilation: s.dilation,
+        pads: s.padding,
+        ceil_mode: false,
+    };
+    let (first, last, _) = window.valid_taps(0, oy);
+    first * per_row..last * per_row
 }
 
 /// One call's operands, shared by its tasks.
