@@ -53,10 +53,15 @@ impl Image {
 
     /// An NCHW float value as an image.
     fn from_value(v: Value) -> Result<Image, OnnxError> {
-        let [n, c, h, w]: [usize; 4] = v.dims().try_into().map_err(|d| {
+        let dims = v.dims();
+        Image::from_nchw(v.to_kind(ValueKind::Float)?.to_f32s()?, dims)
+    }
+
+    /// NCHW float values of `dims` as an image.
+    fn from_nchw(values: Vec<f32>, dims: Vec<usize>) -> Result<Image, OnnxError> {
+        let [n, c, h, w]: [usize; 4] = dims.try_into().map_err(|d| {
             OnnxError::Shape(format!("an image layer takes [N, C, H, W]; got {d:?}"))
         })?;
-        let values = v.to_kind(ValueKind::Float)?.to_f32s()?;
         // With one pixel (or one channel) both layouts hold the same sequence.
         let data = if h * w == 1 || c == 1 {
             values
@@ -116,6 +121,15 @@ impl Rows {
         Arc::try_unwrap(self.data).unwrap_or_else(|shared| (*shared).clone())
     }
 
+    /// `f` over the values (in place when this was their last reader), as rows of the same
+    /// shape.
+    fn apply(self, f: impl FnOnce(&mut [f32])) -> Rows {
+        let dims = self.dims.clone();
+        let mut data = self.into_vec();
+        f(&mut data);
+        Rows::new(data, dims)
+    }
+
     /// The value on `device`.
     fn into_value(self, device: &Device) -> Result<Value, OnnxError> {
         let dims = self.dims.clone();
@@ -161,14 +175,8 @@ impl Slot {
             Slot::Image(image) => Ok(image),
             Slot::Value(v) => Image::from_value(v),
             Slot::Rows(rows) => {
-                let dims: [usize; 4] = rows.dims.clone().try_into().map_err(|d| {
-                    OnnxError::Shape(format!("an image layer takes [N, C, H, W]; got {d:?}"))
-                })?;
-                let [n, c, h, w] = dims;
-                Ok(Image::new(
-                    nchw_to_nhwc(&rows.into_vec(), dims),
-                    [n, h, w, c],
-                ))
+                let dims = rows.dims.clone();
+                Image::from_nchw(rows.into_vec(), dims)
             }
         }
     }
@@ -265,10 +273,7 @@ pub(super) fn run(
             let Some(Slot::Rows(rows)) = take(ins, 0) else {
                 return None;
             };
-            let dims = rows.dims.clone();
-            let mut data = rows.into_vec();
-            erf_in_place(&mut data);
-            Some(Ok(vec![Slot::Rows(Rows::new(data, dims))]))
+            Some(Ok(vec![Slot::Rows(rows.apply(erf_in_place))]))
         }
         Node::LayerNormalization(n) => layer_norm(step, ins, n.config.axis, n.config.epsilon),
         Node::Relu(_) if image_in || rows_in => unary(ins, Activation::Relu),
@@ -417,18 +422,11 @@ fn layer_norm(
     epsilon: f64,
 ) -> Option<Result<Vec<Slot>, OnnxError>> {
     let Some(Packed::LayerNorm { gamma, beta }) = step.cache.get_or_init(|| {
-        let has_beta = ins.get(2).is_some_and(Option::is_some);
-        if !(step.constant)(1) || (has_beta && !(step.constant)(2)) {
+        if !(step.constant)(1) {
             return None;
         }
         let gamma = float_constant(ins, 1)?.0;
-        let beta = if has_beta {
-            Some(float_constant(ins, 2)?.0)
-                .filter(|b| b.len() == gamma.len())?
-                .into()
-        } else {
-            None
-        };
+        let beta = optional_constant(step, ins, 2, gamma.len())?;
         Some(Packed::LayerNorm { gamma, beta })
     }) else {
         return None;
@@ -447,11 +445,9 @@ fn layer_norm(
         Ok(rows) => rows,
         Err(e) => return Some(Err(e)),
     };
-    let dims = rows.dims.clone();
-    let mut data = rows.into_vec();
-    let _op = tracing::trace_span!("kiln.layer_norm", dims = ?dims).entered();
-    layer_norm_rows(&mut data, gamma, beta.as_deref(), epsilon as f32);
-    Some(Ok(vec![Slot::Rows(Rows::new(data, dims))]))
+    let _op = tracing::trace_span!("kiln.layer_norm", dims = ?rows.dims).entered();
+    let normed = rows.apply(|x| layer_norm_rows(x, gamma, beta.as_deref(), epsilon as f32));
+    Some(Ok(vec![Slot::Rows(normed)]))
 }
 
 /// A linear layer whose weight (input 1; `[out, in]` when `out_major`, else `[in, out]`)
@@ -493,18 +489,14 @@ fn pack_linear(
     out_major: bool,
     biased: bool,
 ) -> Option<Packed> {
-    let constant = step.constant;
-    let has_bias = biased && ins.get(2).is_some_and(Option::is_some);
-    if !constant(1) || (has_bias && !constant(2)) {
+    if !(step.constant)(1) {
         return None;
     }
     let (weight, dims) = float_constant(ins, 1)?;
     let [a, b]: [usize; 2] = dims.try_into().ok()?;
     let (outputs, inputs) = if out_major { (a, b) } else { (b, a) };
-    let bias = if has_bias {
-        Some(float_constant(ins, 2)?.0)
-            .filter(|b| b.len() == outputs)?
-            .into()
+    let bias = if biased {
+        optional_constant(step, ins, 2, outputs)?
     } else {
         None
     };
@@ -536,6 +528,25 @@ fn float_constant(ins: &[Option<Slot>], i: usize) -> Option<(Vec<f32>, Vec<usize
     }
 }
 
+/// Optional constant input `i` of a step (a bias, a shift) of `len` values: `Some(None)`
+/// when the step has none, `Some(Some(values))` for a constant of that length, `None` (the
+/// step stays off the host) when it is computed or of another length.
+fn optional_constant(
+    step: &HostStep,
+    ins: &[Option<Slot>],
+    i: usize,
+    len: usize,
+) -> Option<Option<Vec<f32>>> {
+    if !ins.get(i).is_some_and(Option::is_some) {
+        return Some(None);
+    }
+    if !(step.constant)(i) {
+        return None;
+    }
+    let values = float_constant(ins, i)?.0;
+    (values.len() == len).then_some(Some(values))
+}
+
 /// Takes input `i` (the caller's slots are rebuilt per run, so taking is free).
 fn take(ins: &mut [Option<Slot>], i: usize) -> Option<Slot> {
     ins.get_mut(i).and_then(Option::take)
@@ -545,19 +556,12 @@ fn take(ins: &mut [Option<Slot>], i: usize) -> Option<Slot> {
 /// host kernels run (one group, depthwise with one filter per channel, or groups the
 /// implicit GEMM's panels hold).
 fn pack_conv(step: &HostStep, ins: &[Option<Slot>], groups: usize) -> Option<PackedConv> {
-    let constant = step.constant;
-    if !constant(1) || (ins.get(2).is_some_and(Option::is_some) && !constant(2)) {
+    if !(step.constant)(1) {
         return None;
     }
     let (weight, dims) = float_constant(ins, 1)?;
     let [cout, per_group, kh, kw]: [usize; 4] = dims.try_into().ok()?;
-    let bias = match ins.get(2) {
-        Some(Some(_)) => Some(float_constant(ins, 2)?.0).filter(|b| b.len() == cout),
-        _ => None,
-    };
-    if ins.get(2).is_some_and(Option::is_some) && bias.is_none() {
-        return None;
-    }
+    let bias = optional_constant(step, ins, 2, cout)?;
     if groups == 1 {
         return Some(PackedConv::Dense(ConvWeights::pack(
             [cout, per_group, kh, kw],
@@ -740,12 +744,9 @@ fn unary(ins: &mut [Option<Slot>], act: Activation) -> Option<Result<Vec<Slot>, 
     }
 }
 
-/// `act` of every value of `rows` (in place when this was its last reader).
+/// `act` of every value of `rows` (in place when this was their last reader).
 fn activated_rows(rows: Rows, act: Activation) -> Slot {
-    let dims = rows.dims.clone();
-    let mut data = rows.into_vec();
-    activate(&mut data, act);
-    Slot::Rows(Rows::new(data, dims))
+    Slot::Rows(rows.apply(|x| activate(x, act)))
 }
 
 /// `act` of every value of `image` (in place when this was its last reader).
