@@ -86,7 +86,9 @@ Examples:
 const PROFILE_EXAMPLES: &str = "\
 Examples:
   kiln profile --model cnn --steps 20        Perfetto trace + phase table (profile/trace.json)
-  kiln profile --model cnn --overhead        also measure the profiler's own cost";
+  kiln profile --model cnn --overhead        also measure the profiler's own cost
+  kiln profile --onnx model.onnx --batch-size 8 --threads 2
+                                             an ONNX model's inference: time per operator";
 
 const REPORT_EXAMPLES: &str = "\
 Examples:
@@ -136,8 +138,9 @@ enum Command {
     /// pass: latency, throughput, size, accuracy; writes model.kgraph (+ model.onnx).
     #[command(after_help = OPTIMIZE_EXAMPLES)]
     Optimize(OptimizeArgs),
-    /// Profile N training steps: a Chrome/Perfetto trace (trace.json), a table of phases by
-    /// time and memory, and (with --overhead) the profiler's own cost.
+    /// Profile N training steps (or, with --onnx, N inference runs of an ONNX file): a
+    /// Chrome/Perfetto trace (trace.json), a table of phases and operators by time and
+    /// memory, and (with --overhead) the profiler's own cost.
     #[command(after_help = PROFILE_EXAMPLES)]
     Profile(ProfileArgs),
     /// Tune settings by measurement on this machine.
@@ -239,8 +242,15 @@ struct ProfileArgs {
     #[arg(long, default_value = "profile")]
     out: PathBuf,
     /// Also measure the profiler's overhead: the same steps with and without it, twice each.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "onnx")]
     overhead: bool,
+    /// An ONNX file to profile instead of training: `--steps` inference runs at batch
+    /// `--batch-size` (default 1) on `--threads`, one row per operator kind in the table.
+    #[arg(long, value_name = "FILE", conflicts_with = "model")]
+    onnx: Option<PathBuf>,
+    /// With --onnx: sizes of an input's dynamic axes after the batch, `NAME=D1,D2`.
+    #[arg(long, value_name = "NAME=DIMS")]
+    input_dims: Vec<String>,
     /// Print the table as JSON.
     #[arg(long)]
     json: bool,
@@ -504,6 +514,7 @@ fn main() {
         Command::Bench(args) => bench_cmd::run(args),
         Command::Optimize(args) if args.onnx.is_some() => run_onnx_optimize(args),
         Command::Optimize(args) => optimize_cmd::run(args),
+        Command::Profile(args) if args.onnx.is_some() => run_onnx_profile(args),
         Command::Profile(args) => profile_cmd::run(args),
         Command::Tune(TuneCommand::Batch(args)) => tune_cmd::run(*args),
         Command::Tune(TuneCommand::Auto(args)) => tune_auto_cmd::run(*args),
@@ -559,6 +570,29 @@ fn run_onnx_optimize(args: OptimizeArgs) -> anyhow::Result<()> {
         out: args.out.clone(),
         input_dims: parse_input_dims(&args.input_dims)?,
         steps: args.steps,
+        json: args.json,
+    })
+}
+
+/// `kiln profile --onnx`: the plan's threads, device and kernel switch, then
+/// [`profile_cmd::run_onnx`].
+fn run_onnx_profile(args: ProfileArgs) -> anyhow::Result<()> {
+    let plan = args.config.resolve()?;
+    plan.apply_runtime();
+    let batch = match &args.config.batch_size {
+        Some(b) => b
+            .parse::<usize>()
+            .map_err(|e| anyhow::anyhow!("--batch-size `{b}`: {e}"))?,
+        None => 1,
+    };
+    profile_cmd::run_onnx(&profile_cmd::OnnxProfile {
+        path: args.onnx.clone().unwrap_or_default(),
+        device: plan.backend.device(),
+        kiln_kernels: plan.train.kiln_kernels,
+        batch,
+        input_dims: parse_input_dims(&args.input_dims)?,
+        runs: args.steps,
+        out: args.out.clone(),
         json: args.json,
     })
 }

@@ -1,6 +1,7 @@
 //! `kiln profile`: N training steps under the profiler layer → `trace.json` (Chrome Trace
 //! Event Format: ui.perfetto.dev, chrome://tracing), a table of phases by time and memory, and
-//! optionally the profiler's overhead measured against the same steps without it.
+//! optionally the profiler's overhead measured against the same steps without it. With
+//! `--onnx`, the same for inference runs of an ONNX file, one row per operator kind.
 
 use anyhow::{Context, Result};
 use kiln::Trainer;
@@ -10,6 +11,7 @@ use kiln::tune::{RunContext, StepSplit, diagnose};
 use tracing_subscriber::layer::SubscriberExt;
 
 use crate::ProfileArgs;
+use crate::onnx_bench::{input_shapes, make_inputs};
 
 /// Untraced steps before the profiled ones: thread start-up and allocator warm-up would
 /// otherwise dominate a short profile.
@@ -79,9 +81,6 @@ pub fn run(args: ProfileArgs) -> Result<()> {
             .fold(f64::INFINITY, f64::min);
         all.into_iter().filter(|s| s.start_us >= first).collect()
     };
-    let trace_path = args.out.join("trace.json");
-    let trace = kiln::observe::profile::chrome_trace(&spans);
-    kiln::fsutil::write_atomic(&trace_path, serde_json::to_string(&trace)?.as_bytes())?;
     let table = phase_table(&spans);
     let verdict = StepSplit::from_phases(&table).map(|split| {
         diagnose(
@@ -94,32 +93,20 @@ pub fn run(args: ProfileArgs) -> Result<()> {
             },
         )
     });
-    let mut text = render_table(&table);
-    if let Some(v) = &verdict {
-        text.push_str(&format!("\nverdict: {}\nnext: {}\n", v.summary, v.action));
-    }
-    kiln::fsutil::write_atomic(&args.out.join("phases.txt"), text.as_bytes())?;
-    kiln::fsutil::write_atomic(
-        &args.out.join("phases.json"),
-        serde_json::to_string_pretty(&table)?.as_bytes(),
-    )?;
+    let suffix = verdict
+        .as_ref()
+        .map(|v| format!("\nverdict: {}\nnext: {}\n", v.summary, v.action));
     kiln::fsutil::write_atomic(
         &args.out.join("verdict.json"),
         serde_json::to_string_pretty(&verdict)?.as_bytes(),
     )?;
-    if args.json {
-        println!(
-            "{}",
-            serde_json::to_string(&serde_json::json!({"phases": table, "verdict": verdict}))?
-        );
-    } else {
-        print!("{text}");
-        println!(
-            "\ntrace: {} ({} spans; open in https://ui.perfetto.dev or chrome://tracing)",
-            trace_path.display(),
-            spans.len()
-        );
-    }
+    let json = serde_json::json!({"phases": table, "verdict": verdict});
+    publish(
+        &args.out,
+        &spans,
+        suffix.as_deref(),
+        args.json.then_some(json),
+    )?;
     if args.overhead {
         report_overhead(&plan, args.steps, &spans)?;
     }
@@ -203,5 +190,102 @@ fn report_overhead(
         step_us / 1e3,
         100.0 * disabled * spans_per_step / 1e3 / step_us
     );
+    Ok(())
+}
+
+/// What `kiln profile --onnx` profiles.
+pub struct OnnxProfile {
+    /// The model file.
+    pub path: std::path::PathBuf,
+    /// Where it runs.
+    pub device: kiln::burn::tensor::Device,
+    /// Whether Kiln's kernels serve it (`device.kiln_kernels`).
+    pub kiln_kernels: bool,
+    /// Batch size of every input.
+    pub batch: usize,
+    /// Sizes of non-batch dynamic axes, per input.
+    pub input_dims: std::collections::BTreeMap<String, Vec<usize>>,
+    /// Profiled runs (after the untraced warm-up ones).
+    pub runs: u64,
+    /// Output directory.
+    pub out: std::path::PathBuf,
+    /// The table as JSON.
+    pub json: bool,
+}
+
+/// Profiles `runs` inference runs of an ONNX model: every node is a span (`onnx.node` with
+/// its operator), each run an `onnx.run` root, so the table gives time per operator kind
+/// and its share of the run.
+pub fn run_onnx(p: &OnnxProfile) -> Result<()> {
+    let model = kiln::onnx::OnnxModel::load(&p.path, &p.device)
+        .with_context(|| format!("loading {}", p.path.display()))?
+        .with_kiln_kernels(p.kiln_kernels);
+    let shapes = input_shapes(model.inputs(), p.batch, &p.input_dims)?;
+    let inputs = make_inputs(model.inputs(), &shapes, &p.device)?;
+    std::fs::create_dir_all(&p.out).with_context(|| format!("creating {}", p.out.display()))?;
+    let run = || -> Result<()> {
+        for out in model.run(inputs.clone())? {
+            out.data()?;
+        }
+        Ok(())
+    };
+    for _ in 0..WARMUP_STEPS {
+        run()?;
+    }
+    eprintln!(
+        "kiln profile: {} at batch {}, {} runs after {WARMUP_STEPS} warm-up",
+        model.name(),
+        p.batch,
+        p.runs
+    );
+    let profiler = Profiler::new();
+    // On a pool thread, where a large model's run hops to anyway: the subscriber is the
+    // thread's, so it must be installed where the nodes run.
+    let mut result = Ok(());
+    rayon::scope(|_| {
+        let subscriber = tracing_subscriber::registry().with(profiler.layer());
+        result = tracing::subscriber::with_default(subscriber, || {
+            (0..p.runs).try_for_each(|i| {
+                let _run = tracing::info_span!("onnx.run", run = i).entered();
+                run()
+            })
+        });
+    });
+    result?;
+    let spans = profiler.spans();
+    let json = serde_json::json!({ "phases": phase_table(&spans) });
+    publish(&p.out, &spans, None, p.json.then_some(json))
+}
+
+/// Writes a profile's outputs into `out` — `trace.json`, `phases.txt` (the table, then
+/// `suffix`), `phases.json` — and prints the table and where the trace is, or `json`
+/// when given.
+fn publish(
+    out: &std::path::Path,
+    spans: &[kiln::observe::SpanRecord],
+    suffix: Option<&str>,
+    json: Option<serde_json::Value>,
+) -> Result<()> {
+    let trace_path = out.join("trace.json");
+    let trace = kiln::observe::profile::chrome_trace(spans);
+    kiln::fsutil::write_atomic(&trace_path, serde_json::to_string(&trace)?.as_bytes())?;
+    let table = phase_table(spans);
+    let text = render_table(&table) + suffix.unwrap_or("");
+    kiln::fsutil::write_atomic(&out.join("phases.txt"), text.as_bytes())?;
+    kiln::fsutil::write_atomic(
+        &out.join("phases.json"),
+        serde_json::to_string_pretty(&table)?.as_bytes(),
+    )?;
+    match json {
+        Some(json) => println!("{}", serde_json::to_string(&json)?),
+        None => {
+            print!("{text}");
+            println!(
+                "\ntrace: {} ({} spans; open in https://ui.perfetto.dev or chrome://tracing)",
+                trace_path.display(),
+                spans.len()
+            );
+        }
+    }
     Ok(())
 }

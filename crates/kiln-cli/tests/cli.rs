@@ -842,6 +842,59 @@ fn profile_writes_a_trace_and_train_writes_tensorboard_and_plain_monitor_lines()
     );
 }
 
+/// `kiln profile --onnx`: inference runs of an exported model, one row per operator kind
+/// (its convolutions among them) inside each run, and a trace with one root per run.
+#[test]
+fn profile_onnx_times_each_operator_kind() {
+    let dir = tempdir("profile-onnx");
+    let out = dir.join("prof");
+    let o = kiln(&[
+        "profile",
+        "--onnx",
+        &onnx_model("shufflenet"),
+        "--batch-size",
+        "2",
+        "--steps",
+        "4",
+        "--threads",
+        "1",
+        "--out",
+        out.to_str().unwrap(),
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    let phases = v["phases"].as_array().unwrap();
+    let row = |name: &str| phases.iter().find(|p| p["name"] == name).cloned();
+    let runs = row("onnx.run").expect("a row for the runs");
+    assert_eq!(runs["count"], 4, "{v}");
+    // ShuffleNet's shuffle is one fused step; its shape arithmetic is skipped on repeat runs.
+    for op in ["onnx.node Conv2d", "onnx.node ChannelShuffle"] {
+        let r = row(op).unwrap_or_else(|| panic!("no {op} row in {v}"));
+        assert!(r["count"].as_u64().unwrap() >= 4, "{r}");
+        assert!(r["share"].as_f64().unwrap() < 1.0, "{r}");
+    }
+    assert!(row("onnx.node Gather").is_none(), "{v}");
+    let trace: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("trace.json")).unwrap()).unwrap();
+    let roots = trace["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["name"] == "onnx.run")
+        .count();
+    assert_eq!(roots, 4);
+    // A model's own flags, not a zoo model's.
+    let o = kiln(&[
+        "profile",
+        "--onnx",
+        &onnx_model("shufflenet"),
+        "--model",
+        "mlp",
+    ]);
+    assert!(!o.status.success());
+}
+
 #[test]
 fn profile_names_the_bottleneck_data_bound_then_not() {
     // The verdicts are time shares: measured with no other test's kiln running.

@@ -65,7 +65,9 @@ fn check_with(name: &str, kiln_kernels: bool) -> usize {
         .with_kiln_kernels(kiln_kernels);
     let bytes = std::fs::read(dir.join(format!("{name}.ref.safetensors"))).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
-    for batch in [1, 3] {
+    // Each batch twice in a row: the second run reuses the shape arithmetic the first
+    // recorded; a change of batch records anew.
+    for batch in [1, 1, 3, 3, 1] {
         let inputs: Vec<TensorData> = model
             .inputs()
             .iter()
@@ -266,6 +268,89 @@ fn sigmoid_products_of_their_own_input_fuse_into_silu() {
     let (count, counts) = op_counts("efficientnet");
     assert!(count("Silu") >= 3, "{counts:?}");
     assert!(count("Sigmoid") >= 1, "{counts:?}");
+}
+
+/// ShuffleNet v2's channel shuffle (reshape, transpose, reshape) is one step at load, and
+/// its shape arithmetic (hundreds of Shape/Gather/Concat nodes) is recorded once per input
+/// shape; the `shufflenet` test above checks the outputs on repeated and changing batches.
+#[test]
+fn channel_shuffles_fuse_and_shape_arithmetic_is_recorded() {
+    let (count, counts) = op_counts("shufflenet");
+    assert!(count("ChannelShuffle") >= 2, "{counts:?}");
+    assert_eq!(count("Transpose"), 0, "{counts:?}");
+    for name in ["shufflenet", "bert", "vit"] {
+        let model = OnnxModel::load(
+            &models_dir().join(format!("{name}.onnx")),
+            &Device::default(),
+        )
+        .unwrap();
+        assert!(
+            model.cached_shape_steps() > 0,
+            "{name}: no shape arithmetic found"
+        );
+    }
+}
+
+/// A model whose dimensions depend on data (a Reshape to a shape given as an input) records
+/// no shape arithmetic: a later run with inputs of the same shapes but another target shape
+/// gets its own dimensions.
+#[test]
+fn shapes_that_depend_on_data_are_not_recorded() {
+    use kiln::burn::tensor::TensorData;
+    use onnx_ir::{
+        GraphProto, Message, ModelProto, NodeProto, TensorShapeProto, TypeProto, ValueInfoProto,
+    };
+    let port = |name: &str, elem_type: i32, len: i64| {
+        let mut t = TypeProto::new();
+        let tensor = t.mut_tensor_type();
+        tensor.elem_type = elem_type;
+        let mut shape = TensorShapeProto::new();
+        shape.dim.push(Default::default());
+        if let Some(d) = shape.dim.last_mut() {
+            d.set_dim_value(len);
+        }
+        tensor.shape = Some(shape).into();
+        let mut v = ValueInfoProto::new();
+        v.name = name.into();
+        v.type_ = Some(t).into();
+        v
+    };
+    let node = |op: &str, inputs: &[&str], output: &str| {
+        let mut n = NodeProto::new();
+        n.op_type = op.into();
+        n.name = output.into();
+        n.input = inputs.iter().map(|s| s.to_string()).collect();
+        n.output = vec![output.into()];
+        n
+    };
+    let mut graph = GraphProto::new();
+    graph.name = "reshape_by_data".into();
+    // float = 1, int64 = 7.
+    graph.input = vec![port("x", 1, 6), port("s", 7, 2)];
+    graph.node = vec![
+        node("Reshape", &["x", "s"], "y"),
+        node("Shape", &["y"], "d"),
+    ];
+    graph.output = vec![port("d", 7, 2)];
+    let mut proto = ModelProto::new();
+    proto.ir_version = 8;
+    proto.opset_import.push(Default::default());
+    if let Some(opset) = proto.opset_import.last_mut() {
+        opset.version = 17;
+    }
+    proto.graph = Some(graph).into();
+    let device = Device::default();
+    let model = OnnxModel::from_bytes(&proto.write_to_bytes().unwrap(), "m", &device).unwrap();
+    assert_eq!(model.cached_shape_steps(), 0);
+    let x = || TensorData::new(vec![0f32; 6], vec![6]);
+    for target in [[2i64, 3], [3, 2], [6, 1]] {
+        let out = model
+            .run_data(vec![x(), TensorData::new(target.to_vec(), vec![2])])
+            .unwrap()
+            .remove(0);
+        let dims: Vec<i64> = out.convert::<i64>().try_to_vec::<i64>().unwrap();
+        assert_eq!(dims, target);
+    }
 }
 
 /// MobileNet v2's ReLU6 (`Clip(0, 6)`) folds into the convolution before it (the clamp in

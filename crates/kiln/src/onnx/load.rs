@@ -160,10 +160,12 @@ pub fn load(bytes: &[u8], name: &str, device: &Device) -> Result<OnnxModel, Onnx
         uses,
         device: device.clone(),
         kiln_kernels: true,
+        shape_cache: Default::default(),
     };
     model.fuse_relus();
     model.fuse_residuals();
     model.fuse_silus();
+    model.fuse_channel_shuffles();
     Ok(model)
 }
 

@@ -19,6 +19,8 @@ mod host;
 mod load;
 mod ops;
 mod passes;
+mod shape_cache;
+mod shuffle;
 mod value;
 
 use std::collections::BTreeMap;
@@ -96,6 +98,8 @@ enum StepOp {
     Affine { scale: Value, shift: Value },
     /// `x · sigmoid(x)`: an exported `Sigmoid` and the `Mul` by its input, fused at load.
     Silu,
+    /// ShuffleNet's channel shuffle (reshape, transpose, reshape), fused at load.
+    ChannelShuffle(shuffle::ChannelShuffle),
 }
 
 impl Step {
@@ -167,6 +171,8 @@ pub struct OnnxModel {
     device: Device,
     /// Whether runs use Kiln's kernels (`device.kiln_kernels`), on whatever thread they run.
     kiln_kernels: bool,
+    /// Shape arithmetic recorded for the last input shapes ([`shape_cache`]).
+    shape_cache: shape_cache::ShapeCache,
 }
 
 impl OnnxModel {
@@ -237,6 +243,14 @@ impl OnnxModel {
             .count()
     }
 
+    /// Steps of shape arithmetic (`Shape → Gather → Concat → ...`) that a run skips when the
+    /// previous run had inputs of the same shapes: their values are recorded once. 0 when
+    /// the model's shapes depend on data, which disables the record.
+    pub fn cached_shape_steps(&self) -> usize {
+        self.shape_plan()
+            .map_or(0, |p| p.derived.iter().filter(|&&d| d).count())
+    }
+
     /// Number of nodes that run.
     pub fn node_count(&self) -> usize {
         self.steps.len()
@@ -275,11 +289,29 @@ impl OnnxModel {
             .iter()
             .map(|c| c.clone().map(Slot::Value))
             .collect();
+        // Shape arithmetic recorded by an earlier run with inputs of these shapes is put in
+        // place, and its steps skipped; a first run with new shapes records it.
+        let plan = self.shape_plan();
+        let dims: Vec<Vec<usize>> = inputs.iter().map(Value::onnx_dims).collect();
+        let cached = plan.and_then(|_| self.shape_cache.lookup(&dims));
+        let mut record = (plan.is_some() && cached.is_none()).then(Vec::new);
+        let mut remaining = match (plan, &cached) {
+            (Some(plan), Some(values)) => {
+                for (slot, value) in values {
+                    slots[*slot] = Some(Slot::Value(value.clone()));
+                }
+                plan.uses.clone()
+            }
+            _ => self.uses.clone(),
+        };
         for (&slot, value) in self.input_slots.iter().zip(inputs) {
             slots[slot] = Some(Slot::Value(value));
         }
-        let mut remaining = self.uses.clone();
-        for step in &self.steps {
+        for (at, step) in self.steps.iter().enumerate() {
+            let derived = plan.is_some_and(|p| p.derived[at]);
+            if derived && cached.is_some() {
+                continue;
+            }
             // A value's last reader takes it, so its buffer may be reused in place.
             let mut ins: Vec<Option<Slot>> = step
                 .inputs
@@ -329,8 +361,20 @@ impl OnnxModel {
                     }
                     image => image,
                 };
+                if let (Some(recorded), Some(plan)) = (record.as_mut().filter(|_| derived), plan)
+                    && plan.kept[slot]
+                {
+                    match &out {
+                        Slot::Value(v) => recorded.push((slot, v.clone())),
+                        // Not a value after all: this run records nothing.
+                        _ => record = None,
+                    }
+                }
                 slots[slot] = Some(out);
             }
+        }
+        if let Some(values) = record {
+            self.shape_cache.store(dims, values);
         }
         self.output_slots
             .iter()
@@ -387,6 +431,7 @@ impl OnnxModel {
                 host::int8_conv(q, ins, (step.residual, step.clamp()), &self.device)
             }
             StepOp::Silu => host::silu(ins),
+            StepOp::ChannelShuffle(shuffle) => host::channel_shuffle(shuffle, ins),
             StepOp::QLinear(_) => None,
         }
     }
@@ -415,6 +460,7 @@ impl OnnxModel {
             StepOp::QConv(q) => q.run(&ins),
             StepOp::Affine { scale, shift } => passes::affine(&ins, scale, shift),
             StepOp::Silu => passes::silu(&ins),
+            StepOp::ChannelShuffle(shuffle) => shuffle.run(&ins),
         }?;
         // What was fused into the step at load, after the operator: the residual sum, then
         // the ReLU.

@@ -216,6 +216,8 @@ impl OnnxModel {
         for step in &mut self.steps {
             step.packed = Default::default();
         }
+        // The steps changed: the shape arithmetic is found again.
+        self.shape_cache.reset();
         // A fold can put a ReLU right after a convolution.
         let relus = self.fuse_relus();
         if relus > 0 {
@@ -250,7 +252,7 @@ impl OnnxModel {
                 StepOp::QLinear(q) => q.weight.rows * (q.weight.cols + 4),
                 StepOp::QConv(q) => q.weight.rows * (q.weight.cols + 4),
                 StepOp::Affine { scale, shift } => (scale.len() + shift.len()) * 4,
-                StepOp::Onnx(_) | StepOp::Silu => 0,
+                StepOp::Onnx(_) | StepOp::Silu | StepOp::ChannelShuffle(_) => 0,
             })
             .sum();
         constants + packed
@@ -426,7 +428,7 @@ impl OnnxModel {
     /// The step that writes `slot`, when the one reader asking is its only one (`slot` read
     /// once and not a graph output): what every fusion needs before folding that reader into
     /// the step.
-    fn sole_producer(&self, slot: usize) -> Option<usize> {
+    pub(super) fn sole_producer(&self, slot: usize) -> Option<usize> {
         if self.uses[slot] != 1 || self.output_slots.contains(&slot) {
             return None;
         }
@@ -439,7 +441,7 @@ impl OnnxModel {
     }
 
     /// Removes step `at`, whose reads are given back (its inputs are read once less).
-    fn remove_step(&mut self, at: usize) {
+    pub(super) fn remove_step(&mut self, at: usize) {
         let step = self.steps.remove(at);
         for &s in step.inputs.iter().flatten() {
             self.uses[s] = self.uses[s].saturating_sub(1);
@@ -629,7 +631,10 @@ impl OnnxModel {
                 match &mut self.steps[layer].op {
                     StepOp::QLinear(q) => q.relu = true,
                     StepOp::QConv(q) => q.relu = true,
-                    StepOp::Onnx(_) | StepOp::Affine { .. } | StepOp::Silu => {
+                    StepOp::Onnx(_)
+                    | StepOp::Affine { .. }
+                    | StepOp::Silu
+                    | StepOp::ChannelShuffle(_) => {
                         unreachable!("fusable_relu returns int8 layers")
                     }
                 }
@@ -795,6 +800,7 @@ impl OnnxModel {
             StepOp::QConv(_) => "QConv".into(),
             StepOp::Affine { .. } => "Affine".into(),
             StepOp::Silu => "Silu".into(),
+            StepOp::ChannelShuffle(_) => "ChannelShuffle".into(),
             StepOp::Onnx(ref n) => n.node_type().to_string(),
         };
         step.op = op;

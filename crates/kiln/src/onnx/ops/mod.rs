@@ -161,18 +161,28 @@ pub fn unsupported(node: &Node) -> Option<String> {
         | Node::Cast(_)
         | Node::Pad(_)
         | Node::Range(_)
-        | Node::ReduceMean(_)
-        | Node::ReduceSum(_)
-        | Node::ReduceMax(_)
-        | Node::ReduceMin(_)
-        | Node::ReduceProd(_)
-        | Node::ReduceSumSquare(_)
-        | Node::ReduceL2(_)
         | Node::ArgMax(_)
         | Node::ArgMin(_) => None,
+        // A new operator whose output dimensions depend on its operands' values must also
+        // be named in `shape_cache::shape_role`.
+        _ if is_reduction(node) => None,
         _ => return Some(op),
     };
     reason.map(|r| format!("{op} ({r})"))
+}
+
+/// The `Reduce*` operators Kiln runs (axes from an attribute or a second operand).
+pub(super) fn is_reduction(node: &Node) -> bool {
+    matches!(
+        node,
+        Node::ReduceMean(_)
+            | Node::ReduceSum(_)
+            | Node::ReduceMax(_)
+            | Node::ReduceMin(_)
+            | Node::ReduceProd(_)
+            | Node::ReduceSumSquare(_)
+            | Node::ReduceL2(_)
+    )
 }
 
 fn resize_kind(c: &onnx_ir::node::resize::ResizeConfig) -> Result<ResizeKind, String> {

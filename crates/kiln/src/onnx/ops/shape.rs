@@ -22,7 +22,11 @@ pub fn axis_index(axis: i64, rank: usize) -> Result<usize, OnnxError> {
 
 /// `Shape`: the dimensions `start..end` as integers.
 pub fn shape(x: &Value, start: usize, end: usize, device: &Device) -> Value {
-    let dims = x.onnx_dims();
+    shape_of(&x.onnx_dims(), start, end, device)
+}
+
+/// `Shape` of a value with ONNX dimensions `dims` (a host image's are its NCHW ones).
+pub fn shape_of(dims: &[usize], start: usize, end: usize, device: &Device) -> Value {
     let end = end.min(dims.len());
     let start = start.min(end);
     Value::from_i64(
@@ -34,7 +38,12 @@ pub fn shape(x: &Value, start: usize, end: usize, device: &Device) -> Value {
 
 /// `Reshape` to an ONNX shape spec: `0` copies the input's dimension, one `-1` is inferred.
 pub fn reshape(x: Value, spec: &[i64]) -> Result<Value, OnnxError> {
-    let dims = x.onnx_dims();
+    let out = reshaped_dims(&x.onnx_dims(), spec)?;
+    x.reshape(&out)
+}
+
+/// The dimensions `Reshape` to `spec` gives a value of ONNX dimensions `dims`.
+pub fn reshaped_dims(dims: &[usize], spec: &[i64]) -> Result<Vec<usize>, OnnxError> {
     let total: usize = dims.iter().product();
     let mut out: Vec<usize> = Vec::with_capacity(spec.len());
     let mut infer = None;
@@ -66,7 +75,7 @@ pub fn reshape(x: Value, spec: &[i64]) -> Result<Value, OnnxError> {
         }
         out[i] = total / known;
     }
-    x.reshape(&out)
+    Ok(out)
 }
 
 /// `Flatten` at `axis`: `[prod(dims[..axis]), prod(dims[axis..])]`.

@@ -14,10 +14,13 @@
 //! pass for bias, activation and pooling per layer (BENCHMARKS run 20: ResNet-18 at 0.31×
 //! ONNX Runtime, 44% of its time in the GEMM and the rest around it; run 31: after).
 
+mod layout;
+
 use std::sync::{Arc, OnceLock};
 
 use burn::tensor::{Device, Tensor, TensorData};
 use onnx_ir::Node;
+use onnx_ir::node::reduce::ReduceAxes;
 
 use super::OnnxError;
 use super::ops::nn::Window;
@@ -33,6 +36,8 @@ use crate::kernels::nhwc::{
     arith_in_place, depthwise_conv2d, global_average, nchw_to_nhwc, nhwc_to_nchw, pool2d,
     scale_shift_in_place,
 };
+pub(super) use layout::channel_shuffle;
+use layout::{concat_channels, relayout, split_channels};
 
 /// A float image `[n, h, w, c]` on the host, channels-last. Shared (`Arc`) so a value read
 /// by two layers (a residual block's input) is not copied; its last reader takes it and may
@@ -307,17 +312,15 @@ pub(super) fn run(
             };
             pool(ins, &window, c.ceil_mode, kind)
         }
-        Node::GlobalAveragePool(_) if image_in => {
-            let Some(Slot::Image(image)) = take(ins, 0) else {
-                return None;
-            };
-            let [n, h, w, c] = image.dims;
-            let means = global_average(&image.data, [n, h, w, c]);
-            // `[n, 1, 1, c]` channels-last is `[n, c, 1, 1]` in NCHW: the same sequence.
-            Some(Ok(vec![Slot::Image(Image::new(means, [n, 1, 1, c]))]))
+        Node::GlobalAveragePool(_) if image_in => spatial_mean(ins, true),
+        // ShuffleNet's and RegNet's `x.mean([2, 3])`.
+        Node::ReduceMean(n) if image_in && n.config.axes == ReduceAxes::Static(vec![2, 3]) => {
+            spatial_mean(ins, n.config.keepdims)
         }
         Node::Concat(n) if n.config.axis == 1 => concat_channels(ins),
         Node::Transpose(n) => relayout(ins, &n.config.perm),
+        Node::Shape(n) => layout::shape(ins, n.config.start, n.config.end, step.device),
+        Node::Slice(n) if image_in => layout::slice_channels(ins, &n.config),
         Node::Split(n) if image_in && n.config.axis == 1 => {
             let Some(Some(Slot::Image(image))) = ins.first() else {
                 return None;
@@ -952,106 +955,19 @@ fn pool(
     let out = pool2d(&image.data, &win, kind);
     Some(Ok(vec![Slot::Image(Image::new(out, win.out_dims()))]))
 }
-
-/// A transpose between NCHW and NHWC that only relabels an image: `[0, 2, 3, 1]` of an
-/// image is its data as `[n, h, w, c]` host rows (shared, not copied), and `[0, 3, 1, 2]` of
-/// `[n, h, w, c]` rows or a value is an image of that data (ConvNeXt permutes to
-/// channels-last around each block's LayerNorm and linear layers, and back).
-fn relayout(ins: &mut [Option<Slot>], perm: &[i64]) -> Option<Result<Vec<Slot>, OnnxError>> {
-    let to_image = match (ins.first()?.as_ref()?, perm) {
-        (Slot::Image(_), [0, 2, 3, 1]) => false,
-        (Slot::Rows(r), [0, 3, 1, 2]) if r.dims.len() == 4 => true,
-        (Slot::Value(v), [0, 3, 1, 2]) if v.rank() == 4 && v.kind() == ValueKind::Float => true,
-        _ => return None,
-    };
-    let x = take(ins, 0)?;
-    let run = || -> Result<Vec<Slot>, OnnxError> {
-        Ok(vec![match x {
-            // The data as they are, shared: no copy either way.
-            Slot::Image(image) if !to_image => Slot::Rows(Rows {
-                data: image.data,
-                dims: image.dims.to_vec(),
-            }),
-            Slot::Rows(rows) if to_image => {
-                let dims: [usize; 4] = rows
-                    .dims
-                    .clone()
-                    .try_into()
-                    .map_err(|d| OnnxError::Shape(format!("expected rank 4, got {d:?}")))?;
-                Slot::Image(Image {
-                    data: rows.data,
-                    dims,
-                })
-            }
-            Slot::Value(v) if to_image => {
-                let dims: [usize; 4] = v
-                    .dims()
-                    .try_into()
-                    .map_err(|d| OnnxError::Shape(format!("expected rank 4, got {d:?}")))?;
-                Slot::Image(Image::new(v.to_f32s()?, dims))
-            }
-            _ => return Err(OnnxError::Graph("relayout of an unexpected slot".into())),
-        }])
-    };
-    Some(run())
-}
-
-/// An image split along its channels into parts of `sizes` channels (ShuffleNet's
-/// branches).
-fn split_channels(
-    ins: &mut [Option<Slot>],
-    sizes: &[usize],
-) -> Option<Result<Vec<Slot>, OnnxError>> {
-    let Some(Some(Slot::Image(image))) = ins.first() else {
+/// The mean over an image's height and width: `[n, c, 1, 1]` (an image, whose NCHW and
+/// NHWC sequences coincide) or, without `keepdims`, `[n, c]` rows of the same data.
+fn spatial_mean(ins: &mut [Option<Slot>], keepdims: bool) -> Option<Result<Vec<Slot>, OnnxError>> {
+    let Some(Slot::Image(image)) = take(ins, 0) else {
         return None;
     };
-    let [n, h, w, c] = image.dims;
-    if sizes.iter().sum::<usize>() != c {
-        return Some(Err(OnnxError::Shape(format!(
-            "split sizes {sizes:?} do not add up to the {c} channels"
-        ))));
-    }
-    let mut parts: Vec<Vec<f32>> = sizes
-        .iter()
-        .map(|&s| Vec::with_capacity(n * h * w * s))
-        .collect();
-    for px in image.data.chunks_exact(c.max(1)) {
-        let mut at = 0;
-        for (part, &size) in parts.iter_mut().zip(sizes) {
-            part.extend_from_slice(&px[at..at + size]);
-            at += size;
-        }
-    }
-    ins[0] = None;
-    Some(Ok(parts
-        .into_iter()
-        .zip(sizes)
-        .map(|(data, &size)| Slot::Image(Image::new(data, [n, h, w, size])))
-        .collect()))
-}
-
-/// Channel concatenation of images of one size (DenseNet, SqueezeNet's fire modules).
-fn concat_channels(ins: &mut [Option<Slot>]) -> Option<Result<Vec<Slot>, OnnxError>> {
-    let images: Vec<&Image> = ins
-        .iter()
-        .map(|s| match s {
-            Some(Slot::Image(i)) => Some(i),
-            _ => None,
-        })
-        .collect::<Option<_>>()?;
-    let [n, h, w, _] = images.first()?.dims;
-    if images.iter().any(|i| i.dims[..3] != [n, h, w]) {
-        return None;
-    }
-    let c: usize = images.iter().map(|i| i.dims[3]).sum();
-    let mut out = Vec::with_capacity(n * h * w * c);
-    for px in 0..n * h * w {
-        for image in &images {
-            let ci = image.dims[3];
-            out.extend_from_slice(&image.data[px * ci..][..ci]);
-        }
-    }
-    Some(Ok(vec![Slot::Image(Image::new(out, [n, h, w, c]))]))
+    let [n, _, _, c] = image.dims;
+    let means = global_average(&image.data, image.dims);
+    Some(Ok(vec![if keepdims {
+        Slot::Image(Image::new(means, [n, 1, 1, c]))
+    } else {
+        Slot::Rows(Rows::new(means, vec![n, c]))
+    }]))
 }
 
 #[cfg(test)]
