@@ -18,9 +18,9 @@ use rayon::prelude::*;
 /// time in the scheduler).
 const PARALLEL_MIN: usize = 1 << 17;
 
-/// Multiply-adds below which a depthwise convolution stays on the calling thread (as
-/// [`super::implicit`]'s dense convolution does below 2 Mi).
-const DEPTHWISE_PARALLEL_MACS: usize = 1 << 21;
+/// Multiply-adds below which a depthwise convolution stays on the calling thread: the dense
+/// convolution's threshold ([`super::implicit::SPLIT_MACS`], which says why it is low).
+const DEPTHWISE_PARALLEL_MACS: usize = super::implicit::SPLIT_MACS;
 
 /// `[batch, channels, h, w]` values to channels-last `[batch, h, w, channels]`.
 pub fn nchw_to_nhwc(x: &[f32], [b, c, h, w]: [usize; 4]) -> Vec<f32> {

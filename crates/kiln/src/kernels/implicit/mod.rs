@@ -282,9 +282,12 @@ impl ConvWeights {
 }
 
 /// Multiply-adds of one convolution call below which it runs on the calling thread: handing
-/// work to the pool and waiting for it costs more than a second thread saves (W3's conv1,
-/// 0.2 M, stays; conv2, 10.6 M, splits).
-const SPLIT_MACS: usize = 2 << 20;
+/// work to the pool and waiting for it costs more than a second thread saves. Low, because
+/// a pool worker left idle between calls falls asleep and the next split pays its wake-up:
+/// measured at two threads, batch 1, 2 Mi → 32 Ki (with the depthwise threshold, medians of
+/// 5 alternated runs, BENCHMARKS run 34): MobileNet v3 small 3.00 → 2.47 ms, ShuffleNet v2
+/// 4.31 → 3.75, EfficientNet-B0 9.23 → 8.77, ResNet-18 18.3 → 17.9; W3 unchanged.
+pub(crate) const SPLIT_MACS: usize = 1 << 15;
 
 /// Weight values above which a call splits over the threads whatever its rows (1 MiB:
 /// beyond L2, so the reading is what costs).
