@@ -548,7 +548,7 @@ const MAX_TAPS: usize = 49;
 const DEPTHWISE_BLOCK: usize = 64;
 
 /// One output pixel `o` of a depthwise convolution from its `taps` (input offset, weight
-/// offset): blocks of 64 channels, then of 16, then one by one, each block's accumulators
+/// offset): blocks of 64 channels, then of 16, then of 8, then one by one, each block's accumulators
 /// held across all taps. Inlined into the multiversioned row.
 #[inline(always)]
 fn depthwise_pixel(x: &[f32], w: &DepthwiseWeights, taps: &[(usize, usize)], o: &mut [f32]) {
@@ -561,6 +561,11 @@ fn depthwise_pixel(x: &[f32], w: &DepthwiseWeights, taps: &[(usize, usize)], o: 
     while c0 + 16 <= c {
         depthwise_block::<16>(x, w, taps, o, c0);
         c0 += 16;
+    }
+    // MobileNet v3's 72, 88 and 120 channels end in 8: one AVX2 register, not 8 scalars.
+    if c0 + 8 <= c {
+        depthwise_block::<8>(x, w, taps, o, c0);
+        c0 += 8;
     }
     while c0 < c {
         depthwise_block::<1>(x, w, taps, o, c0);
@@ -726,8 +731,9 @@ mod tests {
             ([1, 28, 28, 144], 3, 1, (1, 1)),
             ([2, 15, 15, 40], 5, 2, (2, 2)),
             ([1, 9, 9, 7], 3, 2, (1, 1)),
+            ([1, 10, 10, 93], 3, 1, (1, 1)), // every block: 64 + 16 + 8 + 5 single channels
             ([1, 14, 14, 200], 7, 1, (3, 3)), // ConvNeXt's 7×7: 3 blocks + 8 channels
-            ([1, 12, 12, 70], 9, 1, (4, 4)),  // past MAX_TAPS: the plain loop
+            ([1, 12, 12, 70], 9, 1, (4, 4)), // past MAX_TAPS: the plain loop
         ] {
             let win = window(dims, k, s, p, false);
             let c = dims[3];
