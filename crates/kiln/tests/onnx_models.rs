@@ -323,6 +323,22 @@ fn shapes_that_depend_on_data_are_not_recorded() {
         n.output = vec![output.into()];
         n
     };
+    let model_of = |graph: GraphProto| {
+        let mut proto = ModelProto::new();
+        proto.ir_version = 8;
+        proto.opset_import.push(Default::default());
+        if let Some(opset) = proto.opset_import.last_mut() {
+            opset.version = 17;
+        }
+        proto.graph = Some(graph).into();
+        OnnxModel::from_bytes(&proto.write_to_bytes().unwrap(), "m", &Device::default()).unwrap()
+    };
+    let dims_of = |model: &OnnxModel, inputs: Vec<TensorData>| -> Vec<i64> {
+        let out = model.run_data(inputs).unwrap().remove(0);
+        out.convert::<i64>().try_to_vec::<i64>().unwrap()
+    };
+    let ints = |v: &[i64]| TensorData::new(v.to_vec(), vec![v.len()]);
+
     let mut graph = GraphProto::new();
     graph.name = "reshape_by_data".into();
     // float = 1, int64 = 7.
@@ -332,24 +348,37 @@ fn shapes_that_depend_on_data_are_not_recorded() {
         node("Shape", &["y"], "d"),
     ];
     graph.output = vec![port("d", 7, 2)];
-    let mut proto = ModelProto::new();
-    proto.ir_version = 8;
-    proto.opset_import.push(Default::default());
-    if let Some(opset) = proto.opset_import.last_mut() {
-        opset.version = 17;
-    }
-    proto.graph = Some(graph).into();
-    let device = Device::default();
-    let model = OnnxModel::from_bytes(&proto.write_to_bytes().unwrap(), "m", &device).unwrap();
+    let model = model_of(graph);
     assert_eq!(model.cached_shape_steps(), 0);
     let x = || TensorData::new(vec![0f32; 6], vec![6]);
     for target in [[2i64, 3], [3, 2], [6, 1]] {
-        let out = model
-            .run_data(vec![x(), TensorData::new(target.to_vec(), vec![2])])
-            .unwrap()
-            .remove(0);
-        let dims: Vec<i64> = out.convert::<i64>().try_to_vec::<i64>().unwrap();
-        assert_eq!(dims, target);
+        assert_eq!(dims_of(&model, vec![x(), ints(&target)]), target);
+    }
+
+    // The same through a fused channel shuffle whose reshape targets are inputs.
+    let mut graph = GraphProto::new();
+    graph.name = "shuffle_by_data".into();
+    graph.input = vec![port("x", 1, 8), port("s", 7, 5), port("t", 7, 4)];
+    let mut transpose = node("Transpose", &["g"], "h");
+    let mut perm = onnx_ir::AttributeProto::new();
+    perm.name = "perm".into();
+    perm.type_ = onnx_ir::AttributeType::INTS.into();
+    perm.ints = vec![0, 2, 1, 3, 4];
+    transpose.attribute.push(perm);
+    graph.node = vec![
+        node("Reshape", &["x", "s"], "g"),
+        transpose,
+        node("Reshape", &["h", "t"], "y"),
+        node("Shape", &["y"], "d"),
+    ];
+    graph.output = vec![port("d", 7, 4)];
+    let model = model_of(graph);
+    assert_eq!(model.op_counts().get("ChannelShuffle"), Some(&1));
+    assert_eq!(model.cached_shape_steps(), 0);
+    let x = || TensorData::new(vec![0f32; 8], vec![8]);
+    for back in [[1i64, 8, 1, 1], [2, 4, 1, 1], [1, 2, 2, 2]] {
+        let grouped = ints(&[1, 2, 4, 1, 1]);
+        assert_eq!(dims_of(&model, vec![x(), grouped, ints(&back)]), back);
     }
 }
 

@@ -16,9 +16,9 @@ use std::sync::{Mutex, OnceLock};
 
 use onnx_ir::Node;
 
-use super::OnnxModel;
 use super::ops::{is_reduction, unsupported};
 use super::value::Value;
+use super::{OnnxModel, StepOp};
 
 /// Which steps are shape arithmetic, and the reads left when they are skipped.
 #[derive(Debug)]
@@ -84,16 +84,22 @@ impl OnnxModel {
         let mut enabled = true;
         for (i, step) in self.steps.iter().enumerate() {
             let known = |s: &Option<usize>| s.is_none_or(|s| from_shapes[s]);
-            let Some(node) = step.op.node() else {
-                continue;
+            let role = match &step.op {
+                StepOp::Onnx(node) => shape_role(node),
+                // Its two reshapes' targets are inputs 1 and 2.
+                StepOp::ChannelShuffle(_) => Role::SetsDims { from: 1 },
+                _ => Role::Other,
             };
-            match shape_role(node) {
+            match role {
                 Role::DataDependent => enabled = false,
                 Role::SetsDims { from } => {
                     enabled &= step.inputs.iter().skip(from).all(known);
                 }
                 Role::Other => {}
             }
+            let Some(node) = step.op.node() else {
+                continue;
+            };
             derived[i] = match node {
                 Node::Shape(_) | Node::Size(_) => true,
                 _ => arithmetic(node) && step.plain_output() && step.inputs.iter().all(known),
