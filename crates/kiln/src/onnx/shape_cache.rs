@@ -112,26 +112,20 @@ impl OnnxModel {
         }
         let mut uses = vec![0; slots];
         let mut kept = vec![false; slots];
-        let mut written_by_derived = vec![false; slots];
-        for (step, &d) in self.steps.iter().zip(&derived) {
-            if d {
-                for &o in &step.outputs {
-                    written_by_derived[o] = true;
-                }
-            }
-        }
+        // Constants are in place on every run; the rest of `from_shapes` derived steps wrote.
+        let written_by_derived = |s: usize| from_shapes[s] && self.constants[s].is_none();
         for (step, &d) in self.steps.iter().zip(&derived) {
             if d {
                 continue;
             }
             for &s in step.inputs.iter().flatten() {
                 uses[s] += 1;
-                kept[s] |= written_by_derived[s];
+                kept[s] |= written_by_derived(s);
             }
         }
         for &s in &self.output_slots {
             uses[s] += 1;
-            kept[s] |= written_by_derived[s];
+            kept[s] |= written_by_derived(s);
         }
         ShapePlan {
             enabled,

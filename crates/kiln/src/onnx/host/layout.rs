@@ -9,7 +9,7 @@
 use burn::tensor::Device;
 use onnx_ir::node::slice::{SliceConfig, SliceInput};
 
-use super::super::ops::shape::{reshaped_dims, shape_of};
+use super::super::ops::shape::{axis_index, reshaped_dims, shape_of, slice_range};
 use super::super::shuffle::{ChannelShuffle, ShapeSpec};
 use super::{Image, OnnxError, Rows, Slot, ValueKind, take};
 
@@ -66,15 +66,11 @@ pub(super) fn slice_channels(
     let nchw = [n, c, h, w];
     let mut channels = 0..c;
     for (i, (&start, &end)) in starts.iter().zip(&ends).enumerate() {
-        let axis = *axes.get(i)?;
-        if !(-4..4).contains(&axis) || steps.get(i) != Some(&1) {
+        let axis = axis_index(*axes.get(i)?, 4).ok()?;
+        if steps.get(i) != Some(&1) {
             return None;
         }
-        let axis = axis.rem_euclid(4) as usize;
-        let d = nchw[axis] as i64;
-        let norm = |v: i64| if v < 0 { v + d } else { v };
-        let s = norm(start).clamp(0, d);
-        let range = s as usize..norm(end).clamp(s, d) as usize;
+        let range = slice_range(start, end, nchw[axis]);
         if axis == 1 {
             channels = range;
         } else if range != (0..nchw[axis]) {

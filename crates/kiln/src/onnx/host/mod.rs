@@ -955,6 +955,7 @@ fn pool(
     let out = pool2d(&image.data, &win, kind);
     Some(Ok(vec![Slot::Image(Image::new(out, win.out_dims()))]))
 }
+
 /// The mean over an image's height and width: `[n, c, 1, 1]` (an image, whose NCHW and
 /// NHWC sequences coincide) or, without `keepdims`, `[n, c]` rows of the same data.
 fn spatial_mean(ins: &mut [Option<Slot>], keepdims: bool) -> Option<Result<Vec<Slot>, OnnxError>> {

@@ -254,9 +254,8 @@ pub fn slice(
         }
         let norm = |v: i64| if v < 0 { v + d } else { v };
         if step > 0 {
-            let s = norm(start).clamp(0, d);
-            let e = norm(end).clamp(0, d).max(s);
-            ranges[axis] = Slice::new(s as isize, Some(e as isize), step as isize);
+            let r = slice_range(start, end, dims[axis]);
+            ranges[axis] = Slice::new(r.start as isize, Some(r.end as isize), step as isize);
         } else {
             // Walk from `start` down to (not including) `end`; taken as the increasing
             // range with the same elements, then flipped.
@@ -276,6 +275,15 @@ pub fn slice(
         ValueKind::Bool => Value::bool(x.b::<D>().slice(&ranges)),
     });
     flips.into_iter().try_fold(out, flip)
+}
+
+/// The elements a positive-step `Slice` from `start` to `end` (negative: from the end;
+/// clamped to the axis) takes of an axis of `d`.
+pub fn slice_range(start: i64, end: i64, d: usize) -> std::ops::Range<usize> {
+    let d = d as i64;
+    let norm = |v: i64| if v < 0 { v + d } else { v };
+    let s = norm(start).clamp(0, d);
+    s as usize..norm(end).clamp(s, d) as usize
 }
 
 /// The elements of `axis` in reverse order.
