@@ -97,7 +97,15 @@ fn fault_round(server: &TestServer, round: usize) {
     }
     assert!(
         settled(),
-        "round {round}: requests still in flight after 20 s"
+        "round {round}: not settled after 20 s: in flight {:?} (slow, small_queue, flaky), \
+         slow's cancelled {} (expected at least {}), successes {}",
+        models
+            .iter()
+            .map(|m| m.metrics.inflight.load(Ordering::Relaxed))
+            .collect::<Vec<_>>(),
+        models[0].metrics.failures("cancelled"),
+        3 * (round as u64 + 1),
+        models[0].metrics.success.load(Ordering::Relaxed)
     );
     // Connection tasks end just after their request: give them a moment to drop buffers.
     thread::sleep(Duration::from_millis(100));

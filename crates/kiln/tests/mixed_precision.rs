@@ -13,7 +13,7 @@ use kiln::datasets::{Split, bundled};
 use kiln::guard::{GuardAction, GuardOptions, GuardPolicy, Trouble};
 use kiln::observe::{MemorySink, NullSink};
 use kiln::precision::{self as amp, Precision, ScalerOptions, ScalingMode};
-use kiln::train::{Checkpoint, TrainOptions, flatten_params, latest_checkpoint};
+use kiln::train::{Checkpoint, TrainOptions, backend_rng_guard, flatten_params, latest_checkpoint};
 use kiln::zoo::{Classifier, EncoderClassifier, ModelKind};
 use kiln::{KilnError, Trainer, burn};
 
@@ -44,6 +44,8 @@ fn op_tolerance(p: Precision) -> f64 {
 
 #[test]
 fn autocast_ops_match_f32_within_the_precision_tolerance() {
+    // Draws from the backend's shared RNG beside tests whose trainers must init identically.
+    let _rng = backend_rng_guard();
     let device = Device::flex();
     let x = Tensor::<3>::random([4, 7, 96], Distribution::Normal(0.0, 1.0), &device);
     let fc = LinearConfig::new(96, 40).init(&device);
@@ -104,6 +106,8 @@ fn autocast_ops_match_f32_within_the_precision_tolerance() {
 /// Kiln's autocast-aware W4 forward is Burn's encoder forward, to f32 rounding.
 #[test]
 fn w4_forward_matches_burns_encoder_in_f32() {
+    // Draws from the backend's shared RNG beside tests whose trainers must init identically.
+    let _rng = backend_rng_guard();
     let device = Device::flex();
     let model = EncoderClassifier::new(&device);
     let x = Tensor::<4>::random([5, 1, 28, 28], Distribution::Normal(0.0, 1.0), &device);
@@ -118,6 +122,8 @@ fn w4_forward_matches_burns_encoder_in_f32() {
 /// in bf16 (8 bits; measured 0.998 on W2, 0.99996 on W4).
 #[test]
 fn low_precision_gradients_reach_f32_master_weights() {
+    // Draws from the backend's shared RNG beside tests whose trainers must init identically.
+    let _rng = backend_rng_guard();
     let device = Device::flex().autodiff();
     let batch = kiln::data::collate(
         &bundled(Split::Train).unwrap().take(64),
@@ -458,6 +464,8 @@ fn a_scaled_f16_run_resumes_bit_for_bit() {
 /// `valid()` strips autodiff; the eval path under autocast still returns f32 logits.
 #[test]
 fn inference_under_autocast_returns_f32_logits() {
+    // Draws from the backend's shared RNG beside tests whose trainers must init identically.
+    let _rng = backend_rng_guard();
     let device = Device::flex();
     let model = ModelKind::ResNet
         .init_for_channels(3, &device.clone().autodiff())

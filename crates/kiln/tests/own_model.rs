@@ -149,6 +149,8 @@ fn compare<MK: Module, MB: Module>(
 
 #[test]
 fn drop_in_layers_give_burns_outputs_and_gradients() {
+    // Draws from the backend's shared RNG beside tests whose trainers must init identically.
+    let _rng = kiln::train::backend_rng_guard();
     let device = Device::flex().autodiff();
     let x = |shape: [usize; 4]| Tensor::<4>::random(shape, Distribution::Normal(0.0, 1.0), &device);
     let convs = [
@@ -256,6 +258,8 @@ fn drop_in_layers_give_burns_outputs_and_gradients() {
 
 #[test]
 fn burn_weights_load_into_the_drop_in_layers_and_back() {
+    // Draws from the backend's shared RNG beside tests whose trainers must init identically.
+    let _rng = kiln::train::backend_rng_guard();
     let device = Device::flex();
     let user = UserCnn::new(&device);
     let burn_model = BurnCnn::new(&device);

@@ -30,7 +30,7 @@ pub use metrics::{Accuracy, LossMetric, Metric, Mse, default_metrics};
 pub use optimizer::build_optimizer;
 pub use params::flatten_params;
 pub use schedule::learning_rate;
-pub use trainer::{TrainOutcome, Trainer, seeded_init};
+pub use trainer::{TrainOutcome, Trainer, backend_rng_guard, seeded_init};
 
 use crate::data::{Augment, LoaderOptions};
 use crate::guard::GuardOptions;

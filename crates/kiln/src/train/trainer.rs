@@ -375,12 +375,22 @@ pub fn seeded_init<M: Module>(device: &Device, seed: u64, init: impl FnOnce(&Dev
             let _ = param.val();
         }
     }
-    // A poisoned lock only means another trainer panicked mid-init; the guard protects no data.
-    let _guard = INIT_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    let _guard = backend_rng_guard();
     device.seed(seed);
     let model = init(device);
     model.visit(&mut Touch);
     model
+}
+
+/// Holds the lock under which trainers seed and initialize their models. Burn's backends draw
+/// every random tensor and every lazily initialized parameter from one process-wide RNG, so
+/// code that draws (random inputs, modules it builds and runs) while trainers start on other
+/// threads holds this guard meanwhile: otherwise its draws can land between a trainer's seed
+/// and its weights, and two runs with one seed train different models. Not reentrant: drop it
+/// before starting a trainer on the same thread.
+pub fn backend_rng_guard() -> std::sync::MutexGuard<'static, ()> {
+    // A poisoned lock only means another holder panicked mid-draw; the guard protects no data.
+    INIT_LOCK.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// What every rank of a data-parallel run must agree on: the trajectory, the data's size, and
