@@ -39,6 +39,13 @@ fn main() {
         ("R18 1x1/2 128→256", rb, 128, 28, 256, 1, 2, 0),
         ("R18 3x3/2 256→512", rb, 256, 14, 512, 3, 2, 1),
         ("R18 1x1/2 256→512", rb, 256, 14, 512, 1, 2, 0),
+        // The mobile families' wide early layers (EfficientNet-B0, MobileNet v2), where Kiln
+        // trailed ONNX Runtime most per layer (BENCHMARKS run 35).
+        ("EffNet stem 3x3/2 3→32", rb, 3, 224, 32, 3, 2, 1),
+        ("EffNet 1x1 32→16 112²", rb, 32, 112, 16, 1, 1, 0),
+        ("EffNet 1x1 16→96 112²", rb, 16, 112, 96, 1, 1, 0),
+        ("MNv2 1x1 144→24 56²", rb, 144, 56, 24, 1, 1, 0),
+        ("MNv2 1x1 24→144 56²", rb, 24, 56, 144, 1, 1, 0),
     ];
     // How often each shape occurs in ResNet-18 (by name; others 0).
     let resnet18_count = |name: &str| match name {

@@ -261,13 +261,21 @@ fn residual_adds_and_relus_fuse_into_convolutions() {
 }
 
 /// EfficientNet exports each SiLU as `Mul(x, Sigmoid(x))`: the pairs become single SiLU
-/// steps at load (the `efficientnet` test above checks the fused model's outputs), while the
-/// squeeze-excitation gates' sigmoids, which multiply something else, stay.
+/// steps at load, and each SiLU or squeeze-excitation gate's Sigmoid that follows a
+/// convolution goes into that convolution's store (the `efficientnet` test above checks the
+/// fused model's outputs); MobileNet v3's HardSwish and HardSigmoid do the same.
 #[test]
-fn sigmoid_products_of_their_own_input_fuse_into_silu() {
+fn activations_after_convolutions_fuse_into_their_store() {
     let (count, counts) = op_counts("efficientnet");
-    assert!(count("Silu") >= 3, "{counts:?}");
-    assert!(count("Sigmoid") >= 1, "{counts:?}");
+    assert!(count("Conv2d+Silu") >= 3, "{counts:?}");
+    assert!(count("Conv2d+Sigmoid") >= 1, "{counts:?}");
+    assert_eq!(count("Silu") + count("Sigmoid"), 0, "{counts:?}");
+    let (count, counts) = op_counts("mobilenet_v3");
+    assert!(count("Conv2d+HardSwish") >= 1, "{counts:?}");
+    assert!(count("Conv2d+HardSigmoid") >= 1, "{counts:?}");
+    // Only the classifier's HardSwish stays: it follows a Linear, not a convolution.
+    assert_eq!(count("HardSigmoid"), 0, "{counts:?}");
+    assert!(count("HardSwish") <= 1, "{counts:?}");
 }
 
 /// ShuffleNet v2's channel shuffle (reshape, transpose, reshape) is one step at load, and

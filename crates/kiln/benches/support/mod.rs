@@ -39,6 +39,8 @@ pub fn time(mut f: impl FnMut(), iters: usize) -> f64 {
 }
 
 /// A convolution with square images and kernels, the same stride and padding on both axes.
+// Each bench compiles this module on its own; the depthwise bench does not use this one.
+#[allow(dead_code)]
 pub fn square_conv(
     batch: usize,
     cin: usize,

@@ -13,6 +13,7 @@
 use burn::tensor::{DType, Tensor, TensorData, activation};
 use rayon::prelude::*;
 
+use super::nhwc::PARALLEL_MIN;
 use super::serves;
 
 /// Elements per parallel task: large enough that a task outweighs its scheduling.
@@ -54,6 +55,82 @@ fn on_host<const D: usize>(
     };
     kernel(&mut values);
     Tensor::from_data(TensorData::new(values, dims), &device)
+}
+
+/// An activation applied in place.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Activation {
+    /// `max(x, 0)`.
+    Relu,
+    /// Clamp to `[min, max]`.
+    Clip(f32, f32),
+    /// `1 / (1 + e^(-x))`.
+    Sigmoid,
+    /// `clamp(alpha·x + beta, 0, 1)`.
+    HardSigmoid(f32, f32),
+    /// `x · clamp(x/6 + 1/2, 0, 1)`.
+    HardSwish,
+    /// `x · sigmoid(x)`.
+    Silu,
+}
+
+impl Activation {
+    /// The `[lo, hi]` of an activation that is a clamp (ReLU: `[0, ∞]`, Clip), which kernels
+    /// apply in their registers; `None` for the others.
+    pub fn bounds(self) -> Option<[f32; 2]> {
+        match self {
+            Activation::Relu => Some([0.0, f32::INFINITY]),
+            Activation::Clip(lo, hi) => Some([lo, hi]),
+            _ => None,
+        }
+    }
+
+    /// The definition in f64, what the kernels are checked against.
+    #[cfg(test)]
+    pub(crate) fn reference(self, v: f64) -> f64 {
+        match self {
+            Activation::Relu => v.max(0.0),
+            Activation::Clip(lo, hi) => v.clamp(lo as f64, hi as f64),
+            Activation::HardSigmoid(a, b) => (a as f64 * v + b as f64).clamp(0.0, 1.0),
+            Activation::HardSwish => v * (v / 6.0 + 0.5).clamp(0.0, 1.0),
+            Activation::Sigmoid => 1.0 / (1.0 + (-v).exp()),
+            Activation::Silu => v / (1.0 + (-v).exp()),
+        }
+    }
+}
+
+/// Applies `act` to every value, in parallel chunks when there are many.
+pub fn activate(values: &mut [f32], act: Activation) {
+    match act {
+        Activation::Sigmoid => return sigmoid_in_place(values),
+        Activation::Silu => return silu_in_place(values),
+        _ => {}
+    }
+    if values.len() < PARALLEL_MIN {
+        activate_slice(values, act);
+    } else {
+        values
+            .par_chunks_mut(PARALLEL_MIN)
+            .for_each(|chunk| activate_slice(chunk, act));
+    }
+}
+
+multiversion! {
+    /// [`activate`] of one chunk, on the calling thread.
+    pub(crate) fn activate_slice(values: &mut [f32], act: Activation) {
+        match act {
+            Activation::Relu => values.iter_mut().for_each(|v| *v = v.max(0.0)),
+            Activation::Clip(lo, hi) => values.iter_mut().for_each(|v| *v = v.max(lo).min(hi)),
+            Activation::HardSigmoid(a, b) => values
+                .iter_mut()
+                .for_each(|v| *v = (a * *v + b).clamp(0.0, 1.0)),
+            Activation::HardSwish => values
+                .iter_mut()
+                .for_each(|v| *v *= (*v * (1.0 / 6.0) + 0.5).clamp(0.0, 1.0)),
+            Activation::Sigmoid => sigmoid_in_place(values),
+            Activation::Silu => silu_in_place(values),
+        }
+    }
 }
 
 /// Replaces each value by its error function, in parallel chunks.
@@ -125,49 +202,136 @@ fn logistic(values: &mut [f32], times_x: bool) {
     logistic_slice(values, times_x);
 }
 
-/// The sigmoid (or SiLU) in one pass of AVX-512 intrinsics: [`exp`]'s reduction and
-/// polynomial with fused multiply-adds, `2^k` by `vscalefps`, and `1 / (1 + e^(-x))` by the
-/// reciprocal estimate plus one Newton step `r + r·(1 − d·r)` (the estimate's 2^-14 error
-/// squared; exact where the estimate is, so σ(0) = ½ and σ(∞) = 1 stay exact). The tail
-/// that fills no register runs the portable loop.
+/// The sigmoid (or SiLU) in one pass of AVX-512 intrinsics ([`logistic16`] per register).
+/// The tail that fills no register runs the portable loop.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
 unsafe fn logistic_avx512(values: &mut [f32], times_x: bool) {
     use std::arch::x86_64::*;
-    let c = |v: f32| _mm512_set1_ps(v);
-    let (lo, hi, log2e) = (c(-87.3), c(88.3), c(std::f32::consts::LOG2_E));
-    let (ln2_hi, ln2_lo, one) = (c(LN2_HI), c(LN2_LO), c(1.0));
-    let taylor = [
-        1.0 / 720.0,
-        1.0 / 120.0,
-        1.0 / 24.0,
-        1.0 / 6.0,
-        0.5,
-        1.0,
-        1.0,
-    ]
-    .map(c);
     let mut lanes = values.chunks_exact_mut(16);
     for lane in &mut lanes {
         // SAFETY: `lane` holds 16 values.
         let v = unsafe { _mm512_loadu_ps(lane.as_ptr()) };
-        let x = _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), v), lo), hi);
-        // Round to nearest even (the portable `round_ties_even`).
-        let k = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-            _mm512_mul_ps(x, log2e),
-        );
-        let r = _mm512_fnmadd_ps(k, ln2_lo, _mm512_fnmadd_ps(k, ln2_hi, x));
-        let p = taylor[1..]
-            .iter()
-            .fold(taylor[0], |p, &t| _mm512_fmadd_ps(p, r, t));
-        let d = _mm512_add_ps(one, _mm512_scalef_ps(p, k));
-        let e = _mm512_rcp14_ps(d);
-        let e = _mm512_fmadd_ps(e, _mm512_fnmadd_ps(d, e, one), e);
-        let y = if times_x { _mm512_mul_ps(v, e) } else { e };
         // SAFETY: as the load.
-        unsafe { _mm512_storeu_ps(lane.as_mut_ptr(), y) };
+        unsafe { _mm512_storeu_ps(lane.as_mut_ptr(), logistic16(v, times_x)) };
     }
     logistic_slice(lanes.into_remainder(), times_x);
+}
+
+/// `act` of 16 lanes, for a kernel's store on AVX-512 (the convolutions' epilogues). A clamp
+/// takes `max(v, lo)` first, which turns a NaN into `lo` as the unfused ReLU does.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma")]
+pub(crate) fn activate16(
+    v: std::arch::x86_64::__m512,
+    act: Activation,
+) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    let c = |v: f32| _mm512_set1_ps(v);
+    let clamp = |v, lo, hi| _mm512_min_ps(_mm512_max_ps(v, c(lo)), c(hi));
+    match act {
+        Activation::Relu => _mm512_max_ps(v, _mm512_setzero_ps()),
+        Activation::Clip(lo, hi) => clamp(v, lo, hi),
+        Activation::Sigmoid => logistic16(v, false),
+        Activation::Silu => logistic16(v, true),
+        Activation::HardSigmoid(a, b) => clamp(_mm512_fmadd_ps(v, c(a), c(b)), 0.0, 1.0),
+        Activation::HardSwish => {
+            _mm512_mul_ps(v, clamp(_mm512_fmadd_ps(v, c(1.0 / 6.0), c(0.5)), 0.0, 1.0))
+        }
+    }
+}
+
+/// `act` of 8 lanes, for a kernel's store on AVX2 + FMA (as [`activate16`]).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub(crate) fn activate8(
+    v: std::arch::x86_64::__m256,
+    act: Activation,
+) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    let c = |v: f32| _mm256_set1_ps(v);
+    let clamp = |v, lo, hi| _mm256_min_ps(_mm256_max_ps(v, c(lo)), c(hi));
+    match act {
+        Activation::Relu => _mm256_max_ps(v, _mm256_setzero_ps()),
+        Activation::Clip(lo, hi) => clamp(v, lo, hi),
+        Activation::Sigmoid => logistic8(v, false),
+        Activation::Silu => logistic8(v, true),
+        Activation::HardSigmoid(a, b) => clamp(_mm256_fmadd_ps(v, c(a), c(b)), 0.0, 1.0),
+        Activation::HardSwish => {
+            _mm256_mul_ps(v, clamp(_mm256_fmadd_ps(v, c(1.0 / 6.0), c(0.5)), 0.0, 1.0))
+        }
+    }
+}
+
+/// σ(v), or with `times_x` v·σ(v), of 16 lanes: [`exp`]'s reduction and polynomial with
+/// fused multiply-adds, `2^k` by `vscalefps`, and `1 / (1 + e^(-x))` by the reciprocal
+/// estimate plus one Newton step `r + r·(1 − d·r)` (the estimate's 2^-14 error squared;
+/// exact where the estimate is, so σ(0) = ½ and σ(∞) = 1 stay exact). The portable loop spent
+/// most of its time waiting on `vdivps` (57% of its samples, EfficientNet-B0 under `perf`).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma")]
+pub(crate) fn logistic16(v: std::arch::x86_64::__m512, times_x: bool) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    let c = |v: f32| _mm512_set1_ps(v);
+    let x = _mm512_min_ps(
+        _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), v), c(EXP_MIN)),
+        c(EXP_MAX),
+    );
+    // Round to nearest even (the portable `round_ties_even`).
+    let k = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+        _mm512_mul_ps(x, c(std::f32::consts::LOG2_E)),
+    );
+    let r = _mm512_fnmadd_ps(k, c(LN2_LO), _mm512_fnmadd_ps(k, c(LN2_HI), x));
+    let p = EXP_TAYLOR[1..]
+        .iter()
+        .fold(c(EXP_TAYLOR[0]), |p, &t| _mm512_fmadd_ps(p, r, c(t)));
+    let one = c(1.0);
+    let d = _mm512_add_ps(one, _mm512_scalef_ps(p, k));
+    let e = _mm512_rcp14_ps(d);
+    let e = _mm512_fmadd_ps(e, _mm512_fnmadd_ps(d, e, one), e);
+    if times_x {
+        // Below EXP_MIN the clamped e^(-x) would leave x·σ(x) ≈ x / 2^127 (−1.5 at f32::MIN):
+        // the true value there is 0 to within 1e-36.
+        let live = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(v, c(EXP_MIN));
+        _mm512_maskz_mul_ps(live, v, e)
+    } else {
+        e
+    }
+}
+
+/// σ(v), or with `times_x` v·σ(v), of 8 lanes on AVX2 + FMA: [`exp`] as in [`logistic16`],
+/// `2^k` from its exponent bits as the portable [`exp`] builds it, and a true division (AVX2's
+/// reciprocal estimate has 12 bits, too few for one Newton step to reach f32's precision).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub(crate) fn logistic8(v: std::arch::x86_64::__m256, times_x: bool) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    let c = |v: f32| _mm256_set1_ps(v);
+    let x = _mm256_min_ps(
+        _mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), v), c(EXP_MIN)),
+        c(EXP_MAX),
+    );
+    let k = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+        x,
+        c(std::f32::consts::LOG2_E),
+    ));
+    let r = _mm256_fnmadd_ps(k, c(LN2_LO), _mm256_fnmadd_ps(k, c(LN2_HI), x));
+    let p = EXP_TAYLOR[1..]
+        .iter()
+        .fold(c(EXP_TAYLOR[0]), |p, &t| _mm256_fmadd_ps(p, r, c(t)));
+    let bits = _mm256_slli_epi32::<23>(_mm256_castps_si256(_mm256_add_ps(k, c(EXP_BIAS))));
+    let d = _mm256_fmadd_ps(p, _mm256_castsi256_ps(bits), c(1.0));
+    if times_x {
+        // As in `logistic16`: 0 below EXP_MIN.
+        let live = _mm256_cmp_ps::<_CMP_GE_OQ>(v, c(EXP_MIN));
+        _mm256_and_ps(live, _mm256_div_ps(v, d))
+    } else {
+        _mm256_div_ps(c(1.0), d)
+    }
 }
 
 multiversion! {
@@ -175,7 +339,10 @@ multiversion! {
     fn logistic_slice(values: &mut [f32], times_x: bool) {
         if times_x {
             for v in values.iter_mut() {
-                *v /= 1.0 + exp(-*v);
+                // Below EXP_MIN the clamped exponential would leave x / 2^127 (−1.5 at
+                // f32::MIN); the true value is 0 to within 1e-36.
+                let y = *v / (1.0 + exp(-*v));
+                *v = if *v >= EXP_MIN { y } else { 0.0 };
             }
         } else {
             for v in values.iter_mut() {
@@ -189,25 +356,40 @@ multiversion! {
 const LN2_HI: f32 = 0.693_145_75;
 const LN2_LO: f32 = 1.428_606_8e-6;
 
+/// [`exp`]'s input range: below −87.3 the result is subnormal or zero, above 88.3 infinite;
+/// clamping keeps the exponent arithmetic in range (the sigmoid is then exactly 0 or 1).
+const EXP_MIN: f32 = -87.3;
+const EXP_MAX: f32 = 88.3;
+
+/// Taylor coefficients 1/n! from degree 6 down to 0, in Horner order: error < 2e-7 relative
+/// on |r| ≤ 0.347.
+const EXP_TAYLOR: [f32; 7] = [
+    1.0 / 720.0,
+    1.0 / 120.0,
+    1.0 / 24.0,
+    1.0 / 6.0,
+    0.5,
+    1.0,
+    1.0,
+];
+
+/// `2^23 + 127`: for a whole `k` in [-126, 128], `k + EXP_BIAS` has `k + 127` as its low
+/// mantissa bits, which shifted up by 23 are the exponent of `2^k`.
+const EXP_BIAS: f32 = 8_388_608.0 + 127.0;
+
 /// `e^x` without branches: `x = k·ln2 + r`, `e^x = 2^k · p(r)`, `|r| ≤ ln2/2`.
 #[inline(always)]
 fn exp(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    // Below −87.3 the result is subnormal or zero, above 88.3 infinite; clamping keeps the
-    // exponent arithmetic in range (the sigmoid is then exactly 0 or 1 anyway).
-    let x = x.clamp(-87.3, 88.3);
-    let k = (x * LOG2E).round_ties_even();
+    let x = x.clamp(EXP_MIN, EXP_MAX);
+    let k = (x * std::f32::consts::LOG2_E).round_ties_even();
     let r = (x - k * LN2_HI) - k * LN2_LO;
-    // Taylor coefficients 1/n! to degree 6: error < 2e-7 relative on |r| ≤ 0.347.
-    let p = 1.0
-        + r * (1.0
-            + r * (0.5
-                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+    let p = EXP_TAYLOR[1..]
+        .iter()
+        .fold(EXP_TAYLOR[0], |p, &t| p * r + t);
     // 2^k from its exponent bits. `k as i32` would be a saturating conversion, which LLVM
-    // leaves scalar (perf showed this loop as `vcvttss2si` + `cmova` per value); instead
-    // k + 127 + 2^23 has k + 127 as its low mantissa bits (k is whole and in [-126, 128]),
-    // and shifting them up by 23 makes them the exponent: all vector integer operations.
-    let bits = (k + (8_388_608.0 + 127.0)).to_bits() << 23;
+    // leaves scalar (perf showed this loop as `vcvttss2si` + `cmova` per value); these are
+    // all vector integer operations.
+    let bits = (k + EXP_BIAS).to_bits() << 23;
     p * f32::from_bits(bits)
 }
 
@@ -239,6 +421,80 @@ mod tests {
         assert!(edges[1] < 1e-37 && edges[3] < 1e-37);
         assert_eq!(edges[4], 0.5);
         assert!(edges.iter().all(|v| v.is_finite() && *v >= 0.0));
+    }
+
+    /// The kernels' per-register epilogues (AVX-512 and AVX2, where the CPU has them) against
+    /// the f64 definitions lane by lane: relative error below 1e-6 where the result is a
+    /// normal f32 above 1e-30 (plus one rounding where HardSwish cancels), absolute below 1e-7
+    /// elsewhere; over ±90 and at the edges.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn register_epilogues_match_f64() {
+        use std::arch::x86_64::*;
+        let mut xs: Vec<f32> = (-1800..=1800).map(|i| i as f32 * 0.05).collect();
+        xs.extend([f32::MAX, f32::MIN, 0.0, -0.0, 1e-20, -1e-20]);
+        xs.resize(xs.len().next_multiple_of(16), 0.5);
+        let acts = [
+            Activation::Relu,
+            Activation::Clip(-1.0, 6.0),
+            Activation::Sigmoid,
+            Activation::Silu,
+            Activation::HardSigmoid(0.2, 0.5),
+            Activation::HardSwish,
+        ];
+        let check = |act: Activation, got: &[f32], xs: &[f32]| {
+            for (&g, &x) in got.iter().zip(xs) {
+                let want = act.reference(x as f64);
+                let err = (g as f64 - want).abs();
+                // The hard variants' `x/6 + 1/2` cancels near x = −3: one rounding of ½ is
+                // 3e-8 absolute, so they get that much beside the relative bound.
+                let cancels = matches!(act, Activation::HardSigmoid(..) | Activation::HardSwish);
+                let slack = if cancels {
+                    1e-7 * (x.abs() as f64).max(1.0)
+                } else {
+                    1e-30
+                };
+                let ok = if want.abs() > 1e-30 && want.is_finite() {
+                    err <= 1e-6 * want.abs() + slack
+                } else {
+                    err < 1e-7 || g as f64 == want
+                };
+                assert!(ok, "{act:?}({x}) = {g}, want {want}");
+            }
+        };
+        let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+        for act in acts {
+            if avx2 {
+                let got: Vec<f32> = xs
+                    .chunks_exact(8)
+                    .flat_map(|c| {
+                        let mut out = [0f32; 8];
+                        // SAFETY: AVX2 and FMA were detected; `c` and `out` hold 8 values.
+                        unsafe {
+                            let v = activate8(_mm256_loadu_ps(c.as_ptr()), act);
+                            _mm256_storeu_ps(out.as_mut_ptr(), v);
+                        }
+                        out
+                    })
+                    .collect();
+                check(act, &got, &xs);
+            }
+            if avx2 && is_x86_feature_detected!("avx512f") {
+                let got: Vec<f32> = xs
+                    .chunks_exact(16)
+                    .flat_map(|c| {
+                        let mut out = [0f32; 16];
+                        // SAFETY: AVX-512F, AVX2 and FMA were detected; 16 values each.
+                        unsafe {
+                            let v = activate16(_mm512_loadu_ps(c.as_ptr()), act);
+                            _mm512_storeu_ps(out.as_mut_ptr(), v);
+                        }
+                        out
+                    })
+                    .collect();
+                check(act, &got, &xs);
+            }
+        }
     }
 
     /// erf and GELU against an f64 series (|x| ≤ 3, where the series converges in f64) and
@@ -294,5 +550,13 @@ mod tests {
             })
             .fold(0f64, f64::max);
         assert!(worst / 100.0 < 1e-6, "error {worst:e}");
+        // Far below the exponential's range x·σ(x) is 0, not x / 2^127; above it, x. Both in
+        // a register's lanes and in the tail the portable loop takes.
+        let mut edges = [f32::MIN, -1e30, -90.0, f32::MAX].repeat(5);
+        silu_in_place(&mut edges);
+        for e in edges.chunks(4) {
+            assert!(e[0] == 0.0 && e[1] == 0.0 && e[2].abs() < 1e-36, "{e:?}");
+            assert_eq!(e[3], f32::MAX);
+        }
     }
 }

@@ -16,9 +16,9 @@
 /// (`KILN_F32_KERNEL`): the same Rust, so LLVM vectorizes each copy to its instruction set's
 /// width. Used by the element-wise kernels of [`nhwc`] and [`activation`].
 macro_rules! multiversion {
-    ($(#[$meta:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $body:block) => {
+    ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $body:block) => {
         $(#[$meta])*
-        fn $name($($arg: $ty),*) {
+        $vis fn $name($($arg: $ty),*) {
             #[inline(always)]
             fn portable($($arg: $ty),*) $body
             #[cfg(target_arch = "x86_64")]
@@ -47,6 +47,7 @@ macro_rules! multiversion {
 
 pub mod activation;
 pub mod conv;
+mod depthwise_strip;
 mod extension;
 pub mod implicit;
 pub mod int8;

@@ -12,11 +12,15 @@
 
 use rayon::prelude::*;
 
+use super::activation::{Activation, activate_slice};
+use super::depthwise_strip::{self, Strip};
+use super::implicit::F32Kernel;
+
 /// Values below which a memory-bound kernel runs on the calling thread, and the size of its
 /// parallel chunks: waking a pool thread costs about what one thread takes for this many
 /// (measured on MobileNet v3 small at batch 1, where 32 Ki-value chunks left 15% of the
 /// time in the scheduler).
-const PARALLEL_MIN: usize = 1 << 17;
+pub(super) const PARALLEL_MIN: usize = 1 << 17;
 
 /// Multiply-adds below which a depthwise convolution stays on the calling thread: the dense
 /// convolution's threshold ([`super::implicit::SPLIT_MACS`], which says why it is low).
@@ -109,56 +113,6 @@ fn few_rows<const R: usize>(x: &[f32], mut y: Vec<f32>, cols: usize) -> Vec<f32>
         }
     }
     y
-}
-
-/// An activation applied in place.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Activation {
-    /// `max(x, 0)`.
-    Relu,
-    /// Clamp to `[min, max]`.
-    Clip(f32, f32),
-    /// `1 / (1 + e^(-x))`.
-    Sigmoid,
-    /// `clamp(alpha·x + beta, 0, 1)`.
-    HardSigmoid(f32, f32),
-    /// `x · clamp(x/6 + 1/2, 0, 1)`.
-    HardSwish,
-    /// `x · sigmoid(x)`.
-    Silu,
-}
-
-/// Applies `act` to every value, in parallel chunks when there are many.
-pub fn activate(values: &mut [f32], act: Activation) {
-    match act {
-        Activation::Sigmoid => return super::activation::sigmoid_in_place(values),
-        Activation::Silu => return super::activation::silu_in_place(values),
-        _ => {}
-    }
-    if values.len() < PARALLEL_MIN {
-        activate_slice(values, act);
-    } else {
-        values
-            .par_chunks_mut(PARALLEL_MIN)
-            .for_each(|chunk| activate_slice(chunk, act));
-    }
-}
-
-multiversion! {
-    fn activate_slice(values: &mut [f32], act: Activation) {
-        match act {
-            Activation::Relu => values.iter_mut().for_each(|v| *v = v.max(0.0)),
-            Activation::Clip(lo, hi) => values.iter_mut().for_each(|v| *v = v.max(lo).min(hi)),
-            Activation::HardSigmoid(a, b) => values
-                .iter_mut()
-                .for_each(|v| *v = (a * *v + b).clamp(0.0, 1.0)),
-            Activation::HardSwish => values
-                .iter_mut()
-                .for_each(|v| *v *= (*v * (1.0 / 6.0) + 0.5).clamp(0.0, 1.0)),
-            Activation::Sigmoid => super::activation::sigmoid_in_place(values),
-            Activation::Silu => super::activation::silu_in_place(values),
-        }
-    }
 }
 
 /// An element-wise arithmetic operator.
@@ -500,13 +454,30 @@ impl DepthwiseWeights {
 }
 
 /// Depthwise convolution (one filter per channel) of a channels-last image, bias added and
-/// the output clamped to `clamp`'s `[lo, hi]` (ReLU: `[0, ∞]`, ReLU6: `[0, 6]`) before the
-/// store: `[batch, oh, ow, channels]`.
+/// `act` applied: `[batch, oh, ow, channels]`. A ReLU or Clip is applied in the registers
+/// before the store; another activation (SiLU, HardSwish, ...) to each output row right
+/// after it is computed, while the row is in L1, so no activation is a pass over memory.
 pub fn depthwise_conv2d(
     x: &[f32],
     win: &Window2d,
     w: &DepthwiseWeights,
-    clamp: Option<[f32; 2]>,
+    act: Option<Activation>,
+) -> Vec<f32> {
+    depthwise_conv2d_on(F32Kernel::detect(), x, win, w, act)
+}
+
+/// [`depthwise_conv2d`] with the interior strips of `kernel`'s instruction set (the portable
+/// kernel: none, the multiversioned loop throughout), for tests and benchmarks that compare
+/// them on one CPU.
+///
+/// # Panics
+/// When the CPU lacks `kernel` ([`F32Kernel::supported`]).
+pub fn depthwise_conv2d_on(
+    kernel: F32Kernel,
+    x: &[f32],
+    win: &Window2d,
+    w: &DepthwiseWeights,
+    act: Option<Activation>,
 ) -> Vec<f32> {
     let [b, h, wd, c] = win.dims;
     assert_eq!(
@@ -523,7 +494,14 @@ pub fn depthwise_conv2d(
     if out.is_empty() {
         return out;
     }
-    let row = |(r, o_row): (usize, &mut [f32])| depthwise_row(x, win, w, clamp, r, o_row);
+    let clamp = act.and_then(Activation::bounds);
+    let after = act.filter(|a| a.bounds().is_none());
+    let row = |(r, o_row): (usize, &mut [f32])| {
+        depthwise_row(kernel, x, win, w, clamp, r, o_row);
+        if let Some(act) = after {
+            activate_slice(o_row, act);
+        }
+    };
     let work = out.len() * win.kernel[0] * win.kernel[1];
     if work < DEPTHWISE_PARALLEL_MACS {
         out.chunks_exact_mut(ow * c).enumerate().for_each(row);
@@ -536,6 +514,7 @@ pub fn depthwise_conv2d(
 multiversion! {
     /// Output row `r` (image `r / oh`, row `r mod oh`) of [`depthwise_conv2d`].
     fn depthwise_row(
+        kernel: F32Kernel,
         x: &[f32],
         win: &Window2d,
         w: &DepthwiseWeights,
@@ -576,13 +555,34 @@ multiversion! {
             rows: (ky0, ky1, iy0),
             row_base: (n * h + iy0) * wd,
         };
+        let out_w = o_row.len() / c;
+        // The interior on x86: strips in registers of intrinsics; the border pixels here.
+        let (lo, hi) = row.interior_range(out_w);
+        if hi > lo {
+            let strip = Strip {
+                x,
+                first: (row.row_base + win.valid_taps(1, lo).2) * c,
+                step: win.stride[1] * c,
+                taps: row.inner,
+                weights: &w.taps,
+                bias: &w.bias,
+                channels: c,
+                pixels: hi - lo,
+                clamp,
+            };
+            if depthwise_strip::run(kernel, &strip, &mut o_row[lo * c..hi * c]) {
+                for ox in (0..lo).chain(hi..out_w) {
+                    row.pixel(ox, &mut o_row[ox * c..(ox + 1) * c]);
+                }
+                return;
+            }
+        }
         if c >= DEPTHWISE_BLOCK {
             for (ox, o) in o_row.chunks_exact_mut(c).enumerate() {
                 row.pixel(ox, o);
             }
             return;
         }
-        let out_w = o_row.len() / c;
         let mut ox = 0;
         while ox < out_w {
             if ox + QUAD <= out_w && row.interior(ox) && row.interior(ox + QUAD - 1) {
@@ -625,6 +625,17 @@ impl DepthwiseRow<'_> {
     fn interior(&self, ox: usize) -> bool {
         let (kx0, kx1, _) = self.win.valid_taps(1, ox);
         kx0 == 0 && kx1 == self.win.kernel[1] && self.all_inner
+    }
+
+    /// The output pixels `lo..hi` whose windows lie inside the image's width (contiguous:
+    /// only the first and last few pixels of a row reach into the padding).
+    fn interior_range(&self, out_w: usize) -> (usize, usize) {
+        let lo = (0..out_w).find(|&ox| self.interior(ox)).unwrap_or(out_w);
+        let hi = (lo..out_w)
+            .rev()
+            .find(|&ox| self.interior(ox))
+            .map_or(lo, |ox| ox + 1);
+        (lo, hi)
     }
 
     /// Output pixel `ox` alone.
@@ -832,6 +843,7 @@ fn depthwise_pixel_plain(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::activation::{Activation, activate};
     use crate::kernels::testing::{relative_error, values};
 
     fn window(dims: [usize; 4], k: usize, s: usize, p: (usize, usize), ceil: bool) -> Window2d {
@@ -942,6 +954,7 @@ mod tests {
             ([2, 13, 13, 27], 3, 1, (1, 1)), // quads of 16 + 8 + 3 channels, and single pixels
             ([1, 14, 14, 200], 7, 1, (3, 3)), // ConvNeXt's 7×7: 3 blocks + 8 channels
             ([1, 12, 12, 70], 9, 1, (4, 4)), // past MAX_TAPS: the plain loop
+            ([1, 30, 30, 11], 3, 1, (1, 1)), // strips of 8, 4 and 1 pixels under one mask
         ] {
             let win = window(dims, k, s, p, false);
             let c = dims[3];
@@ -949,8 +962,15 @@ mod tests {
             let wt = values(c * k * k, 6);
             let bias = values(c, 7);
             let packed = DepthwiseWeights::pack(c, [k, k], &wt, Some(&bias));
-            for relu in [false, true] {
-                let got = depthwise_conv2d(&x, &win, &packed, relu.then_some([0.0, f32::INFINITY]));
+            // In registers (ReLU, Clip) and per row after it (SiLU, HardSwish).
+            for act in [
+                None,
+                Some(Activation::Relu),
+                Some(Activation::Clip(-0.5, 0.5)),
+                Some(Activation::Silu),
+                Some(Activation::HardSwish),
+            ] {
+                let got = depthwise_conv2d(&x, &win, &packed, act);
                 let [b, h, w, _] = dims;
                 let [_, oh, ow, _] = win.out_dims();
                 let mut want = vec![0f64; got.len()];
@@ -973,15 +993,21 @@ mod tests {
                                     }
                                 }
                                 want[((n * oh + oy) * ow + ox) * c + ch] =
-                                    if relu { acc.max(0.0) } else { acc };
+                                    act.map_or(acc, |a| a.reference(acc));
                             }
                         }
                     }
                 }
-                assert!(
-                    relative_error(&got, &want) < 1e-5,
-                    "{dims:?} k{k} relu {relu}"
-                );
+                assert!(relative_error(&got, &want) < 1e-5, "{dims:?} k{k} {act:?}");
+                // Each instruction set's interior strips, and the portable loop alone.
+                for kernel in F32Kernel::all_supported() {
+                    let got = depthwise_conv2d_on(kernel, &x, &win, &packed, act);
+                    assert!(
+                        relative_error(&got, &want) < 1e-5,
+                        "{} {dims:?} k{k} {act:?}",
+                        kernel.name()
+                    );
+                }
             }
         }
     }
@@ -1026,20 +1052,7 @@ mod tests {
         ] {
             let mut got = x.clone();
             activate(&mut got, act);
-            let want: Vec<f64> = x
-                .iter()
-                .map(|&v| {
-                    let v = v as f64;
-                    match act {
-                        Activation::Relu => v.max(0.0),
-                        Activation::Clip(lo, hi) => v.clamp(lo as f64, hi as f64),
-                        Activation::HardSigmoid(a, b) => (a as f64 * v + b as f64).clamp(0.0, 1.0),
-                        Activation::HardSwish => v * (v / 6.0 + 0.5).clamp(0.0, 1.0),
-                        Activation::Sigmoid => 1.0 / (1.0 + (-v).exp()),
-                        Activation::Silu => v / (1.0 + (-v).exp()),
-                    }
-                })
-                .collect();
+            let want: Vec<f64> = x.iter().map(|&v| act.reference(v as f64)).collect();
             assert!(relative_error(&got, &want) < 1e-6, "{act:?}");
         }
         let y = values(40_000, 3);

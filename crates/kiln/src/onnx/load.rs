@@ -123,7 +123,7 @@ pub fn load(bytes: &[u8], name: &str, device: &Device) -> Result<OnnxModel, Onnx
             kind,
             packed: Default::default(),
             relu: false,
-            clip: None,
+            activation: None,
             residual: None,
         });
     }
@@ -162,9 +162,10 @@ pub fn load(bytes: &[u8], name: &str, device: &Device) -> Result<OnnxModel, Onnx
         kiln_kernels: true,
         shape_cache: Default::default(),
     };
-    model.fuse_relus();
-    model.fuse_residuals();
+    // SiLU first: its Sigmoid + Mul pair becomes one step that a convolution then takes.
     model.fuse_silus();
+    model.fuse_activations();
+    model.fuse_residuals();
     model.fuse_channel_shuffles();
     Ok(model)
 }

@@ -30,6 +30,7 @@ use std::path::Path;
 use burn::tensor::{Device, TensorData};
 use onnx_ir::Node;
 
+use crate::kernels::activation::Activation;
 use host::Slot;
 pub use passes::{OnnxPass, OnnxPassReport};
 pub use value::{Value, ValueKind};
@@ -106,14 +107,33 @@ impl Step {
     /// Nothing was fused after the operator (ReLU, Clip, residual): its output is the
     /// operator's own, so another fusion may still act on it.
     fn plain_output(&self) -> bool {
-        !self.relu && self.clip.is_none() && self.residual.is_none()
+        !self.relu && self.activation.is_none() && self.residual.is_none()
     }
 
-    /// The ReLU or Clip fused after the operator as one clamp: a Clip's bounds, a ReLU's
-    /// `[0, ∞]` (a fusion takes only a plain output, so the two never stack).
-    fn clamp(&self) -> Option<[f32; 2]> {
-        self.clip
-            .or(self.relu.then_some(crate::kernels::implicit::RELU))
+    /// The activation this step computes, when it is one a convolution can take in its
+    /// store (a Clip only with constant bounds).
+    fn activation_op(&self) -> Option<Activation> {
+        match &self.op {
+            StepOp::Silu => Some(Activation::Silu),
+            StepOp::Onnx(node) => match node.as_ref() {
+                Node::Relu(_) => Some(Activation::Relu),
+                Node::Clip(n) => ops::constant_clip(n).map(|[lo, hi]| Activation::Clip(lo, hi)),
+                Node::Sigmoid(_) => Some(Activation::Sigmoid),
+                Node::HardSwish(_) => Some(Activation::HardSwish),
+                Node::HardSigmoid(n) => Some(Activation::HardSigmoid(
+                    n.config.alpha as f32,
+                    n.config.beta as f32,
+                )),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+
+    /// The activation fused after the operator: the ReLU or the other one (a fusion takes
+    /// only a plain output, so the two never stack).
+    fn fused_activation(&self) -> Option<Activation> {
+        self.activation.or(self.relu.then_some(Activation::Relu))
     }
 }
 
@@ -143,8 +163,9 @@ struct Step {
     packed: host::PackCache,
     /// A ReLU fused into this step (a Conv or an Add) at load: the output is `max(0, ·)`.
     relu: bool,
-    /// A Clip with constant bounds (ReLU6) fused into this convolution at load.
-    clip: Option<[f32; 2]>,
+    /// Another activation fused into this convolution at load: a Clip with constant bounds
+    /// (ReLU6), SiLU, HardSwish, Sigmoid or HardSigmoid.
+    activation: Option<Activation>,
     /// A residual Add fused into this convolution at load: the input (by index) added to its
     /// output, before the ReLU.
     residual: Option<usize>,
@@ -410,7 +431,7 @@ impl OnnxModel {
                     cache: &step.packed,
                     outputs: step.outputs.len(),
                     relu: step.relu,
-                    clamp: step.clamp(),
+                    act: step.fused_activation(),
                     residual: step.residual,
                     device: &self.device,
                 };
@@ -427,9 +448,12 @@ impl OnnxModel {
                 };
                 host::affine(ins, scale, shift)
             }
-            StepOp::QConv(q) => {
-                host::int8_conv(q, ins, (step.residual, step.clamp()), &self.device)
-            }
+            StepOp::QConv(q) => host::int8_conv(
+                q,
+                ins,
+                (step.residual, step.fused_activation()),
+                &self.device,
+            ),
             StepOp::Silu => host::silu(ins),
             StepOp::ChannelShuffle(shuffle) => host::channel_shuffle(shuffle, ins),
             StepOp::QLinear(_) => None,
@@ -463,7 +487,7 @@ impl OnnxModel {
             StepOp::ChannelShuffle(shuffle) => shuffle.run(&ins),
         }?;
         // What was fused into the step at load, after the operator: the residual sum, then
-        // the ReLU.
+        // the activation.
         let mut outs = outs.into_iter();
         let mut first = outs.next();
         if let Some(r) = residual {
@@ -471,15 +495,8 @@ impl OnnxModel {
                 .map(|y| ops::math::binary(ops::math::Binary::Add, y, r))
                 .transpose()?;
         }
-        if step.relu {
-            first = first
-                .map(|y| ops::math::unary(ops::math::Unary::Relu, y))
-                .transpose()?;
-        }
-        if let Some([lo, hi]) = step.clip {
-            first = first
-                .map(|y| ops::math::unary(ops::math::Unary::Clip(Some(lo), Some(hi)), y))
-                .transpose()?;
+        if let Some(act) = step.fused_activation() {
+            first = first.map(|y| passes::activate(act, y)).transpose()?;
         }
         Ok(first.into_iter().chain(outs).map(Slot::Value).collect())
     }

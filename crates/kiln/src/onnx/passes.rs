@@ -14,6 +14,7 @@ use super::ops::Inputs;
 use super::value::Value;
 use super::{OnnxError, OnnxModel, StepOp};
 use crate::infer::ConvGeometry;
+use crate::kernels::activation::Activation;
 use crate::kernels::int8::{
     ActivationQuant, ImageLayout, Kernel, PackedWeights, QuantizedActivations, matmul_dequantized,
     pack_conv_weights, quantize_rows, range_of,
@@ -120,13 +121,21 @@ pub(super) fn affine(ins: Inputs, scale: &Value, shift: &Value) -> Result<Vec<Va
 
 /// `x · sigmoid(x)` on values.
 pub(super) fn silu(ins: Inputs) -> Result<Vec<Value>, OnnxError> {
+    Ok(vec![activate(Activation::Silu, first(ins)?)?])
+}
+
+/// `act(x)` on values (a step's fused activation where the host kernels did not run it).
+pub(super) fn activate(act: Activation, x: Value) -> Result<Value, OnnxError> {
     use super::ops::math::{Binary, Unary, binary, unary};
-    let x = first(ins)?;
-    Ok(vec![binary(
-        Binary::Mul,
-        x.clone(),
-        unary(Unary::Sigmoid, x)?,
-    )?])
+    let op = match act {
+        Activation::Relu => Unary::Relu,
+        Activation::Clip(lo, hi) => Unary::Clip(Some(lo), Some(hi)),
+        Activation::Sigmoid => Unary::Sigmoid,
+        Activation::HardSigmoid(a, b) => Unary::HardSigmoid(a, b),
+        Activation::HardSwish => Unary::HardSwish,
+        Activation::Silu => return binary(Binary::Mul, x.clone(), unary(Unary::Sigmoid, x)?),
+    };
+    unary(op, x)
 }
 
 impl QLinear {
@@ -218,10 +227,12 @@ impl OnnxModel {
         }
         // The steps changed: the shape arithmetic is found again.
         self.shape_cache.reset();
-        // A fold can put a ReLU right after a convolution.
-        let relus = self.fuse_relus();
-        if relus > 0 {
-            changes.push(format!("{relus} ReLU(s) fused into the layer before them"));
+        // A fold can put an activation right after a convolution.
+        let fused = self.fuse_activations();
+        if fused > 0 {
+            changes.push(format!(
+                "{fused} activation(s) fused into the layer before them"
+            ));
         }
         // Constants nothing reads any more (folded or packed weights) are dropped.
         for (slot, constant) in self.constants.iter_mut().enumerate() {
@@ -272,22 +283,16 @@ impl OnnxModel {
         Ok(self.constants.len() - 1)
     }
 
-    /// Folds each ReLU that alone reads a Conv's or an Add's output into that step, and each
-    /// Clip with constant bounds (ReLU6) that alone reads a Conv's (applied in the
-    /// convolution's store or the addition's pass on the host path, right after the operator
-    /// elsewhere). Returns how many were fused.
-    pub(super) fn fuse_relus(&mut self) -> usize {
+    /// Folds each activation that alone reads a Conv's output into that convolution, and each
+    /// ReLU that alone reads an Add's: ReLU, Clip with constant bounds (ReLU6), SiLU (fused
+    /// from its Sigmoid and Mul first), HardSwish, Sigmoid and HardSigmoid. On the host path
+    /// the convolution applies it in its store (the addition in its pass), elsewhere it runs
+    /// right after the operator. Returns how many were fused.
+    pub(super) fn fuse_activations(&mut self) -> usize {
         let mut fused = 0;
         let mut at = 0;
         while at < self.steps.len() {
-            // ReLU into a Conv or an Add; a Clip with constant bounds (ReLU6) into a Conv.
-            // `Some(None)`: a ReLU; `Some(Some(bounds))`: a constant Clip; `None`: neither.
-            let activation = match self.steps[at].op.node() {
-                Some(Node::Relu(_)) => Some(None),
-                Some(Node::Clip(n)) => super::ops::constant_clip(n).map(Some),
-                _ => None,
-            };
-            let Some(clip) = activation else {
+            let Some(act) = self.steps[at].activation_op() else {
                 at += 1;
                 continue;
             };
@@ -301,7 +306,7 @@ impl OnnxModel {
                     let step = &self.steps[layer];
                     let kind_fits = match step.op.node() {
                         Some(Node::Conv2d(_)) => true,
-                        Some(Node::Add(_)) => clip.is_none(),
+                        Some(Node::Add(_)) => act == Activation::Relu,
                         _ => false,
                     };
                     let fusable = kind_fits && step.plain_output() && step.outputs.len() == 1;
@@ -311,18 +316,14 @@ impl OnnxModel {
                 at += 1;
                 continue;
             };
-            let out = self.steps[at].outputs[0];
+            let (out, name) = (self.steps[at].outputs[0], self.steps[at].op_name.clone());
             let step = &mut self.steps[layer];
-            match clip {
-                Some(bounds) => {
-                    step.clip = Some(bounds);
-                    step.op_name.push_str("+Clip");
-                }
-                None => {
-                    step.relu = true;
-                    step.op_name.push_str("+Relu");
-                }
+            match act {
+                Activation::Relu => step.relu = true,
+                other => step.activation = Some(other),
             }
+            step.op_name.push('+');
+            step.op_name.push_str(&name);
             step.outputs[0] = out;
             self.remove_step(at);
             fused += 1;

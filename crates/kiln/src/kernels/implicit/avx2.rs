@@ -3,6 +3,8 @@
 use std::arch::x86_64::*;
 
 use super::avx2_dims::{COLS, ROWS};
+use crate::kernels::activation::{Activation, activate8};
+
 use super::{Tile, tile_rows, walk_tiles};
 
 /// Lanes per register.
@@ -117,6 +119,36 @@ unsafe fn block<const R: usize>(
             };
             // SAFETY: masked to this panel's valid columns of row r.
             unsafe { _mm256_maskstore_ps(out.add(at), masks[b], v) };
+        }
+    }
+    if let Some(act) = tile.after {
+        // SAFETY: the rows just stored.
+        unsafe { activate_stored(out, R, tile.out_stride, masks, act) };
+    }
+}
+
+/// `act` of the `rows` rows just stored at `out` (`stride` apart, the panel's valid columns),
+/// read back from L1. Not inlined: its constants stay out of the register tile's loop.
+///
+/// # Safety
+/// `out` is valid for reads and writes of each row's masked columns.
+#[inline(never)]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn activate_stored(
+    out: *mut f32,
+    rows: usize,
+    stride: usize,
+    masks: &[__m256i; BLOCKS],
+    act: Activation,
+) {
+    for r in 0..rows {
+        for (b, &mask) in masks.iter().enumerate() {
+            let p = out.wrapping_add(r * stride + b * LANES);
+            // SAFETY: the caller's contract; masked to the valid columns.
+            unsafe {
+                let v = activate8(_mm256_maskload_ps(p, mask), act);
+                _mm256_maskstore_ps(p, mask, v);
+            }
         }
     }
 }

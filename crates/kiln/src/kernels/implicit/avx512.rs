@@ -3,6 +3,8 @@
 use std::arch::x86_64::*;
 
 use super::avx512_dims::{COLS, ROWS};
+use crate::kernels::activation::{Activation, activate16};
+
 use super::{Tile, row_group, tile_rows, walk_tiles};
 
 /// Lanes per register.
@@ -12,10 +14,10 @@ const BLOCKS: usize = COLS / LANES;
 /// All rows of `bases` for one panel, in the tiles [`walk_tiles`] picks.
 ///
 /// # Safety
-/// The CPU supports AVX-512F; every `base + run + j` (`j < run_len`) indexes `tile.image`;
+/// The CPU supports AVX-512F, AVX2 and FMA; every `base + run + j` (`j < run_len`) indexes `tile.image`;
 /// `tile.panel` holds `k × COLS` values; `out` is valid for row `i` at `i·out_stride + c`,
 /// `c < tile.cols`, for every row of `bases`.
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx2,fma")]
 pub(super) unsafe fn rows(tile: &Tile, bases: &[usize], out: *mut f32) {
     let masks: [__mmask16; BLOCKS] = std::array::from_fn(|b| {
         let valid = tile.cols.saturating_sub(b * LANES).min(LANES);
@@ -37,7 +39,7 @@ pub(super) unsafe fn rows(tile: &Tile, bases: &[usize], out: *mut f32) {
 const _: () = assert!(ROWS == 12);
 
 #[inline]
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx2,fma")]
 unsafe fn block<const R: usize>(
     tile: &Tile,
     bases: &[usize; R],
@@ -103,6 +105,36 @@ unsafe fn block<const R: usize>(
             };
             // SAFETY: masked to this panel's valid columns of row r.
             unsafe { _mm512_mask_storeu_ps(out.add(at), masks[b], v) };
+        }
+    }
+    if let Some(act) = tile.after {
+        // SAFETY: the rows just stored.
+        unsafe { activate_stored(out, R, tile.out_stride, masks, act) };
+    }
+}
+
+/// `act` of the `rows` rows just stored at `out` (`stride` apart, the panel's valid columns),
+/// read back from L1. Not inlined: its constants stay out of the register tile's loop.
+///
+/// # Safety
+/// `out` is valid for reads and writes of each row's masked columns.
+#[inline(never)]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn activate_stored(
+    out: *mut f32,
+    rows: usize,
+    stride: usize,
+    masks: &[__mmask16; BLOCKS],
+    act: Activation,
+) {
+    for r in 0..rows {
+        for (b, &mask) in masks.iter().enumerate() {
+            let p = out.wrapping_add(r * stride + b * LANES);
+            // SAFETY: the caller's contract; masked to the valid columns.
+            unsafe {
+                let v = activate16(_mm512_maskz_loadu_ps(mask, p), act);
+                _mm512_mask_storeu_ps(p, mask, v);
+            }
         }
     }
 }

@@ -26,6 +26,7 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
+use super::activation::{Activation, activate};
 use super::conv::{ConvShape, conv2d_nhwc_forward, pack_weight_for_nhwc};
 use super::nhwc::Window2d;
 use super::pool::{PoolShape, max_pool2d_nhwc};
@@ -60,16 +61,30 @@ impl F32Kernel {
     fn best_supported() -> F32Kernel {
         #[cfg(target_arch = "x86_64")]
         {
-            if std::arch::is_x86_feature_detected!("avx512f") {
+            let avx2 = std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma");
+            // The AVX-512 kernels use AVX2 and FMA too (every AVX-512 CPU has them).
+            if avx2 && std::arch::is_x86_feature_detected!("avx512f") {
                 return F32Kernel::Avx512;
             }
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
+            if avx2 {
                 return F32Kernel::Avx2;
             }
         }
         F32Kernel::Portable
+    }
+
+    /// Every kernel this CPU can run, best first (benchmarks and tests compare them).
+    pub fn all_supported() -> Vec<F32Kernel> {
+        [F32Kernel::Avx512, F32Kernel::Avx2, F32Kernel::Portable]
+            .into_iter()
+            .filter(|k| k.supported())
+            .collect()
+    }
+
+    /// Whether this CPU can run the kernel (the variants go from the most demanding down).
+    pub fn supported(self) -> bool {
+        self as u8 >= F32Kernel::best_supported() as u8
     }
 
     /// Name for reports and `KILN_F32_KERNEL`.
@@ -334,16 +349,17 @@ pub fn conv2d_nhwc_new(s: &ConvShape, x: &[f32], w: &ConvWeights, relu: bool) ->
     }
 }
 
-/// `clamp(conv(x) + bias + residual)`: the residual (in the output's layout `[batch, oh, ow,
-/// cout]`) when given, then the activation's bounds `[lo, hi]` when given (ReLU is `[0, ∞]`,
-/// ReLU6 `[0, 6]`), both in the convolution's store, so neither is a separate pass over
-/// memory (ResNet's blocks end with a sum and a ReLU, MobileNet v2's layers with ReLU6).
+/// `act(conv(x) + bias + residual)`: the residual (in the output's layout `[batch, oh, ow,
+/// cout]`) when given, then the activation when given, both in the convolution's store on
+/// the SIMD kernels, so neither is a separate pass over memory (ResNet's blocks end with a
+/// sum and a ReLU, MobileNet v2's layers with ReLU6, EfficientNet's with SiLU, MobileNet v3's
+/// with HardSwish).
 pub fn conv2d_nhwc_fused_new(
     s: &ConvShape,
     x: &[f32],
     w: &ConvWeights,
     residual: Option<&[f32]>,
-    clamp: Option<[f32; 2]>,
+    act: Option<Activation>,
 ) -> Vec<f32> {
     if let Some(r) = residual {
         assert_eq!(r.len(), s.output_len(), "conv2d residual length");
@@ -355,7 +371,7 @@ pub fn conv2d_nhwc_fused_new(
             w,
             width,
             Epilogue {
-                clamp,
+                act,
                 pool: false,
                 residual,
             },
@@ -365,22 +381,19 @@ pub fn conv2d_nhwc_fused_new(
             if let Some(r) = residual {
                 out.iter_mut().zip(r).for_each(|(o, r)| *o += r);
             }
-            if let Some([lo, hi]) = clamp {
-                out.iter_mut().for_each(|o| *o = o.max(lo).min(hi));
+            if let Some(act) = act {
+                activate(&mut out, act);
             }
             out
         }
     }
 }
 
-/// The bounds of a ReLU, as [`conv2d_nhwc_fused_new`] takes them.
-pub const RELU: [f32; 2] = [0.0, f32::INFINITY];
-
 /// What the SIMD kernels do between the accumulators and the store.
 #[derive(Clone, Copy)]
 struct Epilogue<'a> {
-    /// Clamp to `[lo, hi]` after the residual (ReLU: [`RELU`]).
-    clamp: Option<[f32; 2]>,
+    /// Applied after the residual, before the store.
+    act: Option<Activation>,
     /// 2×2 max pool after the ReLU ([`conv2d_nhwc_relu_pool2_new`]).
     pool: bool,
     residual: Option<&'a [f32]>,
@@ -389,7 +402,7 @@ struct Epilogue<'a> {
 impl Epilogue<'_> {
     fn relu(relu: bool) -> Self {
         Epilogue {
-            clamp: relu.then_some(RELU),
+            act: relu.then_some(Activation::Relu),
             pool: false,
             residual: None,
         }
@@ -413,7 +426,7 @@ pub fn conv2d_nhwc_relu_pool2_new(s: &ConvShape, x: &[f32], w: &ConvWeights) -> 
             w,
             width,
             Epilogue {
-                clamp: Some(RELU),
+                act: Some(Activation::Relu),
                 pool: true,
                 residual: None,
             },
@@ -485,7 +498,7 @@ unsafe fn conv_simd(
     out: *mut f32,
 ) {
     let Epilogue {
-        clamp,
+        act,
         pool,
         residual,
     } = epilogue;
@@ -520,7 +533,7 @@ unsafe fn conv_simd(
         geometry: &geometry,
         weights: w,
         width,
-        clamp,
+        act,
         pool,
         residual,
     };
@@ -785,7 +798,7 @@ struct Operands<'a> {
     geometry: &'a Geometry,
     weights: &'a ConvWeights,
     width: usize,
-    clamp: Option<[f32; 2]>,
+    act: Option<Activation>,
     pool: bool,
     /// Added to the output before the ReLU (the output's layout).
     residual: Option<&'a [f32]>,
@@ -829,7 +842,8 @@ impl Operands<'_> {
                 panel: &panel_values
                     [span.start * run_len * self.width..span.end * run_len * self.width],
                 bias: &self.weights.bias[col0..col0 + self.width],
-                clamp: self.clamp,
+                clamp: self.act.and_then(Activation::bounds),
+                after: self.act.filter(|a| a.bounds().is_none()),
                 cols: (cout - col0).min(self.width),
                 out_stride: cout,
                 pool: self.pool,
@@ -891,8 +905,13 @@ struct Tile<'a> {
     panel: &'a [f32],
     /// `[width]`.
     bias: &'a [f32],
-    /// Bounds applied after the bias and the residual, before the store.
+    /// Bounds applied in the registers after the bias and the residual, before the store
+    /// (ReLU, Clip).
     clamp: Option<[f32; 2]>,
+    /// Another activation (SiLU, HardSwish, ...), applied to the tile's output right after
+    /// its store, while in L1: inlined into the register tile, its constants would be hoisted
+    /// into registers the accumulators need (measured: every convolution twice as slow).
+    after: Option<Activation>,
     /// Valid columns of this panel (≤ width).
     cols: usize,
     out_stride: usize,

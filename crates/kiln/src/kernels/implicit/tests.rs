@@ -50,11 +50,7 @@ fn reference_grouped(
 }
 
 fn supported() -> Vec<F32Kernel> {
-    let best = F32Kernel::best_supported();
-    [F32Kernel::Avx512, F32Kernel::Avx2, F32Kernel::Portable]
-        .into_iter()
-        .filter(|k| *k as u8 >= best as u8)
-        .collect()
+    F32Kernel::all_supported()
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -268,43 +264,52 @@ fn convolution_relu_and_2x2_pool_in_one_pass_match_the_f64_reference() {
     }
 }
 
-/// The residual sum in the store (`relu(conv + bias + residual)`) on every kernel, against
-/// the reference plus the residual: ResNet's block ends, with odd channel counts so the
-/// masked loads and stores of a partial panel are covered, and batch > 1 so tiles span
-/// images.
+/// The store's epilogue (`act(conv + bias + residual)`) on every kernel, against the
+/// reference: with and without a residual (ResNet's block ends), each activation the ONNX
+/// executor fuses (the clamps in registers, the sigmoid family by the vector logistic), odd
+/// channel counts so the masked loads and stores of a partial panel are covered, and batch
+/// > 1 so tiles span images.
 #[test]
-fn residual_in_the_store_matches_the_reference() {
-    for (s, relu) in [
-        (
-            shape(1, 16, [9, 9], 32, [3, 3], [1, 1], [(1, 1); 2], [1, 1]),
-            true,
-        ),
-        (
-            shape(2, 8, [7, 6], 37, [3, 3], [2, 2], [(1, 1); 2], [1, 1]),
-            false,
-        ),
-        (
-            shape(3, 5, [5, 5], 13, [1, 1], [1, 1], [(0, 0); 2], [1, 1]),
-            true,
-        ),
+fn the_store_adds_the_residual_and_applies_each_activation() {
+    let acts = [
+        None,
+        Some(Activation::Relu),
+        Some(Activation::Clip(-0.25, 0.5)),
+        Some(Activation::Sigmoid),
+        Some(Activation::Silu),
+        Some(Activation::HardSigmoid(0.2, 0.5)),
+        Some(Activation::HardSwish),
+    ];
+    for s in [
+        shape(1, 16, [9, 9], 32, [3, 3], [1, 1], [(1, 1); 2], [1, 1]),
+        shape(2, 8, [7, 6], 37, [3, 3], [2, 2], [(1, 1); 2], [1, 1]),
+        shape(3, 5, [5, 5], 13, [1, 1], [1, 1], [(0, 0); 2], [1, 1]),
     ] {
         let x = values(s.input_len(), 4);
         let w = values(s.weight_len(), 5);
         let b = values(s.cout, 6);
         let residual = values(s.output_len(), 7);
-        let want: Vec<f64> = reference(&s, &x, &w, Some(&b), false)
-            .iter()
-            .zip(&residual)
-            .map(|(y, r)| {
-                let v = y + *r as f64;
-                if relu { v.max(0.0) } else { v }
-            })
-            .collect();
+        let conv = reference(&s, &x, &w, Some(&b), false);
         for kernel in supported() {
             let packed = ConvWeights::pack_for(kernel, [s.cout, s.cin, s.kh, s.kw], &w, Some(&b));
-            let got = conv2d_nhwc_fused_new(&s, &x, &packed, Some(&residual), relu.then_some(RELU));
-            let err = relative_error(&got, &want);
-            assert!(err < 1e-5, "{} {s:?}: {err:.2e}", kernel.name());
+            for (act, with_residual) in acts.iter().flat_map(|a| [(*a, false), (*a, true)]) {
+                let want: Vec<f64> = conv
+                    .iter()
+                    .zip(&residual)
+                    .map(|(y, r)| {
+                        let v = if with_residual { y + *r as f64 } else { *y };
+                        act.map_or(v, |a| a.reference(v))
+                    })
+                    .collect();
+                let r = with_residual.then_some(&residual[..]);
+                let got = conv2d_nhwc_fused_new(&s, &x, &packed, r, act);
+                let err = relative_error(&got, &want);
+                assert!(
+                    err < 1e-5,
+                    "{} {s:?} {act:?} residual {with_residual}: {err:.2e}",
+                    kernel.name()
+                );
+            }
         }
     }
 }

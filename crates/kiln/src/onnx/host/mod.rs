@@ -27,14 +27,13 @@ use super::ops::nn::Window;
 use super::ops::node_window;
 use super::value::{Value, ValueKind};
 use crate::infer::batch_norm_affine;
-use crate::kernels::activation::erf_in_place;
+use crate::kernels::activation::{Activation, activate, erf_in_place};
 use crate::kernels::conv::ConvShape;
 use crate::kernels::implicit::{ConvWeights, conv2d_nhwc_fused_new, linear_rows};
 use crate::kernels::layer_norm::layer_norm_rows;
 use crate::kernels::nhwc::{
-    Activation, Arith, DepthwiseWeights, PoolKind, Window2d, activate, arith_channels_in_place,
-    arith_in_place, depthwise_conv2d, global_average, nchw_to_nhwc, nhwc_to_nchw, pool2d,
-    scale_shift_in_place,
+    Arith, DepthwiseWeights, PoolKind, Window2d, arith_channels_in_place, arith_in_place,
+    depthwise_conv2d, global_average, nchw_to_nhwc, nhwc_to_nchw, pool2d, scale_shift_in_place,
 };
 pub(super) use layout::channel_shuffle;
 use layout::{concat_channels, relayout, split_channels};
@@ -239,8 +238,8 @@ pub(super) struct HostStep<'a> {
     pub outputs: usize,
     /// A ReLU fused into the step (read by an Add).
     pub relu: bool,
-    /// What was fused after a Conv as one clamp ([`super::Step::clamp`]).
-    pub clamp: Option<[f32; 2]>,
+    /// What was fused after a Conv ([`super::Step::fused_activation`]).
+    pub act: Option<Activation>,
     /// A residual fused into a Conv: the input index of the value added before the ReLU.
     pub residual: Option<usize>,
     pub device: &'a Device,
@@ -266,13 +265,7 @@ pub(super) fn run(
             };
             let residual = step.residual.and_then(|i| take(ins, i));
             let x = take(ins, 0)?;
-            Some(conv(
-                x,
-                packed,
-                &window,
-                (step.clamp, residual),
-                step.device,
-            ))
+            Some(conv(x, packed, &window, (step.act, residual), step.device))
         }
         Node::Erf(_) if rows_in => {
             let Some(Slot::Rows(rows)) = take(ins, 0) else {
@@ -353,12 +346,12 @@ pub(super) fn run(
 }
 
 /// An int8 convolution (the int8 pass's) of an image, its output left channels-last;
-/// then the fused residual (input `residual`) and clamp, which the pass leaves outside the
+/// then the fused residual (input `residual`) and activation, which the pass leaves outside the
 /// integer epilogue when there is a residual.
 pub(super) fn int8_conv(
     q: &super::passes::QConv,
     ins: &mut [Option<Slot>],
-    (residual, clamp): (Option<usize>, Option<[f32; 2]>),
+    (residual, act): (Option<usize>, Option<Activation>),
     device: &Device,
 ) -> Option<Result<Vec<Slot>, OnnxError>> {
     let x = take(ins, 0)?;
@@ -370,9 +363,9 @@ pub(super) fn int8_conv(
         let (y, dims) = q.run_nhwc(&x.data, x.dims)?;
         let y = Image::new(y, dims);
         match residual {
-            Some(r) => add_residual(y, r, clamp, device),
-            None => match clamp {
-                Some([lo, hi]) => Ok(vec![clamp_slot(Slot::Image(y), lo, hi)?]),
+            Some(r) => add_residual(y, r, act, device),
+            None => match act {
+                Some(act) => Ok(vec![activate_slot(Slot::Image(y), act)?]),
                 None => Ok(vec![Slot::Image(y)]),
             },
         }
@@ -585,12 +578,12 @@ fn pack_conv(step: &HostStep, ins: &[Option<Slot>], groups: usize) -> Option<Pac
 }
 
 /// The convolution of `x` (an image, or an NCHW value converted once), plus `residual`
-/// when given (in the kernel's store when it has the output's shape), then ReLU with `relu`.
+/// when given (in the kernel's store when it has the output's shape), then `act`.
 fn conv(
     x: Slot,
     packed: &PackedConv,
     window: &Window,
-    (clamp, residual): (Option<[f32; 2]>, Option<Slot>),
+    (act, residual): (Option<Activation>, Option<Slot>),
     device: &Device,
 ) -> Result<Vec<Slot>, OnnxError> {
     let image = x.into_image()?;
@@ -634,7 +627,7 @@ fn conv(
         Some(other) => (None, Some(other)),
     };
     // With a residual added after the store, the activation waits for it.
-    let clamp_now = clamp.filter(|_| after.is_none());
+    let act_now = act.filter(|_| after.is_none());
     let out = match packed {
         PackedConv::Dense(weights) => {
             let s = ConvShape {
@@ -651,17 +644,17 @@ fn conv(
             };
             let _op = tracing::trace_span!("kiln.conv2d_nhwc", input = ?image.dims, cout).entered();
             let residual = in_store.as_ref().map(|r| &r.data[..]);
-            conv2d_nhwc_fused_new(&s, &image.data, weights, residual, clamp_now)
+            conv2d_nhwc_fused_new(&s, &image.data, weights, residual, act_now)
         }
         PackedConv::Depthwise(weights) => {
             let _op = tracing::trace_span!("kiln.depthwise_nhwc", input = ?image.dims).entered();
             match &in_store {
-                None => depthwise_conv2d(&image.data, &win, weights, clamp_now),
+                None => depthwise_conv2d(&image.data, &win, weights, act_now),
                 Some(r) => {
                     let mut out = depthwise_conv2d(&image.data, &win, weights, None);
                     arith_in_place(&mut out, &r.data, Arith::Add, false);
-                    if let Some([lo, hi]) = clamp_now {
-                        activate(&mut out, Activation::Clip(lo, hi));
+                    if let Some(act) = act_now {
+                        activate(&mut out, act);
                     }
                     out
                 }
@@ -670,18 +663,18 @@ fn conv(
     };
     let out = Image::new(out, out_dims);
     match after {
-        Some(r) => add_residual(out, r, clamp, device),
+        Some(r) => add_residual(out, r, act, device),
         None => Ok(vec![Slot::Image(out)]),
     }
 }
 
-/// `out + r`, then clamped to `clamp`, for a residual that was not summed in a kernel's
+/// `out + r`, then `act`, for a residual that was not summed in a kernel's
 /// store: an image or NCHW value of `out`'s shape, a per-channel operand, or (numpy
 /// broadcasting) anything else on values.
 fn add_residual(
     out: Image,
     r: Slot,
-    clamp: Option<[f32; 2]>,
+    act: Option<Activation>,
     device: &Device,
 ) -> Result<Vec<Slot>, OnnxError> {
     let [n, h, w, c] = out.dims;
@@ -706,24 +699,21 @@ fn add_residual(
             )?)]
         }
     };
-    match clamp {
+    match act {
         None => Ok(sum),
-        Some([lo, hi]) => sum
+        Some(act) => sum
             .into_iter()
-            .map(|slot| clamp_slot(slot, lo, hi))
+            .map(|slot| activate_slot(slot, act))
             .collect(),
     }
 }
 
-/// `slot` clamped to `[lo, hi]`, in place for an image.
-fn clamp_slot(slot: Slot, lo: f32, hi: f32) -> Result<Slot, OnnxError> {
+/// `act` of `slot`, in place for an image or rows.
+fn activate_slot(slot: Slot, act: Activation) -> Result<Slot, OnnxError> {
     match slot {
-        Slot::Image(image) => Ok(activated(image, Activation::Clip(lo, hi))),
-        Slot::Rows(rows) => Ok(activated_rows(rows, Activation::Clip(lo, hi))),
-        Slot::Value(v) => Ok(Slot::Value(super::ops::math::unary(
-            super::ops::math::Unary::Clip(Some(lo), Some(hi)),
-            v,
-        )?)),
+        Slot::Image(image) => Ok(activated(image, act)),
+        Slot::Rows(rows) => Ok(activated_rows(rows, act)),
+        Slot::Value(v) => Ok(Slot::Value(super::passes::activate(act, v)?)),
     }
 }
 
