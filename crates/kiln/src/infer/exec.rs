@@ -458,7 +458,12 @@ impl Executor {
             }
         }
         let mut out = None;
-        rayon::scope(|_| out = Some(self.forward_here(images)));
+        // The other workers spin through the forward (`kernels::spin` says why).
+        rayon::scope(|_| {
+            out = Some(crate::kernels::spin::with_spinning_workers(|| {
+                self.forward_here(images)
+            }))
+        });
         out.unwrap_or_else(|| Err(KilnError::Inference("the forward pass did not run".into())))
     }
 

@@ -1,4 +1,6 @@
-//! A vectorized logistic sigmoid for inference on the CPU.
+//! Activations for inference on the CPU: [`Activation`] applied in place to slices, and per
+//! register ([`activate16`], [`activate8`]) in the convolutions' stores; a vectorized logistic
+//! sigmoid, erf and GELU underneath.
 //!
 //! Burn's `flex` sigmoid is a scalar `1 / (1 + expf(-x))` per element: 60% of EfficientNet-B0's
 //! batch-1 time in BENCHMARKS run 20 (49 SiLU and squeeze-excitation gates). Here `exp` is a

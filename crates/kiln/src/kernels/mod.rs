@@ -56,6 +56,7 @@ pub mod linear;
 pub mod nhwc;
 pub mod norm;
 pub mod pool;
+pub mod spin;
 #[cfg(test)]
 mod testing;
 

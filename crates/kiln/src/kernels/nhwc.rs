@@ -1,6 +1,7 @@
-//! Channels-last (NHWC) image kernels for inference on the host: depthwise convolution,
-//! pooling with padding and ceil mode, global average pooling, per-channel and element-wise
-//! arithmetic, activations in place, and the layout transposes.
+//! Channels-last (NHWC) image kernels for inference on the host: depthwise convolution (its
+//! interior strips in [`super::depthwise_strip`]), pooling with padding and ceil mode, global
+//! average pooling, per-channel and element-wise arithmetic, and the layout transposes
+//! (activations are in [`super::activation`]).
 //!
 //! Why channels-last: Kiln's implicit-GEMM convolution ([`super::implicit`]) reads and writes
 //! NHWC, so an imported model whose image layers all run here keeps its activations NHWC from

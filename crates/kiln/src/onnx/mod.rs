@@ -296,7 +296,12 @@ impl OnnxModel {
             return self.run_here(inputs);
         }
         let mut out = None;
-        rayon::scope(|_| out = Some(self.run_here(inputs)));
+        // The other workers spin through the run (`kernels::spin` says why).
+        rayon::scope(|_| {
+            out = Some(crate::kernels::spin::with_spinning_workers(|| {
+                self.run_here(inputs)
+            }))
+        });
         out.unwrap_or_else(|| Err(OnnxError::Graph("the model did not run".into())))
     }
 
