@@ -87,6 +87,13 @@ impl Activation {
         }
     }
 
+    /// `act` split the way the kernels apply it: the bounds of a clamp (in the registers
+    /// before the store) and any other activation (on the stored values right after).
+    pub(crate) fn split(act: Option<Activation>) -> (Option<[f32; 2]>, Option<Activation>) {
+        let clamp = act.and_then(Activation::bounds);
+        (clamp, act.filter(|_| clamp.is_none()))
+    }
+
     /// The definition in f64, what the kernels are checked against.
     #[cfg(test)]
     pub(crate) fn reference(self, v: f64) -> f64 {

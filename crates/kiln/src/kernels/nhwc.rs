@@ -495,8 +495,7 @@ pub fn depthwise_conv2d_on(
     if out.is_empty() {
         return out;
     }
-    let clamp = act.and_then(Activation::bounds);
-    let after = act.filter(|a| a.bounds().is_none());
+    let (clamp, after) = Activation::split(act);
     let row = |(r, o_row): (usize, &mut [f32])| {
         depthwise_row(kernel, x, win, w, clamp, r, o_row);
         if let Some(act) = after {

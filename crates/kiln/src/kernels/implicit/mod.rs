@@ -527,13 +527,15 @@ unsafe fn conv_simd(
         &padded[..]
     };
     let bases = geometry.bases(s.batch, pool);
+    let (clamp, after) = Activation::split(act);
     let operands = Operands {
         image,
         bases: &bases,
         geometry: &geometry,
         weights: w,
         width,
-        act,
+        clamp,
+        after,
         pool,
         residual,
     };
@@ -798,7 +800,9 @@ struct Operands<'a> {
     geometry: &'a Geometry,
     weights: &'a ConvWeights,
     width: usize,
-    act: Option<Activation>,
+    /// [`Tile::clamp`] and [`Tile::after`], split once per call.
+    clamp: Option<[f32; 2]>,
+    after: Option<Activation>,
     pool: bool,
     /// Added to the output before the ReLU (the output's layout).
     residual: Option<&'a [f32]>,
@@ -842,8 +846,8 @@ impl Operands<'_> {
                 panel: &panel_values
                     [span.start * run_len * self.width..span.end * run_len * self.width],
                 bias: &self.weights.bias[col0..col0 + self.width],
-                clamp: self.act.and_then(Activation::bounds),
-                after: self.act.filter(|a| a.bounds().is_none()),
+                clamp: self.clamp,
+                after: self.after,
                 cols: (cout - col0).min(self.width),
                 out_stride: cout,
                 pool: self.pool,

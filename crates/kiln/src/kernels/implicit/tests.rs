@@ -49,10 +49,6 @@ fn reference_grouped(
     out
 }
 
-fn supported() -> Vec<F32Kernel> {
-    F32Kernel::all_supported()
-}
-
 #[allow(clippy::too_many_arguments)]
 fn shape(
     batch: usize,
@@ -85,7 +81,7 @@ fn check(s: ConvShape, with_bias: bool, relu: bool) {
     let b = values(s.cout, 3);
     let bias = with_bias.then_some(&b[..]);
     let want = reference(&s, &x, &w, bias, relu);
-    for kernel in supported() {
+    for kernel in F32Kernel::all_supported() {
         let packed = ConvWeights::pack_for(kernel, [s.cout, s.cin, s.kh, s.kw], &w, bias);
         let mut out = vec![f32::NAN; s.output_len()];
         conv2d_nhwc(&s, &x, &packed, relu, &mut out);
@@ -173,7 +169,7 @@ fn threads_split_rows_without_changing_the_result() {
 #[test]
 fn a_kernel_without_inputs_writes_its_bias() {
     let s = shape(1, 0, [4, 4], 3, [3, 3], [1, 1], [(0, 0); 2], [1, 1]);
-    for kernel in supported() {
+    for kernel in F32Kernel::all_supported() {
         let packed = ConvWeights::pack_for(kernel, [3, 0, 3, 3], &[], Some(&[1.0, -2.0, 3.0]));
         let mut out = vec![f32::NAN; s.output_len()];
         conv2d_nhwc(&s, &[], &packed, true, &mut out);
@@ -251,7 +247,7 @@ fn convolution_relu_and_2x2_pool_in_one_pass_match_the_f64_reference() {
         let b = values(s.cout, 9);
         let full = reference(&s, &x, &w, Some(&b), true);
         let want = pool2(&full, [s.batch, s.out_h(), s.out_w(), s.cout]);
-        for kernel in supported() {
+        for kernel in F32Kernel::all_supported() {
             let packed = ConvWeights::pack_for(kernel, [s.cout, s.cin, s.kh, s.kw], &w, Some(&b));
             let got = pool.install(|| conv2d_nhwc_relu_pool2_new(&s, &x, &packed));
             let err = relative_error(&got, &want);
@@ -290,7 +286,7 @@ fn the_store_adds_the_residual_and_applies_each_activation() {
         let b = values(s.cout, 6);
         let residual = values(s.output_len(), 7);
         let conv = reference(&s, &x, &w, Some(&b), false);
-        for kernel in supported() {
+        for kernel in F32Kernel::all_supported() {
             let packed = ConvWeights::pack_for(kernel, [s.cout, s.cin, s.kh, s.kw], &w, Some(&b));
             for (act, with_residual) in acts.iter().flat_map(|a| [(*a, false), (*a, true)]) {
                 let want: Vec<f64> = conv
@@ -343,7 +339,7 @@ fn grouped_convolutions_match_a_direct_loop() {
         let w = values(cout * cg * k * k, 9);
         let b = values(cout, 10);
         let want = reference_grouped(&s, groups, &x, &w, Some(&b), true);
-        for kernel in supported() {
+        for kernel in F32Kernel::all_supported() {
             let Some(packed) =
                 ConvWeights::pack_grouped_for(kernel, [cout, cg, k, k], groups, &w, Some(&b))
             else {
