@@ -115,17 +115,7 @@ impl Step {
     fn activation_op(&self) -> Option<Activation> {
         match &self.op {
             StepOp::Silu => Some(Activation::Silu),
-            StepOp::Onnx(node) => match node.as_ref() {
-                Node::Relu(_) => Some(Activation::Relu),
-                Node::Clip(n) => ops::constant_clip(n).map(|[lo, hi]| Activation::Clip(lo, hi)),
-                Node::Sigmoid(_) => Some(Activation::Sigmoid),
-                Node::HardSwish(_) => Some(Activation::HardSwish),
-                Node::HardSigmoid(n) => Some(Activation::HardSigmoid(
-                    n.config.alpha as f32,
-                    n.config.beta as f32,
-                )),
-                _ => None,
-            },
+            StepOp::Onnx(node) => ops::activation_of(node),
             _ => None,
         }
     }

@@ -254,6 +254,11 @@ pub(super) fn run(
     let is_image = |i: usize| matches!(ins.get(i), Some(Some(Slot::Image(_))));
     let image_in = is_image(0);
     let rows_in = matches!(ins.first(), Some(Some(Slot::Rows(_))));
+    if (image_in || rows_in)
+        && let Some(act) = super::ops::activation_of(step.node)
+    {
+        return unary(ins, act);
+    }
     match step.node {
         Node::Conv2d(n) => {
             let window = node_window(step.node).ok()?;
@@ -274,17 +279,6 @@ pub(super) fn run(
             Some(Ok(vec![Slot::Rows(rows.apply(erf_in_place))]))
         }
         Node::LayerNormalization(n) => layer_norm(step, ins, n.config.axis, n.config.epsilon),
-        Node::Relu(_) if image_in || rows_in => unary(ins, Activation::Relu),
-        Node::Sigmoid(_) if image_in || rows_in => unary(ins, Activation::Sigmoid),
-        Node::HardSwish(_) if image_in || rows_in => unary(ins, Activation::HardSwish),
-        Node::HardSigmoid(n) if image_in || rows_in => unary(
-            ins,
-            Activation::HardSigmoid(n.config.alpha as f32, n.config.beta as f32),
-        ),
-        Node::Clip(n) if image_in || rows_in => {
-            let [lo, hi] = super::ops::constant_clip(n)?;
-            unary(ins, Activation::Clip(lo, hi))
-        }
         Node::Identity(_) | Node::Dropout(_) if (image_in || rows_in) && step.outputs == 1 => {
             Some(Ok(vec![take(ins, 0)?]))
         }

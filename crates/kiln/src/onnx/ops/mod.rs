@@ -233,6 +233,25 @@ pub fn constant_clip(n: &onnx_ir::node::clip::ClipNode) -> Option<[f32; 2]> {
     ])
 }
 
+/// The Kiln activation an ONNX node computes: ReLU, Sigmoid, HardSwish, HardSigmoid, or a
+/// Clip with constant bounds (the host runs these on images and rows; a convolution takes
+/// them into its store).
+pub fn activation_of(node: &onnx_ir::Node) -> Option<crate::kernels::activation::Activation> {
+    use crate::kernels::activation::Activation;
+    use onnx_ir::Node;
+    match node {
+        Node::Relu(_) => Some(Activation::Relu),
+        Node::Clip(n) => constant_clip(n).map(|[lo, hi]| Activation::Clip(lo, hi)),
+        Node::Sigmoid(_) => Some(Activation::Sigmoid),
+        Node::HardSwish(_) => Some(Activation::HardSwish),
+        Node::HardSigmoid(n) => Some(Activation::HardSigmoid(
+            n.config.alpha as f32,
+            n.config.beta as f32,
+        )),
+        _ => None,
+    }
+}
+
 /// A BatchNormalization node's epsilon (onnx-ir keeps it in either config form).
 pub fn batch_norm_epsilon(n: &onnx_ir::node::batch_norm::BatchNormalizationNode) -> f64 {
     match &n.config {
