@@ -46,6 +46,10 @@ fn main() {
         ("EffNet 1x1 16→96 112²", rb, 16, 112, 96, 1, 1, 0),
         ("MNv2 1x1 144→24 56²", rb, 144, 56, 24, 1, 1, 0),
         ("MNv2 1x1 24→144 56²", rb, 24, 56, 144, 1, 1, 0),
+        // Linear layers at batch 1 (a 1×1 convolution over one pixel): W3's fc1 reads a
+        // 4.7 MB weight for 1.2 M multiply-adds, so memory bandwidth is what it measures.
+        ("W3 fc1 b1", 1, 9216, 1, 128, 1, 1, 0),
+        ("R18 fc b1", 1, 512, 1, 1000, 1, 1, 0),
     ];
     // How often each shape occurs in ResNet-18 (by name; others 0).
     let resnet18_count = |name: &str| match name {

@@ -10,6 +10,7 @@ use burn::tensor::{Device, FloatDType, Tensor, TensorData};
 
 use crate::kernels::implicit::ConvWeights;
 use crate::kernels::nhwc::nhwc_to_nchw;
+use crate::kernels::spin::RunPlacement;
 
 use super::graph::{ConvGeometry, Graph, Op, QuantWeight, ValueId, Weight, batch_norm_affine};
 use crate::error::{KilnError, Result};
@@ -214,9 +215,8 @@ pub struct Executor {
     /// Whether the forward uses Kiln's kernels (`device.kiln_kernels`), on whatever thread
     /// it runs.
     kiln_kernels: bool,
-    /// Whether a small forward (see [`Executor::forward`]) split any op over the pool: known
-    /// after the first one.
-    small_splits: std::sync::OnceLock<bool>,
+    /// Where forwards run (see [`Executor::forward`]).
+    placement: RunPlacement,
 }
 
 fn tensor<const D: usize>(w: &Weight, device: &Device) -> Result<Tensor<D>> {
@@ -400,7 +400,7 @@ impl Executor {
             device: device.clone(),
             compute,
             kiln_kernels: true,
-            small_splits: std::sync::OnceLock::new(),
+            placement: RunPlacement::default(),
         })
     }
 
@@ -441,30 +441,7 @@ impl Executor {
     pub fn forward(&self, images: Tensor<4>) -> Result<Tensor<2>> {
         let small =
             images.dims()[0] < POOL_HOP_MIN_BATCH && self.graph.nodes.len() < POOL_HOP_MIN_NODES;
-        if rayon::current_thread_index().is_some() {
-            return self.forward_here(images);
-        }
-        if small {
-            match self.small_splits.get() {
-                Some(true) => {}
-                Some(false) => return self.forward_here(images),
-                None => {
-                    let before = crate::kernels::implicit::split_calls();
-                    let out = self.forward_here(images);
-                    let split = crate::kernels::implicit::split_calls() > before;
-                    let _ = self.small_splits.set(split);
-                    return out;
-                }
-            }
-        }
-        let mut out = None;
-        // The other workers spin through the forward (`kernels::spin` says why).
-        rayon::scope(|_| {
-            out = Some(crate::kernels::spin::with_spinning_workers(|| {
-                self.forward_here(images)
-            }))
-        });
-        out.unwrap_or_else(|| Err(KilnError::Inference("the forward pass did not run".into())))
+        self.placement.run(small, || self.forward_here(images))
     }
 
     fn forward_here(&self, images: Tensor<4>) -> Result<Tensor<2>> {

@@ -46,6 +46,7 @@ macro_rules! multiversion {
 }
 
 pub mod activation;
+mod aligned;
 pub mod conv;
 mod depthwise_strip;
 mod extension;

@@ -1,4 +1,4 @@
-//! Keeping rayon's other workers awake through an inference run.
+//! Keeping rayon's other workers awake through an inference run, and a moment after it.
 //!
 //! A model at batch 1 is a chain of small parallel operations (MobileNet v2: 52 convolutions,
 //! most under 0.1 ms). Between two of them rayon's idle workers go to sleep, and the next
@@ -8,12 +8,37 @@
 //! 1.6× slower, while ONNX Runtime, whose intra-op threads spin between operations by
 //! default, ran 1.75× faster on two. [`with_spinning_workers`] does what ONNX Runtime does:
 //! for the length of a run the other workers busy-wait, taking any work that appears.
+//!
+//! ONNX Runtime's threads also keep spinning for a while after a run ends, so the next run
+//! of a serving or benchmark loop finds them awake. Here every worker lingers [`LINGER`]
+//! after a run the same way: a run that follows within it starts on a spinning worker (it
+//! takes the injected run at once) and its first split finds the others spinning too.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::cell::Cell;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+/// How long the workers keep spinning after a run. Long enough to bridge the gap between
+/// two runs of a loop (the caller's wake-up and its handling of the outputs, tens of µs on a
+/// virtual machine), short enough that an idle process stops burning its cores at once.
+pub const LINGER: Duration = Duration::from_micros(500);
+
+/// End of the current linger, in nanoseconds since [`epoch`].
+static LINGER_UNTIL: AtomicU64 = AtomicU64::new(0);
+
+/// Lingering jobs spawned and not yet returned.
+static LINGERING: AtomicUsize = AtomicUsize::new(0);
+
+thread_local! {
+    /// This thread is inside a run or a run's spinner: a lingering job it pops must return at
+    /// once (lingering there would hold up the run until the linger ends).
+    static BUSY: Cell<bool> = const { Cell::new(false) };
+}
 
 /// Runs `run` on this rayon worker while every other worker of its pool spins, executing the
-/// jobs `run`'s parallel operations hand out, until `run` returns. Off the pool, or in a
-/// pool of one thread, `run` runs alone.
+/// jobs `run`'s parallel operations hand out, until `run` returns; then every worker keeps
+/// spinning for [`LINGER`]. Off the pool, or in a pool of one thread, `run` runs alone.
 pub fn with_spinning_workers<R>(run: impl FnOnce() -> R) -> R {
     let (Some(home), threads) = (rayon::current_thread_index(), rayon::current_num_threads())
     else {
@@ -23,14 +48,67 @@ pub fn with_spinning_workers<R>(run: impl FnOnce() -> R) -> R {
         return run();
     }
     let done = AtomicBool::new(false);
-    rayon::in_place_scope(|scope| {
+    let out = rayon::in_place_scope(|scope| {
         for _ in 1..threads {
             scope.spawn(|_| spin(&done, home));
         }
-        let out = run();
+        let out = busy(run);
         done.store(true, Ordering::Release);
         out
-    })
+    });
+    linger_after_run(threads);
+    out
+}
+
+/// Where a model's runs execute: on a pool worker with the others spinning
+/// ([`with_spinning_workers`]), or on the calling thread.
+///
+/// Called from outside the pool, every parallel op hands its work to the pool and sleeps
+/// until it is done (a futex wake-up per op); moving the whole run onto a worker once makes
+/// each op's parallel work a plain fork-join. The move itself costs a round trip, so a small
+/// run (few nodes, small batch) hops only if its work splits over the pool at all, which
+/// its first run tells (Kiln's convolution and linear kernels count their splits).
+#[derive(Debug, Default)]
+pub struct RunPlacement {
+    /// Whether a small run split any op: known after the first one.
+    small_splits: OnceLock<bool>,
+}
+
+impl RunPlacement {
+    /// Runs `run` where it is fastest: in place on a pool thread, on the pool for a large
+    /// run (`small == false`) or a small one that splits, else on this thread.
+    pub fn run<R: Send>(&self, small: bool, run: impl FnOnce() -> R + Send) -> R {
+        if rayon::current_thread_index().is_some() {
+            return run();
+        }
+        if small {
+            match self.small_splits.get() {
+                Some(true) => {}
+                Some(false) => return run(),
+                None => {
+                    let before = super::implicit::split_calls();
+                    let out = run();
+                    let _ = self
+                        .small_splits
+                        .set(super::implicit::split_calls() > before);
+                    return out;
+                }
+            }
+        }
+        rayon::scope(|_| with_spinning_workers(run))
+    }
+}
+
+/// Runs `f` with this thread marked busy (restoring the mark after: runs nest in lingers).
+fn busy<R>(f: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            BUSY.with(|b| b.set(self.0));
+        }
+    }
+    let _restore = Restore(BUSY.with(|b| b.replace(true)));
+    f()
 }
 
 /// Busy-waits for `done`, running whatever work rayon finds meanwhile. A spinner the running
@@ -40,11 +118,54 @@ fn spin(done: &AtomicBool, home: usize) {
     if rayon::current_thread_index() == Some(home) {
         return;
     }
-    while !done.load(Ordering::Acquire) {
+    busy(|| {
+        while !done.load(Ordering::Acquire) {
+            if rayon::yield_now() != Some(rayon::Yield::Executed) {
+                std::hint::spin_loop();
+            }
+        }
+    });
+}
+
+/// Moves the linger's end to [`LINGER`] from now and tops the lingering jobs up to one per
+/// worker.
+fn linger_after_run(threads: usize) {
+    let until = nanos_since_epoch() + LINGER.as_nanos() as u64;
+    LINGER_UNTIL.fetch_max(until, Ordering::AcqRel);
+    while LINGERING
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+            (n < threads).then_some(n + 1)
+        })
+        .is_ok()
+    {
+        rayon::spawn(linger);
+    }
+}
+
+/// One worker's linger: spins, running any work that appears (the next run among it), until
+/// the linger's end passes. Returns at once on a thread that is inside a run.
+fn linger() {
+    struct Count;
+    impl Drop for Count {
+        fn drop(&mut self) {
+            LINGERING.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+    let _count = Count;
+    if BUSY.with(Cell::get) {
+        return;
+    }
+    while nanos_since_epoch() < LINGER_UNTIL.load(Ordering::Acquire) {
         if rayon::yield_now() != Some(rayon::Yield::Executed) {
             std::hint::spin_loop();
         }
     }
+}
+
+/// Nanoseconds since the first call in this process (a monotonic clock).
+fn nanos_since_epoch() -> u64 {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    EPOCH.get_or_init(Instant::now).elapsed().as_nanos() as u64
 }
 
 #[cfg(test)]
@@ -73,5 +194,39 @@ mod tests {
             }
         }
         assert_eq!(with_spinning_workers(work), want);
+    }
+
+    /// A small run without parallel work stays on the calling thread; one whose first run
+    /// split a linear layer over the pool runs on the pool from then on (where it has more
+    /// than one thread).
+    #[test]
+    fn small_runs_hop_onto_the_pool_only_when_their_work_splits() {
+        use crate::kernels::implicit::{ConvWeights, linear_rows};
+        let alone = RunPlacement::default();
+        for _ in 0..3 {
+            assert_eq!(alone.run(true, rayon::current_thread_index), None);
+        }
+        // 1024 × 512 weights: above the size from which a linear layer splits at any batch.
+        let (inputs, outputs) = (1024, 512);
+        let weight: Vec<f32> = (0..inputs * outputs).map(|i| (i % 7) as f32).collect();
+        let packed = ConvWeights::linear(inputs, outputs, &weight, None);
+        let x = vec![1.0f32; inputs];
+        let layer = || {
+            let mut out = vec![0f32; outputs];
+            linear_rows(1, &x, &packed, false, &mut out);
+            (rayon::current_thread_index(), out[0])
+        };
+        let splitting = RunPlacement::default();
+        let (first, value) = splitting.run(true, layer);
+        assert_eq!(first, None, "the first small run learns in place");
+        assert_eq!(
+            value,
+            (0..inputs).map(|i| ((i * outputs) % 7) as f32).sum::<f32>()
+        );
+        let (second, _) = splitting.run(true, layer);
+        assert_eq!(second.is_some(), rayon::current_num_threads() > 1);
+        // A large run goes to the pool without learning.
+        let large = RunPlacement::default();
+        assert!(large.run(false, rayon::current_thread_index).is_some());
     }
 }

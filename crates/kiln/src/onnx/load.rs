@@ -161,6 +161,7 @@ pub fn load(bytes: &[u8], name: &str, device: &Device) -> Result<OnnxModel, Onnx
         device: device.clone(),
         kiln_kernels: true,
         shape_cache: Default::default(),
+        placement: Default::default(),
     };
     // SiLU first: its Sigmoid + Mul pair becomes one step that a convolution then takes.
     model.fuse_silus();

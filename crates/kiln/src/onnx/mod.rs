@@ -163,7 +163,8 @@ struct Step {
 
 /// Graphs with at least this many nodes run on a rayon pool thread: their many small ops
 /// each have parallel parts, and a parallel op called from outside the pool pays a
-/// cross-thread wake-up per call (measured: most of a small ResNet's batch-1 time).
+/// cross-thread wake-up per call (measured: most of a small ResNet's batch-1 time). Smaller
+/// ones hop if their first run split any op.
 const POOL_HOP_MIN_NODES: usize = 16;
 
 /// An imported ONNX model on a device.
@@ -184,6 +185,8 @@ pub struct OnnxModel {
     kiln_kernels: bool,
     /// Shape arithmetic recorded for the last input shapes ([`shape_cache`]).
     shape_cache: shape_cache::ShapeCache,
+    /// Where runs execute (on the pool or the calling thread).
+    placement: crate::kernels::spin::RunPlacement,
 }
 
 impl OnnxModel {
@@ -282,17 +285,11 @@ impl OnnxModel {
     /// operator is an error naming the node, never a panic.
     pub fn run(&self, inputs: Vec<Value>) -> Result<Vec<Value>, OnnxError> {
         self.check_inputs(&inputs)?;
-        if self.steps.len() < POOL_HOP_MIN_NODES || rayon::current_thread_index().is_some() {
-            return self.run_here(inputs);
-        }
-        let mut out = None;
-        // The other workers spin through the run (`kernels::spin` says why).
-        rayon::scope(|_| {
-            out = Some(crate::kernels::spin::with_spinning_workers(|| {
-                self.run_here(inputs)
-            }))
-        });
-        out.unwrap_or_else(|| Err(OnnxError::Graph("the model did not run".into())))
+        // A small graph hops onto the pool only if its work splits (`RunPlacement`): W3
+        // exported from PyTorch has 8 nodes, and its conv2 and fc1 each paid a wake-up of
+        // an idle worker when run from the calling thread.
+        let small = self.steps.len() < POOL_HOP_MIN_NODES;
+        self.placement.run(small, || self.run_here(inputs))
     }
 
     fn run_here(&self, inputs: Vec<Value>) -> Result<Vec<Value>, OnnxError> {

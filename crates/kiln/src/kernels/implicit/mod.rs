@@ -27,6 +27,7 @@ use std::sync::OnceLock;
 use rayon::prelude::*;
 
 use super::activation::{Activation, activate};
+use super::aligned::AlignedF32;
 use super::conv::{ConvShape, conv2d_nhwc_forward, pack_weight_for_nhwc};
 use super::nhwc::Window2d;
 use super::pool::{PoolShape, max_pool2d_nhwc};
@@ -124,7 +125,7 @@ pub struct ConvWeights {
     dims: [usize; 4],
     /// Panels of `width` output channels, each `[kh·kw·cin][width]` (zero columns past
     /// `cout`); for [`F32Kernel::Portable`], `[kh·kw·cin, cout]`.
-    data: Vec<f32>,
+    data: AlignedF32,
     /// The bias padded to whole panels (zeros without a bias); the portable path's bias
     /// unpadded, or empty.
     bias: Vec<f32>,
@@ -248,7 +249,7 @@ impl ConvWeights {
             return ConvWeights {
                 kernel,
                 dims,
-                data: plain,
+                data: AlignedF32::from_slice(&plain),
                 bias: bias.map(<[f32]>::to_vec).unwrap_or_default(),
                 has_bias: bias.is_some(),
                 pixel: dims[1],
@@ -257,7 +258,7 @@ impl ConvWeights {
         };
         let k = dims[1] * dims[2] * dims[3];
         let panels = cout.div_ceil(width);
-        let mut data = vec![0f32; panels * k * width];
+        let mut data = AlignedF32::zeroed(panels * k * width);
         for (p, panel) in data.chunks_exact_mut((k * width).max(1)).enumerate() {
             let cols = (cout - p * width).min(width);
             for (row, dst) in panel.chunks_exact_mut(width).enumerate() {
