@@ -239,15 +239,19 @@ pub fn run_onnx(p: &OnnxProfile) -> Result<()> {
         p.runs
     );
     let profiler = Profiler::new();
-    // On a pool thread, where a large model's run hops to anyway: the subscriber is the
-    // thread's, so it must be installed where the nodes run.
+    // On a pool thread, where a model's run hops to anyway: the subscriber is the thread's,
+    // so it must be installed where the nodes run. The other workers spin meanwhile, as they
+    // do through a run that hops (a run started on a pool thread does not hop, and the
+    // profile would otherwise time every split's wake-up of a sleeping worker).
     let mut result = Ok(());
     rayon::scope(|_| {
         let subscriber = tracing_subscriber::registry().with(profiler.layer());
         result = tracing::subscriber::with_default(subscriber, || {
-            (0..p.runs).try_for_each(|i| {
-                let _run = tracing::info_span!("onnx.run", run = i).entered();
-                run()
+            kiln::kernels::spin::with_spinning_workers(|| {
+                (0..p.runs).try_for_each(|i| {
+                    let _run = tracing::info_span!("onnx.run", run = i).entered();
+                    run()
+                })
             })
         });
     });
