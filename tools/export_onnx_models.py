@@ -1,8 +1,8 @@
 """Exports the ONNX test models Kiln's importer is checked on, with ONNX Runtime's outputs.
 
-The models are the real PyTorch/torchvision architectures (ResNet, ResNeXt-style bottleneck,
-MobileNet v2/v3, EfficientNet, SqueezeNet, DenseNet, ShuffleNet v2, RegNet, ConvNeXt, ViT), a
-BERT-style encoder and a small segmentation head, at reduced width and resolution with seeded
+The models are the real PyTorch/torchvision architectures (LeNet, ResNet, ResNeXt-style
+bottleneck, MobileNet v2/v3, EfficientNet, SqueezeNet, DenseNet, ShuffleNet v2, RegNet,
+ConvNeXt, ViT), a BERT-style encoder and a small segmentation head, at reduced width and resolution with seeded
 random weights, so that together they stay a few MB in the repository. Each is exported by
 `torch.onnx.export` the way a user would (TorchScript exporter, opset 17, dynamic batch; one
 model also through the dynamo exporter, opset 18), so the files carry what real exports carry:
@@ -159,6 +159,22 @@ class OpMix(nn.Module):
         pooled = torch.where(pooled > 0, pooled, pooled * 0.3)
         logits = self.head(pooled)
         return logits, logits.argmax(dim=1)
+
+
+class LeNet(nn.Module):
+    """A LeNet/VGG-style stack: each convolution followed by ReLU and a 2x2 max pool (odd
+    sizes, so each pool drops a row and a column), then Flatten and two linear layers: the
+    blocks Kiln fuses into one pooled convolution, and the Flatten of a feature map."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(1, 8, 3), nn.Conv2d(8, 16, 3)
+        self.f1, self.f2 = nn.Linear(16 * 5 * 5, 32), nn.Linear(32, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.c1(x)), 2)
+        x = F.max_pool2d(F.relu(self.c2(x)), 2).flatten(1)
+        return self.f2(F.relu(self.f1(x)))
 
 
 def image_models():
@@ -330,6 +346,25 @@ def main(out_dir):
         feeds[b] = {"input_ids": rng.integers(0, 100, (b, t), dtype=np.int64), "attention_mask": m}
     save_safetensors(os.path.join(out_dir, "bert.ref.safetensors"), reference(path, feeds))
     print(f"bert: {os.path.getsize(path) / 1e6:.2f} MB")
+    lenet(out_dir)
+
+
+def lenet(out_dir):
+    """The LeNet model, with seeds of its own (added after the others: their files stay as
+    they were)."""
+    torch.manual_seed(1)
+    gen = torch.Generator().manual_seed(1)
+    rng = np.random.default_rng(1)
+    shape = (1, 29, 29)
+    model = LeNet()
+    make_nontrivial(model, gen, shape)
+    path = os.path.join(out_dir, "lenet.onnx")
+    dynamic = {"input": {0: "batch"}, "logits": {0: "batch"}}
+    with torch.no_grad():
+        export(model.eval(), (torch.randn(2, *shape),), ["input"], ["logits"], dynamic, path)
+    feeds = {b: {"input": rng.standard_normal((b, *shape), dtype=np.float32)} for b in (1, 3)}
+    save_safetensors(os.path.join(out_dir, "lenet.ref.safetensors"), reference(path, feeds))
+    print(f"lenet: {os.path.getsize(path) / 1e6:.2f} MB")
 
 
 def full_size(out_dir):

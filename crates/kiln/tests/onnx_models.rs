@@ -115,6 +115,7 @@ macro_rules! model_tests {
 }
 
 model_tests!(
+    lenet,
     resnet,
     resnet_dynamo,
     resnet_unfolded,
@@ -221,6 +222,8 @@ fn int8_stays_near_onnx_runtime() {
         ("bert", 0.04),
         ("vit", 0.04),
         ("seghead", 0.03),
+        // Its pools stay with the int8 convolutions (pooled after them).
+        ("lenet", 0.02),
     ];
     for (name, bound) in cases {
         let (err, before, after) = after_passes(name, &[OnnxPass::Fold, OnnxPass::Int8]);
@@ -258,6 +261,16 @@ fn residual_adds_and_relus_fuse_into_convolutions() {
     let (count, counts) = op_counts("resnet");
     assert_eq!(count("Add") + count("Relu"), 0, "{counts:?}");
     assert!(count("Conv2d+Add+Relu") >= 2, "{counts:?}");
+}
+
+/// LeNet's blocks (Conv, ReLU, 2×2 max pool, at odd sizes) become one step each, the pool
+/// stored by the convolution's kernel (the `lenet` test above checks the outputs on the
+/// host kernels and on Burn's path, `int8_stays_near_onnx_runtime` after the int8 pass).
+#[test]
+fn relu_pools_fuse_into_convolutions() {
+    let (count, counts) = op_counts("lenet");
+    assert_eq!(count("Conv2d+Relu+MaxPool2d"), 2, "{counts:?}");
+    assert_eq!(count("MaxPool2d") + count("Relu"), 1, "{counts:?}");
 }
 
 /// EfficientNet exports each SiLU as `Mul(x, Sigmoid(x))`: the pairs become single SiLU

@@ -70,19 +70,25 @@ fn transpose_images(x: &[f32], b: usize, [rows, cols]: [usize; 2]) -> Vec<f32> {
         }
     };
     let band_len = rows * TRANSPOSE_BLOCK;
-    y.chunks_mut(plane)
-        .zip(x.chunks(plane))
-        .for_each(|(out, src)| {
-            if plane < PARALLEL_MIN {
-                out.chunks_mut(band_len)
-                    .enumerate()
-                    .for_each(|t| band(src, t));
-            } else {
-                out.par_chunks_mut(band_len)
-                    .enumerate()
-                    .for_each(|t| band(src, t));
-            }
-        });
+    let image = |(out, src): (&mut [f32], &[f32])| {
+        if plane < PARALLEL_MIN {
+            out.chunks_mut(band_len)
+                .enumerate()
+                .for_each(|t| band(src, t));
+        } else {
+            out.par_chunks_mut(band_len)
+                .enumerate()
+                .for_each(|t| band(src, t));
+        }
+    };
+    // Many small images (a batch's feature maps before a Flatten) split by image.
+    if plane < PARALLEL_MIN && x.len() >= PARALLEL_MIN {
+        y.par_chunks_mut(plane)
+            .zip(x.par_chunks(plane))
+            .for_each(image);
+    } else {
+        y.chunks_mut(plane).zip(x.chunks(plane)).for_each(image);
+    }
     y
 }
 

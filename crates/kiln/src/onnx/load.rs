@@ -125,6 +125,7 @@ pub fn load(bytes: &[u8], name: &str, device: &Device) -> Result<OnnxModel, Onnx
             relu: false,
             activation: None,
             residual: None,
+            pool: false,
         });
     }
 
@@ -166,6 +167,7 @@ pub fn load(bytes: &[u8], name: &str, device: &Device) -> Result<OnnxModel, Onnx
     // SiLU first: its Sigmoid + Mul pair becomes one step that a convolution then takes.
     model.fuse_silus();
     model.fuse_activations();
+    model.fuse_relu_pools();
     model.fuse_residuals();
     model.fuse_channel_shuffles();
     Ok(model)

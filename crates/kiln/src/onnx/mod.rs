@@ -107,7 +107,7 @@ impl Step {
     /// Nothing was fused after the operator (ReLU, Clip, residual): its output is the
     /// operator's own, so another fusion may still act on it.
     fn plain_output(&self) -> bool {
-        !self.relu && self.activation.is_none() && self.residual.is_none()
+        !self.relu && self.activation.is_none() && self.residual.is_none() && !self.pool
     }
 
     /// The activation this step computes, when it is one a convolution can take in its
@@ -159,6 +159,8 @@ struct Step {
     /// A residual Add fused into this convolution at load: the input (by index) added to its
     /// output, before the ReLU.
     residual: Option<usize>,
+    /// A 2×2, stride-2 max pool fused after this convolution's ReLU at load.
+    pool: bool,
 }
 
 /// Graphs with at least this many nodes run on a rayon pool thread: their many small ops
@@ -425,6 +427,7 @@ impl OnnxModel {
                     relu: step.relu,
                     act: step.fused_activation(),
                     residual: step.residual,
+                    pool: step.pool,
                     device: &self.device,
                 };
                 host::run(&host_step, ins)
@@ -440,12 +443,19 @@ impl OnnxModel {
                 };
                 host::affine(ins, scale, shift)
             }
-            StepOp::QConv(q) => host::int8_conv(
-                q,
-                ins,
-                (step.residual, step.fused_activation()),
-                &self.device,
-            ),
+            StepOp::QConv(q) => {
+                let outs = host::int8_conv(
+                    q,
+                    ins,
+                    (step.residual, step.fused_activation()),
+                    &self.device,
+                )?;
+                Some(if step.pool {
+                    outs.and_then(host::max_pool_2x2)
+                } else {
+                    outs
+                })
+            }
             StepOp::Silu => host::silu(ins),
             StepOp::ChannelShuffle(shuffle) => host::channel_shuffle(shuffle, ins),
             StepOp::QLinear(_) => None,
@@ -489,6 +499,9 @@ impl OnnxModel {
         }
         if let Some(act) = step.fused_activation() {
             first = first.map(|y| passes::activate(act, y)).transpose()?;
+        }
+        if step.pool {
+            first = first.map(ops::nn::max_pool_2x2).transpose()?;
         }
         Ok(first.into_iter().chain(outs).map(Slot::Value).collect())
     }

@@ -316,19 +316,66 @@ impl OnnxModel {
                 at += 1;
                 continue;
             };
-            let (out, name) = (self.steps[at].outputs[0], self.steps[at].op_name.clone());
-            let step = &mut self.steps[layer];
-            match act {
+            self.absorb(at, layer, |step| match act {
                 Activation::Relu => step.relu = true,
                 other => step.activation = Some(other),
-            }
-            step.op_name.push('+');
-            step.op_name.push_str(&name);
-            step.outputs[0] = out;
-            self.remove_step(at);
+            });
             fused += 1;
         }
         fused
+    }
+
+    /// Folds each 2×2, stride-2 max pool (no padding, floor mode) that alone reads a
+    /// convolution with a fused ReLU into that convolution: on the host path the pooled
+    /// maximum is what the register tile stores, so the convolution's full output never
+    /// reaches memory (W3 / LeNet / VGG-style blocks). Returns how many were fused.
+    pub(super) fn fuse_relu_pools(&mut self) -> usize {
+        let mut fused = 0;
+        let mut at = 0;
+        while at < self.steps.len() {
+            let conv = match self.steps[at].op.node() {
+                Some(node @ Node::MaxPool2d(n))
+                    if !n.config.ceil_mode && super::ops::nn::is_plain_2x2(node) =>
+                {
+                    self.steps[at]
+                        .inputs
+                        .first()
+                        .copied()
+                        .flatten()
+                        .and_then(|x| self.sole_producer(x))
+                        .filter(|&c| {
+                            let c = &self.steps[c];
+                            matches!(c.op.node(), Some(Node::Conv2d(_)))
+                                && c.relu
+                                && c.activation.is_none()
+                                && c.residual.is_none()
+                                && !c.pool
+                                && c.outputs.len() == 1
+                        })
+                }
+                _ => None,
+            };
+            let Some(conv) = conv else {
+                at += 1;
+                continue;
+            };
+            self.absorb(at, conv, |step| step.pool = true);
+            fused += 1;
+        }
+        fused
+    }
+
+    /// Moves one-output step `at`, the sole reader of step `into`'s output, into `into`:
+    /// `mark` records on `into` what it now computes, `into` takes `at`'s output and name, and
+    /// `at` is removed.
+    fn absorb(&mut self, at: usize, into: usize, mark: impl FnOnce(&mut super::Step)) {
+        let (out, name) = (self.steps[at].outputs[0], self.steps[at].op_name.clone());
+        let step = &mut self.steps[into];
+        mark(step);
+        step.op_name.push('+');
+        step.op_name.push_str(&name);
+        step.outputs[0] = out;
+        self.remove_step(at);
     }
 
     /// Folds each residual `Add` of a convolution's output and an earlier value into that

@@ -29,7 +29,9 @@ use super::value::{Value, ValueKind};
 use crate::infer::batch_norm_affine;
 use crate::kernels::activation::{Activation, activate, erf_in_place};
 use crate::kernels::conv::ConvShape;
-use crate::kernels::implicit::{ConvWeights, conv2d_nhwc_fused_new, linear_rows};
+use crate::kernels::implicit::{
+    ConvWeights, conv2d_nhwc_fused_new, conv2d_nhwc_relu_pool2_new, linear_rows,
+};
 use crate::kernels::layer_norm::layer_norm_rows;
 use crate::kernels::nhwc::{
     Arith, DepthwiseWeights, PoolKind, Window2d, arith_channels_in_place, arith_in_place,
@@ -242,6 +244,8 @@ pub(super) struct HostStep<'a> {
     pub act: Option<Activation>,
     /// A residual fused into a Conv: the input index of the value added before the ReLU.
     pub residual: Option<usize>,
+    /// A 2×2, stride-2 max pool fused after a Conv's ReLU.
+    pub pool: bool,
     pub device: &'a Device,
 }
 
@@ -270,7 +274,15 @@ pub(super) fn run(
             };
             let residual = step.residual.and_then(|i| take(ins, i));
             let x = take(ins, 0)?;
-            Some(conv(x, packed, &window, (step.act, residual), step.device))
+            let out = conv(
+                x,
+                packed,
+                &window,
+                (step.act, residual),
+                step.pool,
+                step.device,
+            );
+            Some(out)
         }
         Node::Erf(_) if rows_in => {
             let Some(Slot::Rows(rows)) = take(ins, 0) else {
@@ -306,6 +318,7 @@ pub(super) fn run(
         }
         Node::Concat(n) if n.config.axis == 1 => concat_channels(ins),
         Node::Transpose(n) => relayout(ins, &n.config.perm),
+        Node::Flatten(n) if image_in => layout::flatten(ins, n.config.axis),
         Node::Shape(n) => layout::shape(ins, n.config.start, n.config.end, step.device),
         Node::Slice(n) if image_in => layout::slice_channels(ins, &n.config),
         Node::Split(n) if image_in && n.config.axis == 1 => {
@@ -578,6 +591,7 @@ fn conv(
     packed: &PackedConv,
     window: &Window,
     (act, residual): (Option<Activation>, Option<Slot>),
+    pool: bool,
     device: &Device,
 ) -> Result<Vec<Slot>, OnnxError> {
     let image = x.into_image()?;
@@ -637,6 +651,12 @@ fn conv(
                 dilation: window.dilation,
             };
             let _op = tracing::trace_span!("kiln.conv2d_nhwc", input = ?image.dims, cout).entered();
+            if pool && in_store.is_none() && act_now == Some(Activation::Relu) {
+                // The pooled maximum is what the kernel stores (`fuse_relu_pools`).
+                let out = conv2d_nhwc_relu_pool2_new(&s, &image.data, weights);
+                let pooled = Image::new(out, [n, oh / 2, ow / 2, cout]);
+                return Ok(vec![Slot::Image(pooled)]);
+            }
             let residual = in_store.as_ref().map(|r| &r.data[..]);
             conv2d_nhwc_fused_new(&s, &image.data, weights, residual, act_now)
         }
@@ -656,10 +676,36 @@ fn conv(
         }
     };
     let out = Image::new(out, out_dims);
-    match after {
+    let outs = match after {
         Some(r) => add_residual(out, r, act, device),
         None => Ok(vec![Slot::Image(out)]),
+    };
+    if pool {
+        outs.and_then(max_pool_2x2)
+    } else {
+        outs
     }
+}
+
+/// The 2×2, stride-2 max pool fused into a convolution at load, over its first output,
+/// where its kernel did not pool in its store (a depthwise or int8 convolution).
+pub(super) fn max_pool_2x2(mut outs: Vec<Slot>) -> Result<Vec<Slot>, OnnxError> {
+    let Some(first) = outs.first_mut() else {
+        return Ok(outs);
+    };
+    let image =
+        std::mem::replace(first, Slot::Rows(Rows::new(Vec::new(), Vec::new()))).into_image()?;
+    let win = Window2d {
+        dims: image.dims,
+        kernel: [2, 2],
+        stride: [2, 2],
+        dilation: [1, 1],
+        pads: [(0, 0); 2],
+        ceil_mode: false,
+    };
+    let pooled = pool2d(&image.data, &win, PoolKind::Max);
+    *first = Slot::Image(Image::new(pooled, win.out_dims()));
+    Ok(outs)
 }
 
 /// `out + r`, then `act`, for a residual that was not summed in a kernel's

@@ -147,6 +147,26 @@ pub fn max_pool(x: Value, w: &Window, ceil_mode: bool) -> Result<Value, OnnxErro
     Ok(Value::float(max_pool2d(x, options)))
 }
 
+/// Whether `node`'s window is 2×2 with stride 2, no dilation and no padding: the pool a
+/// convolution with a ReLU takes into its store at load.
+pub fn is_plain_2x2(node: &onnx_ir::Node) -> bool {
+    let Ok(w) = super::node_window(node) else {
+        return false;
+    };
+    w.kernel == [2, 2]
+        && w.stride == [2, 2]
+        && w.dilation == [1, 1]
+        && !matches!(w.auto_pad, AutoPad::SameUpper | AutoPad::SameLower)
+        && w.pads([64, 64]) == [(0, 0); 2]
+}
+
+/// The 2×2, stride-2 max pool fused into a convolution at load ([`is_plain_2x2`]), on
+/// values (where the step did not run on the host's kernels).
+pub fn max_pool_2x2(x: Value) -> Result<Value, OnnxError> {
+    let x = image(x, "MaxPool")?;
+    Ok(Value::float(kernels::max_pool2d(x, [2, 2], [2, 2])))
+}
+
 /// Average pooling (pads, ceil mode, with or without the padding counted).
 pub fn avg_pool(
     x: Value,
