@@ -24,10 +24,12 @@ use std::time::{Duration, Instant};
 /// virtual machine), short enough that an idle process stops burning its cores at once.
 pub const LINGER: Duration = Duration::from_micros(500);
 
-/// End of the current linger, in nanoseconds since [`epoch`].
+/// End of the current linger, in [`nanos_since_epoch`]'s time.
 static LINGER_UNTIL: AtomicU64 = AtomicU64::new(0);
 
-/// Lingering jobs spawned and not yet returned.
+/// Lingering jobs spawned and not yet returned, process-wide: with several pools, a run
+/// tops up only what no other pool's lingerers already hold (fewer lingerers, never a
+/// wrong result).
 static LINGERING: AtomicUsize = AtomicUsize::new(0);
 
 thread_local! {

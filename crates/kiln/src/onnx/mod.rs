@@ -169,6 +169,10 @@ struct Step {
 /// ones hop if their first run split any op.
 const POOL_HOP_MIN_NODES: usize = 16;
 
+/// Batches from this size on hop onto the pool whatever the graph's size (their work
+/// splits; what a first small run learned does not hold for them).
+const POOL_HOP_MIN_BATCH: usize = 8;
+
 /// An imported ONNX model on a device.
 #[derive(Debug)]
 pub struct OnnxModel {
@@ -287,10 +291,12 @@ impl OnnxModel {
     /// operator is an error naming the node, never a panic.
     pub fn run(&self, inputs: Vec<Value>) -> Result<Vec<Value>, OnnxError> {
         self.check_inputs(&inputs)?;
-        // A small graph hops onto the pool only if its work splits (`RunPlacement`): W3
-        // exported from PyTorch has 8 nodes, and its conv2 and fc1 each paid a wake-up of
-        // an idle worker when run from the calling thread.
-        let small = self.steps.len() < POOL_HOP_MIN_NODES;
+        // A small graph at a small batch hops onto the pool only if its work splits
+        // (`RunPlacement`): W3 exported from PyTorch has 8 nodes, and its conv2 and fc1 each
+        // paid a wake-up of an idle worker when run from the calling thread.
+        let batch = inputs.first().and_then(|v| v.dims().first().copied());
+        let small =
+            self.steps.len() < POOL_HOP_MIN_NODES && batch.is_none_or(|b| b < POOL_HOP_MIN_BATCH);
         self.placement.run(small, || self.run_here(inputs))
     }
 

@@ -690,11 +690,10 @@ fn conv(
 /// The 2×2, stride-2 max pool fused into a convolution at load, over its first output,
 /// where its kernel did not pool in its store (a depthwise or int8 convolution).
 pub(super) fn max_pool_2x2(mut outs: Vec<Slot>) -> Result<Vec<Slot>, OnnxError> {
-    let Some(first) = outs.first_mut() else {
+    if outs.is_empty() {
         return Ok(outs);
-    };
-    let image =
-        std::mem::replace(first, Slot::Rows(Rows::new(Vec::new(), Vec::new()))).into_image()?;
+    }
+    let image = outs.remove(0).into_image()?;
     let win = Window2d {
         dims: image.dims,
         kernel: [2, 2],
@@ -704,7 +703,7 @@ pub(super) fn max_pool_2x2(mut outs: Vec<Slot>) -> Result<Vec<Slot>, OnnxError> 
         ceil_mode: false,
     };
     let pooled = pool2d(&image.data, &win, PoolKind::Max);
-    *first = Slot::Image(Image::new(pooled, win.out_dims()));
+    outs.insert(0, Slot::Image(Image::new(pooled, win.out_dims())));
     Ok(outs)
 }
 
