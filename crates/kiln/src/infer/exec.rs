@@ -197,12 +197,6 @@ impl Prepared {
     }
 }
 
-/// Batches from this size on run their forward on a pool thread ([`Executor::forward`]).
-const POOL_HOP_MIN_BATCH: usize = 8;
-/// Graphs with this many nodes run their forward on a pool thread at any batch size: their
-/// many small ops each have parallel parts (W4: 45 nodes).
-const POOL_HOP_MIN_NODES: usize = 16;
-
 /// A graph ready to run on a device.
 #[derive(Debug)]
 pub struct Executor {
@@ -439,9 +433,9 @@ impl Executor {
     /// is learned from the first one (Kiln's f32 convolution counts its splits): W3 f32 at
     /// batch 1 splits its conv2 and hops, median 0.178 → 0.163 ms.
     pub fn forward(&self, images: Tensor<4>) -> Result<Tensor<2>> {
-        let small =
-            images.dims()[0] < POOL_HOP_MIN_BATCH && self.graph.nodes.len() < POOL_HOP_MIN_NODES;
-        self.placement.run(small, || self.forward_here(images))
+        let (nodes, batch) = (self.graph.nodes.len(), images.dims()[0]);
+        self.placement
+            .run(nodes, Some(batch), || self.forward_here(images))
     }
 
     fn forward_here(&self, images: Tensor<4>) -> Result<Tensor<2>> {

@@ -76,13 +76,29 @@ pub struct RunPlacement {
     small_splits: OnceLock<bool>,
 }
 
+/// Graphs with at least this many nodes run on the pool at any batch: their many small ops
+/// each have parallel parts (W4: 45 nodes; a small ResNet's batch-1 time was mostly
+/// cross-thread wake-ups before it hopped).
+const HOP_MIN_NODES: usize = 16;
+
+/// Batches from this size on run on the pool whatever the graph's size: their work splits,
+/// and what a small first run learned does not hold for them.
+const HOP_MIN_BATCH: usize = 8;
+
 impl RunPlacement {
-    /// Runs `run` where it is fastest: in place on a pool thread, on the pool for a large
-    /// run (`small == false`) or a small one that splits, else on this thread.
-    pub fn run<R: Send>(&self, small: bool, run: impl FnOnce() -> R + Send) -> R {
+    /// Runs `run` — a graph of `nodes` nodes at `batch` (`None`: no batch axis) — where it is
+    /// fastest: in place on a pool thread; on the pool for a large graph or batch, or a small
+    /// one that splits; else on this thread.
+    pub fn run<R: Send>(
+        &self,
+        nodes: usize,
+        batch: Option<usize>,
+        run: impl FnOnce() -> R + Send,
+    ) -> R {
         if rayon::current_thread_index().is_some() {
             return run();
         }
+        let small = nodes < HOP_MIN_NODES && batch.is_none_or(|b| b < HOP_MIN_BATCH);
         if small {
             match self.small_splits.get() {
                 Some(true) => {}
@@ -206,7 +222,7 @@ mod tests {
         use crate::kernels::implicit::{ConvWeights, linear_rows};
         let alone = RunPlacement::default();
         for _ in 0..3 {
-            assert_eq!(alone.run(true, rayon::current_thread_index), None);
+            assert_eq!(alone.run(1, Some(1), rayon::current_thread_index), None);
         }
         // 1024 × 512 weights: above the size from which a linear layer splits at any batch.
         let (inputs, outputs) = (1024, 512);
@@ -219,16 +235,25 @@ mod tests {
             (rayon::current_thread_index(), out[0])
         };
         let splitting = RunPlacement::default();
-        let (first, value) = splitting.run(true, layer);
+        let (first, value) = splitting.run(1, Some(1), layer);
         assert_eq!(first, None, "the first small run learns in place");
         assert_eq!(
             value,
             (0..inputs).map(|i| ((i * outputs) % 7) as f32).sum::<f32>()
         );
-        let (second, _) = splitting.run(true, layer);
+        let (second, _) = splitting.run(1, Some(1), layer);
         assert_eq!(second.is_some(), rayon::current_num_threads() > 1);
-        // A large run goes to the pool without learning.
+        // A large graph, or a large batch, goes to the pool without learning.
         let large = RunPlacement::default();
-        assert!(large.run(false, rayon::current_thread_index).is_some());
+        assert!(
+            large
+                .run(HOP_MIN_NODES, Some(1), rayon::current_thread_index)
+                .is_some()
+        );
+        assert!(
+            large
+                .run(1, Some(HOP_MIN_BATCH), rayon::current_thread_index)
+                .is_some()
+        );
     }
 }

@@ -163,16 +163,6 @@ struct Step {
     pool: bool,
 }
 
-/// Graphs with at least this many nodes run on a rayon pool thread: their many small ops
-/// each have parallel parts, and a parallel op called from outside the pool pays a
-/// cross-thread wake-up per call (measured: most of a small ResNet's batch-1 time). Smaller
-/// ones hop if their first run split any op.
-const POOL_HOP_MIN_NODES: usize = 16;
-
-/// Batches from this size on hop onto the pool whatever the graph's size (their work
-/// splits; what a first small run learned does not hold for them).
-const POOL_HOP_MIN_BATCH: usize = 8;
-
 /// An imported ONNX model on a device.
 #[derive(Debug)]
 pub struct OnnxModel {
@@ -295,9 +285,8 @@ impl OnnxModel {
         // (`RunPlacement`): W3 exported from PyTorch has 8 nodes, and its conv2 and fc1 each
         // paid a wake-up of an idle worker when run from the calling thread.
         let batch = inputs.first().and_then(|v| v.dims().first().copied());
-        let small =
-            self.steps.len() < POOL_HOP_MIN_NODES && batch.is_none_or(|b| b < POOL_HOP_MIN_BATCH);
-        self.placement.run(small, || self.run_here(inputs))
+        self.placement
+            .run(self.steps.len(), batch, || self.run_here(inputs))
     }
 
     fn run_here(&self, inputs: Vec<Value>) -> Result<Vec<Value>, OnnxError> {

@@ -415,17 +415,16 @@ impl OnnxModel {
                 at += 1;
                 continue;
             };
-            let (out, relu) = (self.steps[at].outputs[0], self.steps[at].relu);
-            let c = &mut self.steps[conv];
-            // Conv inputs: x, weight, bias (absent: None), then the residual.
-            c.inputs.resize(3, None);
-            c.inputs.push(Some(skip));
-            c.residual = Some(3);
-            c.relu = relu;
-            c.outputs[0] = out;
-            c.op_name.push_str(if relu { "+Add+Relu" } else { "+Add" });
+            let relu = self.steps[at].relu;
             self.uses[skip] += 1;
-            self.remove_step(at);
+            // The Add's name is "Add", or "Add+Relu" with its ReLU fused.
+            self.absorb(at, conv, |c| {
+                // Conv inputs: x, weight, bias (absent: None), then the residual.
+                c.inputs.resize(3, None);
+                c.inputs.push(Some(skip));
+                c.residual = Some(3);
+                c.relu = relu;
+            });
             fused += 1;
         }
         fused

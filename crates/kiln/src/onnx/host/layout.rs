@@ -12,7 +12,6 @@ use onnx_ir::node::slice::{SliceConfig, SliceInput};
 use super::super::ops::shape::{axis_index, reshaped_dims, shape_of, slice_range};
 use super::super::shuffle::{ChannelShuffle, ShapeSpec};
 use super::{Image, OnnxError, Rows, Slot, ValueKind, take};
-use crate::kernels::nhwc::nhwc_to_nchw;
 
 /// `Flatten` of a host image at `axis`: host rows `[∏ dims[..axis], ∏ dims[axis..]]` of its
 /// NCHW values (transposed once on the host; the value path converted the image to a
@@ -30,12 +29,10 @@ pub(super) fn flatten(
     let axis = axis.min(nchw.len());
     let outer = nchw[..axis].iter().product();
     let inner = nchw[axis..].iter().product();
-    let data = if h * w == 1 || c == 1 {
-        image.into_vec()
-    } else {
-        nhwc_to_nchw(&image.data, image.dims)
-    };
-    Some(Ok(vec![Slot::Rows(Rows::new(data, vec![outer, inner]))]))
+    Some(Ok(vec![Slot::Rows(Rows::new(
+        image.into_nchw(),
+        vec![outer, inner],
+    ))]))
 }
 
 /// `Shape` of a host image (its NCHW dimensions) or of host rows, read without converting

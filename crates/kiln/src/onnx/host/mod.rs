@@ -80,15 +80,20 @@ impl Image {
     /// The image as an NCHW value on `device`.
     fn into_value(self, device: &Device) -> Result<Value, OnnxError> {
         let [n, h, w, c] = self.dims;
-        let nchw = if h * w == 1 || c == 1 {
+        Ok(Value::float(Tensor::<4>::from_data(
+            TensorData::new(self.into_nchw(), [n, c, h, w]),
+            device,
+        )))
+    }
+
+    /// The values in NCHW order (transposed, except where both layouts coincide).
+    fn into_nchw(self) -> Vec<f32> {
+        let [_, h, w, c] = self.dims;
+        if h * w == 1 || c == 1 {
             self.into_vec()
         } else {
             nhwc_to_nchw(&self.data, self.dims)
-        };
-        Ok(Value::float(Tensor::<4>::from_data(
-            TensorData::new(nchw, [n, c, h, w]),
-            device,
-        )))
+        }
     }
 
     /// The values, copied only when another reader still holds them.
