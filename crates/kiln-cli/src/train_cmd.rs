@@ -2,10 +2,18 @@
 
 use std::path::PathBuf;
 
+use std::path::Path;
+use std::sync::Arc;
+
 use anyhow::{Context, Result, bail};
 use kiln::Trainer;
+use kiln::data::Dataset;
 use kiln::datasets::{self, Split};
+use kiln::distributed::DeviceGroup;
 use kiln::observe::{EventSink, FanOut, JsonLinesSink, NullSink, TensorBoardSink, memory};
+use kiln::plan::Plan;
+use kiln::train::TrainOutcome;
+use kiln::zoo::ZooModel;
 
 use crate::TrainArgs;
 use crate::launch;
@@ -95,16 +103,21 @@ pub fn run(args: TrainArgs) -> Result<()> {
         fan = fan.with(tb);
     }
     let sink: &mut dyn EventSink = &mut fan;
-    let model = plan.model;
-    let mut trainer =
-        Trainer::new(plan.train.clone(), plan.backend.device(), sink).with_plan(plan.to_json());
-    if let Some(path) = resume {
-        trainer = trainer.resume_from(path);
-    }
-    if let Some(c) = &collective {
-        trainer = trainer.with_collective(c.clone());
-    }
-    let outcome = trainer.fit(model.name(), |d| model.init(d), &*train, Some(&*test))?;
+    let outcome = match plan.data_parallel.gpus {
+        Some(n) => fit_on_gpus(&plan, n, sink, resume.as_deref(), &*train, &*test)?,
+        None => {
+            let model = plan.model;
+            let mut trainer = Trainer::new(plan.train.clone(), plan.backend.device(), sink)
+                .with_plan(plan.to_json());
+            if let Some(path) = resume {
+                trainer = trainer.resume_from(path);
+            }
+            if let Some(c) = &collective {
+                trainer = trainer.with_collective(c.clone());
+            }
+            trainer.fit(model.name(), |d| model.init(d), &*train, Some(&*test))?
+        }
+    };
     if !args.json && leader {
         let s = &outcome.summary;
         println!(
@@ -122,4 +135,49 @@ pub fn run(args: TrainArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `train.data_parallel = "gpus"`: one rank per CUDA device as threads of this process (a
+/// [`DeviceGroup`]), rank 0 on this thread reporting to `sink`, the others quiet; returns
+/// rank 0's outcome (every rank ends with the same model).
+fn fit_on_gpus(
+    plan: &Plan,
+    gpus: usize,
+    sink: &mut dyn EventSink,
+    resume: Option<&Path>,
+    train: &dyn Dataset,
+    test: &dyn Dataset,
+) -> Result<TrainOutcome<ZooModel>> {
+    let devices: Vec<_> = kiln::distributed::cuda_devices()
+        .into_iter()
+        .take(gpus)
+        .collect();
+    let mut members = DeviceGroup::new(devices)?.into_iter();
+    let leader = members.next().context("a device group has a first rank")?;
+    let fit = |member: DeviceGroup, sink: &mut dyn EventSink| {
+        let device = member.device().clone();
+        let model = plan.model;
+        let mut trainer = Trainer::new(plan.train.clone(), device, sink)
+            .with_plan(plan.to_json())
+            .with_collective(Arc::new(member));
+        if let Some(path) = resume {
+            trainer = trainer.resume_from(path);
+        }
+        trainer.fit(model.name(), |d| model.init(d), train, Some(test))
+    };
+    std::thread::scope(|s| {
+        let others: Vec<_> = members
+            .map(|member| s.spawn(|| fit(member, &mut NullSink)))
+            .collect();
+        let outcome = fit(leader, sink);
+        for (rank, handle) in others.into_iter().enumerate() {
+            match handle.join() {
+                Ok(result) => {
+                    result.with_context(|| format!("GPU rank {}", rank + 1))?;
+                }
+                Err(_) => bail!("GPU rank {} panicked", rank + 1),
+            }
+        }
+        Ok(outcome?)
+    })
 }

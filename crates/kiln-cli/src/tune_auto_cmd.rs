@@ -2,13 +2,15 @@
 //! `kiln.toml`; with `--grid`, also the exhaustive grid over the same space, to measure how
 //! close the tuner gets and at what share of the grid's time.
 
+use std::process::Command;
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{Context, Result, bail};
 use kiln::data::{Dataset, SyntheticDataset};
 use kiln::datasets::{Split, bundled};
+use kiln::plan::autotune;
 use kiln::train::TrainOptions;
-use kiln::tune::auto::{Measured, auto_tune, grid_candidates, run_trial, to_toml};
+use kiln::tune::auto::{AutotuneAb, Measured, auto_tune, grid_candidates, run_trial, to_toml};
 
 use crate::TuneAutoArgs;
 
@@ -35,6 +37,7 @@ pub fn run(args: TuneAutoArgs) -> Result<()> {
         Box::new(SyntheticDataset::new(batch * 16, shape, 10, 7))
     };
     let base: TrainOptions = plan.train.clone();
+    let device = plan.backend.device();
     let steps = args.steps;
     let mut trial = |c: &kiln::tune::auto::Candidate| {
         if !args.json {
@@ -47,13 +50,27 @@ pub fn run(args: TuneAutoArgs) -> Result<()> {
                 c.workers
             );
         }
-        run_trial(model, &*data, &base, c, steps)
+        run_trial(model, &*data, &base, c, steps, &device)
     };
     let budget = match &args.time_budget {
         Some(t) => Some(parse_duration(t)?),
         None => None,
     };
-    let report = auto_tune(batch, threads, false, budget, &mut trial)?;
+    // On a GPU low precision can win and Kiln's CPU kernels do not apply; CubeCL's autotune
+    // level is A/B'd there, each level in its own process.
+    let gpu = plan.backend == kiln::plan::Backend::Cuda;
+    let autotune = if gpu {
+        autotune_ab(model, batch, threads, args.json)?
+    } else {
+        None
+    };
+    let mut report = auto_tune(batch, threads, gpu, budget, &mut trial)?;
+    if !gpu {
+        report
+            .skipped
+            .push("autotune level: Burn's autotune runs on CubeCL backends (cuda) only".into());
+    }
+    report.autotune = autotune;
     let toml = to_toml(&config, model, &report)?;
     kiln::fsutil::write_atomic(&args.out, toml.as_bytes())?;
     // The trials, next to the plan, for `kiln report`.
@@ -110,6 +127,9 @@ pub fn run(args: TuneAutoArgs) -> Result<()> {
     for s in &report.skipped {
         println!("skipped {s}");
     }
+    if let Some(ab) = &report.autotune {
+        println!("{}", ab.reason);
+    }
     println!(
         "best: {:.0} samples/s ({:+.1}% vs f32 baseline) in {} trials, {:.1} s; plan written to {}",
         report.best.samples_per_s,
@@ -135,6 +155,52 @@ pub fn run(args: TuneAutoArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// On a GPU: CubeCL's autotune levels A/B'd on this model's f32 training step, each level in
+/// its own `kiln bench` process (CubeCL fixes the level once per process), CubeCL's default
+/// first; the fastest is kept where it wins by the tuner's margin.
+fn autotune_ab(
+    model: kiln::zoo::ModelKind,
+    batch: usize,
+    threads: usize,
+    quiet: bool,
+) -> Result<Option<AutotuneAb>> {
+    let exe = std::env::current_exe().context("locating the kiln binary")?;
+    let mut measured = Vec::new();
+    for level in [autotune::CUBECL_DEFAULT, "minimal", "extensive"] {
+        if !quiet {
+            eprintln!("kiln tune auto: autotune {level} (its own process) ...");
+        }
+        let out = Command::new(&exe)
+            .env(autotune::ENV, level)
+            .args([
+                "bench",
+                "--workload",
+                model.workload(),
+                "--mode",
+                "precision",
+            ])
+            .args(["--case", "f32", "--threads", &threads.to_string()])
+            .args(["--batch", &batch.to_string()])
+            .output()
+            .context("running an autotune trial")?;
+        if !out.status.success() {
+            bail!(
+                "autotune trial at {level} failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        let line = String::from_utf8_lossy(&out.stdout);
+        let result: serde_json::Value = serde_json::from_str(line.trim())
+            .with_context(|| format!("parsing the autotune trial's output {line:?}"))?;
+        let ms = result["ms_per_step"]
+            .as_f64()
+            .filter(|ms| *ms > 0.0)
+            .with_context(|| format!("no ms_per_step in {line:?}"))?;
+        measured.push((level.to_string(), batch as f64 * 1e3 / ms));
+    }
+    Ok(AutotuneAb::choose(measured))
 }
 
 /// Parses `90s`, `5m`, `1h` or a number of seconds.

@@ -27,9 +27,10 @@ pub fn run(args: TuneBatchArgs) -> Result<()> {
     plan.apply_runtime();
     let (model, threads) = (plan.model, plan.threads);
     if let Some(batch) = args.trial {
-        return trial(model, &plan.train, batch, args.steps);
+        return trial(model, &plan.train, batch, args.steps, plan.backend.device());
     }
-    // The budget: --memory-budget / device.memory_budget_mib, else the machine's memory.
+    // The budget: --memory-budget / device.memory_budget_mib, else the device's memory (the
+    // GPU's on cuda, where a trial reports its device pool's peak).
     let (budget, _) = plan
         .memory_limit()
         .context("this system does not report its memory size: pass --memory-budget (e.g. 8GiB)")?;
@@ -123,9 +124,17 @@ fn run_child(exe: &std::path::Path, batch: usize) -> TrialOutcome {
     }
 }
 
-/// Child side: `steps` timed training steps at `batch` with the plan's options, on synthetic
-/// data of the model's shape; prints one JSON line with the peak RSS and the throughput.
-fn trial(model: ModelKind, base: &TrainOptions, batch: usize, steps: u64) -> Result<()> {
+/// Child side: `steps` timed training steps at `batch` with the plan's options on `device`,
+/// on synthetic data of the model's shape; prints one JSON line with the peak memory (on a
+/// GPU what its pool reserved, which keeps the run's largest need; else the peak RSS) and
+/// the throughput.
+fn trial(
+    model: ModelKind,
+    base: &TrainOptions,
+    batch: usize,
+    steps: u64,
+    device: Device,
+) -> Result<()> {
     let (_, shape) = model.bench_shape();
     let total = WARMUP + steps.max(1);
     let data = SyntheticDataset::new(batch * total as usize, shape, 10, 7);
@@ -145,7 +154,7 @@ fn trial(model: ModelKind, base: &TrainOptions, batch: usize, steps: u64) -> Res
             oom_adaptive: false,
             ..base.clone()
         },
-        Device::flex(),
+        device.clone(),
         &mut sink,
     )
     .fit(model.name(), |d| model.init(d), &data, None)?;
@@ -162,7 +171,10 @@ fn trial(model: ModelKind, base: &TrainOptions, batch: usize, steps: u64) -> Res
         "{}",
         serde_json::json!({
             "batch": batch,
-            "peak_bytes": memory::peak_rss_bytes(),
+            "peak_bytes": device
+                .memory_pool_usage()
+                .map(|pool| pool.bytes_reserved)
+                .or_else(memory::peak_rss_bytes),
             "samples_per_s": batch as f64 / (ms / 1e3),
         })
     );

@@ -110,6 +110,8 @@ fn cuda_without_the_feature_says_how_to_get_it() {
         cuda_compiled: false,
         cuda_driver: false,
         memory: None,
+        gpu_count: 0,
+        gpu_memory: None,
     };
     let msg = message(resolve(&c, &hw).unwrap_err());
     assert!(msg.contains("--features cuda"), "{msg}");
@@ -119,6 +121,8 @@ fn cuda_without_the_feature_says_how_to_get_it() {
         cuda_compiled: true,
         cuda_driver: false,
         memory: None,
+        gpu_count: 0,
+        gpu_memory: None,
     };
     let msg = message(resolve(&c, &hw).unwrap_err());
     assert!(

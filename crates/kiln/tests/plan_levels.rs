@@ -11,6 +11,8 @@ fn hw() -> Hardware {
         cores: 7,
         cuda_compiled: false,
         cuda_driver: false,
+        gpu_count: 0,
+        gpu_memory: None,
         memory: Some((24 << 30, "physical memory")),
     }
 }
@@ -266,9 +268,13 @@ fn every_enum_name_the_schema_accepts_resolves_to_itself() {
             c.set(spec.key, name).unwrap();
             let plan = match resolve(&c, &hw()) {
                 Ok(plan) => plan,
-                // The one name this machine's hardware stub cannot run.
+                // The names this machine's hardware stub (no GPU) cannot run.
                 Err(e) if spec.key == "device.backend" && *name == "cuda" => {
                     assert!(e.to_string().contains("--features cuda"), "{e}");
+                    continue;
+                }
+                Err(e) if spec.key == "train.data_parallel" && *name == "gpus" => {
+                    assert!(e.to_string().contains("needs the cuda backend"), "{e}");
                     continue;
                 }
                 Err(e) => panic!("{} = {name}: {e}", spec.key),
@@ -326,4 +332,65 @@ fn the_plan_says_whether_burns_fusion_and_autotune_run_and_why() {
         cuda.to_string()
             .contains("burn fusion: on, autotune: on on cuda")
     );
+}
+
+/// On `cuda` the auto watermark and the budget are the GPU's memory, not the host's: a run
+/// there adapts its batch before the device runs out, and a budget above host memory but
+/// within the GPU's is accepted.
+#[test]
+fn on_cuda_the_watermark_and_the_budget_are_the_gpus_memory() {
+    let gpu = Hardware {
+        cuda_compiled: true,
+        cuda_driver: true,
+        gpu_count: 1,
+        gpu_memory: Some(80 << 30),
+        ..hw()
+    };
+    let mut c = KilnConfig::default();
+    c.set_level(Level::Advanced);
+    c.set("device.backend", "cuda").unwrap();
+    let p = resolve(&c, &gpu).unwrap();
+    assert_eq!(
+        p.train.memory_watermark,
+        Some(((80u64 << 10) as f64 * 0.85) as u64 * (1 << 20))
+    );
+    match &p.get("observe.memory_watermark_mib").unwrap().source {
+        Source::Probe(why) => assert!(why.contains("85% of 80.0 GiB GPU memory"), "{why}"),
+        other => panic!("watermark source {other}"),
+    }
+    assert_eq!(p.memory_limit(), Some((80 << 30, "GPU memory")));
+    // 64 GiB: more than the host's 24 GiB, within the GPU's 80.
+    c.set("device.memory_budget_mib", "65536").unwrap();
+    assert_eq!(resolve(&c, &gpu).unwrap().memory_budget, Some(64 << 30));
+    c.set("device.memory_budget_mib", "131072").unwrap();
+    let err = resolve(&c, &gpu).unwrap_err().to_string();
+    assert!(err.contains("80.0 GiB GPU memory"), "{err}");
+    // `auto` picks cuda on such a machine, and the GPU's memory with it.
+    let mut auto = KilnConfig::default();
+    auto.set_level(Level::Advanced);
+    assert_eq!(
+        resolve(&auto, &gpu).unwrap().memory_limit(),
+        Some((80 << 30, "GPU memory"))
+    );
+}
+
+/// `train.data_parallel = "gpus"`: one rank per CUDA device the driver reports, shown in the
+/// plan; on the CPU backend it is refused with what it needs.
+#[test]
+fn data_parallel_over_gpus_takes_every_cuda_device_or_says_why_not() {
+    let gpus = Hardware {
+        cuda_compiled: true,
+        cuda_driver: true,
+        gpu_count: 4,
+        gpu_memory: Some(80 << 30),
+        ..hw()
+    };
+    let mut c = KilnConfig::default();
+    c.set("train.data_parallel", "gpus").unwrap();
+    let p = resolve(&c, &gpus).unwrap();
+    assert_eq!(p.data_parallel.gpus, Some(4));
+    assert_eq!(p.to_json()["data_parallel"]["gpus"], 4);
+    assert!(p.to_string().contains("one rank per GPU"), "{p}");
+    let err = resolve(&c, &hw()).unwrap_err().to_string();
+    assert!(err.contains("needs the cuda backend"), "{err}");
 }

@@ -238,12 +238,14 @@ pub static SETTINGS: &[SettingSpec] = &[
     },
     SettingSpec {
         key: "train.data_parallel",
-        kind: Kind::Enum(&["auto", "off"]),
+        kind: Kind::Enum(&["auto", "off", "gpus"]),
         default: S("auto"),
         levels: &[],
         doc: "data parallelism: auto = when launched as one of N ranks (mpirun -n N, or kiln \
               train --processes N; the mpi build), train one model over them, batch_size per \
-              rank, gradients all-reduced once per step; off = refuse a multi-rank launch",
+              rank, gradients all-reduced once per step; gpus = one rank per CUDA device \
+              inside this process, gradients all-reduced on the devices (the cuda build); \
+              off = refuse a multi-rank launch",
     },
     SettingSpec {
         key: "train.keep_checkpoints",
@@ -330,6 +332,15 @@ pub static SETTINGS: &[SettingSpec] = &[
         default: S("auto"),
         levels: &[],
         doc: "tensor backend: flex (embedded CPU), cuda (needs the cuda feature), auto = probe",
+    },
+    SettingSpec {
+        key: "device.autotune",
+        kind: Kind::Enum(&["default", "minimal", "balanced", "extensive", "full"]),
+        default: S("default"),
+        levels: &[],
+        doc: "how many kernel variants Burn's autotune times per shape on cuda (CubeCL's \
+              level, minimal .. full; default = CubeCL's own: balanced, or \
+              CUBECL_AUTOTUNE_LEVEL); `kiln tune auto` A/Bs them on a GPU; no effect on flex",
     },
     SettingSpec {
         key: "device.threads",

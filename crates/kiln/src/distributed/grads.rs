@@ -50,6 +50,12 @@ impl GradReducer {
         grads: GradientsParams,
         collective: &dyn Collective,
     ) -> Result<GradientsParams> {
+        if let Some(devices) = collective.device_group() {
+            // Even a group of one goes through the device collective: it is the code path a
+            // one-GPU machine can test.
+            let device = devices[collective.rank()].clone();
+            return self.reduce_on_device(model, grads, collective, device);
+        }
         if collective.size() <= 1 {
             return Ok(grads);
         }
@@ -65,6 +71,150 @@ impl GradReducer {
         flat.present = flat.values.split_off(n);
         Ok(unflatten(model, grads, &flat))
     }
+}
+
+impl GradReducer {
+    /// [`GradReducer::reduce`] on the device: each bucket is the concatenation of its
+    /// parameters' flattened gradients (zeros where this rank has none), all-reduced by
+    /// Burn's collective across the group's devices and cut back into gradients; only the
+    /// one-per-parameter "has a gradient" flags go through the host.
+    fn reduce_on_device<M: Module>(
+        &self,
+        model: &M,
+        grads: GradientsParams,
+        collective: &dyn Collective,
+        device: Device,
+    ) -> Result<GradientsParams> {
+        let Some(peers) = collective.device_group() else {
+            return Ok(grads);
+        };
+        let mut parts = flatten_on_device(model, &grads, &device);
+        let mut present: Vec<f32> = parts.iter().map(|p| p.present).collect();
+        collective.all_reduce_f32(&mut present, ReduceOp::Sum)?;
+        let mut reduced = Vec::with_capacity(parts.len());
+        let mut start = 0;
+        while start < parts.len() {
+            // A bucket: consecutive parameters up to `bucket_floats` values (at least one).
+            let mut end = start + 1;
+            let mut floats = parts[start].len;
+            while end < parts.len() && floats + parts[end].len <= self.bucket_floats {
+                floats += parts[end].len;
+                end += 1;
+            }
+            let pieces: Vec<Tensor<1>> = parts[start..end]
+                .iter_mut()
+                .map(|p| p.values.take().expect("each part is taken once"))
+                .collect();
+            let bucket = Tensor::cat(pieces, 0);
+            let bucket = burn::tensor::distributed::all_reduce(
+                bucket,
+                burn::tensor::distributed::ReduceOperation::Sum,
+                peers.to_vec(),
+            )
+            .resolve();
+            let mut offset = 0;
+            for p in &parts[start..end] {
+                reduced.push(bucket.clone().slice(offset..offset + p.len));
+                offset += p.len;
+            }
+            start = end;
+        }
+        Ok(unflatten_on_device(model, grads, &parts, &present, reduced))
+    }
+}
+
+/// One parameter's gradient on the device, flattened, before the reduction.
+struct DevicePart {
+    dims: Vec<usize>,
+    len: usize,
+    /// 1 when this rank has a gradient for it.
+    present: f32,
+    /// The flattened gradient (zeros where this rank has none), until it joins a bucket.
+    values: Option<Tensor<1>>,
+}
+
+/// Every parameter's gradient flattened on `device`, in visit order.
+fn flatten_on_device<M: Module>(
+    model: &M,
+    grads: &GradientsParams,
+    device: &Device,
+) -> Vec<DevicePart> {
+    struct Collect<'a> {
+        grads: &'a GradientsParams,
+        device: &'a Device,
+        parts: Vec<DevicePart>,
+    }
+    impl ModuleVisitor for Collect<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let (dims, values, present) = match self.grads.get::<D>(param.id) {
+                Some(g) => {
+                    let dims = g.dims().to_vec();
+                    let n = dims.iter().product::<usize>();
+                    (dims, g.reshape([n]), 1.0)
+                }
+                None => {
+                    let dims = param.val().dims().to_vec();
+                    let n = dims.iter().product::<usize>();
+                    (dims, Tensor::<1>::zeros([n], self.device), 0.0)
+                }
+            };
+            self.parts.push(DevicePart {
+                len: values.dims()[0],
+                dims,
+                present,
+                values: Some(values),
+            });
+        }
+    }
+    let mut c = Collect {
+        grads,
+        device,
+        parts: Vec::new(),
+    };
+    model.visit(&mut c);
+    c.parts
+}
+
+/// Registers the reduced gradients of the parameters some rank had one for.
+fn unflatten_on_device<M: Module>(
+    model: &M,
+    mut grads: GradientsParams,
+    parts: &[DevicePart],
+    present: &[f32],
+    reduced: Vec<Tensor<1>>,
+) -> GradientsParams {
+    struct Write<'a> {
+        grads: &'a mut GradientsParams,
+        parts: &'a [DevicePart],
+        present: &'a [f32],
+        reduced: std::vec::IntoIter<Tensor<1>>,
+        next: usize,
+    }
+    impl ModuleVisitor for Write<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let i = self.next;
+            self.next += 1;
+            let (Some(values), Some(part)) = (self.reduced.next(), self.parts.get(i)) else {
+                return;
+            };
+            let _ = self.grads.remove::<D>(param.id);
+            // A parameter no rank had a gradient for (frozen) stays without one.
+            if self.present.get(i).is_none_or(|&p| p == 0.0) {
+                return;
+            }
+            if let Ok(dims) = <[usize; D]>::try_from(part.dims.as_slice()) {
+                self.grads.register::<D>(param.id, values.reshape(dims));
+            }
+        }
+    }
+    model.visit(&mut Write {
+        grads: &mut grads,
+        parts,
+        present,
+        reduced: reduced.into_iter(),
+        next: 0,
+    });
+    grads
 }
 
 /// A step's gradients on the host, in parameter visit order.

@@ -6,6 +6,8 @@
 //! - [`SingleProcess`]: a world of one (every call a no-op), what a plain run uses;
 //! - [`ThreadGroup`]: ranks as threads of one process, for tests and for trying data
 //!   parallelism without a launcher;
+//! - [`DeviceGroup`]: ranks as threads, one accelerator each, the gradients all-reduced on
+//!   the devices by Burn's own collective (`DistributedContext`, NCCL on CUDA);
 //! - `MpiCollective` (cargo feature `mpi`, module `mpi`): MPI through the `mpi` crate (rsmpi)
 //!   on the system's MPI library (Debian's Open MPI), launched as HPC users do
 //!   (`mpirun -n 4 kiln train ...`), across processes and machines.
@@ -18,11 +20,13 @@
 //! clipping see the same numbers on every rank and take the same decisions.
 //! `docs/distributed.md` explains the choices.
 
+mod devices;
 pub mod grads;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 mod thread_group;
 
+pub use devices::{DeviceGroup, cuda_devices};
 pub use grads::{
     GradReducer, ReduceStats, broadcast_params, check_replicas, check_same_settings,
     refuse_batch_norm,
@@ -30,6 +34,7 @@ pub use grads::{
 pub use thread_group::ThreadGroup;
 
 use crate::error::Result;
+use burn::tensor::Device;
 
 /// How values from all ranks combine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,8 +61,15 @@ pub trait Collective: Send + Sync {
     fn broadcast_f32(&self, buf: &mut [f32], root: usize) -> Result<()>;
     /// Returns when every rank has called it.
     fn barrier(&self) -> Result<()>;
-    /// The engine, for logs and the plan (`"single"`, `"threads"`, `"mpi"`).
+    /// The engine, for logs and the plan (`"single"`, `"threads"`, `"devices"`, `"mpi"`).
     fn engine(&self) -> &'static str;
+
+    /// The devices, in rank order, of an engine that all-reduces gradients where they live
+    /// (Burn's collective on accelerators, [`DeviceGroup`]); `None` (the default): gradients
+    /// are reduced as host buffers through [`Collective::all_reduce_f32`].
+    fn device_group(&self) -> Option<&[Device]> {
+        None
+    }
 
     /// Every rank's `mine` (the same length on every rank), by rank: `size · mine.len()`
     /// values from one all-reduce, each rank filling its own slot of zeros (a value summed

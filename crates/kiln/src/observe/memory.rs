@@ -25,6 +25,26 @@ pub fn in_use_reading() -> Option<u64> {
     super::heap::take_peak_bytes().or_else(current_rss_bytes)
 }
 
+/// The reading a memory watermark compares for a run on `device`: on an accelerator with a
+/// memory pool (the CubeCL backends: CUDA), the bytes the pool has reserved on the device —
+/// what the device really holds, as `torch.cuda.memory_reserved` reports; it includes the
+/// step's activations, which are freed by the time the step ends, because the pool keeps
+/// their pages — else the host reading ([`in_use_reading`]). The trainer releases the pool's
+/// idle pages ([`release_device_pages`]) after halving a micro-batch, so the next reading
+/// shows what the smaller micro-batch needs.
+pub fn in_use_reading_on(device: &burn::tensor::Device) -> Option<u64> {
+    match device.memory_pool_usage() {
+        Some(pool) => Some(pool.bytes_reserved),
+        None => in_use_reading(),
+    }
+}
+
+/// Asks `device`'s memory pool to release the pages it holds idle (a no-op on backends
+/// without one: `flex` returns freed memory to the allocator at once).
+pub fn release_device_pages(device: &burn::tensor::Device) {
+    device.memory_cleanup();
+}
+
 /// The memory this process may use, bytes, and where that figure comes from: the cgroup's
 /// limit when one is set (containers, CI runners), else the machine's physical memory.
 pub fn memory_limit() -> Option<(u64, &'static str)> {

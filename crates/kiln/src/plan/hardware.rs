@@ -33,9 +33,9 @@ impl Backend {
     pub fn device(self) -> burn::tensor::Device {
         match self {
             Backend::Flex => burn::tensor::Device::flex(),
-            #[cfg(feature = "cuda")]
+            #[cfg(feature = "cuda-eager")]
             Backend::Cuda => burn::tensor::Device::cuda(0),
-            #[cfg(not(feature = "cuda"))]
+            #[cfg(not(feature = "cuda-eager"))]
             Backend::Cuda => burn::tensor::Device::flex(),
         }
     }
@@ -53,6 +53,11 @@ pub struct Hardware {
     /// Host memory this process may use, bytes, and what bounds it (the cgroup limit or
     /// physical memory); `None` where the system does not say.
     pub memory: Option<(u64, &'static str)>,
+    /// CUDA devices the driver reports (0 without a cuda build or a driver).
+    pub gpu_count: usize,
+    /// Memory of the first CUDA device, bytes (a cuda build with the driver; `None`
+    /// otherwise): what a run on `cuda` budgets against instead of host memory.
+    pub gpu_memory: Option<u64>,
 }
 
 impl Hardware {
@@ -62,9 +67,20 @@ impl Hardware {
             cores: std::thread::available_parallelism()
                 .map(|n| n.get())
                 .unwrap_or(1),
-            cuda_compiled: cfg!(feature = "cuda"),
+            cuda_compiled: cfg!(feature = "cuda-eager"),
             cuda_driver: cuda_driver_present(),
             memory: crate::observe::memory::memory_limit(),
+            gpu_count: cuda_devices().map_or(0, |c| c.count),
+            gpu_memory: cuda_devices().map(|c| c.memory),
+        }
+    }
+
+    /// The memory a run on `backend` has, bytes, and what it is: the GPU's memory on `cuda`
+    /// (where the probe read it), else the host's ([`Hardware::memory`]).
+    pub fn memory_for(&self, backend: Backend) -> Option<(u64, &'static str)> {
+        match (backend, self.gpu_memory) {
+            (Backend::Cuda, Some(bytes)) => Some((bytes, "GPU memory")),
+            _ => self.memory,
         }
     }
 
@@ -111,7 +127,7 @@ impl Hardware {
 
 /// Whether the NVIDIA driver library loads. cudarc loads it lazily and panics on a worker
 /// thread when it is missing, so Kiln checks first and reports a clear error instead.
-#[cfg(feature = "cuda")]
+#[cfg(feature = "cuda-eager")]
 fn cuda_driver_present() -> bool {
     [c"libcuda.so.1", c"libcuda.so"].iter().any(|name| {
         // SAFETY: dlopen/dlclose with a valid NUL-terminated name; the handle is closed
@@ -128,7 +144,61 @@ fn cuda_driver_present() -> bool {
     })
 }
 
-#[cfg(not(feature = "cuda"))]
+#[cfg(not(feature = "cuda-eager"))]
 fn cuda_driver_present() -> bool {
     false
+}
+
+/// What the CUDA driver reports: the devices and the first one's memory.
+#[derive(Debug, Clone, Copy)]
+struct CudaDevices {
+    count: usize,
+    memory: u64,
+}
+
+/// The CUDA devices, read once through the driver API (`cuInit`, `cuDeviceGetCount`,
+/// `cuDeviceGet`, `cuDeviceTotalMem_v2` from `libcuda.so.1`); `None` without a driver or a
+/// device. Read here rather than through Burn so that the plan can size the watermark and
+/// the ranks before any device is opened.
+#[cfg(feature = "cuda-eager")]
+fn cuda_devices() -> Option<CudaDevices> {
+    static FOUND: std::sync::OnceLock<Option<CudaDevices>> = std::sync::OnceLock::new();
+    *FOUND.get_or_init(|| {
+        type Init = unsafe extern "C" fn(u32) -> i32;
+        type Count = unsafe extern "C" fn(*mut i32) -> i32;
+        type Get = unsafe extern "C" fn(*mut i32, i32) -> i32;
+        type Total = unsafe extern "C" fn(*mut usize, i32) -> i32;
+        // SAFETY: the symbols are the CUDA driver API's, called with their documented
+        // signatures (CUresult = int, CUdevice = int, int and size_t out-parameters); the
+        // library stays loaded (cudarc loads it again later; dlopen counts references).
+        unsafe {
+            let lib = [c"libcuda.so.1", c"libcuda.so"]
+                .iter()
+                .map(|name| libc::dlopen(name.as_ptr(), libc::RTLD_LAZY))
+                .find(|h| !h.is_null())?;
+            let sym = |name: &std::ffi::CStr| {
+                let f = libc::dlsym(lib, name.as_ptr());
+                (!f.is_null()).then_some(f)
+            };
+            let init: Init = std::mem::transmute(sym(c"cuInit")?);
+            let count: Count = std::mem::transmute(sym(c"cuDeviceGetCount")?);
+            let get: Get = std::mem::transmute(sym(c"cuDeviceGet")?);
+            let total: Total = std::mem::transmute(sym(c"cuDeviceTotalMem_v2")?);
+            let (mut n, mut device, mut bytes) = (0, 0, 0usize);
+            let ok = init(0) == 0
+                && count(&mut n) == 0
+                && n > 0
+                && get(&mut device, 0) == 0
+                && total(&mut bytes, device) == 0;
+            ok.then_some(CudaDevices {
+                count: n as usize,
+                memory: bytes as u64,
+            })
+        }
+    })
+}
+
+#[cfg(not(feature = "cuda-eager"))]
+fn cuda_devices() -> Option<CudaDevices> {
+    None
 }

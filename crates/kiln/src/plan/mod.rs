@@ -1,6 +1,7 @@
 //! Resolution of a [`KilnConfig`] and a hardware probe into a concrete, inspectable [`Plan`]:
 //! every setting with its value and where that value came from. `kiln plan` prints it.
 
+pub mod autotune;
 mod hardware;
 mod parallel;
 
@@ -115,12 +116,22 @@ impl GraphCompilation {
                       take their place: docs/kernels.md"
                     .into(),
             },
+            Backend::Cuda if cfg!(feature = "cuda") || !cfg!(feature = "cuda-eager") => {
+                GraphCompilation {
+                    fusion: true,
+                    autotune: true,
+                    why: "compiled into the cuda build (burn/fusion, burn/autotune): ops are \
+                          recorded and fused into generated kernels; kernel variants are \
+                          timed once per shape and the fastest cached (CUBECL_AUTOTUNE_LEVEL \
+                          sets how many)"
+                        .into(),
+                }
+            }
             Backend::Cuda => GraphCompilation {
-                fusion: true,
+                fusion: false,
                 autotune: true,
-                why: "compiled into the cuda build (burn/fusion, burn/autotune): ops are \
-                      recorded and fused into generated kernels; kernel variants are timed \
-                      once per shape and the fastest cached"
+                why: "the cuda-eager build: Burn's autotune without its fusion (each op its \
+                      own kernel), the baseline of the fusion A/B in BENCHMARKS.md"
                     .into(),
             },
         }
@@ -129,10 +140,11 @@ impl GraphCompilation {
 
 impl Plan {
     /// The memory this run may use, in bytes, and what that figure is: `--memory-budget`
-    /// (`device.memory_budget_mib`) when given, else the machine's memory (the cgroup limit
-    /// or physical memory; `None` where the system does not report it).
+    /// (`device.memory_budget_mib`) when given, else the device's memory (the GPU's on
+    /// `cuda`; on the CPU the cgroup limit or physical memory; `None` where the system does
+    /// not report it).
     pub fn memory_limit(&self) -> Option<(u64, &'static str)> {
-        memory_limit(self.memory_budget, &self.hardware)
+        memory_limit(self.memory_budget, &self.hardware, self.backend)
     }
 
     /// The resolved value of a key.
@@ -165,6 +177,7 @@ impl Plan {
             "data_parallel": {
                 "rank": self.data_parallel.world.map(|w| w.0),
                 "ranks": self.data_parallel.world.map_or(1, |w| w.1),
+                "gpus": self.data_parallel.gpus,
                 "mpi_compiled": MPI_COMPILED,
                 "why": self.data_parallel.why,
             },
@@ -247,7 +260,16 @@ pub fn resolve(config: &KilnConfig, hardware: &Hardware) -> Result<Plan> {
 
 /// Replaces `auto`/`0` settings with probed values and records the probe as their source.
 fn probe_autos(settings: &mut [ResolvedSetting], hardware: &Hardware) -> Result<()> {
-    let budget = memory_budget(settings, hardware)?;
+    // The backend first: the watermark and the budget are the memory of the device it runs.
+    let backend = match settings
+        .iter()
+        .find(|s| s.key == "device.backend")
+        .and_then(|s| s.value.as_str())
+    {
+        Some("auto") | None => hardware.best_backend(),
+        Some(name) => Backend::from_name(name),
+    };
+    let budget = memory_budget(settings, hardware, backend)?;
     // Ranks of a data-parallel launch on this machine share its cores and memory.
     let local_ranks = crate::distributed::launcher_local_ranks();
     for s in settings.iter_mut() {
@@ -258,7 +280,7 @@ fn probe_autos(settings: &mut [ResolvedSetting], hardware: &Hardware) -> Result<
                 s.source = Source::Probe(hardware.backend_reason());
             }
             ("observe.memory_watermark_mib", toml::Value::String(v)) if v == "auto" => {
-                let (mib, why) = auto_watermark_mib(budget, hardware, local_ranks);
+                let (mib, why) = auto_watermark_mib(budget, hardware, backend, local_ranks);
                 s.value = toml::Value::Integer(mib);
                 s.source = Source::Probe(why);
             }
@@ -292,9 +314,13 @@ fn threads_per_rank(cores: usize, local_ranks: usize) -> (usize, String) {
 /// the OOM killer does.
 const AUTO_WATERMARK_SHARE: f64 = 0.85;
 
-/// `device.memory_budget_mib` in bytes (`None` = 0, the machine's memory); a budget above
-/// what the machine has is refused, naming both.
-fn memory_budget(settings: &[ResolvedSetting], hardware: &Hardware) -> Result<Option<u64>> {
+/// `device.memory_budget_mib` in bytes (`None` = 0, the device's memory); a budget above
+/// what the device has (the GPU on `cuda`, else the host) is refused, naming both.
+fn memory_budget(
+    settings: &[ResolvedSetting],
+    hardware: &Hardware,
+    backend: Backend,
+) -> Result<Option<u64>> {
     let mib = settings
         .iter()
         .find(|s| s.key == "device.memory_budget_mib")
@@ -304,7 +330,7 @@ fn memory_budget(settings: &[ResolvedSetting], hardware: &Hardware) -> Result<Op
         return Ok(None);
     }
     let bytes = (mib as u64) << 20;
-    if let Some((have, what)) = hardware.memory
+    if let Some((have, what)) = hardware.memory_for(backend)
         && bytes > have
     {
         return Err(KilnError::Inconsistent(format!(
@@ -318,22 +344,28 @@ fn memory_budget(settings: &[ResolvedSetting], hardware: &Hardware) -> Result<Op
 }
 
 /// The memory a run may use, in bytes, and what that figure is: the budget when one is set,
-/// else the machine's memory (`None` where the system does not report it).
-fn memory_limit(budget: Option<u64>, hardware: &Hardware) -> Option<(u64, &'static str)> {
+/// else the memory of the device `backend` runs on (`None` where the system does not report
+/// it).
+fn memory_limit(
+    budget: Option<u64>,
+    hardware: &Hardware,
+    backend: Backend,
+) -> Option<(u64, &'static str)> {
     budget
         .map(|b| (b, "memory budget (device.memory_budget_mib)"))
-        .or(hardware.memory)
+        .or(hardware.memory_for(backend))
 }
 
 /// The `auto` watermark in MiB and the probe's description: a share of the memory budget
-/// when one is set, else of the machine's memory (0 = off where the system does not report
-/// it).
+/// when one is set, else of the device's memory (the GPU's on `cuda`; 0 = off where the
+/// system does not report it).
 fn auto_watermark_mib(
     budget: Option<u64>,
     hardware: &Hardware,
+    backend: Backend,
     local_ranks: usize,
 ) -> (i64, String) {
-    match memory_limit(budget, hardware) {
+    match memory_limit(budget, hardware, backend) {
         Some((bytes, what)) => {
             let share = AUTO_WATERMARK_SHARE / local_ranks.max(1) as f64;
             let mib = (bytes as f64 * share / 1048576.0) as i64;
@@ -448,7 +480,7 @@ fn build(config: &KilnConfig, settings: Vec<ResolvedSetting>, hw: &Hardware) -> 
         train,
         backend,
         threads: int("device.threads") as usize,
-        memory_budget: memory_budget(&settings, hw)?,
+        memory_budget: memory_budget(&settings, hw, backend)?,
         data_dir: dir("data.dir"),
         infer_passes,
         hardware: hw.clone(),
@@ -456,6 +488,7 @@ fn build(config: &KilnConfig, settings: Vec<ResolvedSetting>, hw: &Hardware) -> 
         data_parallel: DataParallel::resolve(
             &text("train.data_parallel"),
             int("train.batch_size") as usize,
+            (backend == Backend::Cuda).then_some(hw.gpu_count),
         )?,
         settings,
     })
@@ -490,12 +523,21 @@ pub fn known_keys() -> impl Iterator<Item = &'static str> {
 }
 
 impl Plan {
-    /// Applies the plan's one process-wide runtime setting, the CPU thread count. Call once,
-    /// before any tensor work; later calls keep the first thread count. (The kernel switch
+    /// Applies the plan's process-wide runtime settings: the CPU thread count and, on cuda,
+    /// CubeCL's autotune level (`device.autotune`). Call once, before any tensor work; later
+    /// calls keep the first values. (The kernel switch
     /// is not process-wide: it travels in [`TrainOptions::kiln_kernels`] and in each
     /// inference session.)
     pub fn apply_runtime(&self) {
         set_cpu_threads(self.threads);
+        if self.backend == Backend::Cuda
+            && let Some(level) = self.get("device.autotune").and_then(|s| s.value.as_str())
+            && !autotune::set_level(level)
+        {
+            tracing::warn!(
+                "device.autotune = {level:?} not applied: CubeCL's configuration was already read"
+            );
+        }
     }
 }
 
@@ -525,8 +567,8 @@ mod tests {
             memory: Some((8 << 30, "physical memory")),
             ..Hardware::probe()
         };
-        let (one, _) = auto_watermark_mib(None, &hw, 1);
-        let (quarter, why) = auto_watermark_mib(None, &hw, 4);
+        let (one, _) = auto_watermark_mib(None, &hw, Backend::Flex, 1);
+        let (quarter, why) = auto_watermark_mib(None, &hw, Backend::Flex, 4);
         assert_eq!(one, (8192.0 * 0.85) as i64);
         assert!((quarter - one / 4).abs() <= 1, "{quarter} vs {one}");
         assert!(why.contains("shared by 4 ranks"), "{why}");

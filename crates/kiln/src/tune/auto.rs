@@ -95,18 +95,73 @@ pub struct TuneReport {
     pub skipped: Vec<String>,
     /// Wall seconds of all trials.
     pub seconds: f64,
+    /// On a GPU: the A/B of CubeCL's autotune levels (`device.autotune`), when it ran.
+    pub autotune: Option<AutotuneAb>,
 }
 
-/// Runs `steps` timed training steps of the zoo `model` on `data` with a candidate.
+/// The A/B of CubeCL's autotune levels on a GPU: each level's samples/s from its own
+/// process (the level is fixed once per process), and the level kept.
+#[derive(Debug, Clone, Serialize)]
+pub struct AutotuneAb {
+    /// `(level, samples/s)` per level tried, CubeCL's default (`balanced`) first.
+    pub measured: Vec<(String, f64)>,
+    /// The level kept (written as `device.autotune`).
+    pub kept: String,
+    /// Why, in words.
+    pub reason: String,
+}
+
+impl AutotuneAb {
+    /// Keeps the fastest level only where it beats the default (the first measured) by
+    /// [`MIN_GAIN`]: a smaller lead is noise, and the default costs the least tuning time.
+    pub fn choose(measured: Vec<(String, f64)>) -> Option<AutotuneAb> {
+        let (default, base) = measured.first().cloned()?;
+        let (best, speed) = measured
+            .iter()
+            .cloned()
+            .max_by(|a, b| a.1.total_cmp(&b.1))?;
+        let (kept, reason) = if best != default && speed > base * (1.0 + MIN_GAIN) {
+            (
+                best.clone(),
+                format!(
+                    "autotune {best}: {speed:.0} samples/s vs {base:.0} at {default} ({:+.1}%)",
+                    100.0 * (speed / base - 1.0)
+                ),
+            )
+        } else {
+            (
+                default.clone(),
+                format!(
+                    "autotune {default} kept: no level beat it by {:.0}% ({})",
+                    MIN_GAIN * 100.0,
+                    measured
+                        .iter()
+                        .map(|(l, v)| format!("{l} {v:.0}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            )
+        };
+        Some(AutotuneAb {
+            measured,
+            kept,
+            reason,
+        })
+    }
+}
+
+/// Runs `steps` timed training steps of the zoo `model` on `data` with a candidate, on
+/// `device` (the plan's: a GPU where the run has one).
 pub fn run_trial(
     model: ModelKind,
     data: &dyn Dataset,
     base: &TrainOptions,
     candidate: &Candidate,
     steps: u64,
+    device: &Device,
 ) -> Result<Measured> {
     measure(base, candidate, steps, |options, sink| {
-        Trainer::new(options, Device::flex(), sink)
+        Trainer::new(options, device.clone(), sink)
             .fit(model.name(), |d| model.init(d), data, None)
             .map(drop)
     })
@@ -406,6 +461,7 @@ pub fn auto_tune(
         decisions,
         skipped,
         seconds: start.elapsed().as_secs_f64(),
+        autotune: None,
     })
 }
 
@@ -468,6 +524,9 @@ pub fn to_toml(base: &KilnConfig, model: ModelKind, report: &TuneReport) -> Resu
     for (key, value) in tuned {
         config.set_value(key, value)?;
     }
+    if let Some(ab) = &report.autotune {
+        config.set_value("device.autotune", toml::Value::String(ab.kept.clone()))?;
+    }
     let mut text = format!(
         "# Written by `kiln tune auto` for {} ({}): {:.0} samples/s vs {:.0} for the f32 \
          baseline ({:+.1}%).\n",
@@ -488,6 +547,9 @@ pub fn to_toml(base: &KilnConfig, model: ModelKind, report: &TuneReport) -> Resu
     }
     for s in &report.skipped {
         text.push_str(&format!("#   skipped {s}\n"));
+    }
+    if let Some(ab) = &report.autotune {
+        text.push_str(&format!("#   {}\n", ab.reason));
     }
     text.push_str(&config.to_toml_string()?);
     Ok(text)
@@ -629,6 +691,32 @@ mod tests {
                 .skipped
                 .iter()
                 .any(|s| s.starts_with("Kiln's kernels"))
+        );
+    }
+
+    #[test]
+    fn an_autotune_level_is_kept_only_when_it_beats_the_default_and_is_written() {
+        let ab = |v: &[(&str, f64)]| {
+            AutotuneAb::choose(v.iter().map(|(l, s)| (l.to_string(), *s)).collect()).unwrap()
+        };
+        let win = ab(&[("balanced", 100.0), ("minimal", 90.0), ("extensive", 110.0)]);
+        assert_eq!(win.kept, "extensive");
+        assert!(win.reason.contains("+10.0%"), "{}", win.reason);
+        // Inside the margin: the default stays (it also costs the least tuning time).
+        let noise = ab(&[("balanced", 100.0), ("minimal", 102.0), ("extensive", 99.0)]);
+        assert_eq!(noise.kept, "balanced");
+        assert!(noise.reason.contains("minimal 102"), "{}", noise.reason);
+        assert!(AutotuneAb::choose(Vec::new()).is_none());
+        let mut r = auto_tune(64, 2, true, None, |c| Ok(fake(c))).unwrap();
+        r.autotune = Some(win);
+        let toml = to_toml(&KilnConfig::default(), ModelKind::Cnn, &r).unwrap();
+        assert!(toml.contains("autotune = \"extensive\""), "{toml}");
+        assert!(toml.contains("#   autotune extensive: 110"), "{toml}");
+        // The written file resolves: the key and value are the schema's.
+        let config = KilnConfig::from_toml_str(&toml, "kiln.toml").unwrap();
+        assert_eq!(
+            config.user_value("device.autotune").map(|(v, _)| v.clone()),
+            Some(toml::Value::String("extensive".into()))
         );
     }
 }

@@ -46,8 +46,8 @@ impl SearchMode {
 /// Search settings.
 #[derive(Debug, Clone, Serialize)]
 pub struct SearchOptions {
-    /// Memory budget in bytes, compared with the trial's peak host resident memory (GPU device
-    /// memory is not measured yet: on a GPU the host peak is all a trial reports).
+    /// Memory budget in bytes, compared with the trial's peak memory: host resident memory on
+    /// the CPU, what the device's memory pool reserved on a GPU (`kiln tune batch`'s trials).
     pub budget: u64,
     /// Safety margin: a trial fits under `budget × (1 − margin)`.
     pub margin: f64,

@@ -81,11 +81,12 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
     /// small all-reduce per step), so their micro-batches never differ.
     fn check_watermark(&mut self) -> Result<bool> {
         let step = self.pos.global_step;
+        let device = self.device();
         let Some(mark) = self.watermark.as_mut() else {
             return Ok(false);
         };
         let threshold = mark.threshold();
-        let reading = memory::in_use_reading();
+        let reading = memory::in_use_reading_on(&device);
         let crossed_here = reading.is_some_and(|in_use| mark.check(in_use));
         // The crossing reported: under data parallelism the rank that is furthest over its
         // watermark (every rank's reading and threshold are gathered), so rank 0's event
@@ -129,6 +130,9 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
         let halved = self.trainer.options.oom_adaptive && self.halve_micro_batch(step);
         if halved && let Some(mark) = self.watermark.as_mut() {
             mark.rearm();
+            // A device pool keeps the larger micro-batch's pages: release them, so the next
+            // reading is what the halved one needs.
+            memory::release_device_pages(&device);
         }
         Ok(halved)
     }

@@ -9,12 +9,13 @@ use crate::train::contract::TrainStep;
 
 impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
     /// Replaces this rank's gradients, loss sum and sample count by their sums over all
-    /// ranks (nothing to do in a world of one). Everything after it (unscaling, the guard's
+    /// ranks (nothing to do in a world of one, except on a device group, whose collective
+    /// runs even for one device). Everything after it (unscaling, the guard's
     /// check, clipping, the optimizer) then sees the same values on every rank, so the ranks
     /// take the same decisions: a NaN on one rank makes the sum NaN and skips the step on all.
     pub(super) fn reduce(&mut self, model: &M, acc: &mut Accumulated) -> Result<()> {
         let collective = self.trainer.collective.clone();
-        if collective.size() <= 1 {
+        if collective.size() <= 1 && collective.device_group().is_none() {
             return Ok(());
         }
         let _s = tracing::info_span!("all_reduce", ranks = collective.size()).entered();

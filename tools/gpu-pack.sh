@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Builds what tools/gpu-check.sh runs on a GPU machine and packs it into .gpu/ (git-ignored):
+# the `kiln` binary with CUDA (Burn's fusion + autotune), the same without fusion
+# (`cuda-eager`, the fusion A/B's baseline), the GPU test binaries, the shared libraries
+# they link that a bare CUDA image may lack, and the PyTorch peer scripts. Binaries are
+# stripped and xz-compressed: a GPU lease carries at most 64 MiB.
+#
+# usage: tools/gpu-pack.sh     (after tools/cuda-offline-llvm.sh; KILN_CUDA_TARGET_DIR moves
+#                               the target directory, default target/cuda)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+target="${KILN_CUDA_TARGET_DIR:-target/cuda}"
+export CARGO_TARGET_DIR="$target"
+rm -rf .gpu
+mkdir -p .gpu/bin .gpu/lib .gpu/peers
+grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >>.git/info/exclude
+
+# The eager build first: the fused one is built last, so target/cuda/release/kiln is it.
+cargo build --release --locked -p kiln-cli --features cuda-eager
+cp "$target/release/kiln" .gpu/bin/kiln-eager
+cargo build --release --locked -p kiln-cli --features cuda
+cp "$target/release/kiln" .gpu/bin/kiln
+cargo test --release --locked -p kiln --features cuda --no-run --test gpu --test plan_levels \
+  --message-format=json 2>/dev/null |
+  python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        print(m["target"]["name"], m["executable"])
+' | while read -r name exe; do cp "$exe" ".gpu/bin/test-$name"; done
+
+# Libraries outside glibc that the binaries link (LLVM's z3, libxml2, ...): a CUDA image
+# built on another distribution may not have them.
+ldd .gpu/bin/kiln | awk '/=> \// {print $3}' |
+  grep -vE '/(libc|libm|libdl|librt|libpthread|libgcc_s|ld-linux)[.-]' |
+  while read -r lib; do cp -L "$lib" .gpu/lib/; done
+cp ../shared/peers/*.py .gpu/peers/ 2>/dev/null || true
+strip .gpu/bin/*
+xz -T0 -6 .gpu/bin/*
+du -sh .gpu .gpu/bin/* .gpu/lib
