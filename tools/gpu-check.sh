@@ -33,14 +33,18 @@ step() { # step NAME SECONDS CMD...: runs CMD with a limit, reports its status a
   local name=$1 limit=$2
   shift 2
   echo "=== $name (limit ${limit}s): $*" >&2
-  local t0=$SECONDS
+  local t0=$SECONDS rc
   timeout "$limit" "$@"
-  echo "=== $name: exit $? in $((SECONDS - t0))s" >&2
+  rc=$?
+  echo "=== $name: exit $rc in $((SECONDS - t0))s" >&2
+  return $rc
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+ldd "$bin/kiln" | grep "not found"
 lscpu | grep -E 'Model name|^CPU\(s\)'
 kiln="$bin/kiln"
-step plan 60 "$kiln" plan --device cuda --level advanced --set train.data_parallel=gpus
+step plan 60 "$kiln" plan --device cuda --level advanced --set train.data_parallel=gpus ||
+  exit 1
 step test-gpu 240 "$bin/test-gpu" --test-threads=1 --nocapture
 step test-plan 60 "$bin/test-plan_levels" --test-threads=2
 ck=/tmp/kiln-gpu-ck
@@ -50,21 +54,28 @@ step train-gpus 180 "$kiln" train --device cuda --set train.data_parallel=gpus -
 step train-bf16 180 "$kiln" train --device cuda --precision bf16 --epochs 1
 step optimize-f16 120 "$kiln" optimize --model mlp --checkpoint "$ck" --passes strip,fold,f16 \
   --device cuda --out /tmp/kiln-gpu-opt
+# The ONNX import on the GPU: each model's outputs against ONNX Runtime (on the CPU here).
+for m in resnet mobilenet_v2 efficientnet vit seghead; do
+  step "onnx $m" 90 "$kiln" bench --onnx "models/onnx/$m.onnx" --device cuda --batch 8 \
+    --steps 10 --threads 8 --json
+done
 [ "${1:-}" = quick ] && exit 0
 
 # Benchmarks: one JSON line per case in bench.jsonl.
 bench="$out/bench.jsonl"
-peer() { python3 .gpu/peers/torch_bench.py --device cuda --threads 8 --json "$@" >>"$bench"; }
+torch=(python3 .gpu/peers/torch_bench.py --device cuda --threads 8 --json)
 for w in W2 W5 W1 W4; do
   step "kiln $w precision" 240 "$kiln" bench --workload "$w" --mode precision --json \
     --threads 8 >>"$bench"
-  step "torch $w f32" 120 peer --workload "$w" --mode train
-  step "torch $w bf16" 120 peer --workload "$w" --mode train --amp bf16
-  # The A/Bs in f32 only (one child case each): without fusion, and with the fewest
-  # autotune candidates.
+  step "torch $w f32" 120 "${torch[@]}" --workload "$w" --mode train >>"$bench"
+  step "torch $w bf16" 120 "${torch[@]}" --workload "$w" --mode train --amp bf16 >>"$bench"
+done
+# The A/Bs in f32 only (one child case each): without fusion, and with the fewest autotune
+# candidates.
+for w in W2 W5; do
   step "kiln-eager $w f32" 180 "$bin/kiln-eager" bench --workload "$w" --mode precision \
     --case f32 --threads 8 | sed 's/"case":"/"case":"eager-/' >>"$bench"
-  CUBECL_AUTOTUNE_LEVEL=minimal step "kiln $w f32 autotune-minimal" 180 "$kiln" bench \
+  step "kiln $w f32 autotune-minimal" 180 env CUBECL_AUTOTUNE_LEVEL=minimal "$kiln" bench \
     --workload "$w" --mode precision --case f32 --threads 8 |
     sed 's/"case":"/"case":"tune-minimal-/' >>"$bench"
 done
@@ -74,7 +85,11 @@ for b in 1 64; do
       --threads 8 >>"$bench"
   done
 done
-step "torch W3 infer b1" 60 peer --workload W3 --mode infer --batch 1
-step "torch W3 infer b64" 60 peer --workload W3 --mode infer --batch 64
-step "torch W3 infer b64 bf16" 60 peer --workload W3 --mode infer --batch 64 --amp bf16
+for b in 1 64; do
+  step "torch W3 infer b$b" 60 "${torch[@]}" --workload W3 --mode infer --batch "$b" >>"$bench"
+done
+step "torch W3 infer b64 bf16" 60 "${torch[@]}" --workload W3 --mode infer --batch 64 \
+  --amp bf16 >>"$bench"
+step "tune auto" 240 "$kiln" tune auto --device cuda --model cnn --steps 5 \
+  --out "$out/tuned.toml"
 cat "$bench"

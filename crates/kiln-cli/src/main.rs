@@ -328,6 +328,10 @@ struct BenchArgs {
     /// quantize_dynamic); max diff is then between the two int8 models.
     #[arg(long, requires = "onnx")]
     int8: bool,
+    /// With --onnx: where Kiln runs the model, auto, flex or cuda (ONNX Runtime stays on the
+    /// CPU; the max diff then compares the GPU's outputs with it).
+    #[arg(long, requires = "onnx", value_parser = ["auto", "flex", "cuda"], default_value = "flex")]
+    device: String,
     /// With --mode stream: frames of the synthetic video (default 1200).
     #[arg(long, default_value_t = 1200)]
     frames: usize,
@@ -605,8 +609,15 @@ fn run_onnx_bench(args: BenchArgs) -> anyhow::Result<()> {
     } else {
         args.threads
     };
+    let hw = Hardware::probe();
+    let backend = match args.device.as_str() {
+        "auto" => hw.best_backend(),
+        name => kiln::plan::Backend::from_name(name),
+    };
+    hw.ensure_runs(backend, "--device cuda")?;
     onnx_bench::run(&onnx_bench::OnnxBench {
         path: args.onnx.clone().unwrap_or_default(),
+        device: backend.device(),
         batches: args.batch.map_or_else(|| vec![1, 8], |b| vec![b]),
         threads,
         steps: args.steps.unwrap_or(50),

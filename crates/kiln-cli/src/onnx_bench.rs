@@ -35,6 +35,8 @@ pub struct OnnxBench {
     pub json: bool,
     /// Int8 on both sides: Kiln's fold + int8 passes, onnxruntime's `quantize_dynamic`.
     pub int8: bool,
+    /// Where Kiln runs the model (the CPU's `flex` by default; a GPU with `--device cuda`).
+    pub device: Device,
 }
 
 /// One row: a batch size, both runtimes.
@@ -60,7 +62,7 @@ struct Row {
 /// Runs the benchmark and prints its table (or JSON lines).
 pub fn run(bench: &OnnxBench) -> Result<()> {
     kiln::plan::set_cpu_threads(bench.threads);
-    let device = Device::flex();
+    let device = bench.device.clone();
     let mut model = OnnxModel::load(&bench.path, &device)
         .with_context(|| format!("loading {}", bench.path.display()))?;
     if bench.int8 {
