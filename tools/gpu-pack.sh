@@ -3,7 +3,9 @@
 # the `kiln` binary with CUDA (Burn's fusion + autotune), the same without fusion
 # (`cuda-eager`, the fusion A/B's baseline), the GPU test binaries, the shared libraries
 # they link that a bare CUDA image may lack, and the PyTorch peer scripts. Binaries are
-# stripped and xz-compressed: a GPU lease carries at most 64 MiB.
+# stripped and xz-compressed: a GPU lease carries at most 64 MiB with the working tree, so
+# one call takes `kiln` with either the GPU tests or `kiln-eager` (tools/gpu-check.sh runs
+# what it finds).
 #
 # usage: tools/gpu-pack.sh     (after tools/cuda-offline-llvm.sh; KILN_CUDA_TARGET_DIR moves
 #                               the target directory, default target/cuda)
@@ -20,7 +22,7 @@ cargo build --release --locked -p kiln-cli --features cuda-eager
 cp "$target/release/kiln" .gpu/bin/kiln-eager
 cargo build --release --locked -p kiln-cli --features cuda
 cp "$target/release/kiln" .gpu/bin/kiln
-cargo test --release --locked -p kiln --features cuda --no-run --test gpu --test plan_levels \
+cargo test --release --locked -p kiln --features cuda --no-run --test gpu \
   --message-format=json 2>/dev/null |
   python3 -c '
 import json, sys
@@ -30,12 +32,14 @@ for line in sys.stdin:
         print(m["target"]["name"], m["executable"])
 ' | while read -r name exe; do cp "$exe" ".gpu/bin/test-$name"; done
 
-# Libraries outside glibc that the binaries link (LLVM's z3, libxml2, ...): a CUDA image
-# built on another distribution may not have them.
+# Libraries the binaries link that a CUDA image built on another distribution may lack
+# (LLVM's z3 or libxml2 where they are linked dynamically). Not the C/C++ runtimes: the
+# image's own are newer, and an older libstdc++ first on the path would break its Python.
 ldd .gpu/bin/kiln | awk '/=> \// {print $3}' |
-  grep -vE '/(libc|libm|libdl|librt|libpthread|libgcc_s|ld-linux)[.-]' |
+  grep -E '/lib(z3|xml2|icu[a-z]*|ffi|edit|tinfo)[.]' |
   while read -r lib; do cp -L "$lib" .gpu/lib/; done
 cp ../shared/peers/*.py .gpu/peers/ 2>/dev/null || true
 strip .gpu/bin/*
-xz -T0 -6 .gpu/bin/*
+# -9e: about 29 MB per binary (162 MB stripped, most of it CubeCL's static LLVM).
+xz -T0 -9e .gpu/bin/*
 du -sh .gpu .gpu/bin/* .gpu/lib

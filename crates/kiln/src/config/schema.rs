@@ -357,9 +357,9 @@ pub static SETTINGS: &[SettingSpec] = &[
         },
         default: I(0),
         levels: &[],
-        doc: "memory a run may use, in MiB (0 = the cgroup limit or physical memory; \
-              --memory-budget 2GiB): the auto watermark takes 85% of it, kiln tune batch \
-              searches under it",
+        doc: "memory a run may use, in MiB (0 = the device's: the GPU's on cuda, else the \
+              cgroup limit or physical memory; --memory-budget 2GiB): the auto watermark \
+              takes 85% of it, kiln tune batch searches under it",
     },
     SettingSpec {
         key: "infer.passes",
@@ -428,8 +428,8 @@ pub static SETTINGS: &[SettingSpec] = &[
         levels: &[],
         doc: "emit a memory_watermark event (and, with train.oom_adaptive, halve the \
               micro-batch) when memory in use reaches this many MiB (0 = off; auto = 85% of \
-              device.memory_budget_mib, else of the cgroup limit or physical memory; host \
-              memory, also on a GPU)",
+              device.memory_budget_mib, else of the device's memory: on cuda the GPU's, read \
+              from its memory pool; on the CPU the cgroup limit or physical memory)",
     },
     SettingSpec {
         key: "data.augment",
