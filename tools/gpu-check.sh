@@ -9,9 +9,15 @@
 # step costs its limit, not the lease. A lease carries at most 64 MiB, so a call takes
 # `kiln` with either the tests (`test-gpu`) or `kiln-eager`; what is missing is skipped.
 #
-# usage: tools/gpu-check.sh [all|checks|fusion]
-#   checks: the checks without the benchmarks; fusion: only the fusion A/B (`kiln` against
-#   `kiln-eager`, built without Burn's fusion), alternated, in f32 and bf16.
+# usage: [KILN_GPU_PACK=.gpu] tools/gpu-check.sh [all|checks|bench|fusion]
+#   checks: the checks without the benchmarks; bench: the benchmarks without the checks;
+#   fusion: only the fusion A/B (`kiln` against `kiln-eager`, built without Burn's fusion),
+#   alternated, in f32 and bf16.
+# Budget (run 37, H200): CubeCL compiles and autotunes kernels per new shape on first use
+# (W2's first step 13 s, a `kiln train` epoch 91 s of process time for 26 s of training;
+# `kiln bench --mode precision` for W2 163 s), then reuses its on-disk cache; `all` needs
+# more than one 15-minute lease. The working tree travels too (15 MB, 11 of it
+# models/onnx): move the models a call does not use out of the checkout for the call.
 set -u
 cd "$(dirname "$0")/.."
 what="${1:-all}"
