@@ -74,8 +74,9 @@
 //! - [`train`]: the training contract, the [`train::Trainer`] and its run loop, accumulation,
 //!   clipping, schedules, checkpoints, metrics.
 //! - [`data`]: batch sources (Kiln's datasets, Burn's `Dataset` + `Batcher`), the loader.
-//! - [`distributed`]: data parallelism — the collective interface, ranks as threads, MPI
-//!   (feature `mpi`); [`train::Trainer::with_collective`] trains one model over the ranks.
+//! - [`distributed`]: data parallelism — the collective interface, ranks as threads, ranks
+//!   on GPUs through Burn's device collective, MPI (feature `mpi`);
+//!   [`train::Trainer::with_collective`] trains one model over the ranks.
 //! - [`nn`]: drop-in layers over Kiln's kernels and autocast.
 //! - [`datasets`]: the bundled MNIST subset and the IDX loader.
 //! - [`zoo`]: the reference workloads W1–W5 (users of the training contract).
