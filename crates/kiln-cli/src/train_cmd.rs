@@ -1,8 +1,6 @@
 //! `kiln train`.
 
-use std::path::PathBuf;
-
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};

@@ -50,11 +50,10 @@ impl GradReducer {
         grads: GradientsParams,
         collective: &dyn Collective,
     ) -> Result<GradientsParams> {
-        if let Some(devices) = collective.device_group() {
+        if let Some(peers) = collective.device_group() {
             // Even a group of one goes through the device collective: it is the code path a
             // one-GPU machine can test.
-            let device = devices[collective.rank()].clone();
-            return self.reduce_on_device(model, grads, collective, device);
+            return self.reduce_on_device(model, grads, collective, peers);
         }
         if collective.size() <= 1 {
             return Ok(grads);
@@ -71,10 +70,8 @@ impl GradReducer {
         flat.present = flat.values.split_off(n);
         Ok(unflatten(model, grads, &flat))
     }
-}
 
-impl GradReducer {
-    /// [`GradReducer::reduce`] on the device: each bucket is the concatenation of its
+    /// [`GradReducer::reduce`] on the devices `peers` (in rank order): each bucket is the concatenation of its
     /// parameters' flattened gradients (zeros where this rank has none), all-reduced by
     /// Burn's collective across the group's devices and cut back into gradients; only the
     /// one-per-parameter "has a gradient" flags go through the host.
@@ -83,12 +80,16 @@ impl GradReducer {
         model: &M,
         grads: GradientsParams,
         collective: &dyn Collective,
-        device: Device,
+        peers: &[Device],
     ) -> Result<GradientsParams> {
-        let Some(peers) = collective.device_group() else {
-            return Ok(grads);
-        };
-        let mut parts = flatten_on_device(model, &grads, &device);
+        let device = peers.get(collective.rank()).ok_or_else(|| {
+            KilnError::Collective(format!(
+                "rank {} of a device group with {} devices",
+                collective.rank(),
+                peers.len()
+            ))
+        })?;
+        let mut parts = flatten_on_device(model, &grads, device);
         let mut present: Vec<f32> = parts.iter().map(|p| p.present).collect();
         collective.all_reduce_f32(&mut present, ReduceOp::Sum)?;
         let mut reduced = Vec::with_capacity(parts.len());

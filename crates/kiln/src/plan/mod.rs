@@ -116,6 +116,8 @@ impl GraphCompilation {
                       take their place: docs/kernels.md"
                     .into(),
             },
+            // The cuda build; a build without CUDA describes what that build would run (its
+            // plan refuses cuda anyway); only `cuda-eager` alone leaves fusion out.
             Backend::Cuda if cfg!(feature = "cuda") || !cfg!(feature = "cuda-eager") => {
                 GraphCompilation {
                     fusion: true,
