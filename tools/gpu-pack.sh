@@ -8,7 +8,8 @@
 # what it finds).
 #
 # usage: tools/gpu-pack.sh     (after tools/cuda-offline-llvm.sh; KILN_CUDA_TARGET_DIR moves
-#                               the target directory, default target/cuda)
+#                               the target directory, default target/cuda). Cold on 2 cores:
+#                               about 32 + 20 + 25 minutes for the three builds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 target="${KILN_CUDA_TARGET_DIR:-target/cuda}"
@@ -22,8 +23,11 @@ cargo build --release --locked -p kiln-cli --features cuda-eager
 cp "$target/release/kiln" .gpu/bin/kiln-eager
 cargo build --release --locked -p kiln-cli --features cuda
 cp "$target/release/kiln" .gpu/bin/kiln
+# The tests recompile the CubeCL stack once (dev-dependencies change feature unification):
+# about 25 more minutes cold on 2 cores. Compile errors arrive as JSON: `cargo test` exits
+# non-zero and the pipeline with it (pipefail).
 cargo test --release --locked -p kiln --features cuda --no-run --test gpu \
-  --message-format=json 2>/dev/null |
+  --message-format=json-render-diagnostics |
   python3 -c '
 import json, sys
 for line in sys.stdin:
