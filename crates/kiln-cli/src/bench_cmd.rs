@@ -3,6 +3,7 @@
 //! peers (`../shared/peers/workloads.py`): 5 warm-up steps, 3 repeats of N timed steps,
 //! median. Each case runs in its own child process so its peak RSS is its own.
 
+use std::path::Path;
 use std::process::Command;
 
 use anyhow::{Context, Result, bail};
@@ -174,36 +175,22 @@ pub fn run(args: BenchArgs) -> Result<()> {
             };
             for batch in batches {
                 for case in cases(&mode) {
-                    let mut cmd = Command::new(&exe);
                     // Plain Burn runs as a Burn program does by default: system allocator
                     // (and so does the case that isolates the kernels' gain).
-                    if case == "burn" || case.ends_with("-system") {
-                        cmd.env("KILN_ALLOCATOR", "system");
-                    } else {
-                        cmd.env_remove("KILN_ALLOCATOR");
-                    }
-                    cmd.args(["bench", "--workload", w.id, "--mode", &mode, "--case", case]);
-                    cmd.args(["--threads", &threads.to_string()]);
-                    if let Some(b) = batch {
-                        cmd.args(["--batch", &b.to_string()]);
-                    }
-                    if let Some(s) = args.steps {
-                        cmd.args(["--steps", &s.to_string()]);
-                    }
+                    let system = case == "burn" || case.ends_with("-system");
+                    let allocator = ("KILN_ALLOCATOR", system.then_some("system"));
                     if !args.json {
                         eprintln!("kiln bench: {} {mode} {case} ...", w.id);
                     }
-                    let out = cmd.output().context("running a bench case")?;
-                    if !out.status.success() {
-                        bail!(
-                            "bench case {} {mode} {case} failed: {}",
-                            w.id,
-                            String::from_utf8_lossy(&out.stderr)
-                        );
-                    }
-                    let line = String::from_utf8_lossy(&out.stdout);
-                    let r: CaseResult = serde_json::from_str(line.trim())
-                        .with_context(|| format!("parsing bench output {line:?}"))?;
+                    let child = Case {
+                        workload: w.id,
+                        mode: &mode,
+                        case,
+                        threads,
+                        batch,
+                        steps: args.steps,
+                    };
+                    let r = child.run(&exe, &[allocator])?;
                     if args.json {
                         println!("{}", serde_json::to_string(&r)?);
                     }
@@ -216,6 +203,64 @@ pub fn run(args: BenchArgs) -> Result<()> {
         print_table(&results);
     }
     Ok(())
+}
+
+/// One bench case to measure in a child process of this binary (`kiln bench --case`): each
+/// case gets a fresh process (its own allocator, thread pool and, on a GPU, CubeCL's
+/// once-per-process configuration).
+pub(crate) struct Case<'a> {
+    /// W1..W5.
+    pub workload: &'a str,
+    /// train, infer or precision.
+    pub mode: &'a str,
+    /// The case name (`burn`, `kiln-basic`, `f32`, ...).
+    pub case: &'a str,
+    /// CPU threads.
+    pub threads: usize,
+    /// Batch size (the workload's standard one when `None`).
+    pub batch: Option<usize>,
+    /// Timed steps per repeat (the mode's default when `None`).
+    pub steps: Option<usize>,
+}
+
+impl Case<'_> {
+    /// Runs the case as `exe bench ... --case` with each `env` variable set (or removed where
+    /// its value is `None`) and parses the child's JSON line.
+    pub(crate) fn run(&self, exe: &Path, env: &[(&str, Option<&str>)]) -> Result<CaseResult> {
+        let (workload, mode, case) = (self.workload, self.mode, self.case);
+        let mut cmd = Command::new(exe);
+        for (name, value) in env {
+            match value {
+                Some(v) => cmd.env(name, v),
+                None => cmd.env_remove(name),
+            };
+        }
+        cmd.args([
+            "bench",
+            "--workload",
+            workload,
+            "--mode",
+            mode,
+            "--case",
+            case,
+        ]);
+        cmd.args(["--threads", &self.threads.to_string()]);
+        if let Some(b) = self.batch {
+            cmd.args(["--batch", &b.to_string()]);
+        }
+        if let Some(s) = self.steps {
+            cmd.args(["--steps", &s.to_string()]);
+        }
+        let out = cmd.output().context("running a bench case")?;
+        if !out.status.success() {
+            bail!(
+                "bench case {workload} {mode} {case} failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        let line = String::from_utf8_lossy(&out.stdout);
+        serde_json::from_str(line.trim()).with_context(|| format!("parsing bench output {line:?}"))
+    }
 }
 
 fn default_mode(w: Workload) -> String {

@@ -610,10 +610,7 @@ fn run_onnx_bench(args: BenchArgs) -> anyhow::Result<()> {
         args.threads
     };
     let hw = Hardware::probe();
-    let backend = match args.device.as_str() {
-        "auto" => hw.best_backend(),
-        name => kiln::plan::Backend::from_name(name),
-    };
+    let backend = hw.backend_named(&args.device);
     hw.ensure_runs(backend, "--device cuda")?;
     onnx_bench::run(&onnx_bench::OnnxBench {
         path: args.onnx.clone().unwrap_or_default(),

@@ -7,7 +7,7 @@ use anyhow::{Context, Result, bail};
 use kiln::Trainer;
 use kiln::data::Dataset;
 use kiln::datasets::{self, Split};
-use kiln::distributed::DeviceGroup;
+use kiln::distributed::{Collective, DeviceGroup};
 use kiln::observe::{EventSink, FanOut, JsonLinesSink, NullSink, TensorBoardSink, memory};
 use kiln::plan::Plan;
 use kiln::train::TrainOutcome;
@@ -101,20 +101,15 @@ pub fn run(args: TrainArgs) -> Result<()> {
         fan = fan.with(tb);
     }
     let sink: &mut dyn EventSink = &mut fan;
+    let run = Rank {
+        plan: &plan,
+        resume: resume.as_deref(),
+        train: &*train,
+        test: &*test,
+    };
     let outcome = match plan.data_parallel.gpus {
-        Some(n) => fit_on_gpus(&plan, n, sink, resume.as_deref(), &*train, &*test)?,
-        None => {
-            let model = plan.model;
-            let mut trainer = Trainer::new(plan.train.clone(), plan.backend.device(), sink)
-                .with_plan(plan.to_json());
-            if let Some(path) = resume {
-                trainer = trainer.resume_from(path);
-            }
-            if let Some(c) = &collective {
-                trainer = trainer.with_collective(c.clone());
-            }
-            trainer.fit(model.name(), |d| model.init(d), &*train, Some(&*test))?
-        }
+        Some(n) => fit_on_gpus(&run, n, sink)?,
+        None => run.fit(plan.backend.device(), collective, sink)?,
     };
     if !args.json && leader {
         let s = &outcome.summary;
@@ -135,16 +130,43 @@ pub fn run(args: TrainArgs) -> Result<()> {
     Ok(())
 }
 
+/// What every rank of this run trains with: the plan, the checkpoint to resume from, the data.
+struct Rank<'a> {
+    plan: &'a Plan,
+    resume: Option<&'a Path>,
+    train: &'a dyn Dataset,
+    test: &'a dyn Dataset,
+}
+
+impl Rank<'_> {
+    /// Trains the plan's model on `device` as one rank of `collective` (none: one process),
+    /// reporting to `sink`.
+    fn fit(
+        &self,
+        device: kiln::burn::tensor::Device,
+        collective: Option<Arc<dyn Collective>>,
+        sink: &mut dyn EventSink,
+    ) -> kiln::Result<TrainOutcome<ZooModel>> {
+        let model = self.plan.model;
+        let mut trainer =
+            Trainer::new(self.plan.train.clone(), device, sink).with_plan(self.plan.to_json());
+        if let Some(path) = self.resume {
+            trainer = trainer.resume_from(path);
+        }
+        if let Some(c) = collective {
+            trainer = trainer.with_collective(c);
+        }
+        trainer.fit(model.name(), |d| model.init(d), self.train, Some(self.test))
+    }
+}
+
 /// `train.data_parallel = "gpus"`: one rank per CUDA device as threads of this process (a
 /// [`DeviceGroup`]), rank 0 on this thread reporting to `sink`, the others quiet; returns
 /// rank 0's outcome (every rank ends with the same model).
 fn fit_on_gpus(
-    plan: &Plan,
+    run: &Rank<'_>,
     gpus: usize,
     sink: &mut dyn EventSink,
-    resume: Option<&Path>,
-    train: &dyn Dataset,
-    test: &dyn Dataset,
 ) -> Result<TrainOutcome<ZooModel>> {
     let devices: Vec<_> = kiln::distributed::cuda_devices()
         .into_iter()
@@ -154,14 +176,7 @@ fn fit_on_gpus(
     let leader = members.next().context("a device group has a first rank")?;
     let fit = |member: DeviceGroup, sink: &mut dyn EventSink| {
         let device = member.device().clone();
-        let model = plan.model;
-        let mut trainer = Trainer::new(plan.train.clone(), device, sink)
-            .with_plan(plan.to_json())
-            .with_collective(Arc::new(member));
-        if let Some(path) = resume {
-            trainer = trainer.resume_from(path);
-        }
-        trainer.fit(model.name(), |d| model.init(d), train, Some(test))
+        run.fit(device, Some(Arc::new(member)), sink)
     };
     std::thread::scope(|s| {
         let others: Vec<_> = members

@@ -2,10 +2,9 @@
 //! `kiln.toml`; with `--grid`, also the exhaustive grid over the same space, to measure how
 //! close the tuner gets and at what share of the grid's time.
 
-use std::process::Command;
 use std::time::Instant;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use kiln::data::{Dataset, SyntheticDataset};
 use kiln::datasets::{Split, bundled};
 use kiln::plan::autotune;
@@ -13,6 +12,7 @@ use kiln::train::TrainOptions;
 use kiln::tune::auto::{AutotuneAb, Measured, auto_tune, grid_candidates, run_trial, to_toml};
 
 use crate::TuneAutoArgs;
+use crate::bench_cmd::Case;
 
 pub fn run(args: TuneAutoArgs) -> Result<()> {
     // One road: the same config, level and flags as `kiln train` resolve the plan the
@@ -172,33 +172,18 @@ fn autotune_ab(
         if !quiet {
             eprintln!("kiln tune auto: autotune {level} (its own process) ...");
         }
-        let out = Command::new(&exe)
-            .env(autotune::ENV, level)
-            .args([
-                "bench",
-                "--workload",
-                model.workload(),
-                "--mode",
-                "precision",
-            ])
-            .args(["--case", "f32", "--threads", &threads.to_string()])
-            .args(["--batch", &batch.to_string()])
-            .output()
-            .context("running an autotune trial")?;
-        if !out.status.success() {
-            bail!(
-                "autotune trial at {level} failed: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        let line = String::from_utf8_lossy(&out.stdout);
-        let result: serde_json::Value = serde_json::from_str(line.trim())
-            .with_context(|| format!("parsing the autotune trial's output {line:?}"))?;
-        let ms = result["ms_per_step"]
-            .as_f64()
-            .filter(|ms| *ms > 0.0)
-            .with_context(|| format!("no ms_per_step in {line:?}"))?;
-        measured.push((level.to_string(), batch as f64 * 1e3 / ms));
+        let case = Case {
+            workload: model.workload(),
+            mode: "precision",
+            case: "f32",
+            threads,
+            batch: Some(batch),
+            steps: None,
+        };
+        let result = case
+            .run(&exe, &[(autotune::ENV, Some(level))])
+            .with_context(|| format!("the autotune trial at {level}"))?;
+        measured.push((level.to_string(), result.samples_per_s));
     }
     Ok(AutotuneAb::choose(measured))
 }

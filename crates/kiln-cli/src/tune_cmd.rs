@@ -171,10 +171,7 @@ fn trial(
         "{}",
         serde_json::json!({
             "batch": batch,
-            "peak_bytes": device
-                .memory_pool_usage()
-                .map(|pool| pool.bytes_reserved)
-                .or_else(memory::peak_rss_bytes),
+            "peak_bytes": memory::device_reserved_bytes(&device).or_else(memory::peak_rss_bytes),
             "samples_per_s": batch as f64 / (ms / 1e3),
         })
     );

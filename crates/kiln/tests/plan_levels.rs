@@ -17,6 +17,17 @@ fn hw() -> Hardware {
     }
 }
 
+/// [`hw`] with a cuda build, the driver and `gpus` GPUs of 80 GiB.
+fn gpu_hw(gpus: usize) -> Hardware {
+    Hardware {
+        cuda_compiled: true,
+        cuda_driver: true,
+        gpu_count: gpus,
+        gpu_memory: Some(80 << 30),
+        ..hw()
+    }
+}
+
 fn plan_at(level: Level) -> Plan {
     let mut c = KilnConfig::default();
     c.set_level(level);
@@ -339,13 +350,7 @@ fn the_plan_says_whether_burns_fusion_and_autotune_run_and_why() {
 /// within the GPU's is accepted.
 #[test]
 fn on_cuda_the_watermark_and_the_budget_are_the_gpus_memory() {
-    let gpu = Hardware {
-        cuda_compiled: true,
-        cuda_driver: true,
-        gpu_count: 1,
-        gpu_memory: Some(80 << 30),
-        ..hw()
-    };
+    let gpu = gpu_hw(1);
     let mut c = KilnConfig::default();
     c.set_level(Level::Advanced);
     c.set("device.backend", "cuda").unwrap();
@@ -378,13 +383,7 @@ fn on_cuda_the_watermark_and_the_budget_are_the_gpus_memory() {
 /// plan; on the CPU backend it is refused with what it needs.
 #[test]
 fn data_parallel_over_gpus_takes_every_cuda_device_or_says_why_not() {
-    let gpus = Hardware {
-        cuda_compiled: true,
-        cuda_driver: true,
-        gpu_count: 4,
-        gpu_memory: Some(80 << 30),
-        ..hw()
-    };
+    let gpus = gpu_hw(4);
     let mut c = KilnConfig::default();
     c.set("train.data_parallel", "gpus").unwrap();
     let p = resolve(&c, &gpus).unwrap();

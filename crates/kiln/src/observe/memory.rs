@@ -33,10 +33,13 @@ pub fn in_use_reading() -> Option<u64> {
 /// idle pages ([`release_device_pages`]) after halving a micro-batch, so the next reading
 /// shows what the smaller micro-batch needs.
 pub fn in_use_reading_on(device: &burn::tensor::Device) -> Option<u64> {
-    match device.memory_pool_usage() {
-        Some(pool) => Some(pool.bytes_reserved),
-        None => in_use_reading(),
-    }
+    device_reserved_bytes(device).or_else(in_use_reading)
+}
+
+/// The bytes `device`'s memory pool has reserved (it keeps freed pages, so this covers the
+/// largest need since its last cleanup); `None` on a backend without a pool (`flex`).
+pub fn device_reserved_bytes(device: &burn::tensor::Device) -> Option<u64> {
+    device.memory_pool_usage().map(|pool| pool.bytes_reserved)
 }
 
 /// Asks `device`'s memory pool to release the pages it holds idle (a no-op on backends

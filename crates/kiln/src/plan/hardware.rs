@@ -84,6 +84,16 @@ impl Hardware {
         }
     }
 
+    /// The backend a `device.backend` / `--device` value names on this machine: `auto` is
+    /// [`Hardware::best_backend`], any other validated name [`Backend::from_name`].
+    pub fn backend_named(&self, name: &str) -> Backend {
+        if name == "auto" {
+            self.best_backend()
+        } else {
+            Backend::from_name(name)
+        }
+    }
+
     /// The backend `auto` resolves to.
     pub fn best_backend(&self) -> Backend {
         if self.cuda_compiled && self.cuda_driver {
@@ -125,23 +135,23 @@ impl Hardware {
     }
 }
 
+/// The NVIDIA driver library (`libcuda.so.1`, else `libcuda.so`), opened with dlopen; `None`
+/// where neither loads. The handle stays open (dlopen counts references; cudarc opens the
+/// same library later).
+#[cfg(feature = "cuda-eager")]
+fn open_libcuda() -> Option<*mut libc::c_void> {
+    [c"libcuda.so.1", c"libcuda.so"]
+        .iter()
+        // SAFETY: dlopen with a valid NUL-terminated name; nothing is called here.
+        .map(|name| unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_LAZY) })
+        .find(|h| !h.is_null())
+}
+
 /// Whether the NVIDIA driver library loads. cudarc loads it lazily and panics on a worker
 /// thread when it is missing, so Kiln checks first and reports a clear error instead.
 #[cfg(feature = "cuda-eager")]
 fn cuda_driver_present() -> bool {
-    [c"libcuda.so.1", c"libcuda.so"].iter().any(|name| {
-        // SAFETY: dlopen/dlclose with a valid NUL-terminated name; the handle is closed
-        // immediately and nothing from the library is called.
-        unsafe {
-            let handle = libc::dlopen(name.as_ptr(), libc::RTLD_LAZY);
-            if handle.is_null() {
-                false
-            } else {
-                libc::dlclose(handle);
-                true
-            }
-        }
-    })
+    open_libcuda().is_some()
 }
 
 #[cfg(not(feature = "cuda-eager"))]
@@ -168,14 +178,11 @@ fn cuda_devices() -> Option<CudaDevices> {
         type Count = unsafe extern "C" fn(*mut i32) -> i32;
         type Get = unsafe extern "C" fn(*mut i32, i32) -> i32;
         type Total = unsafe extern "C" fn(*mut usize, i32) -> i32;
+        let lib = open_libcuda()?;
         // SAFETY: the symbols are the CUDA driver API's, called with their documented
-        // signatures (CUresult = int, CUdevice = int, int and size_t out-parameters); the
-        // library stays loaded (cudarc loads it again later; dlopen counts references).
+        // signatures (CUresult = int, CUdevice = int, int and size_t out-parameters) while the
+        // library stays loaded.
         unsafe {
-            let lib = [c"libcuda.so.1", c"libcuda.so"]
-                .iter()
-                .map(|name| libc::dlopen(name.as_ptr(), libc::RTLD_LAZY))
-                .find(|h| !h.is_null())?;
             let sym = |name: &std::ffi::CStr| {
                 let f = libc::dlsym(lib, name.as_ptr());
                 (!f.is_null()).then_some(f)

@@ -263,22 +263,20 @@ pub fn resolve(config: &KilnConfig, hardware: &Hardware) -> Result<Plan> {
 /// Replaces `auto`/`0` settings with probed values and records the probe as their source.
 fn probe_autos(settings: &mut [ResolvedSetting], hardware: &Hardware) -> Result<()> {
     // The backend first: the watermark and the budget are the memory of the device it runs.
-    let backend = match settings
-        .iter()
-        .find(|s| s.key == "device.backend")
-        .and_then(|s| s.value.as_str())
-    {
-        Some("auto") | None => hardware.best_backend(),
-        Some(name) => Backend::from_name(name),
-    };
+    let backend = hardware.backend_named(
+        settings
+            .iter()
+            .find(|s| s.key == "device.backend")
+            .and_then(|s| s.value.as_str())
+            .unwrap_or("auto"),
+    );
     let budget = memory_budget(settings, hardware, backend)?;
     // Ranks of a data-parallel launch on this machine share its cores and memory.
     let local_ranks = crate::distributed::launcher_local_ranks();
     for s in settings.iter_mut() {
         match (s.key, &s.value) {
             ("device.backend", toml::Value::String(v)) if v == "auto" => {
-                let b = hardware.best_backend();
-                s.value = toml::Value::String(b.name().into());
+                s.value = toml::Value::String(backend.name().into());
                 s.source = Source::Probe(hardware.backend_reason());
             }
             ("observe.memory_watermark_mib", toml::Value::String(v)) if v == "auto" => {
