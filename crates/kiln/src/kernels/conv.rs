@@ -97,6 +97,61 @@ impl ConvShape {
     fn is_pointwise(&self) -> bool {
         self.kh == 1 && self.kw == 1 && self.stride == [1, 1] && self.padding == [(0, 0), (0, 0)]
     }
+
+    /// At stride 1 the input gradient is itself a forward convolution: of `dout` by the
+    /// weight with its taps flipped and its channel axes swapped ([`flip_transposed`]),
+    /// padded by `dilation·(k−1) − pad` on each side. This is that convolution's shape, or
+    /// `None` where it does not apply (a stride, padding wider than the kernel's reach, or a
+    /// kernel that reads padding only, or fewer than [`FLIPPED_MIN_CIN`] input channels).
+    ///
+    /// Why: as `dcols = Wᵀ · dout` the GEMM's inner dimension is `cout` (64 in ResNet's
+    /// first stage) and writes a `cin·kh·kw`-row matrix that `col2im` then scatter-adds back;
+    /// as a forward the inner dimension is `cout·kh·kw` and the registers accumulate the
+    /// whole sum. W5's 512-channel 4×4 layer (batch 64, 2 threads, 3 alternated runs): 30–39
+    /// ms the first way, 21–26 ms as a forward; the 128- and 256-channel layers 5–10% faster,
+    /// the 64-channel layer within noise (BENCHMARKS.md run 38).
+    fn input_grad_as_forward(&self) -> Option<ConvShape> {
+        if self.stride != [1, 1] || self.cin < FLIPPED_MIN_CIN {
+            return None;
+        }
+        let flipped = |dim: usize| -> Option<(usize, usize)> {
+            let (reach, (lo, hi)) = (
+                self.dilation[dim] * ([self.kh, self.kw][dim] - 1),
+                self.padding[dim],
+            );
+            let len = [self.h, self.w][dim];
+            (lo <= reach && hi <= reach && len + lo + hi > reach).then(|| (reach - lo, reach - hi))
+        };
+        Some(ConvShape {
+            cin: self.cout,
+            h: self.out_h(),
+            w: self.out_w(),
+            cout: self.cin,
+            padding: [flipped(0)?, flipped(1)?],
+            ..*self
+        })
+    }
+}
+
+/// Input channels below which the input gradient stays `dcols = Wᵀ · dout`: they are the
+/// forward form's output rows, and a GEMM with few rows wastes its register tile — W5's stem
+/// (3 → 64 channels) took 1.3 ms the first way and 7.2 as a forward.
+const FLIPPED_MIN_CIN: usize = 16;
+
+/// The weight `[cout, cin, kh, kw]` as `[cin, cout, kh, kw]` with each kernel turned by 180°:
+/// the weight of [`ConvShape::input_grad_as_forward`]'s convolution.
+fn flip_transposed(s: &ConvShape, weight: &[f32]) -> Vec<f32> {
+    let taps = s.kh * s.kw;
+    let mut flipped = vec![0f32; weight.len()];
+    for (o, filters) in weight.chunks_exact(s.cin * taps).enumerate() {
+        for (c, kernel) in filters.chunks_exact(taps).enumerate() {
+            let dst = &mut flipped[(c * s.cout + o) * taps..][..taps];
+            for (d, &v) in dst.iter_mut().rev().zip(kernel) {
+                *d = v;
+            }
+        }
+    }
+    flipped
 }
 
 /// Output length of one spatial dimension.
@@ -660,6 +715,10 @@ pub fn conv2d_input_grad(s: &ConvShape, dout: &[f32], weight: &[f32], dx: &mut [
     if s.image_len() == 0 || s.batch == 0 {
         return;
     }
+    if let Some(t) = s.input_grad_as_forward() {
+        conv2d_forward(&t, dout, &flip_transposed(s, weight), None, dx);
+        return;
+    }
     let threads = pool_threads();
     let gemm_threads = if s.batch >= threads { 1 } else { threads };
     let group = group_len(s, threads);
@@ -1090,6 +1149,36 @@ mod tests {
             let err = relative_error(&dw, &want_dw);
             assert!(err <= 1e-5, "shape {i}: weight-gradient error {err:e}");
         }
+    }
+
+    #[test]
+    fn input_gradient_as_a_flipped_forward_matches_an_f64_reference() {
+        let mut flipped = 0;
+        let mut cases = shapes();
+        // Padding wider than a 1×1 kernel's reach: rows of the output read padding only.
+        cases.push(ConvShape {
+            kh: 1,
+            kw: 1,
+            padding: [(1, 1), (1, 0)],
+            ..cases[0]
+        });
+        for (i, s) in cases.into_iter().enumerate() {
+            let s = ConvShape {
+                cin: FLIPPED_MIN_CIN,
+                ..s
+            };
+            flipped += usize::from(s.input_grad_as_forward().is_some());
+            let x = values(s.input_len(), 1 + i as u64);
+            let w = values(s.weight_len(), 100 + i as u64);
+            let g = values(s.output_len(), 300 + i as u64);
+            let (want_dx, _) = reference_grads(&s, &x, &w, &g);
+            let mut dx = vec![f32::NAN; s.input_len()];
+            conv2d_input_grad(&s, &g, &w, &mut dx);
+            let err = relative_error(&dx, &want_dx);
+            assert!(err <= 1e-5, "shape {i} {s:?}: input-gradient error {err:e}");
+        }
+        // Every stride-1 shape but the one whose padding is wider than the kernel's reach.
+        assert_eq!(flipped, 7, "shapes taking the flipped forward");
     }
 
     /// A late ResNet stage: 4×4 images (grouped several per GEMM) and a weight large enough
