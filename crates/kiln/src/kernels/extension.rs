@@ -13,6 +13,7 @@ use burn::backend::{Autodiff, Backend, Flex, TensorMetadata, backend_extension};
 use burn::tensor::ops::ConvOptions;
 use burn::tensor::{DType, IntDType, TensorData};
 
+use super::adam::{AdamStep, adam_update};
 use super::conv::{ConvShape, conv2d_forward, conv2d_input_grad, conv2d_weight_grad};
 use super::linear::{LinearShape, linear_forward, linear_input_grad, linear_weight_grad};
 use super::norm::{
@@ -89,6 +90,17 @@ pub trait KilnKernels: Backend {
         kernel: [usize; 2],
         stride: [usize; 2],
     ) -> FloatTensor<Self>;
+
+    /// One Adam update of `param` from its gradient and moments (`step`: an
+    /// [`AdamStep`](super::adam::AdamStep) as an array): the new parameter and moments. Not
+    /// differentiated: optimizers run on the inner tensors.
+    fn kiln_adam(
+        param: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        moment_1: FloatTensor<Self>,
+        moment_2: FloatTensor<Self>,
+        step: [f32; 6],
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
 
     /// Per-channel batch mean and biased variance of NCHW `x` as `[2, C]` (not
     /// differentiated: [`KilnKernels::kiln_batch_norm`]'s backward accounts for them).
@@ -249,6 +261,13 @@ fn values(t: &FloatTensor<Flex>) -> std::borrow::Cow<'_, [f32]> {
             std::borrow::Cow::Owned(t.to_contiguous().as_slice::<f32>().unwrap_or(&[]).to_vec())
         }
     }
+}
+
+/// `t` with its values as the whole of its buffer, in order (a copy only when it is a view).
+fn dense(t: FloatTensor<Flex>) -> FloatTensor<Flex> {
+    let n = t.shape().num_elements();
+    let whole = t.layout().contiguous_offsets() == Some((0, n)) && t.bytes().len() == n * 4;
+    if whole { t } else { t.to_contiguous() }
 }
 
 fn flex_tensor<const D: usize>(values: Vec<f32>, shape: [usize; D]) -> FloatTensor<Flex> {
@@ -456,6 +475,27 @@ impl KilnKernels for Flex {
         let mut dx = vec![0f32; s.planes * s.h * s.w];
         max_pool2d_backward(&s, &values(&output_grad), idx, &mut dx);
         flex_tensor(dx, [dims[0], dims[1], s.h, s.w])
+    }
+
+    fn kiln_adam(
+        param: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        moment_1: FloatTensor<Self>,
+        moment_2: FloatTensor<Self>,
+        step: [f32; 6],
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let _op =
+            tracing::trace_span!("kiln.adam", elements = param.shape().num_elements()).entered();
+        // In place: the optimizer hands over tensors it alone holds, so `storage_mut` writes
+        // into their buffers (it copies one that is shared: the first step's zero moments).
+        let [mut p, mut m, mut v] = [param, moment_1, moment_2].map(dense);
+        adam_update(
+            &AdamStep::from_array(step),
+            p.storage_mut::<f32>(),
+            &values(&grad),
+            [m.storage_mut::<f32>(), v.storage_mut::<f32>()],
+        );
+        (p, m, v)
     }
 
     // The BatchNorm kernels take f32 NCHW only; `kernels::batch_norm` routes nothing else
@@ -721,6 +761,27 @@ impl<B: Backend + KilnKernels, C: CheckpointStrategy> KilnKernels for Autodiff<B
             indices,
         )
         .x_grad
+    }
+
+    fn kiln_adam(
+        param: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        moment_1: FloatTensor<Self>,
+        moment_2: FloatTensor<Self>,
+        step: [f32; 6],
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (p, m, v) = B::kiln_adam(
+            param.into_primitive(),
+            grad.into_primitive(),
+            moment_1.into_primitive(),
+            moment_2.into_primitive(),
+            step,
+        );
+        (
+            <FloatTensor<Self>>::new(p),
+            <FloatTensor<Self>>::new(m),
+            <FloatTensor<Self>>::new(v),
+        )
     }
 
     fn kiln_batch_norm_stats(x: FloatTensor<Self>) -> FloatTensor<Self> {

@@ -46,6 +46,7 @@ macro_rules! multiversion {
 }
 
 pub mod activation;
+pub mod adam;
 mod aligned;
 pub mod conv;
 mod depthwise_strip;
@@ -265,6 +266,42 @@ pub fn max_pool2d(x: Tensor<4>, kernel: [usize; 2], stride: [usize; 2]) -> Tenso
     let _op = tracing::trace_span!("kiln.max_pool2d", input = ?x.dims(), ?kernel).entered();
     let out = <Dispatch as KilnKernels>::kiln_max_pool2d(x.into_dispatch(), kernel, stride);
     Tensor::from_dispatch(out)
+}
+
+/// Whether [`adam_step`] runs Kiln's fused kernel for this parameter and gradient: f32, on
+/// `flex`, Kiln's kernels on (the caller runs Burn's `Adam` otherwise).
+pub fn adam_serves<const D: usize>(param: &Tensor<D>, grad: &Tensor<D>) -> bool {
+    param.dtype() == DType::F32
+        && grad.dtype() == DType::F32
+        && param.dims() == grad.dims()
+        && serves(&param.device())
+}
+
+/// One Adam update in one pass ([`adam::adam_update`]): the new parameter and moments, from
+/// the parameter, its gradient and the previous moments (`None` before the first step). Call
+/// where [`adam_serves`] holds.
+pub fn adam_step<const D: usize>(
+    param: Tensor<D>,
+    grad: Tensor<D>,
+    moments: Option<(Tensor<D>, Tensor<D>)>,
+    step: adam::AdamStep,
+) -> (Tensor<D>, Tensor<D>, Tensor<D>) {
+    let (m, v) = moments.unwrap_or_else(|| {
+        let zeros = Tensor::zeros(param.dims(), &param.device());
+        (zeros.clone(), zeros)
+    });
+    let (p, m, v) = <Dispatch as KilnKernels>::kiln_adam(
+        param.into_dispatch(),
+        grad.into_dispatch(),
+        m.into_dispatch(),
+        v.into_dispatch(),
+        step.to_array(),
+    );
+    (
+        Tensor::from_dispatch(p),
+        Tensor::from_dispatch(m),
+        Tensor::from_dispatch(v),
+    )
 }
 
 /// Training-mode BatchNorm of `x` `[N, C, H, W]` (batch statistics), then ReLU when `relu`:
