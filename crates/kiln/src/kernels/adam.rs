@@ -1,10 +1,10 @@
-//! Adam's parameter update as one pass over memory: the parameter, its gradient and both
-//! moments are read once and the new parameter and moments written once.
+//! Adam's parameter update as one pass over memory, in place: the parameter, its gradient
+//! and both moments are read once, and the parameter and moments written back once.
 //!
 //! Why: Burn's `Adam` composes it from about ten tensor ops (scale, add, square, sqrt,
 //! divide, …), each a pass over the parameter's size with a fresh allocation. On W5
-//! (ResNet-18, 11.2 M parameters, two threads) the optimizer took 55–69 ms of a 1.4 s step,
-//! PyTorch's fused `foreach` Adam about 31 (BENCHMARKS.md run 38). The arithmetic is Burn's,
+//! (ResNet-18, 11.2 M parameters, two threads) the optimizer took 52–56 ms of each step that
+//! way and takes 11–13 ms this way (BENCHMARKS.md run 38). The arithmetic is Burn's,
 //! operation for operation, so the results are the same to the bit.
 
 use rayon::prelude::*;
