@@ -101,7 +101,7 @@ impl ConvShape {
     /// At stride 1 the input gradient is itself a forward convolution: of `dout` by the
     /// weight with its taps flipped and its channel axes swapped ([`flip_transposed`]),
     /// padded by `dilation·(k−1) − pad` on each side. This is that convolution's shape, or
-    /// `None` where it does not apply (a stride, padding wider than the kernel's reach, or a
+    /// `None` where it does not apply (a stride, padding wider than the kernel's reach, a
     /// kernel that reads padding only, or fewer than [`FLIPPED_MIN_CIN`] input channels).
     ///
     /// Why: as `dcols = Wᵀ · dout` the GEMM's inner dimension is `cout` (64 in ResNet's
