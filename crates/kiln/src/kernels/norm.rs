@@ -35,33 +35,66 @@ impl NormShape {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
-
-    /// The runs of channel `c`: one `plane`-long slice per sample.
-    fn runs<'a>(&self, x: &'a [f32], c: usize) -> impl Iterator<Item = &'a [f32]> + 'a {
-        let (plane, channels) = (self.plane, self.channels);
-        (0..self.batch).map(move |n| &x[(n * channels + c) * plane..][..plane])
-    }
 }
 
 /// Per-channel batch mean and biased variance of `x` (accumulated in f64: a channel of a
 /// batch of 64 32×32 images sums 65,536 values).
 pub fn batch_norm_stats(s: &NormShape, x: &[f32]) -> (Vec<f32>, Vec<f32>) {
     let m = s.per_channel().max(1) as f64;
-    let stats: Vec<(f32, f32)> = (0..s.channels)
-        .into_par_iter()
-        .map(|c| {
-            let (mut sum, mut sq) = (0f64, 0f64);
-            for run in s.runs(x, c) {
-                // Partial sums per run in f32 lanes, totals in f64.
-                let (a, b) = lane_sums(run, run, |v, _| (v, v * v));
-                sum += f64::from(a);
-                sq += f64::from(b);
-            }
+    channel_sums(s, x, x, |_, v, _| (v, v * v))
+        .into_iter()
+        .map(|(sum, sq)| {
             let mean = sum / m;
-            ((mean) as f32, (sq / m - mean * mean).max(0.0) as f32)
+            (mean as f32, (sq / m - mean * mean).max(0.0) as f32)
+        })
+        .unzip()
+}
+
+/// Values per task of [`channel_sums`] (whole samples, at least one).
+const SUM_BLOCK: usize = 64 << 10;
+
+/// Per channel `c`, `(Σ f(c, x, y).0, Σ f(c, x, y).1)` over the batch, for `xs` and `ys` of
+/// shape `s`: partial sums per run of a plane in f32 lanes ([`lane_sums`]), totals in f64.
+///
+/// Read in memory order: each task takes a block of whole samples and sums every channel of
+/// them, and the blocks' sums are added in block order (the same result on any thread
+/// count). Why: one task per channel read its 64 planes 256 KB apart, a new short stream per
+/// plane, and a cold activation came in at 4–5 GB/s against 24 for a pass in memory order
+/// (W5's shapes, BENCHMARKS.md run 38).
+fn channel_sums(
+    s: &NormShape,
+    xs: &[f32],
+    ys: &[f32],
+    f: impl Fn(usize, f32, f32) -> (f32, f32) + Sync,
+) -> Vec<(f64, f64)> {
+    let sample = s.channels * s.plane;
+    let per_block = (SUM_BLOCK / sample.max(1)).max(1);
+    let blocks: Vec<Vec<(f64, f64)>> = (0..s.batch)
+        .step_by(per_block)
+        .collect::<Vec<_>>()
+        .into_par_iter()
+        .map(|first| {
+            let mut sums = vec![(0f64, 0f64); s.channels];
+            for n in first..(first + per_block).min(s.batch) {
+                for (c, sum) in sums.iter_mut().enumerate() {
+                    let at = (n * s.channels + c) * s.plane;
+                    let (x, y) = (&xs[at..][..s.plane], &ys[at..][..s.plane]);
+                    let (a, b) = lane_sums(x, y, |v, w| f(c, v, w));
+                    sum.0 += f64::from(a);
+                    sum.1 += f64::from(b);
+                }
+            }
+            sums
         })
         .collect();
-    stats.into_iter().unzip()
+    let mut total = vec![(0f64, 0f64); s.channels];
+    for block in blocks {
+        for (t, b) in total.iter_mut().zip(block) {
+            t.0 += b.0;
+            t.1 += b.1;
+        }
+    }
+    total
 }
 
 /// `(Σ f(x, y).0, Σ f(x, y).1)` over two equally long slices, summed in 16 independent f32
@@ -190,22 +223,11 @@ pub fn batch_norm_backward(
     let m = s.per_channel().max(1) as f64;
     let (plane, channels) = (s.plane, s.channels);
     // Pass 1, per channel: Σ g and Σ g·x̂ (g = dy, masked by the ReLU).
-    let sums: Vec<(f64, f64)> = (0..channels)
-        .into_par_iter()
-        .map(|c| {
-            let k = ch[c];
-            let (mut sg, mut sgx) = (0f64, 0f64);
-            for (xs, gs) in s.runs(x, c).zip(s.runs(dy, c)) {
-                let (p, q) = lane_sums(xs, gs, |v, g| {
-                    let g = k.through_relu(relu, v, g);
-                    (g, g * (v - k.mean) * k.inv)
-                });
-                sg += f64::from(p);
-                sgx += f64::from(q);
-            }
-            (sg, sgx)
-        })
-        .collect();
+    let sums = channel_sums(s, x, dy, |c, v, g| {
+        let k = ch[c];
+        let g = k.through_relu(relu, v, g);
+        (g, g * (v - k.mean) * k.inv)
+    });
     // Pass 2: dx = γ/σ · (g − Σg/M − x̂ · Σg·x̂/M).
     if plane > 0 {
         dx.par_chunks_mut(plane)
@@ -298,12 +320,65 @@ mod tests {
     #[test]
     fn forward_and_gradients_match_an_f64_reference_with_and_without_relu() {
         // A plane shorter than the 16 summing lanes, and one with whole lanes and a remainder.
-        for (batch, channels, plane) in [(3, 5, 7), (2, 3, 37)] {
+        // … and one of several blocks of samples (4 samples of 16 Ki values per block).
+        for (batch, channels, plane) in [(3, 5, 7), (2, 3, 37), (6, 4, 4096)] {
             check_against_reference(NormShape {
                 batch,
                 channels,
                 plane,
             });
+        }
+    }
+
+    #[test]
+    fn sums_do_not_depend_on_the_thread_count() {
+        // 3 blocks of samples (4, 4, 1).
+        let s = NormShape {
+            batch: 9,
+            channels: 4,
+            plane: 4096,
+        };
+        assert!(s.channels * s.plane * 2 <= SUM_BLOCK && s.len() > 2 * SUM_BLOCK);
+        let x: Vec<f32> = (0..s.len())
+            .map(|i| ((i * 7919) % 1000) as f32 * 1e-3)
+            .collect();
+        let dy: Vec<f32> = (0..s.len())
+            .map(|i| ((i * 104729) % 997) as f32 * 1e-3)
+            .collect();
+        let (gamma, beta) = (vec![1.5f32; 4], vec![-0.2f32; 4]);
+        let run = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .expect("a thread pool");
+            pool.install(|| {
+                let stats = batch_norm_stats(&s, &x);
+                let p = params(&gamma, &beta, &stats, true);
+                let mut dx = vec![0f32; s.len()];
+                let (dg, db) = batch_norm_backward(&s, &x, &p, &dy, &mut dx);
+                (stats, dx, dg, db)
+            })
+        };
+        let one = run(1);
+        for threads in [2, 3] {
+            assert!(run(threads) == one, "{threads} threads differ from one");
+        }
+    }
+
+    /// The parameters of a training-mode normalization with batch statistics `(mean, var)`.
+    fn params<'a>(
+        gamma: &'a [f32],
+        beta: &'a [f32],
+        (mean, var): &'a (Vec<f32>, Vec<f32>),
+        relu: bool,
+    ) -> NormParams<'a> {
+        NormParams {
+            gamma,
+            beta,
+            mean,
+            var,
+            eps: 1e-5,
+            relu,
         }
     }
 
@@ -320,15 +395,8 @@ mod tests {
         let gamma: Vec<f32> = (0..s.channels).map(|_| next()).collect();
         let beta: Vec<f32> = (0..s.channels).map(|_| next()).collect();
         for relu in [false, true] {
-            let (mean, var) = batch_norm_stats(&s, &x);
-            let p = NormParams {
-                gamma: &gamma,
-                beta: &beta,
-                mean: &mean,
-                var: &var,
-                eps: 1e-5,
-                relu,
-            };
+            let stats = batch_norm_stats(&s, &x);
+            let p = params(&gamma, &beta, &stats, relu);
             let mut y = vec![0f32; s.len()];
             batch_norm_forward(&s, &x, &p, &mut y);
             let mut dx = vec![0f32; s.len()];

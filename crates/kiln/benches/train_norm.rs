@@ -1,0 +1,87 @@
+//! The f32 BatchNorm training kernels (statistics, normalization with fused ReLU, backward)
+//! on W5's shapes (ResNet-18 at 32×32, batch 64), per shape and summed over the network, in
+//! ms and GB/s of the bytes each pass must move (the kernels are memory-bound). The
+//! `+alloc` column adds the zero-filled output buffer the backend extension allocates.
+//!
+//!     cargo bench -p kiln --bench train_norm -- 2     # threads (default 1)
+
+mod support;
+
+use support::time;
+
+use kiln::kernels::norm::{
+    NormParams, NormShape, batch_norm_backward, batch_norm_forward, batch_norm_stats,
+};
+
+fn main() {
+    let (threads, pool) = support::pool_from_args();
+    // (channels, plane, occurrences in W5: the stem and its stage's 4, then 4 + a shortcut's)
+    let cases = [(64, 1024, 5), (128, 256, 5), (256, 64, 5), (512, 16, 5)];
+    println!(
+        "{:<12} {:>8} {:>7} {:>8} {:>7} {:>8} {:>8} {:>7}   (batch 64, {threads} threads)",
+        "shape", "stats ms", "GB/s", "fwd ms", "GB/s", "+alloc", "bwd ms", "GB/s"
+    );
+    let mut totals = [0f64; 4];
+    for (channels, plane, count) in cases {
+        let s = NormShape {
+            batch: 64,
+            channels,
+            plane,
+        };
+        let x: Vec<f32> = (0..s.len()).map(|i| (i % 29) as f32 * 0.1 - 1.3).collect();
+        let dy: Vec<f32> = (0..s.len()).map(|i| (i % 13) as f32 * 0.05 - 0.3).collect();
+        let (gamma, beta) = (vec![1.1f32; channels], vec![0.1f32; channels]);
+        let mut out = vec![0f32; s.len()];
+        let mut dx = vec![0f32; s.len()];
+        let ms = pool.install(|| {
+            let (mean, var) = batch_norm_stats(&s, &x);
+            let p = NormParams {
+                gamma: &gamma,
+                beta: &beta,
+                mean: &mean,
+                var: &var,
+                eps: 1e-5,
+                relu: true,
+            };
+            [
+                time(|| drop(batch_norm_stats(&s, &x)), 5),
+                time(|| batch_norm_forward(&s, &x, &p, &mut out), 5),
+                time(
+                    || {
+                        let mut fresh = vec![0f32; s.len()];
+                        batch_norm_forward(&s, &x, &p, &mut fresh);
+                        std::hint::black_box(&fresh);
+                    },
+                    5,
+                ),
+                time(|| drop(batch_norm_backward(&s, &x, &p, &dy, &mut dx)), 5),
+            ]
+        });
+        // Bytes each pass must move: stats reads x; forward reads x, writes y; backward reads
+        // x and dy twice and writes dx.
+        let mb = (s.len() * 4) as f64 / 1e6;
+        let rate = |passes: f64, ms: f64| passes * mb / ms;
+        println!(
+            "{:<12} {:>8.2} {:>7.1} {:>8.2} {:>7.1} {:>8.2} {:>8.2} {:>7.1}",
+            format!("{channels}×{plane}"),
+            ms[0],
+            rate(1.0, ms[0]),
+            ms[1],
+            rate(2.0, ms[1]),
+            ms[2],
+            ms[3],
+            rate(5.0, ms[3]),
+        );
+        for (t, m) in totals.iter_mut().zip(ms) {
+            *t += m * count as f64;
+        }
+    }
+    println!(
+        "W5 (weighted) {:>7.2} {:>16.2} {:>8.2} {:>8.2}   per step: stats + fwd + bwd = {:.1} ms",
+        totals[0],
+        totals[1],
+        totals[2],
+        totals[3],
+        totals[0] + totals[1] + totals[3]
+    );
+}
