@@ -2,10 +2,15 @@
 //! on W5's shapes (ResNet-18 at 32×32, batch 64), per shape and summed over the network, in
 //! ms and GB/s of the bytes each pass must move (the kernels are memory-bound). The
 //! `+alloc` column adds the zero-filled output buffer the backend extension allocates.
+//! With `cold`, each call reads a different one of 24 copies of the activation (403 MB at
+//! the largest shape, past the L3), as a training step reads an activation written long
+//! before.
 //!
-//!     cargo bench -p kiln --bench train_norm -- 2     # threads (default 1)
+//!     cargo bench -p kiln --bench train_norm -- 2 [cold]     # threads (default 1)
 
 mod support;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use support::time;
 
@@ -15,11 +20,20 @@ use kiln::kernels::norm::{
 
 fn main() {
     let (threads, pool) = support::pool_from_args();
+    let cold = std::env::args().any(|a| a == "cold");
     // (channels, plane, occurrences in W5: the stem and its stage's 4, then 4 + a shortcut's)
     let cases = [(64, 1024, 5), (128, 256, 5), (256, 64, 5), (512, 16, 5)];
     println!(
-        "{:<12} {:>8} {:>7} {:>8} {:>7} {:>8} {:>8} {:>7}   (batch 64, {threads} threads)",
-        "shape", "stats ms", "GB/s", "fwd ms", "GB/s", "+alloc", "bwd ms", "GB/s"
+        "{:<12} {:>8} {:>7} {:>8} {:>7} {:>8} {:>8} {:>7}   (batch 64, {threads} threads{})",
+        "shape",
+        "stats ms",
+        "GB/s",
+        "fwd ms",
+        "GB/s",
+        "+alloc",
+        "bwd ms",
+        "GB/s",
+        if cold { ", cold" } else { "" }
     );
     let mut totals = [0f64; 4];
     for (channels, plane, count) in cases {
@@ -28,13 +42,23 @@ fn main() {
             channels,
             plane,
         };
-        let x: Vec<f32> = (0..s.len()).map(|i| (i % 29) as f32 * 0.1 - 1.3).collect();
+        let copies = if cold { 24 } else { 1 };
+        let inputs: Vec<Vec<f32>> = (0..copies)
+            .map(|k| {
+                (0..s.len())
+                    .map(|i| ((i + k) % 29) as f32 * 0.1 - 1.3)
+                    .collect()
+            })
+            .collect();
+        let calls = AtomicUsize::new(0);
+        let next_x = || &inputs[calls.fetch_add(1, Ordering::Relaxed) % copies][..];
+        let x = &inputs[0];
         let dy: Vec<f32> = (0..s.len()).map(|i| (i % 13) as f32 * 0.05 - 0.3).collect();
         let (gamma, beta) = (vec![1.1f32; channels], vec![0.1f32; channels]);
         let mut out = vec![0f32; s.len()];
         let mut dx = vec![0f32; s.len()];
         let ms = pool.install(|| {
-            let (mean, var) = batch_norm_stats(&s, &x);
+            let (mean, var) = batch_norm_stats(&s, x);
             let p = NormParams {
                 gamma: &gamma,
                 beta: &beta,
@@ -44,17 +68,20 @@ fn main() {
                 relu: true,
             };
             [
-                time(|| drop(batch_norm_stats(&s, &x)), 5),
-                time(|| batch_norm_forward(&s, &x, &p, &mut out), 5),
+                time(|| drop(batch_norm_stats(&s, next_x())), 5),
+                time(|| batch_norm_forward(&s, next_x(), &p, &mut out), 5),
                 time(
                     || {
                         let mut fresh = vec![0f32; s.len()];
-                        batch_norm_forward(&s, &x, &p, &mut fresh);
+                        batch_norm_forward(&s, next_x(), &p, &mut fresh);
                         std::hint::black_box(&fresh);
                     },
                     5,
                 ),
-                time(|| drop(batch_norm_backward(&s, &x, &p, &dy, &mut dx)), 5),
+                time(
+                    || drop(batch_norm_backward(&s, next_x(), &p, &dy, &mut dx)),
+                    5,
+                ),
             ]
         });
         // Bytes each pass must move: stats reads x; forward reads x, writes y; backward reads
