@@ -69,12 +69,11 @@ fn channel_sums(
 ) -> Vec<(f64, f64)> {
     let sample = s.channels * s.plane;
     let per_block = (SUM_BLOCK / sample.max(1)).max(1);
-    let blocks: Vec<Vec<(f64, f64)>> = (0..s.batch)
-        .step_by(per_block)
-        .collect::<Vec<_>>()
+    let blocks: Vec<Vec<(f64, f64)>> = (0..s.batch.div_ceil(per_block))
         .into_par_iter()
-        .map(|first| {
+        .map(|block| {
             let mut sums = vec![(0f64, 0f64); s.channels];
+            let first = block * per_block;
             for n in first..(first + per_block).min(s.batch) {
                 for (c, sum) in sums.iter_mut().enumerate() {
                     let at = (n * s.channels + c) * s.plane;
