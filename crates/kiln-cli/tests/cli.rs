@@ -1382,6 +1382,40 @@ fn bench_onnx_runs_beside_onnx_runtime_on_the_same_inputs() {
     assert!(stderr(&o).contains("--input-dims"), "{}", stderr(&o));
 }
 
+/// Without a Python for the peer, `kiln bench --onnx` still times Kiln, says why the peer's
+/// column is missing, and leaves nothing behind in the temp directory (it left its inputs
+/// there when the peer could not start).
+#[test]
+fn bench_onnx_without_a_peer_reports_kiln_and_cleans_up() {
+    let _shared = MACHINE.read().unwrap_or_else(|e| e.into_inner());
+    let tmp = tempdir("bench-onnx-no-peer");
+    let model = onnx_model("resnet_unfolded");
+    let o = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["bench", "--onnx", &model, "--batch", "1", "--steps", "1"])
+        .args(["--threads", "1", "--json"])
+        .env("KILN_LOG", "error")
+        .env("KILN_PYTHON", tmp.join("no-such-python"))
+        .env("TMPDIR", &*tmp)
+        .output()
+        .expect("run kiln");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let row: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert!(row["kiln_ms"].as_f64().unwrap() > 0.0, "{row}");
+    assert!(row["max_rel_diff_vs_ort"].is_null(), "{row}");
+    assert!(
+        row["ort_note"]
+            .as_str()
+            .unwrap_or("")
+            .contains("KILN_PYTHON"),
+        "{row}"
+    );
+    let left: Vec<_> = std::fs::read_dir(&*tmp)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(left.is_empty(), "left in the temp dir: {left:?}");
+}
+
 /// Fault injection: a training run killed with SIGKILL at seeded random moments (with a
 /// checkpoint every step, many kills land inside a checkpoint write) and restarted with
 /// `--resume latest` each time, until it finishes. After every kill each checkpoint on disk
