@@ -17,7 +17,7 @@ use super::adam::{AdamStep, adam_update};
 use super::conv::{ConvShape, conv2d_forward, conv2d_input_grad, conv2d_weight_grad};
 use super::linear::{LinearShape, linear_forward, linear_input_grad, linear_weight_grad};
 use super::norm::{
-    NormParams, NormShape, batch_norm_backward, batch_norm_forward, batch_norm_stats,
+    NormParams, NormShape, batch_norm_backward_new, batch_norm_forward_new, batch_norm_stats,
 };
 use super::pool::{PoolShape, max_pool2d_backward, max_pool2d_forward};
 
@@ -517,9 +517,8 @@ impl KilnKernels for Flex {
         relu: bool,
     ) -> FloatTensor<Self> {
         let s = norm_shape(&x).expect("kiln_batch_norm takes f32 NCHW input");
-        let mut out = vec![0f32; s.len()];
-        with_norm_params(&gamma, &beta, &stats, epsilon, relu, |p| {
-            batch_norm_forward(&s, &values(&x), p, &mut out)
+        let out = with_norm_params(&gamma, &beta, &stats, epsilon, relu, |p| {
+            batch_norm_forward_new(&s, &values(&x), p)
         });
         let d = x.shape();
         flex_tensor(out, [d[0], d[1], d[2], d[3]])
@@ -537,9 +536,8 @@ impl KilnKernels for Flex {
         let s = norm_shape(&x).expect("kiln_batch_norm_backward takes f32 NCHW input");
         let _op =
             tracing::trace_span!("kiln.batch_norm.grad", s.batch, s.channels, s.plane).entered();
-        let mut dx = vec![0f32; s.len()];
-        let (dgamma, dbeta) = with_norm_params(&gamma, &beta, &stats, epsilon, relu, |p| {
-            batch_norm_backward(&s, &values(&x), p, &values(&output_grad), &mut dx)
+        let (dx, dgamma, dbeta) = with_norm_params(&gamma, &beta, &stats, epsilon, relu, |p| {
+            batch_norm_backward_new(&s, &values(&x), p, &values(&output_grad))
         });
         let d = x.shape();
         (

@@ -7,6 +7,8 @@
 //! kernels read the activation twice forward (statistics, then normalize) and twice backward
 //! (the two reductions, then the input gradient), one channel per task.
 
+use std::mem::MaybeUninit;
+
 use rayon::prelude::*;
 
 /// The layout of a BatchNorm input `[batch, channels, plane]` (plane = H·W).
@@ -186,6 +188,20 @@ impl NormParams<'_> {
 
 /// `out = γ · (x − mean) / √(var + ε) + β`, then ReLU when `p.relu`.
 pub fn batch_norm_forward(s: &NormShape, x: &[f32], p: &NormParams, out: &mut [f32]) {
+    forward_into(s, x, p, as_uninit(out));
+}
+
+/// [`batch_norm_forward`] into a new vector that is not zero-filled first: the kernel writes
+/// every value once, and the fill of a fresh buffer cost as much as the kernel (W5's
+/// BatchNorm outputs, cold: forward 12.9 ms per step, 21.4 with a zeroed allocation —
+/// BENCHMARKS.md run 39).
+pub fn batch_norm_forward_new(s: &NormShape, x: &[f32], p: &NormParams) -> Vec<f32> {
+    filled(s.len(), |out| forward_into(s, x, p, out))
+}
+
+fn forward_into(s: &NormShape, x: &[f32], p: &NormParams, out: &mut [MaybeUninit<f32>]) {
+    assert_eq!(x.len(), s.len(), "batch norm input length");
+    assert_eq!(out.len(), s.len(), "batch norm output length");
     let (ch, relu) = (p.channels(), p.relu);
     let (plane, channels) = (s.plane, s.channels);
     if plane == 0 {
@@ -198,14 +214,32 @@ pub fn batch_norm_forward(s: &NormShape, x: &[f32], p: &NormParams, out: &mut [f
             let Channel { a, b, .. } = ch[i % channels];
             if relu {
                 for (o, &v) in o.iter_mut().zip(xs) {
-                    *o = (v * a + b).max(0.0);
+                    o.write((v * a + b).max(0.0));
                 }
             } else {
                 for (o, &v) in o.iter_mut().zip(xs) {
-                    *o = v * a + b;
+                    o.write(v * a + b);
                 }
             }
         });
+}
+
+/// A vector of `len` values, each written by `fill` (which must write all of them: the
+/// kernels here split the slice into planes and write each value of each plane).
+fn filled(len: usize, fill: impl FnOnce(&mut [MaybeUninit<f32>])) -> Vec<f32> {
+    let mut out = Vec::with_capacity(len);
+    fill(&mut out.spare_capacity_mut()[..len]);
+    // SAFETY: `fill` initialized the first `len` values (its callers assert the lengths,
+    // and every plane of the slice is written).
+    unsafe { out.set_len(len) };
+    out
+}
+
+/// An initialized slice viewed as one the kernels only write to.
+fn as_uninit(values: &mut [f32]) -> &mut [MaybeUninit<f32>] {
+    // SAFETY: `MaybeUninit<f32>` has `f32`'s layout, and the kernels store only initialized
+    // f32 values through the view, so the slice stays initialized.
+    unsafe { std::slice::from_raw_parts_mut(values.as_mut_ptr().cast(), values.len()) }
 }
 
 /// Gradients of [`batch_norm_forward`] in training mode (the statistics are functions of `x`):
@@ -218,6 +252,33 @@ pub fn batch_norm_backward(
     dy: &[f32],
     dx: &mut [f32],
 ) -> (Vec<f32>, Vec<f32>) {
+    backward_into(s, x, p, dy, as_uninit(dx))
+}
+
+/// [`batch_norm_backward`] with `dx` in a new vector, not zero-filled first (see
+/// [`batch_norm_forward_new`]): `(dx, dγ, dβ)`.
+pub fn batch_norm_backward_new(
+    s: &NormShape,
+    x: &[f32],
+    p: &NormParams,
+    dy: &[f32],
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let mut sums = None;
+    let dx = filled(s.len(), |dx| sums = Some(backward_into(s, x, p, dy, dx)));
+    let (dgamma, dbeta) = sums.expect("the backward ran");
+    (dx, dgamma, dbeta)
+}
+
+fn backward_into(
+    s: &NormShape,
+    x: &[f32],
+    p: &NormParams,
+    dy: &[f32],
+    dx: &mut [MaybeUninit<f32>],
+) -> (Vec<f32>, Vec<f32>) {
+    assert_eq!(x.len(), s.len(), "batch norm input length");
+    assert_eq!(dy.len(), s.len(), "batch norm output-gradient length");
+    assert_eq!(dx.len(), s.len(), "batch norm input-gradient length");
     let (ch, relu) = (p.channels(), p.relu);
     let m = s.per_channel().max(1) as f64;
     let (plane, channels) = (s.plane, s.channels);
@@ -239,7 +300,7 @@ pub fn batch_norm_backward(
                 let mean_gx = (sums[c].1 / m) as f32;
                 for ((d, &v), &g) in d.iter_mut().zip(xs).zip(gs) {
                     let g = k.through_relu(relu, v, g);
-                    *d = k.a * (g - mean_g - (v - k.mean) * k.inv * mean_gx);
+                    d.write(k.a * (g - mean_g - (v - k.mean) * k.inv * mean_gx));
                 }
             });
     }
@@ -409,6 +470,10 @@ mod tests {
             ] {
                 assert!(err < 1e-5, "relu {relu}: {what} relative error {err}");
             }
+            // The fresh-vector forms compute the same values, every one written.
+            assert_eq!(batch_norm_forward_new(&s, &x, &p), y, "relu {relu}: y");
+            let (ndx, ndg, ndb) = batch_norm_backward_new(&s, &x, &p, &dy);
+            assert_eq!((ndx, ndg, ndb), (dx, dg, db), "relu {relu}: gradients");
         }
     }
 }
