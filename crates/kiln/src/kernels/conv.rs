@@ -11,6 +11,7 @@
 //! multi-threaded GEMM instead.
 
 use std::cell::RefCell;
+use std::mem::MaybeUninit;
 use std::ops::Range;
 
 use gemm::{Parallelism, gemm};
@@ -339,16 +340,64 @@ fn valid_range(ow: usize, stride: usize, offset: isize, w: usize) -> (usize, usi
 /// `rhs` element `(i, j)` at `rhs[i·rrs + j·rcs]`.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn matmul(
-    (m, n, k): (usize, usize, usize),
+    dims: (usize, usize, usize),
     dst: &mut [f32],
     accumulate: bool,
     lhs: &[f32],
-    (lrs, lcs): (usize, usize),
+    lhs_strides: (usize, usize),
     rhs: &[f32],
-    (rrs, rcs): (usize, usize),
+    rhs_strides: (usize, usize),
     threads: usize,
 ) {
+    assert!(dst.len() >= dims.0 * dims.1, "matmul destination too small");
+    // SAFETY: `dst` holds m × n initialized values (so reading them to accumulate is fine) and
+    // is a unique borrow.
+    unsafe {
+        gemm_raw(
+            dims,
+            dst.as_mut_ptr(),
+            accumulate,
+            (lhs, lhs_strides),
+            (rhs, rhs_strides),
+            threads,
+        )
+    }
+}
+
+/// [`matmul`] without accumulating into a destination that need not be initialized: the GEMM
+/// writes every one of its `m × n` values without reading them.
+pub(super) fn matmul_fresh(
+    dims: (usize, usize, usize),
+    dst: &mut [MaybeUninit<f32>],
+    lhs: (&[f32], (usize, usize)),
+    rhs: (&[f32], (usize, usize)),
+    threads: usize,
+) {
+    let (m, n, k) = dims;
     assert!(dst.len() >= m * n, "matmul destination too small");
+    if k == 0 {
+        // An empty sum: zeros (the GEMM would not need to touch `dst` at all).
+        dst[..m * n].fill(MaybeUninit::new(0.0));
+        return;
+    }
+    // SAFETY: `dst` holds m × n values and is a unique borrow; without `accumulate` the GEMM
+    // only writes them.
+    unsafe { gemm_raw(dims, dst.as_mut_ptr().cast(), false, lhs, rhs, threads) }
+}
+
+/// The GEMM behind [`matmul`] and [`matmul_fresh`].
+///
+/// # Safety
+/// `dst` is valid for writes of `m × n` values (and reads, initialized, with `accumulate`) and
+/// aliases neither operand.
+unsafe fn gemm_raw(
+    (m, n, k): (usize, usize, usize),
+    dst: *mut f32,
+    accumulate: bool,
+    (lhs, (lrs, lcs)): (&[f32], (usize, usize)),
+    (rhs, (rrs, rcs)): (&[f32], (usize, usize)),
+    threads: usize,
+) {
     assert!(m == 0 || k == 0 || lhs.len() > (m - 1) * lrs + (k - 1) * lcs);
     assert!(k == 0 || n == 0 || rhs.len() > (k - 1) * rrs + (n - 1) * rcs);
     let parallelism = if threads > 1 {
@@ -356,14 +405,14 @@ pub(super) fn matmul(
     } else {
         Parallelism::None
     };
-    // SAFETY: the asserts above keep every index the GEMM reads or writes inside the slices,
-    // and `dst` does not alias the inputs (it is a unique borrow).
+    // SAFETY: the asserts above keep every index the GEMM reads inside the operands, and the
+    // caller vouches for `dst`.
     unsafe {
         gemm(
             m,
             n,
             k,
-            dst.as_mut_ptr(),
+            dst,
             1,
             n as isize,
             accumulate,
@@ -432,10 +481,10 @@ fn group_len(s: &ConvShape, threads: usize) -> usize {
 /// Runs `run` on each group's (input, output) pair with scratch buffers: one group per
 /// parallel task (scratch per thread) when `parallel`, else in order with one scratch (each
 /// GEMM then uses every thread).
-fn per_group<'a, 'b>(
-    pairs: impl Iterator<Item = (&'a [f32], &'b mut [f32])>,
+fn per_group<'a, O: Send>(
+    pairs: impl Iterator<Item = (&'a [f32], O)>,
     parallel: bool,
-    run: impl Fn(&mut Scratch, (&'a [f32], &'b mut [f32])) + Send + Sync,
+    run: impl Fn(&mut Scratch, (&'a [f32], O)) + Send + Sync,
 ) {
     if parallel {
         pairs
@@ -470,11 +519,11 @@ fn interleave(grouped: &[f32], rows: usize, p: usize, out: &mut Vec<f32>) {
 }
 
 /// The inverse of [`interleave`]: `[rows, g·p]` back to `[g, rows, p]`.
-fn deinterleave(matrix: &[f32], rows: usize, p: usize, grouped: &mut [f32]) {
+fn deinterleave(matrix: &[f32], rows: usize, p: usize, grouped: &mut [MaybeUninit<f32>]) {
     let g = grouped.len() / (rows * p);
     for (i, image) in grouped.chunks_exact_mut(rows * p).enumerate() {
         for (r, dst) in image.chunks_exact_mut(p).enumerate() {
-            dst.copy_from_slice(&matrix[(r * g + i) * p..][..p]);
+            dst.write_copy_of_slice(&matrix[(r * g + i) * p..][..p]);
         }
     }
 }
@@ -489,10 +538,10 @@ const SEQUENTIAL_MACS: usize = 16 << 20;
 
 /// Checks a forward's operand lengths: `(k, pixels)`, or `None` when there is nothing to
 /// compute.
-fn check_forward(s: &ConvShape, x: &[f32], weight: &[f32], out: &[f32]) -> Option<(usize, usize)> {
+fn check_forward(s: &ConvShape, x: &[f32], weight: &[f32], out: usize) -> Option<(usize, usize)> {
     assert_eq!(x.len(), s.input_len(), "conv2d input length");
     assert_eq!(weight.len(), s.weight_len(), "conv2d weight length");
-    assert_eq!(out.len(), s.output_len(), "conv2d output length");
+    assert_eq!(out, s.output_len(), "conv2d output length");
     let (k, p) = (s.k(), s.pixels());
     (s.cout * p != 0 && s.batch != 0).then_some((k, p))
 }
@@ -506,7 +555,30 @@ pub fn conv2d_forward(
     bias: Option<&[f32]>,
     out: &mut [f32],
 ) {
-    let Some((k, p)) = check_forward(s, x, weight, out) else {
+    forward_into(s, x, weight, bias, super::as_uninit(out));
+}
+
+/// [`conv2d_forward`] into a new vector that is not zero-filled first (the GEMM writes every
+/// value once; the zero fill of a fresh 16 MB output is a pass over memory of its own — for
+/// BatchNorm's outputs the fill cost as much as the kernel, BENCHMARKS.md run 39).
+pub fn conv2d_forward_new(
+    s: &ConvShape,
+    x: &[f32],
+    weight: &[f32],
+    bias: Option<&[f32]>,
+) -> Vec<f32> {
+    super::filled(s.output_len(), |out| forward_into(s, x, weight, bias, out))
+}
+
+/// The forward's body: writes every value of `out`.
+fn forward_into(
+    s: &ConvShape,
+    x: &[f32],
+    weight: &[f32],
+    bias: Option<&[f32]>,
+    out: &mut [MaybeUninit<f32>],
+) {
+    let Some((k, p)) = check_forward(s, x, weight, out.len()) else {
         return;
     };
     let image_out = s.cout * p;
@@ -519,7 +591,7 @@ pub fn conv2d_forward(
         threads
     };
     let group = group_len(s, threads);
-    let run = |scratch: &mut Scratch, (images, out): (&[f32], &mut [f32])| {
+    let run = |scratch: &mut Scratch, (images, out): (&[f32], &mut [MaybeUninit<f32>])| {
         let n = images.len() / s.image_len() * p;
         let cols: &[f32] = if s.is_pointwise() && n == p {
             images
@@ -527,29 +599,20 @@ pub fn conv2d_forward(
             im2col_group(s, images, &mut scratch.cols);
             &scratch.cols
         };
+        let product = |dst: &mut [MaybeUninit<f32>]| {
+            let lhs = (weight, (k, 1));
+            matmul_fresh((s.cout, n, k), dst, lhs, (cols, (n, 1)), gemm_threads);
+        };
         // One image is written in place; a group's GEMM writes `[cout, g·p]`, scattered after.
-        let dst: &mut [f32] = if n == p {
-            out
+        // The bias is added after the product (one addition either way: the same values).
+        if n == p {
+            product(out);
+            // SAFETY: the GEMM wrote all of `out` (m × n = cout × p values).
+            add_bias(unsafe { super::assume_init(out) }, bias, n);
         } else {
             scratch.staged.resize(s.cout * n, 0.0);
-            &mut scratch.staged
-        };
-        if let Some(b) = bias {
-            for (row, &v) in dst.chunks_exact_mut(n).zip(b) {
-                row.fill(v);
-            }
-        }
-        matmul(
-            (s.cout, n, k),
-            dst,
-            bias.is_some(),
-            weight,
-            (k, 1),
-            cols,
-            (n, 1),
-            gemm_threads,
-        );
-        if n != p {
+            product(super::as_uninit(&mut scratch.staged));
+            add_bias(&mut scratch.staged, bias, n);
             deinterleave(&scratch.staged, s.cout, p, out);
         }
     };
@@ -557,6 +620,15 @@ pub fn conv2d_forward(
         .chunks(group * s.image_len())
         .zip(out.chunks_mut(group * image_out));
     per_group(pairs, gemm_threads == 1, run);
+}
+
+/// Adds `bias[o]` to row `o` (of `n` values) of `rows`.
+fn add_bias(rows: &mut [f32], bias: Option<&[f32]>, n: usize) {
+    if let Some(b) = bias {
+        for (row, &v) in rows.chunks_exact_mut(n).zip(b) {
+            row.iter_mut().for_each(|x| *x += v);
+        }
+    }
 }
 
 /// A convolution's weight `[cout, cin, kh, kw]` reordered for [`conv2d_nhwc_forward`]:
@@ -672,7 +744,7 @@ pub fn conv2d_nhwc_forward(
     relu: bool,
     out: &mut [f32],
 ) {
-    let Some((k, p)) = check_forward(s, x, packed, out) else {
+    let Some((k, p)) = check_forward(s, x, packed, out.len()) else {
         return;
     };
     let ops = NhwcOperands {
@@ -765,6 +837,23 @@ pub fn conv2d_input_grad(s: &ConvShape, dout: &[f32], weight: &[f32], dx: &mut [
         .chunks(group * image_out)
         .zip(dx.chunks_mut(group * s.image_len()));
     per_group(pairs, gemm_threads == 1, run);
+}
+
+/// [`conv2d_input_grad`] into a new vector, not zero-filled first where the gradient is a
+/// flipped forward convolution (see [`conv2d_forward_new`]; the other path adds into a
+/// zeroed `dx`).
+pub fn conv2d_input_grad_new(s: &ConvShape, dout: &[f32], weight: &[f32]) -> Vec<f32> {
+    match s.input_grad_as_forward() {
+        Some(t) if s.image_len() != 0 && s.batch != 0 => {
+            assert_eq!(dout.len(), s.output_len(), "conv2d output-gradient length");
+            conv2d_forward_new(&t, dout, &flip_transposed(s, weight), None)
+        }
+        _ => {
+            let mut dx = vec![0f32; s.input_len()];
+            conv2d_input_grad(s, dout, weight, &mut dx);
+            dx
+        }
+    }
 }
 
 /// Gradient of the weight: `dweight` `[cout, cin, kh, kw]` from `x` and `dout`, summed over the
@@ -1133,6 +1222,9 @@ mod tests {
             let want = reference_forward(&s, &x, &w, Some(&b));
             let err = relative_error(&out, &want);
             assert!(err <= 1e-5, "shape {i} {s:?}: forward error {err:e}");
+            // Into a fresh, unfilled vector: the same values, every one written.
+            let fresh = conv2d_forward_new(&s, &x, &w, Some(&b));
+            assert_eq!(fresh, out, "shape {i}: forward into a new vector");
 
             conv2d_forward(&s, &x, &w, None, &mut out);
             let want = reference_forward(&s, &x, &w, None);
@@ -1144,6 +1236,8 @@ mod tests {
             conv2d_input_grad(&s, &g, &w, &mut dx);
             let err = relative_error(&dx, &want_dx);
             assert!(err <= 1e-5, "shape {i}: input-gradient error {err:e}");
+            let fresh = conv2d_input_grad_new(&s, &g, &w);
+            assert_eq!(fresh, dx, "shape {i}: input gradient into a new vector");
             let mut dw = vec![f32::NAN; s.weight_len()];
             conv2d_weight_grad(&s, &x, &g, &mut dw);
             let err = relative_error(&dw, &want_dw);
@@ -1176,6 +1270,11 @@ mod tests {
             conv2d_input_grad(&s, &g, &w, &mut dx);
             let err = relative_error(&dx, &want_dx);
             assert!(err <= 1e-5, "shape {i} {s:?}: input-gradient error {err:e}");
+            assert_eq!(
+                conv2d_input_grad_new(&s, &g, &w),
+                dx,
+                "shape {i}: into a new vector"
+            );
         }
         // Every stride-1 shape but the one whose padding is wider than the kernel's reach.
         assert_eq!(flipped, 7, "shapes taking the flipped forward");

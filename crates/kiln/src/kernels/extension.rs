@@ -14,7 +14,7 @@ use burn::tensor::ops::ConvOptions;
 use burn::tensor::{DType, IntDType, TensorData};
 
 use super::adam::{AdamStep, adam_update};
-use super::conv::{ConvShape, conv2d_forward, conv2d_input_grad, conv2d_weight_grad};
+use super::conv::{ConvShape, conv2d_forward_new, conv2d_input_grad_new, conv2d_weight_grad};
 use super::linear::{LinearShape, linear_forward, linear_input_grad, linear_weight_grad};
 use super::norm::{
     NormParams, NormShape, batch_norm_backward_new, batch_norm_forward_new, batch_norm_stats,
@@ -285,14 +285,7 @@ impl KilnKernels for Flex {
         else {
             return Flex::conv2d(x, weight, Some(bias), options);
         };
-        let mut out = vec![0f32; s.output_len()];
-        conv2d_forward(
-            &s,
-            &values(&x),
-            &values(&weight),
-            Some(&values(&bias)),
-            &mut out,
-        );
+        let out = conv2d_forward_new(&s, &values(&x), &values(&weight), Some(&values(&bias)));
         flex_tensor(out, [s.batch, s.cout, s.out_h(), s.out_w()])
     }
 
@@ -314,8 +307,7 @@ impl KilnKernels for Flex {
             cout = s.cout
         )
         .entered();
-        let mut dx = vec![0f32; s.input_len()];
-        conv2d_input_grad(&s, &values(&output_grad), &values(&weight), &mut dx);
+        let dx = conv2d_input_grad_new(&s, &values(&output_grad), &values(&weight));
         flex_tensor(dx, [s.batch, s.cin, s.h, s.w])
     }
 

@@ -76,6 +76,33 @@ use burn::tensor::{DType, Device, Tensor};
 
 pub use extension::KilnKernels;
 
+/// A vector of `len` values, each written by `fill`, which must write all of them (why:
+/// a kernel that writes every output value once need not pay a zero fill first).
+fn filled(len: usize, fill: impl FnOnce(&mut [std::mem::MaybeUninit<f32>])) -> Vec<f32> {
+    let mut out = Vec::with_capacity(len);
+    fill(&mut out.spare_capacity_mut()[..len]);
+    // SAFETY: `fill` initialized the first `len` values (its callers' contract: each asserts
+    // the output's length and writes every value of it).
+    unsafe { out.set_len(len) };
+    out
+}
+
+/// An initialized slice viewed as one the kernels only write to.
+fn as_uninit(values: &mut [f32]) -> &mut [std::mem::MaybeUninit<f32>] {
+    // SAFETY: `MaybeUninit<f32>` has `f32`'s layout, and the kernels store only initialized
+    // f32 values through the view, so the slice stays initialized.
+    unsafe { std::slice::from_raw_parts_mut(values.as_mut_ptr().cast(), values.len()) }
+}
+
+/// A slice whose every value has been written, as initialized values.
+///
+/// # Safety
+/// Every value of `values` is initialized.
+unsafe fn assume_init(values: &mut [std::mem::MaybeUninit<f32>]) -> &mut [f32] {
+    // SAFETY: the caller's contract; the layouts are the same.
+    unsafe { std::slice::from_raw_parts_mut(values.as_mut_ptr().cast(), values.len()) }
+}
+
 /// The kernel a family of SIMD kernels runs: `best` (what this CPU supports), or the one the
 /// environment variable `var` names when this CPU runs it, so a lesser path (AVX2 on an
 /// AVX-512 machine) can be measured. `all` is ordered best first; a named kernel before

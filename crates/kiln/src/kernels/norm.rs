@@ -188,7 +188,7 @@ impl NormParams<'_> {
 
 /// `out = γ · (x − mean) / √(var + ε) + β`, then ReLU when `p.relu`.
 pub fn batch_norm_forward(s: &NormShape, x: &[f32], p: &NormParams, out: &mut [f32]) {
-    forward_into(s, x, p, as_uninit(out));
+    forward_into(s, x, p, super::as_uninit(out));
 }
 
 /// [`batch_norm_forward`] into a new vector that is not zero-filled first: the kernel writes
@@ -196,7 +196,7 @@ pub fn batch_norm_forward(s: &NormShape, x: &[f32], p: &NormParams, out: &mut [f
 /// BatchNorm outputs, cold: forward 12.9 ms per step, 21.4 with a zeroed allocation —
 /// BENCHMARKS.md run 39).
 pub fn batch_norm_forward_new(s: &NormShape, x: &[f32], p: &NormParams) -> Vec<f32> {
-    filled(s.len(), |out| forward_into(s, x, p, out))
+    super::filled(s.len(), |out| forward_into(s, x, p, out))
 }
 
 fn forward_into(s: &NormShape, x: &[f32], p: &NormParams, out: &mut [MaybeUninit<f32>]) {
@@ -224,24 +224,6 @@ fn forward_into(s: &NormShape, x: &[f32], p: &NormParams, out: &mut [MaybeUninit
         });
 }
 
-/// A vector of `len` values, each written by `fill` (which must write all of them: the
-/// kernels here split the slice into planes and write each value of each plane).
-fn filled(len: usize, fill: impl FnOnce(&mut [MaybeUninit<f32>])) -> Vec<f32> {
-    let mut out = Vec::with_capacity(len);
-    fill(&mut out.spare_capacity_mut()[..len]);
-    // SAFETY: `fill` initialized the first `len` values (its callers assert the lengths,
-    // and every plane of the slice is written).
-    unsafe { out.set_len(len) };
-    out
-}
-
-/// An initialized slice viewed as one the kernels only write to.
-fn as_uninit(values: &mut [f32]) -> &mut [MaybeUninit<f32>] {
-    // SAFETY: `MaybeUninit<f32>` has `f32`'s layout, and the kernels store only initialized
-    // f32 values through the view, so the slice stays initialized.
-    unsafe { std::slice::from_raw_parts_mut(values.as_mut_ptr().cast(), values.len()) }
-}
-
 /// Gradients of [`batch_norm_forward`] in training mode (the statistics are functions of `x`):
 /// `dx`, `dγ`, `dβ` from the output gradient `dy`. With `relu`, `dy` is masked where the
 /// (recomputed) normalized value was not positive.
@@ -252,7 +234,7 @@ pub fn batch_norm_backward(
     dy: &[f32],
     dx: &mut [f32],
 ) -> (Vec<f32>, Vec<f32>) {
-    backward_into(s, x, p, dy, as_uninit(dx))
+    backward_into(s, x, p, dy, super::as_uninit(dx))
 }
 
 /// [`batch_norm_backward`] with `dx` in a new vector, not zero-filled first (see
@@ -264,7 +246,7 @@ pub fn batch_norm_backward_new(
     dy: &[f32],
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let mut sums = None;
-    let dx = filled(s.len(), |dx| sums = Some(backward_into(s, x, p, dy, dx)));
+    let dx = super::filled(s.len(), |dx| sums = Some(backward_into(s, x, p, dy, dx)));
     let (dgamma, dbeta) = sums.expect("the backward ran");
     (dx, dgamma, dbeta)
 }
