@@ -779,18 +779,38 @@ pub fn conv2d_nhwc_forward(
 /// Gradient of the input: `dx` `[batch, cin, h, w]` from the output gradient `dout`
 /// `[batch, cout, oh, ow]` and `weight`.
 pub fn conv2d_input_grad(s: &ConvShape, dout: &[f32], weight: &[f32], dx: &mut [f32]) {
+    input_grad_into(s, dout, weight, super::as_uninit(dx));
+}
+
+/// [`conv2d_input_grad`] into a new vector, not zero-filled first where the gradient is a
+/// flipped forward convolution (see [`conv2d_forward_new`]; the unfold path adds into a
+/// zeroed `dx`).
+pub fn conv2d_input_grad_new(s: &ConvShape, dout: &[f32], weight: &[f32]) -> Vec<f32> {
+    super::filled(s.input_len(), |dx| input_grad_into(s, dout, weight, dx))
+}
+
+/// The input gradient's body: writes every value of `dx`.
+fn input_grad_into(s: &ConvShape, dout: &[f32], weight: &[f32], dx: &mut [MaybeUninit<f32>]) {
     assert_eq!(dout.len(), s.output_len(), "conv2d output-gradient length");
     assert_eq!(weight.len(), s.weight_len(), "conv2d weight length");
     assert_eq!(dx.len(), s.input_len(), "conv2d input-gradient length");
-    let (k, p) = (s.k(), s.pixels());
-    let image_out = s.cout * p;
     if s.image_len() == 0 || s.batch == 0 {
         return;
     }
     if let Some(t) = s.input_grad_as_forward() {
-        conv2d_forward(&t, dout, &flip_transposed(s, weight), None, dx);
+        forward_into(&t, dout, &flip_transposed(s, weight), None, dx);
         return;
     }
+    // The unfold path adds into `dx`: it starts from zeros.
+    dx.fill(MaybeUninit::new(0.0));
+    // SAFETY: every value was just written.
+    input_grad_unfolded(s, dout, weight, unsafe { super::assume_init(dx) });
+}
+
+/// The input gradient as `dcols = Wᵀ · dout` folded back into `dx` (initialized).
+fn input_grad_unfolded(s: &ConvShape, dout: &[f32], weight: &[f32], dx: &mut [f32]) {
+    let (k, p) = (s.k(), s.pixels());
+    let image_out = s.cout * p;
     let threads = pool_threads();
     let gemm_threads = if s.batch >= threads { 1 } else { threads };
     let group = group_len(s, threads);
@@ -837,23 +857,6 @@ pub fn conv2d_input_grad(s: &ConvShape, dout: &[f32], weight: &[f32], dx: &mut [
         .chunks(group * image_out)
         .zip(dx.chunks_mut(group * s.image_len()));
     per_group(pairs, gemm_threads == 1, run);
-}
-
-/// [`conv2d_input_grad`] into a new vector, not zero-filled first where the gradient is a
-/// flipped forward convolution (see [`conv2d_forward_new`]; the other path adds into a
-/// zeroed `dx`).
-pub fn conv2d_input_grad_new(s: &ConvShape, dout: &[f32], weight: &[f32]) -> Vec<f32> {
-    match s.input_grad_as_forward() {
-        Some(t) if s.image_len() != 0 && s.batch != 0 => {
-            assert_eq!(dout.len(), s.output_len(), "conv2d output-gradient length");
-            conv2d_forward_new(&t, dout, &flip_transposed(s, weight), None)
-        }
-        _ => {
-            let mut dx = vec![0f32; s.input_len()];
-            conv2d_input_grad(s, dout, weight, &mut dx);
-            dx
-        }
-    }
 }
 
 /// Gradient of the weight: `dweight` `[cout, cin, kh, kw]` from `x` and `dout`, summed over the
