@@ -23,6 +23,8 @@ use kiln::train::TrainOptions;
 use kiln::zoo::ModelKind;
 use serde::Serialize;
 
+use crate::work_dir::WorkDir;
+
 const REPEATS: usize = 3;
 const BATCH: usize = 64;
 
@@ -153,15 +155,8 @@ fn peer_script() -> PathBuf {
 /// Runs the data benchmark; prints a table (or JSON lines with `json`).
 pub fn run(threads: usize, epochs: Option<usize>, json: bool) -> Result<()> {
     let epochs = epochs.unwrap_or(4).max(1);
-    let dir = std::env::temp_dir().join(format!("kiln-bench-data-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let result = run_in(&dir, threads, epochs, json);
-    let _ = std::fs::remove_dir_all(&dir);
-    result
-}
-
-fn run_in(dir: &Path, threads: usize, epochs: usize, json: bool) -> Result<()> {
-    let (images, labels) = write_dataset(dir)?;
+    let dir = WorkDir::create("bench-data")?;
+    let (images, labels) = write_dataset(&dir)?;
     let (mean, std) = MNIST_MEAN_STD;
     let data = MappedImages::open_npy(&images, &labels)?.with_scaling(mean, std);
     let mut kiln_rows = Vec::new();

@@ -14,6 +14,7 @@ mod stream_bench;
 mod train_cmd;
 mod tune_auto_cmd;
 mod tune_cmd;
+mod work_dir;
 
 use std::path::PathBuf;
 

@@ -16,6 +16,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
+use crate::work_dir::WorkDir;
+
 /// The peer script, embedded so the binary needs no source tree beside it.
 const ORT_SCRIPT: &str = include_str!("../../../bench/peers/ort_file_bench.py");
 
@@ -203,24 +205,8 @@ fn time_ort(
     ours: &[Value],
     bench: &OnnxBench,
 ) -> Result<(f64, f64)> {
-    let work = std::env::temp_dir().join(format!("kiln-ort-bench-{}", std::process::id()));
-    std::fs::create_dir_all(&work).context("creating the peer's work directory")?;
-    // Removed on every way out: a missing Python (`KILN_PYTHON=/nonexistent` for a Kiln-only
-    // run) used to return before the removal and left the inputs behind in the temp dir.
-    let result = time_ort_in(&work, path, shapes, inputs, ours, bench);
-    let _ = std::fs::remove_dir_all(&work);
-    result
-}
-
-/// [`time_ort`] in the work directory `work` (the script, inputs and outputs go there).
-fn time_ort_in(
-    work: &Path,
-    path: &Path,
-    shapes: &[(String, Vec<usize>)],
-    inputs: &[Value],
-    ours: &[Value],
-    bench: &OnnxBench,
-) -> Result<(f64, f64)> {
+    // The script, inputs and outputs; removed on every way out.
+    let work = WorkDir::create("ort-bench")?;
     let script = work.join("ort_file_bench.py");
     std::fs::write(&script, ORT_SCRIPT).context("writing the peer script")?;
     for (i, input) in inputs.iter().enumerate() {
@@ -248,12 +234,12 @@ fn time_ort_in(
         .args(["--steps", &bench.steps.to_string()])
         .args(bench.int8.then_some("--int8"))
         .arg("--io")
-        .arg(work)
+        .arg(&*work)
         .output()
         .with_context(|| {
             format!("running {python} (set KILN_PYTHON to a Python with onnxruntime)")
         })?;
-    let diff = compare_outputs(work, ours);
+    let diff = compare_outputs(&work, ours);
     if !out.status.success() {
         let err = String::from_utf8_lossy(&out.stderr);
         let last = err.lines().last().unwrap_or("no output");
