@@ -4,6 +4,7 @@
 //!
 //!     cargo bench -p kiln --bench conv_kernels -- 2       # threads (default 1)
 //!     cargo bench -p kiln --bench conv_kernels -- 2 8     # ResNet-18's shapes at batch 8
+//!     cargo bench -p kiln --bench conv_kernels -- 2 "R18 3x3"   # only shapes named so
 
 mod support;
 
@@ -65,6 +66,9 @@ fn main() {
     );
     pool.install(|| {
         for (name, batch, cin, side, cout, k, stride, pad) in cases {
+            if !support::name_selected(name) {
+                continue;
+            }
             let s = support::square_conv(batch, cin, side, cout, k, stride, pad);
             let x: Vec<f32> = (0..s.input_len()).map(|i| (i % 7) as f32 * 0.1).collect();
             let w: Vec<f32> = (0..s.weight_len()).map(|i| (i % 5) as f32 * 0.01).collect();

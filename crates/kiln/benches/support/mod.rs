@@ -22,6 +22,18 @@ pub fn number_arg(index: usize) -> Option<usize> {
         .nth(index)
 }
 
+/// Whether a case named `name` runs: the arguments that are neither numbers nor flags
+/// (`cargo bench` passes `--bench`) select the cases whose names contain one of them; none
+/// selects every case. For A/B runs of one shape, repeated many times on a noisy machine.
+#[allow(dead_code)]
+pub fn name_selected(name: &str) -> bool {
+    let filters: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-') && a.parse::<usize>().is_err())
+        .collect();
+    filters.is_empty() || filters.iter().any(|f| name.contains(f.as_str()))
+}
+
 /// Best of 5 repeats of `iters` calls, in ms per call, after 3 warm-up calls.
 pub fn time(mut f: impl FnMut(), iters: usize) -> f64 {
     for _ in 0..3 {

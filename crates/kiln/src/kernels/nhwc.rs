@@ -11,6 +11,8 @@
 //! AVX-512 and for AVX2 + FMA (the kernels' `multiversion!`), picked by
 //! [`super::implicit::F32Kernel::detect`] (`KILN_F32_KERNEL`).
 
+use std::mem::MaybeUninit;
+
 use rayon::prelude::*;
 
 use super::activation::{Activation, activate_slice};
@@ -42,13 +44,22 @@ pub fn nhwc_to_nchw(x: &[f32], [b, h, w, c]: [usize; 4]) -> Vec<f32> {
 const TRANSPOSE_BLOCK: usize = 16;
 
 /// Transposes each of the `b` row-major `[rows, cols]` matrices in `x`.
+///
+/// The output is written once, not zero-filled first (a serial pass as long as the transpose
+/// itself on a batch's input images: BENCHMARKS.md run 40).
 fn transpose_images(x: &[f32], b: usize, [rows, cols]: [usize; 2]) -> Vec<f32> {
+    assert_eq!(x.len(), b * rows * cols, "transpose input length");
+    super::filled(x.len(), |y| transpose_into(x, [rows, cols], y))
+}
+
+/// [`transpose_images`] into `y` (`x.len()` values, every one written).
+fn transpose_into(x: &[f32], [rows, cols]: [usize; 2], y: &mut [MaybeUninit<f32>]) {
     let plane = rows * cols;
-    assert_eq!(x.len(), b * plane, "transpose input length");
-    let mut y = vec![0f32; x.len()];
     if plane == 0 || rows == 1 || cols == 1 {
-        y.copy_from_slice(x);
-        return y;
+        for (d, s) in y.iter_mut().zip(x) {
+            *d = MaybeUninit::new(*s);
+        }
+        return;
     }
     match rows {
         2 => return few_rows::<2>(x, y, cols),
@@ -58,19 +69,19 @@ fn transpose_images(x: &[f32], b: usize, [rows, cols]: [usize; 2]) -> Vec<f32> {
     }
     // Task: one image's band of TRANSPOSE_BLOCK source columns = a contiguous run of
     // output rows, walked in square blocks.
-    let band = |src: &[f32], (k, out): (usize, &mut [f32])| {
+    let band = |src: &[f32], (k, out): (usize, &mut [MaybeUninit<f32>])| {
         let c0 = k * TRANSPOSE_BLOCK;
         let c1 = (c0 + TRANSPOSE_BLOCK).min(cols);
         for r0 in (0..rows).step_by(TRANSPOSE_BLOCK) {
             for r in r0..(r0 + TRANSPOSE_BLOCK).min(rows) {
                 for (j, &v) in src[r * cols..][c0..c1].iter().enumerate() {
-                    out[j * rows + r] = v;
+                    out[j * rows + r] = MaybeUninit::new(v);
                 }
             }
         }
     };
     let band_len = rows * TRANSPOSE_BLOCK;
-    let image = |(out, src): (&mut [f32], &[f32])| {
+    let image = |(out, src): (&mut [MaybeUninit<f32>], &[f32])| {
         if plane < PARALLEL_MIN {
             out.chunks_mut(band_len)
                 .enumerate()
@@ -89,22 +100,21 @@ fn transpose_images(x: &[f32], b: usize, [rows, cols]: [usize; 2]) -> Vec<f32> {
     } else {
         y.chunks_mut(plane).zip(x.chunks(plane)).for_each(image);
     }
-    y
 }
 
 /// [`transpose_images`] of `[R, cols]` matrices (an RGB input to channels-last): each output
 /// pixel gathers its `R` values from `R` sequential streams. The square blocks' bands would
 /// be 16 pixels of `R` values each: at `R = 3` the stem's input cost 182 µs for 150 K values
 /// (profiled on EfficientNet-B0 at batch 1), several times a memory pass.
-fn few_rows<const R: usize>(x: &[f32], mut y: Vec<f32>, cols: usize) -> Vec<f32> {
+fn few_rows<const R: usize>(x: &[f32], y: &mut [MaybeUninit<f32>], cols: usize) {
     /// Output pixels per task.
     const PIXELS: usize = 1 << 13;
     let plane = R * cols;
-    let task = |src: &[f32], (t, out): (usize, &mut [f32])| {
+    let task = |src: &[f32], (t, out): (usize, &mut [MaybeUninit<f32>])| {
         let p0 = t * PIXELS;
         for (i, px) in out.chunks_exact_mut(R).enumerate() {
             for (r, v) in px.iter_mut().enumerate() {
-                *v = src[r * cols + p0 + i];
+                *v = MaybeUninit::new(src[r * cols + p0 + i]);
             }
         }
     };
@@ -119,7 +129,6 @@ fn few_rows<const R: usize>(x: &[f32], mut y: Vec<f32>, cols: usize) -> Vec<f32>
                 .for_each(|t| task(src, t));
         }
     }
-    y
 }
 
 /// An element-wise arithmetic operator.
@@ -332,32 +341,44 @@ pub fn pool2d(x: &[f32], win: &Window2d, kind: PoolKind) -> Vec<f32> {
     let [b, h, w, c] = win.dims;
     assert_eq!(x.len(), b * h * w * c, "pool2d input length");
     let [_, oh, ow, _] = win.out_dims();
-    let mut out = vec![0f32; b * oh * ow * c];
-    if out.is_empty() {
-        return out;
+    let len = b * oh * ow * c;
+    if len == 0 {
+        return Vec::new();
     }
-    let row = |(r, o_row): (usize, &mut [f32])| pool_row(x, win, kind, r, o_row);
-    if out.len() < PARALLEL_MIN {
-        out.chunks_exact_mut(ow * c).enumerate().for_each(row);
-    } else {
-        out.par_chunks_exact_mut(ow * c).enumerate().for_each(row);
-    }
-    out
+    // Every output row is written whole (each pixel starts from its fill value), so the
+    // output is not zero-filled first: a serial pass over 6.4 MB after ResNet's stem at
+    // batch 8 (BENCHMARKS.md run 40).
+    super::filled(len, |out| {
+        let row = |(r, o_row): (usize, &mut [MaybeUninit<f32>])| pool_row(x, win, kind, r, o_row);
+        if out.len() < PARALLEL_MIN {
+            out.chunks_exact_mut(ow * c).enumerate().for_each(row);
+        } else {
+            out.par_chunks_exact_mut(ow * c).enumerate().for_each(row);
+        }
+    })
 }
 
 multiversion! {
     /// Output row `r` (image `r / oh`, row `r mod oh`) of [`pool2d`].
-    fn pool_row(x: &[f32], win: &Window2d, kind: PoolKind, r: usize, o_row: &mut [f32]) {
+    fn pool_row(
+        x: &[f32],
+        win: &Window2d,
+        kind: PoolKind,
+        r: usize,
+        o_row: &mut [MaybeUninit<f32>],
+    ) {
         let [_, h, w, c] = win.dims;
         let oh = win.out_len(0);
         let (n, oy) = (r / oh, r % oh);
         let (ky0, ky1, iy0) = win.valid_taps(0, oy);
         for (ox, o) in o_row.chunks_exact_mut(c).enumerate() {
             let (kx0, kx1, ix0) = win.valid_taps(1, ox);
-            match kind {
-                PoolKind::Max => o.fill(f32::NEG_INFINITY),
-                PoolKind::Average { .. } => o.fill(0.0),
-            }
+            o.fill(MaybeUninit::new(match kind {
+                PoolKind::Max => f32::NEG_INFINITY,
+                PoolKind::Average { .. } => 0.0,
+            }));
+            // SAFETY: every value of the pixel was just written.
+            let o = unsafe { super::assume_init(o) };
             for ky in 0..ky1 - ky0 {
                 let iy = iy0 + ky * win.dilation[0];
                 for kx in 0..kx1 - kx0 {

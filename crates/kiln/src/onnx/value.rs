@@ -6,6 +6,7 @@
 //! 1 to 8). ONNX scalars (rank 0, which Burn has no tensor for) are held as one-element rank-1
 //! tensors marked `scalar`: broadcasting treats `[1]` as a scalar, so the arithmetic agrees.
 
+use burn::backend::{BackendTensor, DispatchTensorKind};
 use burn::tensor::DispatchTensor;
 use burn::tensor::kind::BridgeTensor;
 use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
@@ -273,10 +274,30 @@ impl Value {
 
     /// The elements as host floats (any kind).
     pub fn to_f32s(&self) -> Result<Vec<f32>, OnnxError> {
+        // One copy of the backend's buffer when it can be read in place; `data` makes three
+        // (Burn's `into_data` of a shared tensor, and twice more between byte and f32
+        // vectors): 1.5 ms for ResNet-18's input at batch 8 (BENCHMARKS.md run 40).
+        if let Some(values) = self.with_f32_view(<[f32]>::to_vec) {
+            return Ok(values);
+        }
         self.data()?
             .convert::<f32>()
             .try_into_vec::<f32>()
             .map_err(|e| OnnxError::Shape(format!("reading floats: {e:?}")))
+    }
+
+    /// `f` of the values of an f32 tensor on `flex` in row-major order, read in place (its
+    /// buffer is host memory already); `None` for another kind, dtype or device, or a
+    /// strided view.
+    pub fn with_f32_view<R>(&self, f: impl FnOnce(&[f32]) -> R) -> Option<R> {
+        if self.kind != ValueKind::Float {
+            return None;
+        }
+        let inner: DispatchTensor = self.tensor.clone().into();
+        match &inner.kind {
+            DispatchTensorKind::Flex(BackendTensor::Float(t)) => t.as_slice::<f32>().map(f),
+            _ => None,
+        }
     }
 
     /// The elements on the host, with the ONNX shape.
@@ -320,5 +341,30 @@ pub fn kind_of(dtype: DType) -> Result<ValueKind, OnnxError> {
         Ok(ValueKind::Bool)
     } else {
         Err(OnnxError::Unsupported(format!("element type {dtype:?}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn floats_are_read_in_place_when_contiguous_and_copied_in_order_from_a_view() {
+        let device = Device::default();
+        let values: Vec<f32> = (0..6).map(|i| i as f32).collect();
+        let t = Tensor::<2>::from_data(TensorData::new(values.clone(), [2, 3]), &device);
+        let dense = Value::float(t.clone());
+        assert_eq!(dense.with_f32_view(<[f32]>::to_vec), Some(values.clone()));
+        assert_eq!(dense.to_f32s().unwrap(), values);
+        // A transposed view is strided: not readable in place, and `to_f32s` still returns
+        // its values in row-major order of the view.
+        let strided = Value::float(t.transpose());
+        assert_eq!(strided.with_f32_view(<[f32]>::to_vec), None);
+        assert_eq!(
+            strided.to_f32s().unwrap(),
+            vec![0.0, 3.0, 1.0, 4.0, 2.0, 5.0]
+        );
+        let ints = Value::from_i64(vec![1, 2], false, &device);
+        assert_eq!(ints.with_f32_view(<[f32]>::len), None);
     }
 }

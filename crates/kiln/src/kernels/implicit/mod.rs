@@ -21,6 +21,7 @@ mod avx512;
 #[cfg(test)]
 mod tests;
 
+use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::sync::OnceLock;
 
@@ -577,10 +578,13 @@ unsafe fn conv_simd(
         return;
     }
     SPLITS.with(|n| n.set(n.get() + 1));
-    let per_task = items.div_ceil(threads * TASKS_PER_THREAD);
-    (0..items.div_ceil(per_task))
+    // Task t runs items [t·items/tasks, (t+1)·items/tasks): sizes differ by one item at most
+    // (the former ceil-sized tasks left the last few short, e.g. 27 tasks of 5 and fewer for
+    // 132 items, so one thread ran up to 6% more than the other).
+    let tasks = (threads * TASKS_PER_THREAD).min(items);
+    (0..tasks)
         .into_par_iter()
-        .for_each(|t| (t * per_task..((t + 1) * per_task).min(items)).for_each(run));
+        .for_each(|t| (t * items / tasks..(t + 1) * items / tasks).for_each(run));
 }
 
 /// A linear layer on the host: `out` `[rows, outputs]` = `x` `[rows, inputs]` · W + b (and
@@ -752,27 +756,41 @@ impl Geometry {
     }
 
     /// Copies `x` `[batch, h, w, cin]` into a zero border of the convolution's padding (and
-    /// `slack` zeros after the end); row
-    /// by row over the pool when `parallel` (at batch 1 a serial copy of a large image cost
-    /// ~10% of a strided ResNet convolution on two threads).
+    /// `slack` zeros after the end); row by row over the pool when `parallel` (at batch 1 a
+    /// serial copy of a large image cost ~10% of a strided ResNet convolution on two
+    /// threads). Each value is written once: the border's zeros beside the copied rows, not
+    /// a zero fill of the whole buffer first (a serial `memset` of the padded image, as long
+    /// as the copy: BENCHMARKS.md run 40).
     fn pad(&self, s: &ConvShape, x: &[f32], parallel: bool, slack: usize) -> Vec<f32> {
         let [(top, _), (left, _)] = s.padding;
-        let (hp, row) = (self.hp, self.wp * self.cin);
-        let mut padded = vec![0f32; s.batch * hp * row + slack];
-        let copy_row = |(i, dst): (usize, &mut [f32])| {
+        let (hp, row, cin) = (self.hp, self.wp * self.cin, self.cin);
+        let image_len = s.batch * hp * row;
+        let copy_row = |(i, dst): (usize, &mut [MaybeUninit<f32>])| {
             let (n, y) = (i / hp, i % hp);
             if y >= top && y < top + s.h {
-                let src = &x[(n * s.h + y - top) * s.w * self.cin..][..s.w * self.cin];
-                dst[left * self.cin..][..src.len()].copy_from_slice(src);
+                let src = &x[(n * s.h + y - top) * s.w * cin..][..s.w * cin];
+                let (before, rest) = dst.split_at_mut(left * cin);
+                let (middle, after) = rest.split_at_mut(src.len());
+                before.fill(MaybeUninit::new(0.0));
+                // SAFETY: `f32` and `MaybeUninit<f32>` share a layout; the source is
+                // initialized.
+                middle.copy_from_slice(unsafe {
+                    std::slice::from_raw_parts(src.as_ptr().cast(), src.len())
+                });
+                after.fill(MaybeUninit::new(0.0));
+            } else {
+                dst.fill(MaybeUninit::new(0.0));
             }
         };
-        let image = &mut padded[..s.batch * hp * row];
-        if parallel {
-            image.par_chunks_mut(row).enumerate().for_each(copy_row);
-        } else {
-            image.chunks_mut(row).enumerate().for_each(copy_row);
-        }
-        padded
+        super::filled(image_len + slack, |out| {
+            let (image, tail) = out.split_at_mut(image_len);
+            tail.fill(MaybeUninit::new(0.0));
+            if parallel {
+                image.par_chunks_mut(row).enumerate().for_each(copy_row);
+            } else {
+                image.chunks_mut(row).enumerate().for_each(copy_row);
+            }
+        })
     }
 }
 

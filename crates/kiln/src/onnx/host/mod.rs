@@ -60,6 +60,15 @@ impl Image {
     /// An NCHW float value as an image.
     fn from_value(v: Value) -> Result<Image, OnnxError> {
         let dims = v.dims();
+        // A graph's input image is transposed straight out of the backend's buffer: one pass
+        // instead of a copy out and a transpose of the copy.
+        if let [n, c, h, w] = dims[..]
+            && h * w > 1
+            && c > 1
+            && let Some(data) = v.with_f32_view(|x| nchw_to_nhwc(x, [n, c, h, w]))
+        {
+            return Ok(Image::new(data, [n, h, w, c]));
+        }
         Image::from_nchw(v.to_kind(ValueKind::Float)?.to_f32s()?, dims)
     }
 
@@ -1019,6 +1028,26 @@ mod tests {
         assert!(kernel_fits([2, 5], [(1, 0), (0, 0)], [3, 3], [1, 1]).is_ok());
         assert!(kernel_fits([4, 4], none, [3, 3], [2, 2]).is_err());
         assert!(kernel_fits([5, 5], none, [3, 3], [2, 2]).is_ok());
+    }
+
+    #[test]
+    fn an_input_image_is_the_same_read_in_place_or_from_a_strided_view() {
+        let device = Device::default();
+        let (n, c, h, w) = (2, 3, 4, 5);
+        let nchw: Vec<f32> = (0..n * c * h * w).map(|i| i as f32).collect();
+        let mut nhwc = vec![0f32; nchw.len()];
+        for (i, v) in nchw.iter().enumerate() {
+            let (b, ch, y, x) = (i / (c * h * w), i / (h * w) % c, i / w % h, i % w);
+            nhwc[((b * h + y) * w + x) * c + ch] = *v;
+        }
+        let dense = Tensor::<4>::from_data(TensorData::new(nchw.clone(), [n, c, h, w]), &device);
+        let image = Image::from_value(Value::float(dense.clone())).unwrap();
+        assert_eq!((image.dims, &image.data[..]), ([n, h, w, c], &nhwc[..]));
+        // The same values as a strided view (NHWC storage permuted to NCHW).
+        let stored = dense.permute([0, 2, 3, 1]);
+        let stored = Tensor::<4>::from_data(stored.into_data(), &device);
+        let view = Image::from_value(Value::float(stored.permute([0, 3, 1, 2]))).unwrap();
+        assert_eq!((view.dims, &view.data[..]), ([n, h, w, c], &nhwc[..]));
     }
 
     fn value(data: &[f32], dims: &[usize]) -> Slot {
