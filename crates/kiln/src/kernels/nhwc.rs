@@ -220,29 +220,83 @@ multiversion! {
     }
 }
 
-/// `x = x · scale + shift` per channel over channels-last pixels (an inference BatchNorm).
-pub fn scale_shift_in_place(x: &mut [f32], scale: &[f32], shift: &[f32]) {
-    let c = scale.len();
-    assert_eq!(shift.len(), c, "scale and shift lengths differ");
-    if c == 0 {
+/// `x = x · scale + shift` per channel over channels-last pixels (an inference BatchNorm),
+/// then clamped to `bounds` when given (a ReLU or ReLU6 fused after it: one pass, not two).
+pub fn scale_shift_in_place(x: &mut [f32], scale: &[f32], shift: &[f32], bounds: Option<[f32; 2]>) {
+    let chunk = scale_shift_chunk(x.len(), scale, shift);
+    if chunk == 0 {
         return;
     }
-    assert_eq!(x.len() % c, 0, "scale_shift: image length");
-    // Whole pixels per chunk, so each chunk starts at channel 0.
-    let chunk = (PARALLEL_MIN / c).max(1) * c;
     if x.len() < PARALLEL_MIN {
-        scale_shift_pixels(x, scale, shift);
+        scale_shift_pixels(x, scale, shift, bounds);
     } else {
         x.par_chunks_mut(chunk)
-            .for_each(|xs| scale_shift_pixels(xs, scale, shift));
+            .for_each(|xs| scale_shift_pixels(xs, scale, shift, bounds));
     }
 }
 
+/// [`scale_shift_in_place`] into a new vector, `x` left as it is: for an input another layer
+/// still reads (DenseNet's BatchNorm reads a Concat's output that the next Concat reads too),
+/// where a copy and then a pass over the copy went twice over memory. Each chunk is copied
+/// and transformed while it is in cache.
+pub fn scale_shift_new(
+    x: &[f32],
+    scale: &[f32],
+    shift: &[f32],
+    bounds: Option<[f32; 2]>,
+) -> Vec<f32> {
+    let chunk = scale_shift_chunk(x.len(), scale, shift);
+    if chunk == 0 {
+        return x.to_vec();
+    }
+    super::filled(x.len(), |out| {
+        let run = |(dst, src): (&mut [MaybeUninit<f32>], &[f32])| {
+            for (d, v) in dst.iter_mut().zip(src) {
+                *d = MaybeUninit::new(*v);
+            }
+            // SAFETY: every value of the chunk was just written.
+            scale_shift_pixels(unsafe { super::assume_init(dst) }, scale, shift, bounds);
+        };
+        if x.len() < PARALLEL_MIN {
+            out.chunks_mut(chunk).zip(x.chunks(chunk)).for_each(run);
+        } else {
+            out.par_chunks_mut(chunk)
+                .zip(x.par_chunks(chunk))
+                .for_each(run);
+        }
+    })
+}
+
+/// Values per task of a per-channel scale and shift over `len` values (whole pixels, so each
+/// chunk starts at channel 0); 0 when there are no channels.
+fn scale_shift_chunk(len: usize, scale: &[f32], shift: &[f32]) -> usize {
+    let c = scale.len();
+    assert_eq!(shift.len(), c, "scale and shift lengths differ");
+    if c == 0 {
+        return 0;
+    }
+    assert_eq!(len % c, 0, "scale_shift: image length");
+    (PARALLEL_MIN / c).max(1) * c
+}
+
 multiversion! {
-    fn scale_shift_pixels(xs: &mut [f32], scale: &[f32], shift: &[f32]) {
-        for px in xs.chunks_exact_mut(scale.len()) {
-            for ((x, &a), &b) in px.iter_mut().zip(scale).zip(shift) {
-                *x = *x * a + b;
+    fn scale_shift_pixels(xs: &mut [f32], scale: &[f32], shift: &[f32], bounds: Option<[f32; 2]>) {
+        match bounds {
+            // Unbounded: no clamp at all, so a NaN stays a NaN.
+            None => {
+                for px in xs.chunks_exact_mut(scale.len()) {
+                    for ((x, &a), &b) in px.iter_mut().zip(scale).zip(shift) {
+                        *x = *x * a + b;
+                    }
+                }
+            }
+            // `max` first, as the convolutions' clamp: a NaN becomes the lower bound.
+            Some([lo, hi]) => {
+                for px in xs.chunks_exact_mut(scale.len()) {
+                    for ((x, &a), &b) in px.iter_mut().zip(scale).zip(shift) {
+                        *x = (*x * a + b).max(lo).min(hi);
+                    }
+                }
             }
         }
     }
@@ -518,24 +572,19 @@ pub fn depthwise_conv2d_on(
     );
     assert_eq!(x.len(), b * h * wd * c, "depthwise input length");
     let [_, oh, ow, _] = win.out_dims();
-    let mut out = vec![0f32; b * oh * ow * c];
-    if out.is_empty() {
-        return out;
+    let len = b * oh * ow * c;
+    if len == 0 {
+        return Vec::new();
     }
     let (clamp, after) = Activation::split(act);
-    let row = |(r, o_row): (usize, &mut [f32])| {
+    let row = |r: usize, o_row: &mut [f32]| {
         depthwise_row(kernel, x, win, w, clamp, r, o_row);
         if let Some(act) = after {
             activate_slice(o_row, act);
         }
     };
-    let work = out.len() * win.kernel[0] * win.kernel[1];
-    if work < DEPTHWISE_PARALLEL_MACS {
-        out.chunks_exact_mut(ow * c).enumerate().for_each(row);
-    } else {
-        out.par_chunks_exact_mut(ow * c).enumerate().for_each(row);
-    }
-    out
+    let work = len * win.kernel[0] * win.kernel[1];
+    super::rows_from_zero(len, ow * c, work >= DEPTHWISE_PARALLEL_MACS, row)
 }
 
 multiversion! {
@@ -1120,13 +1169,35 @@ mod tests {
         let x = values(c * pixels, 9);
         let (a, b) = (values(c, 10), values(c, 11));
         let mut got = x.clone();
-        scale_shift_in_place(&mut got, &a, &b);
+        scale_shift_in_place(&mut got, &a, &b, None);
         let want: Vec<f64> = x
             .iter()
             .enumerate()
             .map(|(i, &v)| v as f64 * a[i % c] as f64 + b[i % c] as f64)
             .collect();
         assert!(relative_error(&got, &want) < 1e-6);
+        // Into a new vector: the same values, the input untouched.
+        assert_eq!(scale_shift_new(&x, &a, &b, None), got);
+    }
+
+    #[test]
+    fn scale_shift_with_a_fused_clamp_matches_the_two_passes_in_place_or_new() {
+        // Above PARALLEL_MIN values, so the chunked parallel paths run too.
+        for (c, pixels) in [(37, 100), (64, 4096)] {
+            let x = values(c * pixels, 12);
+            let (a, b) = (values(c, 13), values(c, 14));
+            for bounds in [[0.0, f32::INFINITY], [0.0, 6.0]] {
+                let mut want = x.clone();
+                scale_shift_in_place(&mut want, &a, &b, None);
+                want.iter_mut()
+                    .for_each(|v| *v = v.clamp(bounds[0], bounds[1]));
+                let mut got = x.clone();
+                scale_shift_in_place(&mut got, &a, &b, Some(bounds));
+                assert_eq!(got, want, "in place, {c} channels, {bounds:?}");
+                let new = scale_shift_new(&x, &a, &b, Some(bounds));
+                assert_eq!(new, want, "new, {c} channels, {bounds:?}");
+            }
+        }
     }
 
     #[test]

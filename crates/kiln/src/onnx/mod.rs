@@ -436,7 +436,7 @@ impl OnnxModel {
                 let Some(host::Packed::Affine { scale, shift }) = packed else {
                     return None;
                 };
-                host::affine(ins, scale, shift)
+                host::affine(ins, scale, shift, step.fused_activation())
             }
             StepOp::QConv(q) => {
                 let outs = host::int8_conv(

@@ -283,11 +283,13 @@ impl OnnxModel {
         Ok(self.constants.len() - 1)
     }
 
-    /// Folds each activation that alone reads a Conv's output into that convolution, and each
-    /// ReLU that alone reads an Add's: ReLU, Clip with constant bounds (ReLU6), SiLU (fused
-    /// from its Sigmoid and Mul first), HardSwish, Sigmoid and HardSigmoid. On the host path
-    /// the convolution applies it in its store (the addition in its pass), elsewhere it runs
-    /// right after the operator. Returns how many were fused.
+    /// Folds each activation that alone reads a Conv's or a BatchNorm's output into that
+    /// layer, and each ReLU that alone reads an Add's: ReLU, Clip with constant bounds
+    /// (ReLU6), SiLU (fused from its Sigmoid and Mul first), HardSwish, Sigmoid and
+    /// HardSigmoid. On the host path the convolution applies it in its store, the BatchNorm
+    /// and the addition in their pass (DenseNet's pre-activation BatchNorm + ReLU: one pass
+    /// over the image, not two); elsewhere it runs right after the operator. Returns how many
+    /// were fused.
     pub(super) fn fuse_activations(&mut self) -> usize {
         let mut fused = 0;
         let mut at = 0;
@@ -305,9 +307,9 @@ impl OnnxModel {
                     let layer = self.sole_producer(x)?;
                     let step = &self.steps[layer];
                     let kind_fits = match step.op.node() {
-                        Some(Node::Conv2d(_)) => true,
+                        Some(Node::Conv2d(_) | Node::BatchNormalization(_)) => true,
                         Some(Node::Add(_)) => act == Activation::Relu,
-                        _ => false,
+                        _ => matches!(step.op, StepOp::Affine { .. }),
                     };
                     let fusable = kind_fits && step.plain_output() && step.outputs.len() == 1;
                     fusable.then_some(layer)
@@ -513,6 +515,18 @@ impl OnnxModel {
         while at < self.steps.len() {
             if let Some(conv) = self.foldable(at) {
                 self.fold_into(conv, at)?;
+                // An activation fused after the BatchNorm now follows the convolution (which
+                // had none: `foldable` takes only a plain output).
+                let bn = &self.steps[at];
+                let (relu, activation) = (bn.relu, bn.activation);
+                let fused = bn.op_name.split_once('+').map(|(_, rest)| rest.to_string());
+                let conv_step = &mut self.steps[conv];
+                conv_step.relu = relu;
+                conv_step.activation = activation;
+                if let Some(fused) = fused {
+                    conv_step.op_name.push('+');
+                    conv_step.op_name.push_str(&fused);
+                }
                 self.remove_step(at);
                 folded += 1;
                 continue;

@@ -6,8 +6,11 @@
 //! NCHW and the next convolution converts it again (ShuffleNet v2 paid four such round trips
 //! per block, one of them for a `Shape`).
 
+use std::mem::MaybeUninit;
+
 use burn::tensor::Device;
 use onnx_ir::node::slice::{SliceConfig, SliceInput};
+use rayon::prelude::*;
 
 use super::super::ops::shape::{axis_index, reshaped_dims, shape_of, slice_range};
 use super::super::shuffle::{ChannelShuffle, ShapeSpec};
@@ -236,6 +239,9 @@ pub(super) fn split_channels(
         .collect()))
 }
 
+/// Output values from which a channel concatenation splits over the pool.
+const CONCAT_PARALLEL_MIN: usize = 1 << 16;
+
 /// Channel concatenation of images of one size (DenseNet, SqueezeNet's fire modules).
 pub(super) fn concat_channels(ins: &mut [Option<Slot>]) -> Option<Result<Vec<Slot>, OnnxError>> {
     let images: Vec<&Image> = ins
@@ -250,12 +256,35 @@ pub(super) fn concat_channels(ins: &mut [Option<Slot>]) -> Option<Result<Vec<Slo
         return None;
     }
     let c: usize = images.iter().map(|i| i.dims[3]).sum();
-    let mut out = Vec::with_capacity(n * h * w * c);
-    for px in 0..n * h * w {
-        for image in &images {
-            let ci = image.dims[3];
-            out.extend_from_slice(&image.data[px * ci..][..ci]);
-        }
+    let pixels = n * h * w;
+    if c == 0 || pixels == 0 {
+        return Some(Ok(vec![Slot::Image(Image::new(Vec::new(), [n, h, w, c]))]));
     }
+    // Pixels `first..` of the output: each pixel's channels from each input in turn.
+    let copy = |first: usize, out: &mut [MaybeUninit<f32>]| {
+        for (i, px) in out.chunks_exact_mut(c).enumerate() {
+            let mut at = 0;
+            for image in &images {
+                let ci = image.dims[3];
+                let src = &image.data[(first + i) * ci..][..ci];
+                for (d, v) in px[at..at + ci].iter_mut().zip(src) {
+                    *d = MaybeUninit::new(*v);
+                }
+                at += ci;
+            }
+        }
+    };
+    // Split by pixels over the pool when large: DenseNet concatenates every earlier feature
+    // map at each layer, 10% of its run on one thread (BENCHMARKS.md run 40).
+    let out = crate::kernels::filled(pixels * c, |out| {
+        if out.len() < CONCAT_PARALLEL_MIN {
+            copy(0, out);
+        } else {
+            let per_task = pixels.div_ceil(rayon::current_num_threads().max(1) * 8);
+            out.par_chunks_mut(per_task * c)
+                .enumerate()
+                .for_each(|(t, out)| copy(t * per_task, out));
+        }
+    });
     Some(Ok(vec![Slot::Image(Image::new(out, [n, h, w, c]))]))
 }

@@ -36,6 +36,7 @@ use crate::kernels::layer_norm::layer_norm_rows;
 use crate::kernels::nhwc::{
     Arith, DepthwiseWeights, PoolKind, Window2d, arith_channels_in_place, arith_in_place,
     depthwise_conv2d, global_average, nchw_to_nhwc, nhwc_to_nchw, pool2d, scale_shift_in_place,
+    scale_shift_new,
 };
 pub(super) use layout::channel_shuffle;
 use layout::{concat_channels, relayout, split_channels};
@@ -350,7 +351,7 @@ pub(super) fn run(
             else {
                 return None;
             };
-            affine(ins, scale, shift)
+            affine(ins, scale, shift, step.act)
         }
         Node::Linear(n) => linear(step, ins, n.config.transpose_weight, true),
         Node::Gemm(n) => {
@@ -410,12 +411,15 @@ fn pack_batch_norm(step: &HostStep, ins: &[Option<Slot>], epsilon: f64) -> Optio
     Some(Packed::Affine { scale, shift })
 }
 
-/// `x · scale + shift` per channel on an image input (a BatchNorm, or the fold pass's
-/// precomputed one); `None` when the input is not an image of `scale.len()` channels.
+/// `act(x · scale + shift)` per channel on an image input (a BatchNorm, or the fold pass's
+/// precomputed one, and the activation fused after it); `None` when the input is not an
+/// image of `scale.len()` channels. A clamp (ReLU, ReLU6) is applied in the same pass; an
+/// input another layer still reads is left as it is, the result written beside it.
 pub(super) fn affine(
     ins: &mut [Option<Slot>],
     scale: &[f32],
     shift: &[f32],
+    act: Option<Activation>,
 ) -> Option<Result<Vec<Slot>, OnnxError>> {
     match ins.first()? {
         Some(Slot::Image(image)) if image.dims[3] == scale.len() => {}
@@ -425,8 +429,17 @@ pub(super) fn affine(
         return None;
     };
     let dims = image.dims;
-    let mut data = image.into_vec();
-    scale_shift_in_place(&mut data, scale, shift);
+    let (clamp, after) = Activation::split(act);
+    let mut data = match Arc::try_unwrap(image.data) {
+        Ok(mut data) => {
+            scale_shift_in_place(&mut data, scale, shift, clamp);
+            data
+        }
+        Err(shared) => scale_shift_new(&shared, scale, shift, clamp),
+    };
+    if let Some(act) = after {
+        activate(&mut data, act);
+    }
     Some(Ok(vec![Slot::Image(Image::new(data, dims))]))
 }
 
