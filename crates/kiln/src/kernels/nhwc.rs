@@ -467,29 +467,54 @@ multiversion! {
 
 /// The mean of each image's pixels per channel: `[batch, channels]` from `[batch, h, w,
 /// channels]`.
+///
+/// A large image is summed in parallel over fixed runs of [`MEAN_CHUNK`] values (whole
+/// pixels), the partial sums then added in order: the same result on any thread count. On
+/// one thread, EfficientNet-B0's squeeze-and-excitation means cost as much as ONNX Runtime's
+/// two (BENCHMARKS.md run 40).
 pub fn global_average(x: &[f32], [b, h, w, c]: [usize; 4]) -> Vec<f32> {
     assert_eq!(x.len(), b * h * w * c, "global_average input length");
     let mut out = vec![0f32; b * c];
-    if c == 0 {
+    let plane = h * w * c;
+    if c == 0 || plane == 0 {
         return out;
     }
+    let chunk = (MEAN_CHUNK / c).max(1) * c;
     for (n, o) in out.chunks_exact_mut(c).enumerate() {
-        mean_pixels(&x[n * h * w * c..][..h * w * c], o);
+        let image = &x[n * plane..][..plane];
+        if plane < PARALLEL_MIN {
+            sum_pixels(image, o);
+        } else {
+            let partial: Vec<Vec<f32>> = image
+                .par_chunks(chunk)
+                .map(|part| {
+                    let mut sums = vec![0f32; c];
+                    sum_pixels(part, &mut sums);
+                    sums
+                })
+                .collect();
+            for sums in partial {
+                o.iter_mut().zip(&sums).for_each(|(o, s)| *o += s);
+            }
+        }
+        let scale = 1.0 / (h * w) as f32;
+        o.iter_mut().for_each(|v| *v *= scale);
     }
     out
 }
 
+/// Values per parallel task of [`global_average`].
+const MEAN_CHUNK: usize = 1 << 15;
+
 multiversion! {
-    /// `o` = the mean of the pixels (rows of `o.len()` values) in `image`.
-    fn mean_pixels(image: &[f32], o: &mut [f32]) {
+    /// `o += ` the sum of the pixels (rows of `o.len()` values) in `image`.
+    fn sum_pixels(image: &[f32], o: &mut [f32]) {
         let c = o.len();
         for px in image.chunks_exact(c) {
             for (o, &v) in o.iter_mut().zip(px) {
                 *o += v;
             }
         }
-        let scale = 1.0 / (image.len() / c).max(1) as f32;
-        o.iter_mut().for_each(|v| *v *= scale);
     }
 }
 
@@ -1202,18 +1227,26 @@ mod tests {
 
     #[test]
     fn global_average_is_the_mean_per_channel() {
-        let dims = [2, 7, 7, 12];
-        let x = values(2 * 49 * 12, 8);
-        let got = global_average(&x, dims);
-        let want: Vec<f64> = (0..24)
-            .map(|i| {
-                let (n, c) = (i / 12, i % 12);
-                (0..49)
-                    .map(|p| x[(n * 49 + p) * 12 + c] as f64)
-                    .sum::<f64>()
-                    / 49.0
-            })
-            .collect();
-        assert!(relative_error(&got, &want) < 1e-6);
+        // A small image (summed on the calling thread) and a large one (in parallel parts).
+        for [b, h, w, c] in [[2, 7, 7, 12], [2, 56, 56, 48]] {
+            let x = values(b * h * w * c, 8);
+            let got = global_average(&x, [b, h, w, c]);
+            let want: Vec<f64> = (0..b * c)
+                .map(|i| {
+                    let (n, ch) = (i / c, i % c);
+                    (0..h * w)
+                        .map(|p| x[(n * h * w + p) * c + ch] as f64)
+                        .sum::<f64>()
+                        / (h * w) as f64
+                })
+                .collect();
+            assert!(relative_error(&got, &want) < 1e-5, "{h}×{w}×{c}");
+            // The parts are fixed, not per thread: one thread gives the same bits.
+            let one = rayon::ThreadPoolBuilder::new()
+                .num_threads(1)
+                .build()
+                .unwrap();
+            assert_eq!(one.install(|| global_average(&x, [b, h, w, c])), got);
+        }
     }
 }
