@@ -413,7 +413,11 @@ pub fn pool2d(x: &[f32], win: &Window2d, kind: PoolKind) -> Vec<f32> {
 }
 
 multiversion! {
-    /// Output row `r` (image `r / oh`, row `r mod oh`) of [`pool2d`].
+    /// Output row `r` (image `r / oh`, row `r mod oh`) of [`pool2d`]. Each pixel's window
+    /// taps are listed once; each block of 16 channels then runs over all of them with its
+    /// running maximum (or sum) in registers and is stored once: the former loop read,
+    /// compared and stored the whole pixel at every tap (three memory operations per value
+    /// and tap instead of one).
     fn pool_row(
         x: &[f32],
         win: &Window2d,
@@ -425,43 +429,135 @@ multiversion! {
         let oh = win.out_len(0);
         let (n, oy) = (r / oh, r % oh);
         let (ky0, ky1, iy0) = win.valid_taps(0, oy);
+        let mut taps = [0usize; MAX_POOL_TAPS];
         for (ox, o) in o_row.chunks_exact_mut(c).enumerate() {
             let (kx0, kx1, ix0) = win.valid_taps(1, ox);
-            o.fill(MaybeUninit::new(match kind {
-                PoolKind::Max => f32::NEG_INFINITY,
-                PoolKind::Average { .. } => 0.0,
-            }));
-            // SAFETY: every value of the pixel was just written.
-            let o = unsafe { super::assume_init(o) };
+            let cells = (ky1 - ky0) * (kx1 - kx0);
+            if cells > MAX_POOL_TAPS {
+                pool_pixel_plain(x, win, kind, [n, oy, ox], o);
+                continue;
+            }
+            let mut t = 0;
             for ky in 0..ky1 - ky0 {
                 let iy = iy0 + ky * win.dilation[0];
                 for kx in 0..kx1 - kx0 {
                     let ix = ix0 + kx * win.dilation[1];
-                    let px = &x[((n * h + iy) * w + ix) * c..][..c];
-                    match kind {
-                        PoolKind::Max => {
-                            for (o, &v) in o.iter_mut().zip(px) {
-                                *o = if v.is_nan() || v > *o { v } else { *o };
-                            }
-                        }
-                        PoolKind::Average { .. } => {
-                            for (o, &v) in o.iter_mut().zip(px) {
-                                *o += v;
-                            }
-                        }
+                    taps[t] = ((n * h + iy) * w + ix) * c;
+                    t += 1;
+                }
+            }
+            let taps = &taps[..cells];
+            let mut c0 = 0;
+            match kind {
+                PoolKind::Max => {
+                    while c0 + 16 <= c {
+                        pool_block::<16, true>(x, taps, c0, &mut o[c0..c0 + 16]);
+                        c0 += 16;
+                    }
+                    while c0 < c {
+                        pool_block::<1, true>(x, taps, c0, &mut o[c0..c0 + 1]);
+                        c0 += 1;
+                    }
+                }
+                PoolKind::Average { count_include_pad } => {
+                    while c0 + 16 <= c {
+                        pool_block::<16, false>(x, taps, c0, &mut o[c0..c0 + 16]);
+                        c0 += 16;
+                    }
+                    while c0 < c {
+                        pool_block::<1, false>(x, taps, c0, &mut o[c0..c0 + 1]);
+                        c0 += 1;
+                    }
+                    let count = if count_include_pad {
+                        win.padded_cells(0, oy) * win.padded_cells(1, ox)
+                    } else {
+                        cells
+                    };
+                    let scale = 1.0 / count.max(1) as f32;
+                    for v in o.iter_mut() {
+                        // SAFETY: every channel of the pixel was just stored.
+                        *v = MaybeUninit::new(unsafe { v.assume_init() } * scale);
                     }
                 }
             }
-            if let PoolKind::Average { count_include_pad } = kind {
-                let count = if count_include_pad {
-                    win.padded_cells(0, oy) * win.padded_cells(1, ox)
-                } else {
-                    (ky1 - ky0) * (kx1 - kx0)
+        }
+    }
+}
+
+/// Window cells a pooled pixel lists its taps for (a 7×7 window; larger ones, rare, take
+/// [`pool_pixel_plain`]).
+const MAX_POOL_TAPS: usize = 49;
+
+/// Channels `c0..c0 + N` of one pooled pixel from the inputs at `taps` (pixel offsets):
+/// the maximum (`MAX`; padding never wins, a NaN does) or the sum, held in registers across
+/// the taps and stored once. Inlined into the multiversioned row.
+#[inline(always)]
+fn pool_block<const N: usize, const MAX: bool>(
+    x: &[f32],
+    taps: &[usize],
+    c0: usize,
+    o: &mut [MaybeUninit<f32>],
+) {
+    let mut acc = [if MAX { f32::NEG_INFINITY } else { 0.0 }; N];
+    for &t in taps {
+        let px = &x[t + c0..][..N];
+        for (a, &v) in acc.iter_mut().zip(px) {
+            *a = if !MAX {
+                *a + v
+            } else if v.is_nan() || v > *a {
+                v
+            } else {
+                *a
+            };
+        }
+    }
+    for (o, a) in o.iter_mut().zip(acc) {
+        *o = MaybeUninit::new(a);
+    }
+}
+
+/// One pooled pixel of a window with more than [`MAX_POOL_TAPS`] cells, tap by tap.
+fn pool_pixel_plain(
+    x: &[f32],
+    win: &Window2d,
+    kind: PoolKind,
+    [n, oy, ox]: [usize; 3],
+    o: &mut [MaybeUninit<f32>],
+) {
+    let [_, h, w, c] = win.dims;
+    let (ky0, ky1, iy0) = win.valid_taps(0, oy);
+    let (kx0, kx1, ix0) = win.valid_taps(1, ox);
+    let mut acc = vec![
+        if kind == PoolKind::Max {
+            f32::NEG_INFINITY
+        } else {
+            0.0
+        };
+        c
+    ];
+    for ky in 0..ky1 - ky0 {
+        let iy = iy0 + ky * win.dilation[0];
+        for kx in 0..kx1 - kx0 {
+            let ix = ix0 + kx * win.dilation[1];
+            let px = &x[((n * h + iy) * w + ix) * c..][..c];
+            for (a, &v) in acc.iter_mut().zip(px) {
+                *a = match kind {
+                    PoolKind::Max if v.is_nan() || v > *a => v,
+                    PoolKind::Max => *a,
+                    PoolKind::Average { .. } => *a + v,
                 };
-                let scale = 1.0 / count.max(1) as f32;
-                o.iter_mut().for_each(|v| *v *= scale);
             }
         }
+    }
+    let scale = match kind {
+        PoolKind::Max => 1.0,
+        PoolKind::Average {
+            count_include_pad: true,
+        } => 1.0 / (win.padded_cells(0, oy) * win.padded_cells(1, ox)).max(1) as f32,
+        PoolKind::Average { .. } => 1.0 / ((ky1 - ky0) * (kx1 - kx0)).max(1) as f32,
+    };
+    for (o, a) in o.iter_mut().zip(acc) {
+        *o = MaybeUninit::new(a * scale);
     }
 }
 
@@ -1017,12 +1113,33 @@ mod tests {
     }
 
     #[test]
+    fn a_nan_wins_the_max_pool_of_every_window_it_is_in() {
+        // 17 channels: a block of 16 and one alone; the NaN in channel 16, then channel 3.
+        for ch in [16, 3] {
+            let dims = [1, 5, 5, 17];
+            let mut x = values(dims.iter().product(), 4);
+            let at = (2 * 5 + 1) * 17 + ch; // pixel (2, 1)
+            x[at] = f32::NAN;
+            let win = window(dims, 3, 1, (1, 1), false);
+            let got = pool2d(&x, &win, PoolKind::Max);
+            for (i, v) in got.iter().enumerate() {
+                let (p, c) = (i / 17, i % 17);
+                let (oy, ox) = (p / 5, p % 5);
+                let covers = c == ch && oy.abs_diff(2) <= 1 && ox.abs_diff(1) <= 1;
+                assert_eq!(v.is_nan(), covers, "pixel ({oy}, {ox}) channel {c}");
+            }
+        }
+    }
+
+    #[test]
     fn pooling_matches_a_direct_loop_with_pads_and_ceil_mode() {
         for (dims, k, s, p, ceil) in [
             ([1, 112, 112, 64], 3, 2, (1, 1), false), // ResNet's stem pool
             ([2, 13, 13, 24], 3, 2, (0, 0), true),    // SqueezeNet's ceil-mode pool
             ([1, 7, 9, 5], 2, 2, (0, 0), true),
             ([3, 8, 8, 17], 3, 1, (1, 1), false),
+            // 81 cells: more than a pixel lists taps for (the tap-by-tap path).
+            ([1, 12, 12, 20], 9, 3, (2, 2), true),
         ] {
             let win = window(dims, k, s, p, ceil);
             let x = values(dims.iter().product(), 3);
