@@ -56,9 +56,7 @@ fn transpose_images(x: &[f32], b: usize, [rows, cols]: [usize; 2]) -> Vec<f32> {
 fn transpose_into(x: &[f32], [rows, cols]: [usize; 2], y: &mut [MaybeUninit<f32>]) {
     let plane = rows * cols;
     if plane == 0 || rows == 1 || cols == 1 {
-        for (d, s) in y.iter_mut().zip(x) {
-            *d = MaybeUninit::new(*s);
-        }
+        y.write_copy_of_slice(x);
         return;
     }
     match rows {
@@ -251,11 +249,9 @@ pub fn scale_shift_new(
     }
     super::filled(x.len(), |out| {
         let run = |(dst, src): (&mut [MaybeUninit<f32>], &[f32])| {
-            for (d, v) in dst.iter_mut().zip(src) {
-                *d = MaybeUninit::new(*v);
-            }
-            // SAFETY: every value of the chunk was just written.
-            scale_shift_pixels(unsafe { super::assume_init(dst) }, scale, shift, bounds);
+            // Every value of the chunk is written, then transformed in place.
+            let dst = dst.write_copy_of_slice(src);
+            scale_shift_pixels(dst, scale, shift, bounds);
         };
         if x.len() < PARALLEL_MIN {
             out.chunks_mut(chunk).zip(x.chunks(chunk)).for_each(run);
@@ -451,32 +447,28 @@ multiversion! {
             match kind {
                 PoolKind::Max => {
                     while c0 + 16 <= c {
-                        pool_block::<16, true>(x, taps, c0, &mut o[c0..c0 + 16]);
+                        pool_block::<16, true>(x, taps, c0, 1.0, &mut o[c0..c0 + 16]);
                         c0 += 16;
                     }
                     while c0 < c {
-                        pool_block::<1, true>(x, taps, c0, &mut o[c0..c0 + 1]);
+                        pool_block::<1, true>(x, taps, c0, 1.0, &mut o[c0..c0 + 1]);
                         c0 += 1;
                     }
                 }
                 PoolKind::Average { count_include_pad } => {
-                    while c0 + 16 <= c {
-                        pool_block::<16, false>(x, taps, c0, &mut o[c0..c0 + 16]);
-                        c0 += 16;
-                    }
-                    while c0 < c {
-                        pool_block::<1, false>(x, taps, c0, &mut o[c0..c0 + 1]);
-                        c0 += 1;
-                    }
                     let count = if count_include_pad {
                         win.padded_cells(0, oy) * win.padded_cells(1, ox)
                     } else {
                         cells
                     };
                     let scale = 1.0 / count.max(1) as f32;
-                    for v in o.iter_mut() {
-                        // SAFETY: every channel of the pixel was just stored.
-                        *v = MaybeUninit::new(unsafe { v.assume_init() } * scale);
+                    while c0 + 16 <= c {
+                        pool_block::<16, false>(x, taps, c0, scale, &mut o[c0..c0 + 16]);
+                        c0 += 16;
+                    }
+                    while c0 < c {
+                        pool_block::<1, false>(x, taps, c0, scale, &mut o[c0..c0 + 1]);
+                        c0 += 1;
                     }
                 }
             }
@@ -489,13 +481,14 @@ multiversion! {
 const MAX_POOL_TAPS: usize = 49;
 
 /// Channels `c0..c0 + N` of one pooled pixel from the inputs at `taps` (pixel offsets):
-/// the maximum (`MAX`; padding never wins, a NaN does) or the sum, held in registers across
-/// the taps and stored once. Inlined into the multiversioned row.
+/// the maximum (`MAX`; padding never wins, a NaN does) or the sum times `scale` (the mean),
+/// held in registers across the taps and stored once. Inlined into the multiversioned row.
 #[inline(always)]
 fn pool_block<const N: usize, const MAX: bool>(
     x: &[f32],
     taps: &[usize],
     c0: usize,
+    scale: f32,
     o: &mut [MaybeUninit<f32>],
 ) {
     let mut acc = [if MAX { f32::NEG_INFINITY } else { 0.0 }; N];
@@ -512,7 +505,7 @@ fn pool_block<const N: usize, const MAX: bool>(
         }
     }
     for (o, a) in o.iter_mut().zip(acc) {
-        *o = MaybeUninit::new(a);
+        *o = MaybeUninit::new(if MAX { a } else { a * scale });
     }
 }
 

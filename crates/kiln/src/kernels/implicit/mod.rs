@@ -772,11 +772,7 @@ impl Geometry {
                 let (before, rest) = dst.split_at_mut(left * cin);
                 let (middle, after) = rest.split_at_mut(src.len());
                 before.fill(MaybeUninit::new(0.0));
-                // SAFETY: `f32` and `MaybeUninit<f32>` share a layout; the source is
-                // initialized.
-                middle.copy_from_slice(unsafe {
-                    std::slice::from_raw_parts(src.as_ptr().cast(), src.len())
-                });
+                middle.write_copy_of_slice(src);
                 after.fill(MaybeUninit::new(0.0));
             } else {
                 dst.fill(MaybeUninit::new(0.0));

@@ -266,10 +266,7 @@ pub(super) fn concat_channels(ins: &mut [Option<Slot>]) -> Option<Result<Vec<Slo
             let mut at = 0;
             for image in &images {
                 let ci = image.dims[3];
-                let src = &image.data[(first + i) * ci..][..ci];
-                for (d, v) in px[at..at + ci].iter_mut().zip(src) {
-                    *d = MaybeUninit::new(*v);
-                }
+                px[at..at + ci].write_copy_of_slice(&image.data[(first + i) * ci..][..ci]);
                 at += ci;
             }
         }
