@@ -16,6 +16,7 @@
 
 mod layout;
 
+use std::borrow::Cow;
 use std::sync::{Arc, OnceLock};
 
 use burn::tensor::{Device, Tensor, TensorData};
@@ -61,26 +62,23 @@ impl Image {
     /// An NCHW float value as an image.
     fn from_value(v: Value) -> Result<Image, OnnxError> {
         let dims = v.dims();
-        // A graph's input image is transposed straight out of the backend's buffer: one pass
+        // A graph's input image is converted straight out of the backend's buffer: one pass
         // instead of a copy out and a transpose of the copy.
-        if let [n, c, h, w] = dims[..]
-            && h * w > 1
-            && c > 1
-            && let Some(data) = v.with_f32_view(|x| nchw_to_nhwc(x, [n, c, h, w]))
-        {
-            return Ok(Image::new(data, [n, h, w, c]));
+        if let Some(image) = v.with_f32_view(|x| Image::from_nchw(Cow::Borrowed(x), dims.clone())) {
+            return image;
         }
-        Image::from_nchw(v.to_kind(ValueKind::Float)?.to_f32s()?, dims)
+        Image::from_nchw(Cow::Owned(v.to_kind(ValueKind::Float)?.to_f32s()?), dims)
     }
 
-    /// NCHW float values of `dims` as an image.
-    fn from_nchw(values: Vec<f32>, dims: Vec<usize>) -> Result<Image, OnnxError> {
+    /// NCHW float values of `dims` as an image (owned values are kept as they are where
+    /// both layouts coincide; borrowed ones are copied once either way).
+    fn from_nchw(values: Cow<'_, [f32]>, dims: Vec<usize>) -> Result<Image, OnnxError> {
         let [n, c, h, w]: [usize; 4] = dims.try_into().map_err(|d| {
             OnnxError::Shape(format!("an image layer takes [N, C, H, W]; got {d:?}"))
         })?;
         // With one pixel (or one channel) both layouts hold the same sequence.
         let data = if h * w == 1 || c == 1 {
-            values
+            values.into_owned()
         } else {
             nchw_to_nhwc(&values, [n, c, h, w])
         };
@@ -197,7 +195,7 @@ impl Slot {
             Slot::Value(v) => Image::from_value(v),
             Slot::Rows(rows) => {
                 let dims = rows.dims.clone();
-                Image::from_nchw(rows.into_vec(), dims)
+                Image::from_nchw(Cow::Owned(rows.into_vec()), dims)
             }
         }
     }
