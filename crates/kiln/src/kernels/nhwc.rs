@@ -1260,6 +1260,7 @@ mod tests {
             Activation::HardSwish,
             Activation::Sigmoid,
             Activation::Silu,
+            Activation::Gelu,
         ] {
             let mut got = x.clone();
             activate(&mut got, act);

@@ -164,8 +164,10 @@ pub fn load(bytes: &[u8], name: &str, device: &Device) -> Result<OnnxModel, Onnx
         shape_cache: Default::default(),
         placement: Default::default(),
     };
-    // SiLU first: its Sigmoid + Mul pair becomes one step that a convolution then takes.
+    // SiLU and GELU first: their exported nodes become one step that a convolution or a
+    // linear layer then takes.
     model.fuse_silus();
+    model.fuse_gelus();
     model.fuse_activations();
     model.fuse_relu_pools();
     model.fuse_residuals();

@@ -15,6 +15,7 @@
 //! A model with operators Kiln cannot run is refused at load with one error that lists every
 //! such operator and how often it occurs.
 
+mod gelu;
 mod host;
 mod load;
 mod ops;
@@ -97,8 +98,9 @@ enum StepOp {
     QConv(passes::QConv),
     /// Inference BatchNorm reduced to `x · scale + shift` (constants shaped `[1, C, 1, ..]`).
     Affine { scale: Value, shift: Value },
-    /// `x · sigmoid(x)`: an exported `Sigmoid` and the `Mul` by its input, fused at load.
-    Silu,
+    /// An activation fused at load from the exported nodes that compute it: SiLU (a
+    /// `Sigmoid` and the `Mul` by its input), GELU (`Div`, `Erf`, `Add`, `Mul`, `Mul`).
+    Activation(Activation),
     /// ShuffleNet's channel shuffle (reshape, transpose, reshape), fused at load.
     ChannelShuffle(shuffle::ChannelShuffle),
 }
@@ -114,7 +116,7 @@ impl Step {
     /// store (a Clip only with constant bounds).
     fn activation_op(&self) -> Option<Activation> {
         match &self.op {
-            StepOp::Silu => Some(Activation::Silu),
+            StepOp::Activation(act) => Some(*act),
             StepOp::Onnx(node) => ops::activation_of(node),
             _ => None,
         }
@@ -451,7 +453,7 @@ impl OnnxModel {
                     outs
                 })
             }
-            StepOp::Silu => host::silu(ins),
+            StepOp::Activation(act) => host::unary(ins, *act),
             StepOp::ChannelShuffle(shuffle) => host::channel_shuffle(shuffle, ins),
             StepOp::QLinear(_) => None,
         }
@@ -480,7 +482,7 @@ impl OnnxModel {
             StepOp::QLinear(q) => q.run(&ins),
             StepOp::QConv(q) => q.run(&ins),
             StepOp::Affine { scale, shift } => passes::affine(&ins, scale, shift),
-            StepOp::Silu => passes::silu(&ins),
+            StepOp::Activation(act) => passes::activation(&ins, *act),
             StepOp::ChannelShuffle(shuffle) => shuffle.run(&ins),
         }?;
         // What was fused into the step at load, after the operator: the residual sum, then

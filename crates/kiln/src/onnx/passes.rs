@@ -119,9 +119,9 @@ pub(super) fn affine(ins: Inputs, scale: &Value, shift: &Value) -> Result<Vec<Va
     )?])
 }
 
-/// `x · sigmoid(x)` on values.
-pub(super) fn silu(ins: Inputs) -> Result<Vec<Value>, OnnxError> {
-    Ok(vec![activate(Activation::Silu, first(ins)?)?])
+/// A fused activation step on values.
+pub(super) fn activation(ins: Inputs, act: Activation) -> Result<Vec<Value>, OnnxError> {
+    Ok(vec![activate(act, first(ins)?)?])
 }
 
 /// `act(x)` on values (a step's fused activation where the host kernels did not run it).
@@ -133,6 +133,7 @@ pub(super) fn activate(act: Activation, x: Value) -> Result<Value, OnnxError> {
         Activation::Sigmoid => Unary::Sigmoid,
         Activation::HardSigmoid(a, b) => Unary::HardSigmoid(a, b),
         Activation::HardSwish => Unary::HardSwish,
+        Activation::Gelu => Unary::Gelu,
         Activation::Silu => return binary(Binary::Mul, x.clone(), unary(Unary::Sigmoid, x)?),
     };
     unary(op, x)
@@ -263,14 +264,14 @@ impl OnnxModel {
                 StepOp::QLinear(q) => q.weight.rows * (q.weight.cols + 4),
                 StepOp::QConv(q) => q.weight.rows * (q.weight.cols + 4),
                 StepOp::Affine { scale, shift } => (scale.len() + shift.len()) * 4,
-                StepOp::Onnx(_) | StepOp::Silu | StepOp::ChannelShuffle(_) => 0,
+                StepOp::Onnx(_) | StepOp::Activation(_) | StepOp::ChannelShuffle(_) => 0,
             })
             .sum();
         constants + packed
     }
 
     /// The constant in `slot` as host floats, when it is one.
-    fn constant_f32s(&self, slot: Option<usize>) -> Option<(Vec<f32>, Vec<usize>)> {
+    pub(super) fn constant_f32s(&self, slot: Option<usize>) -> Option<(Vec<f32>, Vec<usize>)> {
         let value = self.constants.get(slot?)?.as_ref()?;
         Some((value.to_f32s().ok()?, value.dims()))
     }
@@ -283,10 +284,11 @@ impl OnnxModel {
         Ok(self.constants.len() - 1)
     }
 
-    /// Folds each activation that alone reads a Conv's or a BatchNorm's output into that
-    /// layer, and each ReLU that alone reads an Add's: ReLU, Clip with constant bounds
-    /// (ReLU6), SiLU (fused from its Sigmoid and Mul first), HardSwish, Sigmoid and
-    /// HardSigmoid. On the host path the convolution applies it in its store, the BatchNorm
+    /// Folds each activation that alone reads a Conv's, a BatchNorm's or a linear layer's
+    /// (Linear, Gemm, MatMul) output into that layer, and each ReLU that alone reads an
+    /// Add's: ReLU, Clip with constant bounds (ReLU6), SiLU and GELU (fused from their
+    /// exported nodes first), HardSwish, Sigmoid and HardSigmoid. On the host path the
+    /// convolution and the linear layer apply it in their store, the BatchNorm
     /// and the addition in their pass (DenseNet's pre-activation BatchNorm + ReLU: one pass
     /// over the image, not two); elsewhere it runs right after the operator. Returns how many
     /// were fused.
@@ -307,7 +309,13 @@ impl OnnxModel {
                     let layer = self.sole_producer(x)?;
                     let step = &self.steps[layer];
                     let kind_fits = match step.op.node() {
-                        Some(Node::Conv2d(_) | Node::BatchNormalization(_)) => true,
+                        Some(
+                            Node::Conv2d(_)
+                            | Node::BatchNormalization(_)
+                            | Node::Linear(_)
+                            | Node::Gemm(_)
+                            | Node::MatMul(_),
+                        ) => true,
                         Some(Node::Add(_)) => act == Activation::Relu,
                         _ => matches!(step.op, StepOp::Affine { .. }),
                     };
@@ -464,7 +472,7 @@ impl OnnxModel {
             };
             let step = &mut self.steps[at];
             step.inputs = vec![Some(x)];
-            step.op = StepOp::Silu;
+            step.op = StepOp::Activation(Activation::Silu);
             step.op_name = "Silu".into();
             self.uses[s] -= 1;
             self.remove_step(sigmoid);
@@ -694,7 +702,7 @@ impl OnnxModel {
                     StepOp::QConv(q) => q.relu = true,
                     StepOp::Onnx(_)
                     | StepOp::Affine { .. }
-                    | StepOp::Silu
+                    | StepOp::Activation(_)
                     | StepOp::ChannelShuffle(_) => {
                         unreachable!("fusable_relu returns int8 layers")
                     }
@@ -773,14 +781,10 @@ impl OnnxModel {
             t
         };
         let weight = PackedWeights::new(&quantize_rows(&rows, out, inp), kernel);
-        self.replace(
-            at,
-            StepOp::QLinear(QLinear {
-                weight,
-                bias,
-                relu: false,
-            }),
-        );
+        // A ReLU fused into the linear step at load moves into the int8 epilogue (as for a
+        // convolution); another activation stays on the step, after the operator.
+        let relu = self.steps[at].residual.is_none() && std::mem::take(&mut self.steps[at].relu);
+        self.replace(at, StepOp::QLinear(QLinear { weight, bias, relu }));
         Ok(Some(true))
     }
 
@@ -860,7 +864,7 @@ impl OnnxModel {
             StepOp::QLinear(_) => "QLinear".into(),
             StepOp::QConv(_) => "QConv".into(),
             StepOp::Affine { .. } => "Affine".into(),
-            StepOp::Silu => "Silu".into(),
+            StepOp::Activation(act) => format!("{act:?}"),
             StepOp::ChannelShuffle(_) => "ChannelShuffle".into(),
             StepOp::Onnx(ref n) => n.node_type().to_string(),
         };

@@ -590,8 +590,24 @@ unsafe fn conv_simd(
 /// A linear layer on the host: `out` `[rows, outputs]` = `x` `[rows, inputs]` · W + b (and
 /// ReLU with `relu`), `w` from [`ConvWeights::linear`].
 pub fn linear_rows(rows: usize, x: &[f32], w: &ConvWeights, relu: bool, out: &mut [f32]) {
+    conv2d_nhwc(&linear_shape(rows, w), x, w, relu, out);
+}
+
+/// [`linear_rows`] into a new vector (not zeroed first), with any activation in the store
+/// (a transformer's or ConvNeXt's GELU, fused at load).
+pub fn linear_rows_new(
+    rows: usize,
+    x: &[f32],
+    w: &ConvWeights,
+    act: Option<Activation>,
+) -> Vec<f32> {
+    conv2d_nhwc_fused_new(&linear_shape(rows, w), x, w, None, act)
+}
+
+/// A linear layer as a 1×1 convolution over `rows` 1×1 images.
+fn linear_shape(rows: usize, w: &ConvWeights) -> ConvShape {
     let [outputs, inputs, ..] = w.dims;
-    let s = ConvShape {
+    ConvShape {
         batch: rows,
         cin: inputs,
         h: 1,
@@ -602,8 +618,7 @@ pub fn linear_rows(rows: usize, x: &[f32], w: &ConvWeights, relu: bool, out: &mu
         stride: [1, 1],
         padding: [(0, 0); 2],
         dilation: [1, 1],
-    };
-    conv2d_nhwc(&s, x, w, relu, out);
+    }
 }
 
 thread_local! {

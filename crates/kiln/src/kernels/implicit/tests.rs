@@ -275,6 +275,7 @@ fn the_store_adds_the_residual_and_applies_each_activation() {
         Some(Activation::Silu),
         Some(Activation::HardSigmoid(0.2, 0.5)),
         Some(Activation::HardSwish),
+        Some(Activation::Gelu),
     ];
     for s in [
         shape(1, 16, [9, 9], 32, [3, 3], [1, 1], [(1, 1); 2], [1, 1]),

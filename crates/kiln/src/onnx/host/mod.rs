@@ -31,7 +31,7 @@ use crate::infer::batch_norm_affine;
 use crate::kernels::activation::{Activation, activate, erf_in_place};
 use crate::kernels::conv::ConvShape;
 use crate::kernels::implicit::{
-    ConvWeights, conv2d_nhwc_fused_new, conv2d_nhwc_relu_pool2_new, linear_rows,
+    ConvWeights, conv2d_nhwc_fused_new, conv2d_nhwc_relu_pool2_new, linear_rows_new,
 };
 use crate::kernels::layer_norm::layer_norm_rows;
 use crate::kernels::nhwc::{
@@ -501,9 +501,8 @@ fn linear(
         Err(e) => return Some(Err(e)),
     };
     let rows = x.data.len() / inputs.max(1);
-    let mut out = vec![0f32; rows * outputs];
     let _op = tracing::trace_span!("kiln.linear_rows", rows, inputs, outputs).entered();
-    linear_rows(rows, &x.data, weights, false, &mut out);
+    let out = linear_rows_new(rows, &x.data, weights, step.act);
     let mut dims = x.dims;
     if let Some(last) = dims.last_mut() {
         *last = outputs;
@@ -781,15 +780,12 @@ fn activate_slot(slot: Slot, act: Activation) -> Result<Slot, OnnxError> {
     }
 }
 
-/// SiLU of an image input.
-pub(super) fn silu(ins: &mut [Option<Slot>]) -> Option<Result<Vec<Slot>, OnnxError>> {
-    match ins.first()? {
-        Some(Slot::Image(_)) => unary(ins, Activation::Silu),
-        _ => None,
-    }
-}
-
-fn unary(ins: &mut [Option<Slot>], act: Activation) -> Option<Result<Vec<Slot>, OnnxError>> {
+/// `act` of an image or of rows (an activation node, or a step fused at load: SiLU, GELU);
+/// `None` for a value, which the ONNX operator takes.
+pub(super) fn unary(
+    ins: &mut [Option<Slot>],
+    act: Activation,
+) -> Option<Result<Vec<Slot>, OnnxError>> {
     // A value stays in its slot for the ONNX operator.
     if let Slot::Value(_) = ins.first()?.as_ref()? {
         return None;

@@ -233,9 +233,9 @@ pub fn constant_clip(n: &onnx_ir::node::clip::ClipNode) -> Option<[f32; 2]> {
     ])
 }
 
-/// The Kiln activation an ONNX node computes: ReLU, Sigmoid, HardSwish, HardSigmoid, or a
-/// Clip with constant bounds (the host runs these on images and rows; a convolution takes
-/// them into its store).
+/// The Kiln activation an ONNX node computes: ReLU, Sigmoid, HardSwish, HardSigmoid, exact
+/// GELU, or a Clip with constant bounds (the host runs these on images and rows; a
+/// convolution or a linear layer takes them into its store).
 pub fn activation_of(node: &onnx_ir::Node) -> Option<crate::kernels::activation::Activation> {
     use crate::kernels::activation::Activation;
     use onnx_ir::Node;
@@ -248,6 +248,9 @@ pub fn activation_of(node: &onnx_ir::Node) -> Option<crate::kernels::activation:
             n.config.alpha as f32,
             n.config.beta as f32,
         )),
+        Node::Gelu(n) if n.config.approximate == onnx_ir::node::gelu::GeluApproximate::Exact => {
+            Some(Activation::Gelu)
+        }
         _ => None,
     }
 }
