@@ -51,6 +51,15 @@ fn main() {
         // 4.7 MB weight for 1.2 M multiply-adds, so memory bandwidth is what it measures.
         ("W3 fc1 b1", 1, 9216, 1, 128, 1, 1, 0),
         ("R18 fc b1", 1, 512, 1, 1000, 1, 1, 0),
+        // ConvNeXt-tiny's MLP linear layers at batch 1 (rows = pixels), one per stage and
+        // direction; BERT-base's at 128 tokens.
+        ("CNX fc 96→384 ×3136", 3136, 96, 1, 384, 1, 1, 0),
+        ("CNX fc 384→96 ×3136", 3136, 384, 1, 96, 1, 1, 0),
+        ("CNX fc 384→1536 ×196", 196, 384, 1, 1536, 1, 1, 0),
+        ("CNX fc 1536→384 ×196", 196, 1536, 1, 384, 1, 1, 0),
+        ("CNX fc 768→3072 ×49", 49, 768, 1, 3072, 1, 1, 0),
+        ("BERT fc 768→768 ×128", 128, 768, 1, 768, 1, 1, 0),
+        ("BERT fc 768→3072 ×128", 128, 768, 1, 3072, 1, 1, 0),
     ];
     // How often each shape occurs in ResNet-18 (by name; others 0).
     let resnet18_count = |name: &str| match name {

@@ -16,7 +16,8 @@ use kiln::kernels::nhwc::{DepthwiseWeights, Window2d, depthwise_conv2d_on};
 fn main() {
     let (threads, pool) = support::pool_from_args();
     let batch = support::number_arg(1).unwrap_or(1);
-    // (name, channels, side, kernel, stride): EfficientNet-B0's and MobileNet v2's layers.
+    // (name, channels, side, kernel, stride): EfficientNet-B0's and MobileNet v2's layers,
+    // then ConvNeXt's; names on the command line select cases (`-- 2 7x7`).
     let cases = [
         ("32ch 112² 3x3", 32, 112, 3, 1),
         ("96ch 112² 3x3/2", 96, 112, 3, 2),
@@ -26,11 +27,19 @@ fn main() {
         ("480ch 14² 3x3", 480, 14, 3, 1),
         ("672ch 14² 5x5", 672, 14, 5, 1),
         ("1152ch 7² 5x5", 1152, 7, 5, 1),
+        // ConvNeXt-tiny's 7×7 layers, one per stage.
+        ("96ch 56² 7x7", 96, 56, 7, 1),
+        ("192ch 28² 7x7", 192, 28, 7, 1),
+        ("384ch 14² 7x7", 384, 14, 7, 1),
+        ("768ch 7² 7x7", 768, 7, 7, 1),
     ];
     println!("{threads} thread(s), batch {batch}; G multiply-adds/s (ms per call)");
     let mut totals = vec![0.0; F32Kernel::all_supported().len()];
     pool.install(|| {
         for (name, c, side, k, stride) in cases {
+            if !support::name_selected(name) {
+                continue;
+            }
             let pad = k / 2;
             let win = Window2d {
                 dims: [batch, side, side, c],

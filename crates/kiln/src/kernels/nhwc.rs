@@ -756,6 +756,7 @@ multiversion! {
                 taps: row.inner,
                 weights: &w.taps,
                 bias: &w.bias,
+                row_len: if win.dilation[1] == 1 { kw } else { 0 },
                 channels: c,
                 pixels: hi - lo,
                 clamp,
@@ -1166,6 +1167,10 @@ mod tests {
             ([1, 14, 14, 200], 7, 1, (3, 3)), // ConvNeXt's 7×7: 3 blocks + 8 channels
             ([1, 12, 12, 70], 9, 1, (4, 4)), // past MAX_TAPS: the plain loop
             ([1, 30, 30, 11], 3, 1, (1, 1)), // strips of 8, 4 and 1 pixels under one mask
+            // Sliding-window strips (stride 1): 5×5 over 2 strips of 8 and a 4; 7×7 with
+            // strips of 8, 4 and single pixels, 2 images, a masked last channel block.
+            ([1, 24, 24, 24], 5, 1, (2, 2)),
+            ([2, 21, 21, 17], 7, 1, (3, 3)),
         ] {
             let win = window(dims, k, s, p, false);
             let c = dims[3];
