@@ -489,7 +489,7 @@ const EXP_BIAS: f32 = 8_388_608.0 + 127.0;
 
 /// `e^x` without branches: `x = k·ln2 + r`, `e^x = 2^k · p(r)`, `|r| ≤ ln2/2`.
 #[inline(always)]
-fn exp(x: f32) -> f32 {
+pub(super) fn exp(x: f32) -> f32 {
     let x = x.clamp(EXP_MIN, EXP_MAX);
     let k = (x * std::f32::consts::LOG2_E).round_ties_even();
     let r = (x - k * LN2_HI) - k * LN2_LO;

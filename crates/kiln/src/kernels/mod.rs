@@ -58,6 +58,7 @@ pub mod linear;
 pub mod nhwc;
 pub mod norm;
 pub mod pool;
+pub mod softmax;
 pub mod spin;
 #[cfg(test)]
 mod testing;

@@ -329,9 +329,22 @@ pub fn where_(cond: Value, x: Value, y: Value) -> Result<Value, OnnxError> {
     Ok(out.with_scalar(scalar))
 }
 
-/// Softmax (or its log) over `axis`.
+/// Softmax (or its log) over `axis`: over the last axis of an f32 value on the host, Kiln's
+/// kernel reading the value in place ([`crate::kernels::softmax`]); Burn's otherwise.
 pub fn softmax(x: Value, axis: usize, log: bool) -> Result<Value, OnnxError> {
     let x = x.to_kind(ValueKind::Float)?;
+    let dims = x.dims();
+    if !log && axis + 1 == dims.len() && crate::kernels::serves(&x.device()) {
+        let row = dims[axis];
+        let _op = tracing::trace_span!("kiln.softmax", shape = ?dims).entered();
+        if row > 0
+            && let Some(y) = x.with_f32_view(|v| crate::kernels::softmax::softmax_rows(v, row))
+        {
+            let scalar = x.is_scalar();
+            let y = Value::from_data(burn::tensor::TensorData::new(y, dims), &x.device())?;
+            return Ok(y.with_scalar(scalar));
+        }
+    }
     Ok(with_rank!(x.rank(), D => {
         let t = x.f::<D>();
         Value::float(if log { activation::log_softmax(t, axis) } else { activation::softmax(t, axis) })
