@@ -8,6 +8,8 @@
 //! softmax (12 heads × 197² scores per layer) took 7% of a batch-1 run, BERT-base's 5%
 //! (BENCHMARKS.md run 41).
 
+use std::mem::MaybeUninit;
+
 use rayon::prelude::*;
 
 use super::activation::exp;
@@ -28,15 +30,22 @@ pub fn softmax_rows(x: &[f32], row: usize) -> Vec<f32> {
         "softmax rows of {row} over {} values",
         x.len()
     );
-    let mut out = x.to_vec();
-    if out.len() <= CHUNK {
-        softmax_in_place(&mut out, row);
-    } else {
-        let task = (CHUNK / row).max(1) * row;
-        out.par_chunks_mut(task)
-            .for_each(|rows| softmax_in_place(rows, row));
-    }
-    out
+    // Each task copies its rows and computes them while they are in cache (a serial copy of
+    // the whole input first was as long as the softmax itself).
+    let task = (CHUNK / row).max(1) * row;
+    let copy_and_compute = |(src, dst): (&[f32], &mut [MaybeUninit<f32>])| {
+        let rows = dst.write_copy_of_slice(src);
+        softmax_in_place(rows, row);
+    };
+    super::filled(x.len(), |out| {
+        if x.len() <= CHUNK {
+            copy_and_compute((x, out));
+        } else {
+            x.par_chunks(task)
+                .zip(out.par_chunks_mut(task))
+                .for_each(copy_and_compute);
+        }
+    })
 }
 
 multiversion! {
@@ -76,8 +85,8 @@ mod tests {
 
     /// Against the f64 definition: relative error below 1e-6 per value, on rows of odd
     /// length (a partial last block of lanes), large magnitudes (the maximum subtracted
-    /// first), attention-mask values (`f32::MIN`: exactly 0 to within 1e-37) and enough rows
-    /// to split over the pool.
+    /// first), attention-mask values (`f32::MIN`: exactly 0 to within 1e-37), few rows (on
+    /// the calling thread) and enough to split over the pool, with the same bits either way.
     #[test]
     fn matches_f64_softmax() {
         let row = 197;
@@ -89,7 +98,10 @@ mod tests {
         x[row + 3] = -1000.0;
         x[2 * row..3 * row].iter_mut().for_each(|v| *v += 1e4);
         x[3 * row + 10..3 * row + 100].fill(f32::MIN);
-        let got = softmax_rows(&x, row);
+        // On the calling thread (4 rows) and over the pool (all of them).
+        let mut got = softmax_rows(&x[..4 * row], row);
+        assert_eq!(got, softmax_rows(&x, row)[..4 * row]);
+        got = softmax_rows(&x, row);
         for (xs, ys) in x.chunks(row).zip(got.chunks(row)) {
             let max = xs.iter().fold(f64::NEG_INFINITY, |m, &v| m.max(v as f64));
             let sum: f64 = xs.iter().map(|&v| (v as f64 - max).exp()).sum();
