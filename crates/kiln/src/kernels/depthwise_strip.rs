@@ -1,5 +1,7 @@
-//! The depthwise convolution's interior on x86: strips of output pixels along a row whose
-//! windows lie inside the image's width, in registers of intrinsics with fused multiply-adds.
+//! The depthwise convolution on x86: strips of output pixels along a row, in registers of
+//! intrinsics with fused multiply-adds. At stride 1 a whole row, its border pixels included,
+//! runs as sliding windows ([`SlideRow`]); otherwise the pixels whose windows lie inside the
+//! image's width run tap by tap ([`Strip`]) and the caller computes the border.
 //!
 //! Why: the portable loop of [`super::nhwc::depthwise_conv2d`] (compiled per instruction set
 //! by `multiversion!`) loaded the weight and the input for every multiply-add and multiplied
@@ -31,9 +33,6 @@ pub(super) struct Strip<'a> {
     /// Tap-major weights `[kh·kw, channels]` and the bias `[channels]`.
     pub weights: &'a [f32],
     pub bias: &'a [f32],
-    /// Taps per kernel row when `taps` lists whole rows of adjacent kernel columns (dilation
-    /// 1: `kw`), 0 otherwise.
-    pub row_len: usize,
     /// Channels per pixel.
     pub channels: usize,
     /// Output pixels in the strip.
@@ -43,24 +42,6 @@ pub(super) struct Strip<'a> {
 }
 
 impl Strip<'_> {
-    /// The kernel width of the sliding-window blocks ([`SLIDE_WIDTHS`]) when they fit this
-    /// strip: stride 1, and taps that are whole kernel rows of adjacent columns (each row's
-    /// input and weight offsets `c` apart), checked here once per strip.
-    fn sliding(&self) -> Option<usize> {
-        let (kw, c) = (self.row_len, self.channels);
-        if c == 0 || !SLIDE_WIDTHS.contains(&kw) || self.step != c {
-            return None;
-        }
-        let rows_fit = self.taps.len().is_multiple_of(kw)
-            && self.taps.chunks_exact(kw).all(|row| {
-                let (x0, w0) = row[0];
-                row.iter()
-                    .enumerate()
-                    .all(|(kx, &(xo, wo))| xo == x0 + kx * c && wo == w0 + kx * c)
-            });
-        rows_fit.then_some(kw)
-    }
-
     /// Whether every read stays inside the input and the weights (checked once per row, so
     /// the kernels may read without bounds checks).
     fn reads_fit(&self) -> bool {
@@ -90,26 +71,102 @@ pub(super) fn run(kernel: F32Kernel, strip: &Strip, out: &mut [f32]) -> bool {
         strip.pixels * strip.channels,
         "depthwise strip output"
     );
+    #[cfg(target_arch = "x86_64")]
+    return dispatch(kernel, strip, out, strip_avx512, strip_avx2);
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (kernel, out);
+        false
+    }
+}
+
+/// Runs `avx512` or `avx2` on `operands` as `kernel` says; `false` (nothing written) for the
+/// portable kernel. The caller checked that the operands' reads stay inside them and that
+/// `out` holds the output.
+///
+/// # Panics
+/// When `kernel` is one this CPU lacks ([`F32Kernel::supported`] says which it has).
+#[cfg(target_arch = "x86_64")]
+fn dispatch<S>(
+    kernel: F32Kernel,
+    operands: &S,
+    out: &mut [f32],
+    avx512: unsafe fn(&S, *mut f32),
+    avx2: unsafe fn(&S, *mut f32),
+) -> bool {
     assert!(
         kernel.supported(),
         "the {} kernel on a CPU without it",
         kernel.name()
     );
-    #[cfg(target_arch = "x86_64")]
-    {
-        match kernel {
-            // SAFETY: the CPU has AVX-512 (with AVX2 and FMA, which `supported` checks);
-            // `reads_fit` bounds every read, `out` every write.
-            F32Kernel::Avx512 => unsafe { strip_avx512(strip, out.as_mut_ptr()) },
-            // SAFETY: as above, for AVX2 and FMA.
-            F32Kernel::Avx2 => unsafe { strip_avx2(strip, out.as_mut_ptr()) },
-            F32Kernel::Portable => return false,
-        }
-        true
+    match kernel {
+        // SAFETY: the CPU has AVX-512 (with AVX2 and FMA, which `supported` checks); the
+        // caller bounds every read and `out` every write.
+        F32Kernel::Avx512 => unsafe { avx512(operands, out.as_mut_ptr()) },
+        // SAFETY: as above, for AVX2 and FMA.
+        F32Kernel::Avx2 => unsafe { avx2(operands, out.as_mut_ptr()) },
+        F32Kernel::Portable => return false,
     }
+    true
+}
+
+/// One output row for the sliding-window blocks: stride 1, dilation 1 along the row, a
+/// kernel [`SLIDE_WIDTHS`] wide. Every pixel of the row, the border ones included: a
+/// window's columns outside the image are skipped (they would multiply padding zeros), so
+/// the border needs no slower loop of its own (at 7² under a 7×7 kernel, six of seven pixels
+/// are border pixels). Offsets are in floats.
+pub(super) struct SlideRow<'a> {
+    /// The input image (channels-last).
+    pub x: &'a [f32],
+    /// Per kernel row inside the image: the offset of its input row's column 0 and of its
+    /// weights' first tap (`kx = 0`).
+    pub rows: &'a [(usize, usize)],
+    /// The input column of pixel 0's first tap (negative with left padding).
+    pub first_col: isize,
+    /// Columns of the image.
+    pub width: usize,
+    /// Kernel width.
+    pub kw: usize,
+    /// Tap-major weights `[kh·kw, channels]` and the bias `[channels]`.
+    pub weights: &'a [f32],
+    pub bias: &'a [f32],
+    /// Channels per pixel.
+    pub channels: usize,
+    /// Output pixels in the row.
+    pub pixels: usize,
+    /// Bounds applied before the store (ReLU, Clip).
+    pub clamp: Option<[f32; 2]>,
+}
+
+impl SlideRow<'_> {
+    /// Whether every read stays inside the input and the weights: each row's columns
+    /// `0..width`, each weight row's `kw` taps (the kernels read no other column).
+    fn reads_fit(&self) -> bool {
+        let c = self.channels;
+        self.rows.iter().all(|&(xo, wo)| {
+            xo + self.width * c <= self.x.len() && wo + self.kw * c <= self.weights.len()
+        }) && self.bias.len() >= c
+    }
+}
+
+/// Computes `row` into `out` (`pixels × channels` values) with `kernel`'s instruction set;
+/// `false` (nothing written) for the portable kernel or a kernel width without a sliding
+/// block: the caller's loop runs.
+///
+/// # Panics
+/// When `kernel` is one this CPU lacks ([`F32Kernel::supported`] says which it has).
+pub(super) fn run_row(kernel: F32Kernel, row: &SlideRow, out: &mut [f32]) -> bool {
+    if !SLIDE_WIDTHS.contains(&row.kw) {
+        return false;
+    }
+    assert!(row.reads_fit(), "depthwise row reads outside its operands");
+    assert_eq!(out.len(), row.pixels * row.channels, "depthwise row output");
+    // `reads_fit` bounds every read: the kernels read only columns inside the image.
+    #[cfg(target_arch = "x86_64")]
+    return dispatch(kernel, row, out, row_avx512, row_avx2);
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = out;
+        let _ = (kernel, out);
         false
     }
 }
@@ -120,80 +177,95 @@ pub(super) fn run(kernel: F32Kernel, strip: &Strip, out: &mut [f32]) -> bool {
 /// thread), each input pixel feeding half as many outputs.
 const SLIDE_WIDTHS: [usize; 3] = [3, 5, 7];
 
-/// Runs `$slide::<$p, KW>` for the strip's kernel width (one of [`SLIDE_WIDTHS`], which
-/// [`Strip::sliding`] returned).
+/// Pixels the next block call takes: a full strip, then 4, then 1.
+fn strip_width(left: usize) -> usize {
+    if left >= STRIP {
+        STRIP
+    } else if left >= 4 {
+        4
+    } else {
+        1
+    }
+}
+
+/// Runs `$slide::<$p, KW, EDGE>` for the row's kernel width (one of [`SLIDE_WIDTHS`], which
+/// [`run_row`] checked) and whether the strip's windows reach past the image's width.
 #[cfg(target_arch = "x86_64")]
 macro_rules! slide_for {
-    ($slide:ident, $p:expr, $kw:expr, $($args:expr),*) => {
-        match $kw {
-            3 => $slide::<$p, 3>($($args),*),
-            5 => $slide::<$p, 5>($($args),*),
-            7 => $slide::<$p, 7>($($args),*),
-            other => unreachable!("no sliding block {other} wide"),
+    ($slide:ident, $p:expr, $kw:expr, $edge:expr, $($args:expr),*) => {
+        match ($kw, $edge) {
+            (3, false) => $slide::<$p, 3, false>($($args),*),
+            (5, false) => $slide::<$p, 5, false>($($args),*),
+            (7, false) => $slide::<$p, 7, false>($($args),*),
+            (3, true) => $slide::<$p, 3, true>($($args),*),
+            (5, true) => $slide::<$p, 5, true>($($args),*),
+            (7, true) => $slide::<$p, 7, true>($($args),*),
+            (other, _) => unreachable!("no sliding block {other} wide"),
         }
     };
 }
 
-/// Defines the strip kernel of one instruction set: `$lanes`-channel blocks (the last one
-/// masked) × [`STRIP`], 4 and 1 pixels. With the sliding-window blocks, each channel block
-/// runs across the whole strip before the next, so its weights and the input halo it shares
-/// with the next pixels stay in L1 (channel blocks innermost re-read both from L2 every 8
-/// pixels); the tap-by-tap blocks keep pixels outermost, which measured better at stride 2.
+/// Defines the strip kernels of one instruction set: `$lanes`-channel blocks (the last one
+/// masked) × [`STRIP`], 4 and 1 pixels. The tap-by-tap strip keeps pixels outermost; the
+/// sliding row runs each channel block across the whole row before the next, so the block's
+/// weights and the input halo it shares with the next pixels stay in L1 (channel blocks
+/// innermost re-read both from L2 every 8 pixels).
 #[cfg(target_arch = "x86_64")]
 macro_rules! strip_kernel {
-    ($name:ident, $block:ident, $slide:ident, $features:literal, $lanes:literal, $mask:ty,
-     $make_mask:ident, $load:ident, $store:ident, $fma:ident, $set1:ident, $min:ident,
-     $max:ident) => {
+    ($name:ident, $row:ident, $block:ident, $slide:ident, $features:literal, $lanes:literal,
+     $mask:ty, $make_mask:ident, $load:ident, $store:ident, $fma:ident, $set1:ident,
+     $min:ident, $max:ident) => {
         /// # Safety
         /// The CPU has the instruction set; [`Strip::reads_fit`] holds; `out` is valid for
         /// `pixels × channels` writes.
         #[target_feature(enable = $features)]
         unsafe fn $name(s: &Strip, out: *mut f32) {
             let c = s.channels;
-            let blocks = c.div_ceil($lanes);
-            let mask = |b: usize| -> $mask { $make_mask((c - b * $lanes).min($lanes)) };
-            // Pixels per block call: a full strip, then 4, then 1.
-            let width = |left: usize| {
-                if left >= STRIP {
-                    STRIP
-                } else if left >= 4 {
-                    4
-                } else {
-                    1
-                }
-            };
-            if let Some(kw) = s.sliding() {
-                for b in 0..blocks {
-                    let mut p0 = 0;
-                    while p0 < s.pixels {
-                        let (at, m) = (b * $lanes, mask(b));
-                        // SAFETY: the caller's contract for these pixels and channels (masked).
-                        unsafe {
-                            match width(s.pixels - p0) {
-                                STRIP => slide_for!($slide, STRIP, kw, s, p0, at, m, out),
-                                4 => slide_for!($slide, 4, kw, s, p0, at, m, out),
-                                _ => $block::<1>(s, p0, at, m, out),
-                            }
-                        }
-                        p0 += width(s.pixels - p0);
-                    }
-                }
-                return;
-            }
             let mut p0 = 0;
             while p0 < s.pixels {
-                for b in 0..blocks {
-                    let (at, m) = (b * $lanes, mask(b));
-                    // SAFETY: as above.
+                let mut c0 = 0;
+                while c0 < c {
+                    let mask: $mask = $make_mask((c - c0).min($lanes));
+                    // SAFETY: the caller's contract for pixels p0.. and channels c0.. (masked).
                     unsafe {
-                        match width(s.pixels - p0) {
-                            STRIP => $block::<STRIP>(s, p0, at, m, out),
-                            4 => $block::<4>(s, p0, at, m, out),
-                            _ => $block::<1>(s, p0, at, m, out),
+                        match strip_width(s.pixels - p0) {
+                            STRIP => $block::<STRIP>(s, p0, c0, mask, out),
+                            4 => $block::<4>(s, p0, c0, mask, out),
+                            _ => $block::<1>(s, p0, c0, mask, out),
                         }
                     }
+                    c0 += $lanes;
                 }
-                p0 += width(s.pixels - p0);
+                p0 += strip_width(s.pixels - p0);
+            }
+        }
+
+        /// # Safety
+        /// The CPU has the instruction set; [`SlideRow::reads_fit`] holds and the kernel width
+        /// is one of [`SLIDE_WIDTHS`]; `out` is valid for `pixels × channels` writes.
+        #[target_feature(enable = $features)]
+        unsafe fn $row(s: &SlideRow, out: *mut f32) {
+            let c = s.channels;
+            let mut c0 = 0;
+            while c0 < c {
+                let mask: $mask = $make_mask((c - c0).min($lanes));
+                let mut p0 = 0;
+                while p0 < s.pixels {
+                    let p = strip_width(s.pixels - p0);
+                    // The strip's windows read input columns col..col + p − 1 + kw.
+                    let col = s.first_col + p0 as isize;
+                    let edge = col < 0 || col + (p - 1 + s.kw) as isize > s.width as isize;
+                    // SAFETY: the caller's contract for pixels p0.. and channels c0.. (masked).
+                    unsafe {
+                        match p {
+                            STRIP => slide_for!($slide, STRIP, s.kw, edge, s, p0, c0, mask, out),
+                            4 => slide_for!($slide, 4, s.kw, edge, s, p0, c0, mask, out),
+                            _ => slide_for!($slide, 1, s.kw, edge, s, p0, c0, mask, out),
+                        }
+                    }
+                    p0 += p;
+                }
+                c0 += $lanes;
             }
         }
 
@@ -239,46 +311,53 @@ macro_rules! strip_kernel {
         /// once and each input pixel of the row once, then multiplied into every accumulator
         /// whose window covers it: `2·KW + P − 1` loads per `P·KW` multiply-adds (7×7, 8
         /// pixels: 21 per 56) where the tap-by-tap block loads the input for every one (63).
-        /// Measured on one thread (best of 6 alternated runs): ConvNeXt's 7×7 at 56², 96
-        /// channels, 30.5 → 40.1 G multiply-adds/s; EfficientNet's 5×5 at 28², 240 channels,
-        /// 28.5 → 39.2.
+        /// With `EDGE` (a strip whose windows reach past the image's width), input columns
+        /// outside the image are skipped; without, every column is read unchecked (a
+        /// comparison per input pixel cost 3×3 layers ~2%). Measured on one thread (best of 6
+        /// alternated runs): ConvNeXt's 7×7 at 56², 96 channels, 30.5 → 40.1 G
+        /// multiply-adds/s; EfficientNet's 5×5 at 28², 240 channels, 28.5 → 39.2.
         ///
         /// # Safety
-        /// As the strip kernel's, for these pixels and channels; the taps are whole kernel
-        /// rows ([`Strip::sliding`]).
+        /// As the row kernel's, for these pixels and channels.
         #[inline]
         #[target_feature(enable = $features)]
-        unsafe fn $slide<const P: usize, const KW: usize>(
-            s: &Strip,
+        unsafe fn $slide<const P: usize, const KW: usize, const EDGE: bool>(
+            s: &SlideRow,
             p0: usize,
             c0: usize,
             mask: $mask,
             out: *mut f32,
         ) {
             let (x, w, c) = (s.x.as_ptr(), s.weights.as_ptr(), s.channels);
-            // SAFETY (every load and store below): the same offsets as the taps' (each row's
-            // tap kx reads `kx·c` past the row's first), which `reads_fit` bounds; the mask
+            // SAFETY (every load and store below): `reads_fit` bounds each row's columns
+            // `0..width` and each weight row's `KW` taps, and only those are read; the mask
             // keeps channel reads and writes below `channels`.
             let bias = unsafe { $load(s.bias.as_ptr().add(c0), mask) };
             let mut acc = [bias; P];
-            let base = s.first + p0 * s.step + c0;
-            for row in s.taps.chunks_exact(KW) {
-                let (xo, wo) = row[0];
+            // The input columns of the strip's first window start and the window pixels
+            // `j_lo..j_hi` inside the image.
+            let col0 = s.first_col + p0 as isize;
+            let j_lo = (-col0).max(0) as usize;
+            let j_hi = (s.width as isize - col0).max(0) as usize;
+            for &(xo, wo) in s.rows {
                 let wv: [_; KW] =
                     std::array::from_fn(|kx| unsafe { $load(w.add(wo + kx * c + c0), mask) });
-                // One pointer stepped pixel by pixel: offsets `j·c` precomputed for every j
-                // took more general registers than there are (spilled to the stack).
-                let mut xp = unsafe { x.add(base + xo) };
-                // Input pixel j of the row feeds output p = j − kx through tap kx (the
-                // conditions are constants once the loops unroll).
+                // One pointer stepped pixel by pixel (offsets `j·c` precomputed for every j
+                // took more general registers than there are); out of the image it is only
+                // stepped, never read.
+                let mut xp = x.wrapping_add(xo + c0).wrapping_offset(col0 * c as isize);
+                // Input pixel j of the window feeds output p = j − kx through tap kx (the
+                // conditions on j and kx are constants once the loops unroll).
                 for j in 0..P - 1 + KW {
-                    let xv = unsafe { $load(xp, mask) };
-                    xp = xp.wrapping_add(c);
-                    for (kx, wk) in wv.iter().enumerate() {
-                        if j >= kx && j - kx < P {
-                            acc[j - kx] = $fma(xv, *wk, acc[j - kx]);
+                    if !EDGE || (j >= j_lo && j < j_hi) {
+                        let xv = unsafe { $load(xp, mask) };
+                        for (kx, wk) in wv.iter().enumerate() {
+                            if j >= kx && j - kx < P {
+                                acc[j - kx] = $fma(xv, *wk, acc[j - kx]);
+                            }
                         }
                     }
+                    xp = xp.wrapping_add(c);
                 }
             }
             if let Some([lo, hi]) = s.clamp {
@@ -297,6 +376,7 @@ macro_rules! strip_kernel {
 #[cfg(target_arch = "x86_64")]
 strip_kernel!(
     strip_avx512,
+    row_avx512,
     block_avx512,
     slide_avx512,
     "avx512f,avx2,fma",
@@ -314,6 +394,7 @@ strip_kernel!(
 #[cfg(target_arch = "x86_64")]
 strip_kernel!(
     strip_avx2,
+    row_avx2,
     block_avx2,
     slide_avx2,
     "avx2,fma",

@@ -16,7 +16,7 @@ use std::mem::MaybeUninit;
 use rayon::prelude::*;
 
 use super::activation::{Activation, activate_slice};
-use super::depthwise_strip::{self, Strip};
+use super::depthwise_strip::{self, SlideRow, Strip};
 use super::implicit::F32Kernel;
 
 /// Values below which a memory-bound kernel runs on the calling thread, and the size of its
@@ -746,6 +746,29 @@ multiversion! {
             row_base: (n * h + iy0) * wd,
         };
         let out_w = o_row.len() / c;
+        // At stride 1 on x86 the whole row in sliding windows, its border included.
+        if win.stride[1] == 1 && win.dilation[1] == 1 && ky1 - ky0 <= MAX_TAPS {
+            let mut rows = [(0usize, 0usize); MAX_TAPS];
+            for (i, ky) in (ky0..ky1).enumerate() {
+                let iy = iy0 + (ky - ky0) * win.dilation[0];
+                rows[i] = ((n * h + iy) * wd * c, ky * kw * c);
+            }
+            let slide = SlideRow {
+                x,
+                rows: &rows[..ky1 - ky0],
+                first_col: -(win.pads[1].0 as isize),
+                width: wd,
+                kw,
+                weights: &w.taps,
+                bias: &w.bias,
+                channels: c,
+                pixels: out_w,
+                clamp,
+            };
+            if depthwise_strip::run_row(kernel, &slide, o_row) {
+                return;
+            }
+        }
         // The interior on x86: strips in registers of intrinsics; the border pixels here.
         let (lo, hi) = row.interior_range(out_w);
         if hi > lo {
@@ -756,7 +779,6 @@ multiversion! {
                 taps: row.inner,
                 weights: &w.taps,
                 bias: &w.bias,
-                row_len: if win.dilation[1] == 1 { kw } else { 0 },
                 channels: c,
                 pixels: hi - lo,
                 clamp,
