@@ -459,19 +459,21 @@ fn model_of(graph: onnx_ir::GraphProto) -> OnnxModel {
     OnnxModel::from_bytes(&proto.write_to_bytes().unwrap(), "m", &Device::default()).unwrap()
 }
 
-/// A scalar float initializer.
-fn scalar(name: &str, value: f32) -> onnx_ir::TensorProto {
+/// A one-value float initializer of shape `dims` (`[]`: a scalar).
+fn scalar(name: &str, value: f32, dims: &[i64]) -> onnx_ir::TensorProto {
     let mut t = onnx_ir::TensorProto::new();
     t.name = name.into();
     t.data_type = 1;
+    t.dims = dims.to_vec();
     t.float_data = vec![value];
     t
 }
 
 /// PyTorch's exports of the exact GELU — `x / √2`, `erf`, `+ 1`, then the products by `x`
 /// and by ½ in each order the exporters write them — become one GELU step at load, whose
-/// outputs match the f64 definition; a chain whose `erf` is also read elsewhere stays as it
-/// is (and still computes the same).
+/// outputs match the f64 definition; a chain whose `erf` is also read elsewhere, or whose ½
+/// is a `[1, 1, 1]` tensor (its broadcast changes the output's rank), stays as it is (and
+/// still computes the same values).
 #[test]
 fn exported_gelu_chains_become_one_step() {
     use kiln::burn::tensor::TensorData;
@@ -486,7 +488,7 @@ fn exported_gelu_chains_become_one_step() {
         sum * 2.0 / std::f64::consts::PI.sqrt()
     };
     // (the products' nodes, extra outputs, whether the chain fuses)
-    let orders: [(Vec<onnx_ir::NodeProto>, &[&str], bool); 4] = [
+    let orders: [(Vec<onnx_ir::NodeProto>, &[&str], bool); 5] = [
         (
             vec![
                 node("Mul", &["x", "s"], "p"),
@@ -519,15 +521,27 @@ fn exported_gelu_chains_become_one_step() {
             &["e"],
             false,
         ),
+        (
+            vec![
+                node("Mul", &["x", "s"], "p"),
+                node("Mul", &["p", "half3"], "y"),
+            ],
+            &[],
+            false,
+        ),
     ];
     for (products, extra, fuses) in orders {
         let mut graph = GraphProto::new();
         graph.name = "gelu".into();
+        let rank3 = products
+            .iter()
+            .any(|n| n.input.iter().any(|i| i == "half3"));
         graph.input = vec![port("x", 1, &[4, 16])];
         graph.initializer = vec![
-            scalar("root2", std::f32::consts::SQRT_2),
-            scalar("one", 1.0),
-            scalar("half", 0.5),
+            scalar("root2", std::f32::consts::SQRT_2, &[]),
+            scalar("one", 1.0, &[]),
+            scalar("half", 0.5, &[]),
+            scalar("half3", 0.5, &[1, 1, 1]),
         ];
         graph.node = vec![
             node("Div", &["x", "root2"], "d"),
@@ -535,7 +549,8 @@ fn exported_gelu_chains_become_one_step() {
             node("Add", &["e", "one"], "s"),
         ];
         graph.node.extend(products);
-        graph.output = vec![port("y", 1, &[4, 16])];
+        let y_dims: &[i64] = if rank3 { &[1, 4, 16] } else { &[4, 16] };
+        graph.output = vec![port("y", 1, y_dims)];
         graph
             .output
             .extend(extra.iter().map(|name| port(name, 1, &[4, 16])));
@@ -551,6 +566,7 @@ fn exported_gelu_chains_become_one_step() {
             .run_data(vec![TensorData::new(xs.clone(), vec![4, 16])])
             .unwrap()
             .remove(0);
+        assert_eq!(out.shape().len(), y_dims.len(), "{counts:?}");
         let ys = out.convert::<f32>().try_to_vec::<f32>().unwrap();
         for (&x, &y) in xs.iter().zip(&ys) {
             let want = x as f64 * 0.5 * (1.0 + erf64(x as f64 / 2f64.sqrt()));

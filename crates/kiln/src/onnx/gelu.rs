@@ -138,7 +138,8 @@ impl OnnxModel {
     }
 
     /// When step `at` is the two-operand `op` of a value and a one-value constant equal to
-    /// `value` (to 1e-6 relative; the divisor for a division): the value's slot.
+    /// `value` (to 1e-6 relative; the divisor for a division) of rank 0 or 1, so the
+    /// broadcast leaves the value's shape as it is: the value's slot.
     fn with_constant(&self, at: usize, op: Op, value: f32) -> Option<usize> {
         if !self.plain_single(at) || !is(self.steps[at].op.node()?, op) {
             return None;
@@ -147,8 +148,9 @@ impl OnnxModel {
             return None;
         };
         let equals = |slot: usize| {
-            self.constant_f32s(Some(slot))
-                .is_some_and(|(v, _)| v.len() == 1 && (v[0] - value).abs() <= 1e-6 * value.abs())
+            self.constant_f32s(Some(slot)).is_some_and(|(v, dims)| {
+                v.len() == 1 && dims.len() <= 1 && (v[0] - value).abs() <= 1e-6 * value.abs()
+            })
         };
         if equals(b) && self.constants[a].is_none() {
             Some(a)
