@@ -40,12 +40,8 @@ impl OnnxModel {
                 at += 1;
                 continue;
             };
-            // The last step reads x alone; the reads of the steps it replaces go back.
-            let old = std::mem::replace(&mut self.steps[chain.last].inputs, vec![Some(chain.x)]);
-            self.uses[chain.x] += 1;
-            for s in old.into_iter().flatten() {
-                self.uses[s] = self.uses[s].saturating_sub(1);
-            }
+            // The last step reads x alone.
+            self.set_inputs(chain.last, vec![Some(chain.x)]);
             let step = &mut self.steps[chain.last];
             step.op = StepOp::Activation(Activation::Gelu);
             step.op_name = "Gelu".into();
@@ -65,7 +61,7 @@ impl OnnxModel {
     /// The GELU chain around step `at` when it is the chain's `Erf`.
     fn gelu_chain(&self, at: usize) -> Option<GeluChain> {
         let erf = &self.steps[at];
-        if !matches!(erf.op.node(), Some(Node::Erf(_))) || !self.plain_single(at) {
+        if !matches!(erf.op.node(), Some(Node::Erf(_))) || !erf.plain_single() {
             return None;
         }
         // x / √2, or x · (1/√2).
@@ -109,12 +105,6 @@ impl OnnxModel {
         })
     }
 
-    /// Step `at` has one output and nothing fused into it (a chain's inner step).
-    fn plain_single(&self, at: usize) -> bool {
-        let step = &self.steps[at];
-        step.plain_output() && step.outputs.len() == 1
-    }
-
     /// The step that reads `slot`, when it is its only reader and `slot` is no graph output.
     fn sole_reader(&self, slot: usize) -> Option<usize> {
         if self.uses[slot] != 1 || self.output_slots.contains(&slot) {
@@ -127,7 +117,7 @@ impl OnnxModel {
 
     /// When step `at` is a two-operand `Mul` with `known` as one operand: the other operand.
     fn other_operand(&self, at: usize, known: usize) -> Option<usize> {
-        if !self.plain_single(at) || !is(self.steps[at].op.node()?, Op::Mul) {
+        if !self.steps[at].plain_single() || !is(self.steps[at].op.node()?, Op::Mul) {
             return None;
         }
         match self.steps[at].inputs[..] {
@@ -141,7 +131,7 @@ impl OnnxModel {
     /// `value` (to 1e-6 relative; the divisor for a division) of rank 0 or 1, so the
     /// broadcast leaves the value's shape as it is: the value's slot.
     fn with_constant(&self, at: usize, op: Op, value: f32) -> Option<usize> {
-        if !self.plain_single(at) || !is(self.steps[at].op.node()?, op) {
+        if !self.steps[at].plain_single() || !is(self.steps[at].op.node()?, op) {
             return None;
         }
         let [Some(a), Some(b)] = self.steps[at].inputs[..] else {

@@ -112,6 +112,12 @@ impl Step {
         !self.relu && self.activation.is_none() && self.residual.is_none() && !self.pool
     }
 
+    /// One output, and nothing fused after the operator: what a fusion folds into this step,
+    /// or folds this step into.
+    fn plain_single(&self) -> bool {
+        self.plain_output() && self.outputs.len() == 1
+    }
+
     /// The activation this step computes, when it is one a convolution can take in its
     /// store (a Clip only with constant bounds).
     fn activation_op(&self) -> Option<Activation> {

@@ -319,7 +319,7 @@ impl OnnxModel {
                         Some(Node::Add(_)) => act == Activation::Relu,
                         _ => matches!(step.op, StepOp::Affine { .. }),
                     };
-                    let fusable = kind_fits && step.plain_output() && step.outputs.len() == 1;
+                    let fusable = kind_fits && step.plain_single();
                     fusable.then_some(layer)
                 });
             let Some(layer) = layer else {
@@ -411,8 +411,7 @@ impl OnnxModel {
                 let conv = self.sole_producer(mine)?;
                 let c = &self.steps[conv];
                 let fusable = matches!(c.op.node(), Some(Node::Conv2d(_)))
-                    && c.plain_output()
-                    && c.outputs.len() == 1
+                    && c.plain_single()
                     && mine != other
                     && self.producer(other).is_none_or(|p| p < conv);
                 fusable.then_some(conv)
@@ -501,6 +500,18 @@ impl OnnxModel {
     pub(super) fn remove_step(&mut self, at: usize) {
         let step = self.steps.remove(at);
         for &s in step.inputs.iter().flatten() {
+            self.uses[s] = self.uses[s].saturating_sub(1);
+        }
+    }
+
+    /// Replaces step `at`'s inputs by `inputs`: the new reads are counted before the old
+    /// ones are given back, so a slot read by both never drops to 0 in between.
+    pub(super) fn set_inputs(&mut self, at: usize, inputs: Vec<Option<usize>>) {
+        for &s in inputs.iter().flatten() {
+            self.uses[s] += 1;
+        }
+        let old = std::mem::replace(&mut self.steps[at].inputs, inputs);
+        for s in old.into_iter().flatten() {
             self.uses[s] = self.uses[s].saturating_sub(1);
         }
     }

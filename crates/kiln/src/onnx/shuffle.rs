@@ -84,15 +84,9 @@ impl OnnxModel {
                 i.and_then(|i| self.steps[step].inputs.get(i).copied().flatten())
             };
             let x = self.steps[first].inputs.first().copied().flatten();
-            let new_inputs = [x, input_of(first, into_at), input_of(at, back_at)];
+            let new_inputs = vec![x, input_of(first, into_at), input_of(at, back_at)];
             // Read by the fused step before the two steps before it give their reads back.
-            let old = std::mem::replace(&mut self.steps[at].inputs, new_inputs.to_vec());
-            for s in new_inputs.into_iter().flatten() {
-                self.uses[s] += 1;
-            }
-            for s in old.into_iter().flatten() {
-                self.uses[s] = self.uses[s].saturating_sub(1);
-            }
+            self.set_inputs(at, new_inputs);
             let step = &mut self.steps[at];
             step.op = StepOp::ChannelShuffle(ChannelShuffle { into, back });
             step.op_name = "ChannelShuffle".into();
