@@ -110,6 +110,11 @@ fn few_rows<const R: usize>(x: &[f32], y: &mut [MaybeUninit<f32>], cols: usize) 
     let plane = R * cols;
     let task = |src: &[f32], (t, out): (usize, &mut [MaybeUninit<f32>])| {
         let p0 = t * PIXELS;
+        if R == 3 {
+            let n = out.len() / 3;
+            let row = |r: usize| &src[r * cols + p0..][..n];
+            return interleave3(row(0), row(1), row(2), out);
+        }
         for (i, px) in out.chunks_exact_mut(R).enumerate() {
             for (r, v) in px.iter_mut().enumerate() {
                 *v = MaybeUninit::new(src[r * cols + p0 + i]);
@@ -125,6 +130,22 @@ fn few_rows<const R: usize>(x: &[f32], y: &mut [MaybeUninit<f32>], cols: usize) 
             out.par_chunks_mut(R * PIXELS)
                 .enumerate()
                 .for_each(|t| task(src, t));
+        }
+    }
+}
+
+multiversion! {
+    /// `out[3i + r] = [a, b, c][r][i]` for each pixel `i < out.len() / 3`: three channel rows
+    /// interleaved into pixels (a row of an RGB image to channels-last). Written so LLVM
+    /// vectorizes it per instruction set: a value-by-value strided store (`step_by`) took
+    /// 228 ns per 224-pixel row, this 36 (AVX-512), 50 (AVX2), 65 (baseline).
+    pub(crate) fn interleave3(a: &[f32], b: &[f32], c: &[f32], out: &mut [MaybeUninit<f32>]) {
+        let n = out.len() / 3;
+        let (a, b, c, out) = (&a[..n], &b[..n], &c[..n], &mut out[..3 * n]);
+        for i in 0..n {
+            out[3 * i] = MaybeUninit::new(a[i]);
+            out[3 * i + 1] = MaybeUninit::new(b[i]);
+            out[3 * i + 2] = MaybeUninit::new(c[i]);
         }
     }
 }

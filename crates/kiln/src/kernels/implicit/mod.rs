@@ -30,7 +30,7 @@ use rayon::prelude::*;
 use super::activation::{Activation, activate};
 use super::aligned::AlignedF32;
 use super::conv::{ConvShape, conv2d_nhwc_forward, pack_weight_for_nhwc};
-use super::nhwc::Window2d;
+use super::nhwc::{Window2d, interleave3};
 use super::pool::{PoolShape, max_pool2d_nhwc};
 
 /// Which f32 convolution kernel this CPU runs.
@@ -329,7 +329,16 @@ pub fn conv2d_nhwc(s: &ConvShape, x: &[f32], w: &ConvWeights, relu: bool, out: &
     }
     match simd_width(w) {
         // SAFETY: `out` holds the output's `output_len` values and is borrowed uniquely.
-        Some(width) => unsafe { conv_simd(s, x, w, width, Epilogue::relu(relu), out.as_mut_ptr()) },
+        Some(width) => unsafe {
+            conv_simd(
+                s,
+                Input::Nhwc(x),
+                w,
+                width,
+                Epilogue::relu(relu),
+                out.as_mut_ptr(),
+            )
+        },
         None => {
             let bias = w.has_bias.then_some(&w.bias[..]);
             conv2d_nhwc_forward(s, x, &w.data, bias, relu, out)
@@ -342,7 +351,7 @@ pub fn conv2d_nhwc(s: &ConvShape, x: &[f32], w: &ConvWeights, relu: bool, out: &
 /// pure cost).
 pub fn conv2d_nhwc_new(s: &ConvShape, x: &[f32], w: &ConvWeights, relu: bool) -> Vec<f32> {
     match simd_width(w) {
-        Some(width) => conv_simd_new(s, x, w, width, Epilogue::relu(relu)),
+        Some(width) => conv_simd_new(s, Input::Nhwc(x), w, width, Epilogue::relu(relu)),
         None => {
             let mut out = vec![0f32; s.output_len()];
             conv2d_nhwc(s, x, w, relu, &mut out);
@@ -369,7 +378,7 @@ pub fn conv2d_nhwc_fused_new(
     match simd_width(w) {
         Some(width) => conv_simd_new(
             s,
-            x,
+            Input::Nhwc(x),
             w,
             width,
             Epilogue {
@@ -387,6 +396,60 @@ pub fn conv2d_nhwc_fused_new(
                 activate(&mut out, act);
             }
             out
+        }
+    }
+}
+
+/// [`conv2d_nhwc_fused_new`] of an input in NCHW layout `[batch, cin, h, w]` (a graph's
+/// input image), output channels-last as before. The SIMD kernels read it while they copy
+/// the input into its padded buffer, which they make anyway: one pass instead of a
+/// transpose to NHWC and then that copy (MobileNet v3 small's stem at batch 8: the transpose
+/// alone took 0.36 of the layer's 1.33 ms, BENCHMARKS.md run 42). Meant for few channels
+/// (an RGB image: each padded row gathers from `cin` planes at once).
+pub fn conv2d_nhwc_fused_from_nchw_new(
+    s: &ConvShape,
+    x: &[f32],
+    w: &ConvWeights,
+    act: Option<Activation>,
+) -> Vec<f32> {
+    // One channel: both layouts hold the same sequence.
+    let x = if s.cin == 1 {
+        Input::Nhwc(x)
+    } else {
+        Input::Nchw(x)
+    };
+    match simd_width(w) {
+        Some(width) => conv_simd_new(
+            s,
+            x,
+            w,
+            width,
+            Epilogue {
+                act,
+                pool: false,
+                residual: None,
+            },
+        ),
+        None => {
+            let nhwc = super::nhwc::nchw_to_nhwc(x.values(), [s.batch, s.cin, s.h, s.w]);
+            conv2d_nhwc_fused_new(s, &nhwc, w, None, act)
+        }
+    }
+}
+
+/// A convolution's input values and their layout.
+#[derive(Clone, Copy)]
+enum Input<'a> {
+    /// `[batch, h, w, cin]`.
+    Nhwc(&'a [f32]),
+    /// `[batch, cin, h, w]`.
+    Nchw(&'a [f32]),
+}
+
+impl<'a> Input<'a> {
+    fn values(self) -> &'a [f32] {
+        match self {
+            Input::Nhwc(x) | Input::Nchw(x) => x,
         }
     }
 }
@@ -424,7 +487,7 @@ pub fn conv2d_nhwc_relu_pool2_new(s: &ConvShape, x: &[f32], w: &ConvWeights) -> 
     match simd_width(w) {
         Some(width) => conv_simd_new(
             s,
-            x,
+            Input::Nhwc(x),
             w,
             width,
             Epilogue {
@@ -468,12 +531,12 @@ fn stored_pixels(s: &ConvShape, pool: bool) -> usize {
 /// [`conv_simd`] into a new vector, not zeroed first.
 fn conv_simd_new(
     s: &ConvShape,
-    x: &[f32],
+    x: Input,
     w: &ConvWeights,
     width: usize,
     epilogue: Epilogue,
 ) -> Vec<f32> {
-    check_operands(s, x, w);
+    check_operands(s, x.values(), w);
     let len = s.batch * stored_pixels(s, epilogue.pool) * s.cout;
     let mut out = Vec::with_capacity(len);
     // SAFETY: the capacity holds `len` values; the SIMD path stores each of them once (every
@@ -493,7 +556,7 @@ fn conv_simd_new(
 /// accesses them during the call.
 unsafe fn conv_simd(
     s: &ConvShape,
-    x: &[f32],
+    x: Input,
     w: &ConvWeights,
     width: usize,
     epilogue: Epilogue,
@@ -522,11 +585,12 @@ unsafe fn conv_simd(
     let geometry = Geometry::new(s, cin);
     let padded;
     let slack = w.slack();
-    let image = if s.padding == [(0, 0), (0, 0)] && slack == 0 {
-        x
-    } else {
-        padded = geometry.pad(s, x, parallel, slack);
-        &padded[..]
+    let image = match x {
+        Input::Nhwc(x) if s.padding == [(0, 0), (0, 0)] && slack == 0 => x,
+        x => {
+            padded = geometry.pad(s, x, parallel, slack);
+            &padded[..]
+        }
     };
     let bases = geometry.bases(s.batch, pool);
     let (clamp, after) = Activation::split(act);
@@ -770,24 +834,44 @@ impl Geometry {
         bases
     }
 
-    /// Copies `x` `[batch, h, w, cin]` into a zero border of the convolution's padding (and
-    /// `slack` zeros after the end); row by row over the pool when `parallel` (at batch 1 a
+    /// Copies `x` (`[batch, h, w, cin]`, or NCHW transposed on the way) into a zero border
+    /// of the convolution's padding (and `slack` zeros after the end); row by row over the pool when `parallel` (at batch 1 a
     /// serial copy of a large image cost ~10% of a strided ResNet convolution on two
     /// threads). Each value is written once: the border's zeros beside the copied rows, not
     /// a zero fill of the whole buffer first (a serial `memset` of the padded image, as long
     /// as the copy: BENCHMARKS.md run 40).
-    fn pad(&self, s: &ConvShape, x: &[f32], parallel: bool, slack: usize) -> Vec<f32> {
+    fn pad(&self, s: &ConvShape, x: Input, parallel: bool, slack: usize) -> Vec<f32> {
         let [(top, _), (left, _)] = s.padding;
         let (hp, row, cin) = (self.hp, self.wp * self.cin, self.cin);
         let image_len = s.batch * hp * row;
+        let plane = s.h * s.w;
         let copy_row = |(i, dst): (usize, &mut [MaybeUninit<f32>])| {
             let (n, y) = (i / hp, i % hp);
             if y >= top && y < top + s.h {
-                let src = &x[(n * s.h + y - top) * s.w * cin..][..s.w * cin];
                 let (before, rest) = dst.split_at_mut(left * cin);
-                let (middle, after) = rest.split_at_mut(src.len());
+                let (middle, after) = rest.split_at_mut(s.w * cin);
                 before.fill(MaybeUninit::new(0.0));
-                middle.write_copy_of_slice(src);
+                match x {
+                    Input::Nhwc(x) => {
+                        middle.write_copy_of_slice(
+                            &x[(n * s.h + y - top) * s.w * cin..][..s.w * cin],
+                        );
+                    }
+                    Input::Nchw(x) => {
+                        // Row `y` of each channel's plane, interleaved pixel by pixel.
+                        let planes = &x[n * cin * plane + (y - top) * s.w..];
+                        let row = |c: usize| &planes[c * plane..][..s.w];
+                        if cin == 3 {
+                            interleave3(row(0), row(1), row(2), middle);
+                        } else {
+                            for (i, px) in middle.chunks_exact_mut(cin).enumerate() {
+                                for (c, v) in px.iter_mut().enumerate() {
+                                    *v = MaybeUninit::new(row(c)[i]);
+                                }
+                            }
+                        }
+                    }
+                }
                 after.fill(MaybeUninit::new(0.0));
             } else {
                 dst.fill(MaybeUninit::new(0.0));

@@ -484,3 +484,30 @@ fn tiles_split_rows_evenly() {
         );
     }
 }
+
+#[test]
+fn an_nchw_input_is_read_as_it_is_padded() {
+    // RGB-like inputs of 1 to 4 channels (3 takes the vectorized interleave), with and without
+    // padding, strided, a batch large enough to split over the pool.
+    for cin in 1..=4 {
+        for (padding, stride) in [([(1, 1), (1, 1)], [2, 2]), ([(0, 0); 2], [1, 1])] {
+            let s = shape(2, cin, [19, 23], 16, [3, 3], stride, padding, [1, 1]);
+            let nchw = values(s.input_len(), 1);
+            let nhwc = crate::kernels::nhwc::nchw_to_nhwc(&nchw, [s.batch, cin, s.h, s.w]);
+            let w = values(s.weight_len(), 2);
+            let b = values(s.cout, 3);
+            let want = reference(&s, &nhwc, &w, Some(&b), true);
+            for kernel in F32Kernel::all_supported() {
+                let packed = ConvWeights::pack_for(kernel, [s.cout, cin, 3, 3], &w, Some(&b));
+                let out =
+                    conv2d_nhwc_fused_from_nchw_new(&s, &nchw, &packed, Some(Activation::Relu));
+                let err = relative_error(&out, &want);
+                assert!(
+                    err <= 1e-5,
+                    "{} kernel, {s:?}: error {err:e}",
+                    kernel.name()
+                );
+            }
+        }
+    }
+}

@@ -31,7 +31,8 @@ use crate::infer::batch_norm_affine;
 use crate::kernels::activation::{Activation, activate, erf_in_place};
 use crate::kernels::conv::ConvShape;
 use crate::kernels::implicit::{
-    ConvWeights, conv2d_nhwc_fused_new, conv2d_nhwc_relu_pool2_new, linear_rows_new,
+    ConvWeights, conv2d_nhwc_fused_from_nchw_new, conv2d_nhwc_fused_new,
+    conv2d_nhwc_relu_pool2_new, linear_rows_new,
 };
 use crate::kernels::layer_norm::layer_norm_rows;
 use crate::kernels::nhwc::{
@@ -618,36 +619,17 @@ fn conv(
     pool: bool,
     device: &Device,
 ) -> Result<Vec<Slot>, OnnxError> {
-    let image = x.into_image()?;
-    let [n, h, w, c] = image.dims;
-    let pads = window.pads([h, w]);
-    let (cin, kernel) = match packed {
-        PackedConv::Dense(weights) => {
-            let [_, _, kh, kw] = weights.dims();
-            (weights.input_channels(), [kh, kw])
+    let x = match (x, packed) {
+        (Slot::Value(v), PackedConv::Dense(weights))
+            if residual.is_none() && !pool && reads_as_planes(&v, weights) =>
+        {
+            return conv_planes(v, weights, window, act);
         }
-        PackedConv::Depthwise(weights) => (weights.channels(), weights.kernel()),
+        (x, _) => x,
     };
-    if c != cin {
-        return Err(OnnxError::Shape(format!(
-            "Conv expects {cin} input channels; the input has {c}"
-        )));
-    }
-    kernel_fits([h, w], pads, kernel, window.dilation)?;
-    let win = Window2d {
-        dims: image.dims,
-        kernel,
-        stride: window.stride,
-        dilation: window.dilation,
-        pads,
-        ceil_mode: false,
-    };
-    let [_, oh, ow, _] = win.out_dims();
-    let cout = match packed {
-        PackedConv::Dense(weights) => weights.dims()[0],
-        PackedConv::Depthwise(_) => c,
-    };
-    let out_dims = [n, oh, ow, cout];
+    let image = x.into_image()?;
+    let (win, out_dims) = conv_window(image.dims, packed.io(image.dims[3]), window)?;
+    let [n, oh, ow, cout] = out_dims;
     // A residual of the output's shape goes into the store; another (a broadcast operand) is
     // added after, and the ReLU waits for it.
     let (in_store, after) = match residual {
@@ -662,18 +644,7 @@ fn conv(
     let act_now = act.filter(|_| after.is_none());
     let out = match packed {
         PackedConv::Dense(weights) => {
-            let s = ConvShape {
-                batch: n,
-                cin,
-                h,
-                w,
-                cout,
-                kh: kernel[0],
-                kw: kernel[1],
-                stride: window.stride,
-                padding: pads,
-                dilation: window.dilation,
-            };
+            let s = dense_shape(&win, cout);
             let _op = tracing::trace_span!("kiln.conv2d_nhwc", input = ?image.dims, cout).entered();
             if pool && in_store.is_none() && act_now == Some(Activation::Relu) {
                 // The pooled maximum is what the kernel stores (`fuse_relu_pools`).
@@ -958,6 +929,108 @@ fn float_values(slot: Slot) -> Option<Result<Vec<f32>, OnnxError>> {
 
 /// Refuses a convolution whose (dilated) kernel is larger than its padded `[h, w]` input:
 /// it would have no output.
+impl PackedConv {
+    /// Input channels, kernel size and output channels (of an input of `c` channels).
+    fn io(&self, c: usize) -> (usize, [usize; 2], usize) {
+        match self {
+            PackedConv::Dense(weights) => dense_io(weights),
+            PackedConv::Depthwise(weights) => (weights.channels(), weights.kernel(), c),
+        }
+    }
+}
+
+/// [`PackedConv::io`] of a dense convolution.
+fn dense_io(weights: &ConvWeights) -> (usize, [usize; 2], usize) {
+    let [cout, _, kh, kw] = weights.dims();
+    (weights.input_channels(), [kh, kw], cout)
+}
+
+/// The window of a convolution (`io` from [`PackedConv::io`]) over an image of dimensions
+/// `[n, h, w, c]`, and the output's dimensions; an error when the channels or the size do
+/// not fit the kernel.
+fn conv_window(
+    [n, h, w, c]: [usize; 4],
+    (cin, kernel, cout): (usize, [usize; 2], usize),
+    window: &Window,
+) -> Result<(Window2d, [usize; 4]), OnnxError> {
+    let pads = window.pads([h, w]);
+    if c != cin {
+        return Err(OnnxError::Shape(format!(
+            "Conv expects {cin} input channels; the input has {c}"
+        )));
+    }
+    kernel_fits([h, w], pads, kernel, window.dilation)?;
+    let win = Window2d {
+        dims: [n, h, w, c],
+        kernel,
+        stride: window.stride,
+        dilation: window.dilation,
+        pads,
+        ceil_mode: false,
+    };
+    let [_, oh, ow, _] = win.out_dims();
+    Ok((win, [n, oh, ow, cout]))
+}
+
+/// The dense convolution of `cout` outputs over `win`.
+fn dense_shape(win: &Window2d, cout: usize) -> ConvShape {
+    let [batch, h, w, cin] = win.dims;
+    ConvShape {
+        batch,
+        cin,
+        h,
+        w,
+        cout,
+        kh: win.kernel[0],
+        kw: win.kernel[1],
+        stride: win.stride,
+        padding: win.pads,
+        dilation: win.dilation,
+    }
+}
+
+/// Input channels up to which a dense convolution reads an NCHW value as it is (see
+/// [`conv2d_nhwc_fused_from_nchw_new`]): an RGB or RGBA image, whose pixels gather from
+/// that many planes at once. Wider NCHW values go through the blocked transpose.
+const PLANE_CHANNELS: usize = 4;
+
+/// Whether `v` is an NCHW float image of few channels that a dense convolution of `weights`
+/// reads without a transpose first (a graph's input into its stem).
+fn reads_as_planes(v: &Value, weights: &ConvWeights) -> bool {
+    let dims = v.dims();
+    v.kind() == ValueKind::Float
+        && dims.len() == 4
+        && dims[1] == weights.input_channels()
+        && dims[1] <= PLANE_CHANNELS
+        && dims[2] * dims[3] > 1
+}
+
+/// The dense convolution (then `act`) of an NCHW image `v`, read in place where the backend
+/// allows: the kernel transposes it while padding ([`reads_as_planes`]).
+fn conv_planes(
+    v: Value,
+    weights: &ConvWeights,
+    window: &Window,
+    act: Option<Activation>,
+) -> Result<Vec<Slot>, OnnxError> {
+    let Ok([n, c, h, w]) = <[usize; 4]>::try_from(v.dims()) else {
+        return Err(OnnxError::Shape(format!(
+            "an image layer takes [N, C, H, W]; got {:?}",
+            v.dims()
+        )));
+    };
+    let (win, out_dims) = conv_window([n, h, w, c], dense_io(weights), window)?;
+    let s = dense_shape(&win, out_dims[3]);
+    let _op =
+        tracing::trace_span!("kiln.conv2d_nhwc", input = ?[n, c, h, w], layout = "nchw").entered();
+    let run = |x: &[f32]| conv2d_nhwc_fused_from_nchw_new(&s, x, weights, act);
+    let out = match v.with_f32_view(run) {
+        Some(out) => out,
+        None => run(&v.to_f32s()?),
+    };
+    Ok(vec![Slot::Image(Image::new(out, out_dims))])
+}
+
 pub(super) fn kernel_fits(
     [h, w]: [usize; 2],
     pads: [(usize, usize); 2],
