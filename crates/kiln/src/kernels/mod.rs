@@ -60,6 +60,7 @@ pub mod norm;
 pub mod pool;
 pub mod softmax;
 pub mod spin;
+pub mod strided;
 #[cfg(test)]
 mod testing;
 

@@ -13,6 +13,10 @@ use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
 
 use super::OnnxError;
 
+/// Values from which a strided view is copied by Kiln's parallel copy (below, Burn's own
+/// copy on one thread costs less than handing work to the pool).
+const STRIDED_COPY_MIN: usize = 1 << 16;
+
 /// Expands `$body` once per supported rank with `$D` bound to that rank as a `const`.
 macro_rules! with_rank {
     ($rank:expr, $D:ident => $body:expr) => {
@@ -240,15 +244,21 @@ impl Value {
         if dims.is_empty() {
             return Ok(self.with_scalar(true));
         }
-        let kind = self.kind;
+        // A strided view with a contiguous last axis is copied over the pool (Burn copies on
+        // one thread).
+        let this = match self.contiguous_copy() {
+            Some(copy) => Value::from_data(TensorData::new(copy, self.dims()), &self.device())?,
+            None => self,
+        };
+        let kind = this.kind;
         // Burn's reshape reads the source shape at run time, so the source is labelled with
         // the target rank: one dispatch instead of one per (source, target) pair.
         Ok(with_rank!(dims.len(), D => {
             let to: [usize; D] = dims.try_into().expect("length matched by with_rank");
             match kind {
-                ValueKind::Float => Value::float(self.f::<D>().reshape(to)),
-                ValueKind::Int => Value::int(self.i::<D>().reshape(to)),
-                ValueKind::Bool => Value::bool(self.b::<D>().reshape(to)),
+                ValueKind::Float => Value::float(this.f::<D>().reshape(to)),
+                ValueKind::Int => Value::int(this.i::<D>().reshape(to)),
+                ValueKind::Bool => Value::bool(this.b::<D>().reshape(to)),
             }
         }))
     }
@@ -284,6 +294,35 @@ impl Value {
             .convert::<f32>()
             .try_into_vec::<f32>()
             .map_err(|e| OnnxError::Shape(format!("reading floats: {e:?}")))
+    }
+
+    /// The values of an f32 view on `flex` that is strided with a contiguous last axis, of at
+    /// least [`STRIDED_COPY_MIN`] values, copied into row-major order over the pool
+    /// ([`kernels::strided`](crate::kernels::strided)); `None` for anything else (a
+    /// contiguous tensor needs no copy, a small one is not worth the pool).
+    fn contiguous_copy(&self) -> Option<Vec<f32>> {
+        if self.kind != ValueKind::Float || self.len() < STRIDED_COPY_MIN {
+            return None;
+        }
+        let inner: DispatchTensor = self.tensor.clone().into();
+        let DispatchTensorKind::Flex(BackendTensor::Float(t)) = &inner.kind else {
+            return None;
+        };
+        let layout = t.layout();
+        if t.dtype() != DType::F32 || t.is_contiguous() {
+            return None;
+        }
+        let strides: Vec<usize> = layout
+            .strides()
+            .iter()
+            .map(|&s| usize::try_from(s).ok())
+            .collect::<Option<_>>()?;
+        crate::kernels::strided::contiguous(
+            t.storage::<f32>(),
+            layout.start_offset(),
+            layout.shape(),
+            &strides,
+        )
     }
 
     /// `f` of the values of an f32 tensor on `flex` in row-major order, read in place (its
@@ -366,5 +405,26 @@ mod tests {
         );
         let ints = Value::from_i64(vec![1, 2], false, &device);
         assert_eq!(ints.with_f32_view(<[f32]>::len), None);
+    }
+
+    /// A large view with a contiguous last axis (a transformer's head split) reshapes through
+    /// Kiln's parallel copy, to the same values as Burn's own reshape; a transposed last axis
+    /// and a small view stay on Burn's.
+    #[test]
+    fn strided_views_reshape_to_burns_values() {
+        let device = Device::default();
+        let dims = [197, 12, 64];
+        let values: Vec<f32> = (0..197 * 12 * 64).map(|i| i as f32).collect();
+        let t = Tensor::<3>::from_data(TensorData::new(values, dims), &device);
+        for perm in [[1, 0, 2], [0, 2, 1]] {
+            let view = Value::float(t.clone().permute(perm));
+            let copied = view.contiguous_copy();
+            assert_eq!(copied.is_some(), perm == [1, 0, 2], "{perm:?}");
+            let want = t.clone().permute(perm).reshape([12 * 197 * 64]).into_data();
+            let got = view.reshape(&[12 * 197 * 64]).unwrap().data().unwrap();
+            assert_eq!(got, want, "{perm:?}");
+        }
+        let small = Value::float(Tensor::<2>::ones([4, 3], &device).transpose());
+        assert_eq!(small.contiguous_copy(), None);
     }
 }

@@ -303,6 +303,22 @@ pub fn gather(data: Value, indices: Value, axis: usize) -> Result<Value, OnnxErr
     let size = dims[axis] as i64;
     let index_dims = indices.onnx_dims();
     let n = indices.len();
+    let mut out: Vec<usize> = dims[..axis].to_vec();
+    out.extend(&index_dims);
+    out.extend(&dims[axis + 1..]);
+    if n == 1 {
+        // One index (a transformer's `select` of q, k or v, a class token): a narrowed view
+        // of the data, no copy and no index arithmetic on tensors (ViT-B/16's 36 such
+        // gathers took 2.3 ms per batch-1 run as `select`s, BENCHMARKS.md run 42).
+        let i = indices.to_i64s()?[0];
+        let at = if i < 0 { i + size } else { i };
+        if !(0..size).contains(&at) {
+            return Err(OnnxError::Shape(format!(
+                "Gather index {i} outside axis {axis} of size {size}"
+            )));
+        }
+        return narrow(data, axis, at as usize, 1)?.reshape(&out);
+    }
     let flat = indices.to_kind(ValueKind::Int)?.reshape(&[n])?.i::<1>();
     let flat = flat
         .clone()
@@ -313,9 +329,6 @@ pub fn gather(data: Value, indices: Value, axis: usize) -> Result<Value, OnnxErr
         ValueKind::Int => Value::int(data.i::<D>().select(axis, flat)),
         ValueKind::Bool => Value::bool(data.b::<D>().select(axis, flat)),
     });
-    let mut out: Vec<usize> = dims[..axis].to_vec();
-    out.extend(&index_dims);
-    out.extend(&dims[axis + 1..]);
     picked.reshape(&out)
 }
 
