@@ -5,7 +5,7 @@ use std::arch::x86_64::*;
 use super::avx2_dims::{COLS, ROWS};
 use crate::kernels::activation::{Activation, activate8};
 
-use super::{Tile, tile_rows, walk_tiles};
+use super::{PREFETCH_STEPS, Tile, tile_rows, walk_tiles};
 
 /// Lanes per register.
 const LANES: usize = 8;
@@ -76,6 +76,11 @@ unsafe fn block<const R: usize>(
             // SAFETY: the panel holds k × COLS values and this is K step (run, j).
             let wv: [__m256; BLOCKS] =
                 std::array::from_fn(|b| unsafe { _mm256_loadu_ps(w.add(b * LANES)) });
+            // Each cache line (16 values) of the step PREFETCH_STEPS ahead.
+            for line in (0..COLS).step_by(16) {
+                let ahead = w.wrapping_add(PREFETCH_STEPS * COLS + line);
+                _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+            }
             for (r, row) in acc.iter_mut().enumerate() {
                 // SAFETY: base + run + j is inside the image (the caller's contract).
                 let a = _mm256_set1_ps(unsafe { *starts[r].add(j) });

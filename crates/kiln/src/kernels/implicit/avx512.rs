@@ -6,7 +6,7 @@ use std::arch::x86_64::*;
 use super::avx512_dims::{COLS, ROWS};
 use crate::kernels::activation::{Activation, activate16};
 
-use super::{Tile, row_group, tile_rows, walk_tiles};
+use super::{PREFETCH_STEPS, Tile, row_group, tile_rows, walk_tiles};
 
 /// Lanes per register.
 const LANES: usize = 16;
@@ -117,6 +117,11 @@ unsafe fn block<const R: usize, const B: usize>(
             // SAFETY: the panel holds k × COLS values and this is K step (run, j).
             let wv: [__m512; B] =
                 std::array::from_fn(|b| unsafe { _mm512_loadu_ps(w.add(b * LANES)) });
+            // One cache line per register of columns, PREFETCH_STEPS ahead.
+            for b in 0..B {
+                let ahead = w.wrapping_add(PREFETCH_STEPS * COLS + b * LANES);
+                _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+            }
             for (r, row) in acc.iter_mut().enumerate() {
                 // SAFETY: base + run + j is inside the image (the caller's contract).
                 let a = _mm512_set1_ps(unsafe { *starts[r].add(j) });

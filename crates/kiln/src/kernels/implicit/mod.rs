@@ -696,6 +696,16 @@ pub fn split_calls() -> usize {
     SPLITS.with(std::cell::Cell::get)
 }
 
+/// K steps ahead of the current one whose weight panel lines the SIMD kernels prefetch into
+/// L1 (one or two lines per step). Why: a model's weights do not stay in cache between runs
+/// (ResNet-50's 100 MB, BERT-base's 340 MB), so the first tile over each panel waited on
+/// memory for every line; layer 4's 3×3 convolution of ResNet-50 at batch 1 (a 9.4 MB weight
+/// over 49 rows) took 1.07 ms in the model against 0.63 ms with its weight warm in the
+/// benchmark. Measured at two threads (medians of alternated runs, BENCHMARKS.md run 42):
+/// ResNet-50 b1 29.6 → 27.0 ms, ResNet-18 b1 11.9 → 10.8, BERT-base b1 90.9 → 80.5;
+/// 8 and 32 steps ahead within noise of 16.
+const PREFETCH_STEPS: usize = 16;
+
 /// Output rows per work item when a call has many (48 rows × K values of input stay in L2
 /// while every panel passes over them).
 const ROW_BLOCK: usize = 48;
