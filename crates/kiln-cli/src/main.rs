@@ -89,7 +89,9 @@ Examples:
   kiln profile --model cnn --steps 20        Perfetto trace + phase table (profile/trace.json)
   kiln profile --model cnn --overhead        also measure the profiler's own cost
   kiln profile --onnx model.onnx --batch-size 8 --threads 2
-                                             an ONNX model's inference: time per operator";
+                                             an ONNX model's inference: time per operator
+  kiln profile --onnx model.onnx --passes fold,int8
+                                             the same after kiln optimize's passes";
 
 const REPORT_EXAMPLES: &str = "\
 Examples:
@@ -252,6 +254,10 @@ struct ProfileArgs {
     /// With --onnx: sizes of an input's dynamic axes after the batch, `NAME=D1,D2`.
     #[arg(long, value_name = "NAME=DIMS")]
     input_dims: Vec<String>,
+    /// With --onnx: passes applied before profiling, comma-separated (fold, int8, f16,
+    /// bf16), so the profile is of the model `kiln optimize` serves. Default: none.
+    #[arg(long, requires = "onnx")]
+    passes: Option<String>,
     /// Print the table as JSON.
     #[arg(long)]
     json: bool,
@@ -596,6 +602,7 @@ fn run_onnx_profile(args: ProfileArgs) -> anyhow::Result<()> {
         kiln_kernels: plan.train.kiln_kernels,
         batch,
         input_dims: parse_input_dims(&args.input_dims)?,
+        passes: kiln::onnx::OnnxPass::parse_list(args.passes.as_deref().unwrap_or(""))?,
         runs: args.steps,
         out: args.out.clone(),
         json: args.json,

@@ -205,6 +205,8 @@ pub struct OnnxProfile {
     pub batch: usize,
     /// Sizes of non-batch dynamic axes, per input.
     pub input_dims: std::collections::BTreeMap<String, Vec<usize>>,
+    /// Passes applied after loading (`kiln optimize`'s), in order.
+    pub passes: Vec<kiln::onnx::OnnxPass>,
     /// Profiled runs (after the untraced warm-up ones).
     pub runs: u64,
     /// Output directory.
@@ -217,9 +219,12 @@ pub struct OnnxProfile {
 /// its operator), each run an `onnx.run` root, so the table gives time per operator kind
 /// and its share of the run.
 pub fn run_onnx(p: &OnnxProfile) -> Result<()> {
-    let model = kiln::onnx::OnnxModel::load(&p.path, &p.device)
+    let mut model = kiln::onnx::OnnxModel::load(&p.path, &p.device)
         .with_context(|| format!("loading {}", p.path.display()))?
         .with_kiln_kernels(p.kiln_kernels);
+    for &pass in &p.passes {
+        model.apply(pass)?;
+    }
     let shapes = input_shapes(model.inputs(), p.batch, &p.input_dims)?;
     let inputs = make_inputs(model.inputs(), &shapes, &p.device)?;
     std::fs::create_dir_all(&p.out).with_context(|| format!("creating {}", p.out.display()))?;

@@ -754,7 +754,13 @@ fn quantized_matmul(
 ) -> Vec<f32> {
     let quant = ActivationQuant::for_range(range.unwrap_or_else(|| range_of(x)));
     let a = QuantizedActivations::new(x, k, quant, weight.kernel());
-    matmul_dequantized(&a, weight, bias, relu).0
+    matmul_dequantized(
+        &a,
+        weight,
+        bias,
+        relu.then_some(crate::kernels::activation::Activation::Relu),
+    )
+    .0
 }
 
 /// For each position of a flattened channels-last `[h, w, c]` image, the position the same
@@ -856,7 +862,12 @@ fn quantized_conv(
             a.cols, weight.cols
         ));
     }
-    let (data, range) = matmul_dequantized(&a, weight, bias, relu);
+    let (data, range) = matmul_dequantized(
+        &a,
+        weight,
+        bias,
+        relu.then_some(crate::kernels::activation::Activation::Relu),
+    );
     Ok(Value::Nhwc {
         data,
         dims: [b, ho, wo, weight.rows],

@@ -76,7 +76,8 @@ pub struct OnnxPassReport {
 pub struct QLinear {
     weight: PackedWeights,
     bias: Option<Vec<f32>>,
-    relu: bool,
+    /// The activation fused into the layer, run in the integer kernel's epilogue.
+    act: Option<Activation>,
 }
 
 /// An int8 convolution with its packed weights.
@@ -154,7 +155,7 @@ impl QLinear {
         let host = x.to_f32s()?;
         let quant = ActivationQuant::for_range(range_of(&host));
         let a = QuantizedActivations::new(&host, k, quant, self.weight.kernel());
-        let (y, _) = matmul_dequantized(&a, &self.weight, self.bias.as_deref(), self.relu);
+        let (y, _) = matmul_dequantized(&a, &self.weight, self.bias.as_deref(), self.act);
         if let Some(last) = dims.last_mut() {
             *last = self.weight.rows;
         }
@@ -208,7 +209,8 @@ impl QConv {
                 dims[1]
             )));
         }
-        let (y, _) = matmul_dequantized(&a, &self.weight, self.bias.as_deref(), self.relu);
+        let relu = self.relu.then_some(Activation::Relu);
+        let (y, _) = matmul_dequantized(&a, &self.weight, self.bias.as_deref(), relu);
         Ok((y, [b, ho, wo, self.weight.rows]))
     }
 }
@@ -709,7 +711,7 @@ impl OnnxModel {
             if let Some(layer) = self.fusable_relu(at) {
                 let out = self.steps[at].outputs[0];
                 match &mut self.steps[layer].op {
-                    StepOp::QLinear(q) => q.relu = true,
+                    StepOp::QLinear(q) => q.act = Some(Activation::Relu),
                     StepOp::QConv(q) => q.relu = true,
                     StepOp::Onnx(_)
                     | StepOp::Affine { .. }
@@ -744,7 +746,11 @@ impl OnnxModel {
         };
         let x = (*step.inputs.first()?)?;
         let layer = self.sole_producer(x)?;
-        let int8 = matches!(self.steps[layer].op, StepOp::QLinear(_) | StepOp::QConv(_));
+        // A linear layer with another activation in its epilogue already takes no ReLU.
+        let int8 = matches!(
+            self.steps[layer].op,
+            StepOp::QLinear(QLinear { act: None, .. }) | StepOp::QConv(_)
+        );
         int8.then_some(layer)
     }
 
@@ -792,10 +798,18 @@ impl OnnxModel {
             t
         };
         let weight = PackedWeights::new(&quantize_rows(&rows, out, inp), kernel);
-        // A ReLU fused into the linear step at load moves into the int8 epilogue (as for a
-        // convolution); another activation stays on the step, after the operator.
-        let relu = self.steps[at].residual.is_none() && std::mem::take(&mut self.steps[at].relu);
-        self.replace(at, StepOp::QLinear(QLinear { weight, bias, relu }));
+        // The activation fused into the linear step at load moves into the int8 epilogue
+        // (a ReLU as for a convolution, a GELU on each rectangle as it is written); with a
+        // residual fused too it stays on the step, after the sum.
+        let step = &mut self.steps[at];
+        let act = if step.residual.is_none() {
+            let act = step.fused_activation();
+            (step.relu, step.activation) = (false, None);
+            act
+        } else {
+            None
+        };
+        self.replace(at, StepOp::QLinear(QLinear { weight, bias, act }));
         Ok(Some(true))
     }
 

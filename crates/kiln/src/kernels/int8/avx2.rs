@@ -2,7 +2,7 @@
 //! instruction, exact), and the AVX2 epilogue and range scan.
 use std::arch::x86_64::*;
 
-use super::blocks::walk_blocks;
+use super::blocks::{run_block, walk_blocks};
 use super::{
     Columns, PackedWeights, QuantizedActivations, dequantize_row_from, min_max_portable, widest,
 };
@@ -57,17 +57,12 @@ pub(super) unsafe fn rectangle(
     let g = w.groups;
     let (i0, b0) = (rows.start, blocks.start);
     let (ap, ks) = (a.wide.as_ptr(), &a.k_offsets[..]);
-    walk_blocks(rows, blocks, 4, |i, b, full, two| {
+    walk_blocks(rows, blocks, 4, |i, b, r, two| {
         let (wp, bs) = (w.wide[b * g * 16..].as_ptr(), &a.bases[i..]);
         // SAFETY: as in the VNNI kernel, for AVX2.
         unsafe {
             let o = out.add((i - i0) * n_pad + (b - b0) * 8);
-            match (full, two) {
-                (true, true) => block::<4, 2>(ap, bs, ks, wp, g, o, n_pad),
-                (true, false) => block::<4, 1>(ap, bs, ks, wp, g, o, n_pad),
-                (false, true) => block::<1, 2>(ap, bs, ks, wp, g, o, n_pad),
-                (false, false) => block::<1, 1>(ap, bs, ks, wp, g, o, n_pad),
-            }
+            run_block!(block, r, two, (ap, bs, ks, wp, g, o, n_pad), [1 2 3 4])
         }
     });
 }

@@ -23,6 +23,8 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
+use super::activation::{Activation, activate_slice};
+
 use serde::{Deserialize, Serialize};
 
 #[cfg(target_arch = "x86_64")]
@@ -700,8 +702,13 @@ pub fn gemm_with(
 }
 
 /// Dequantizes `x`'s product with `w` straight into row-major f32 `[m × n]`:
-/// `y = s_x·s_j·(acc − z·Σq_w[j]) + b[j]`, then `max(y, 0)` when `relu`. For a convolution's
+/// `y = s_x·s_j·(acc − z·Σq_w[j]) + b[j]`, then `act(y)` when given. For a convolution's
 /// operand (rows are output pixels) this is the channels-last (NHWC) output.
+///
+/// A ReLU is the epilogue's floor; another activation (a transformer's GELU) runs on each
+/// rectangle right after it is written, while it is in cache, instead of as a pass over the
+/// whole output after (BERT-base int8 at batch 1: 6 ms of a 50 ms run as a separate GELU,
+/// BENCHMARKS.md run 42).
 ///
 /// Also returns the result's [`range_of`], taken from each row while it is still in cache:
 /// the next int8 layer quantizes with it instead of re-reading megabytes of activations.
@@ -709,11 +716,14 @@ pub fn matmul_dequantized(
     a: &QuantizedActivations,
     w: &PackedWeights,
     bias: Option<&[f32]>,
-    relu: bool,
+    act: Option<Activation>,
 ) -> (Vec<f32>, (f32, f32)) {
     let n = w.rows;
     let (scale, offset) = affine(a, w, bias);
-    let floor = if relu { 0.0 } else { f32::NEG_INFINITY };
+    let (floor, after) = match act {
+        Some(Activation::Relu) => (0.0, None),
+        other => (f32::NEG_INFINITY, other),
+    };
     let len = a.rows * n;
     // Not zero-filled first: every element is written below, and zeroing megabytes of
     // output was a pass of its own (a fifth of the memset time in W3's int8 profile).
@@ -730,7 +740,11 @@ pub fn matmul_dequantized(
         // rows × columns of it are this task's alone.
         let local = unsafe {
             let out = ptr.get().add(rows.start * n + chans.start) as *mut f32;
-            dequantize_rect(tile, stride, rows.len(), &columns, out, n)
+            let range = dequantize_rect(tile, stride, rows.len(), &columns, out, n);
+            match after {
+                None => range,
+                Some(act) => activate_rect(out, rows.len(), chans.len(), n, act),
+            }
         };
         let mut range = range.lock().unwrap_or_else(|e| e.into_inner());
         *range = widest(*range, local);
@@ -740,6 +754,26 @@ pub fn matmul_dequantized(
     unsafe { y.set_len(len) };
     let range = range.into_inner().unwrap_or_else(|e| e.into_inner());
     (y, range)
+}
+
+/// `act` of `rows` rows of `cols` values at `out` (`stride` apart), and their range.
+///
+/// # Safety
+/// `out` must be valid for reads and writes of those rows, initialized, and accessed by
+/// nothing else meanwhile.
+unsafe fn activate_rect(
+    out: *mut f32,
+    rows: usize,
+    cols: usize,
+    stride: usize,
+    act: Activation,
+) -> (f32, f32) {
+    (0..rows).fold((0.0, 0.0), |range, r| {
+        // SAFETY: row r of the caller's rectangle.
+        let row = unsafe { std::slice::from_raw_parts_mut(out.add(r * stride), cols) };
+        activate_slice(row, act);
+        widest(range, min_max(row))
+    })
 }
 
 /// Per-column constants of the dequantizing epilogue: `y = max(acc · scale + offset, floor)`.

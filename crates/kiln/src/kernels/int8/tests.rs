@@ -7,10 +7,8 @@ fn lcg(seed: &mut u64) -> f32 {
     ((*seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
 }
 
-/// Every kernel this CPU has computes exactly the scalar integers, for odd shapes that
-/// hit every remainder path and both partitionings (m ≥ n and m < n).
-#[test]
-fn every_kernel_computes_the_exact_integers() {
+/// The kernels this CPU runs (of those `Kernel::detect` may pick).
+fn supported_kernels() -> Vec<Kernel> {
     let mut kernels = vec![Kernel::Scalar];
     let best = Kernel::detect();
     if best != Kernel::Scalar {
@@ -19,6 +17,14 @@ fn every_kernel_computes_the_exact_integers() {
     if best == Kernel::Vnni512 {
         kernels.push(Kernel::Vnni512);
     }
+    kernels
+}
+
+/// Every kernel this CPU has computes exactly the scalar integers, for odd shapes that
+/// hit every remainder path and both partitionings (m ≥ n and m < n).
+#[test]
+fn every_kernel_computes_the_exact_integers() {
+    let kernels = supported_kernels();
     let mut seed = 7;
     for (m, n, k) in [
         (1, 1, 1),
@@ -62,7 +68,7 @@ fn dequantized_product_is_close_to_f32() {
     let kernel = Kernel::detect();
     let a = QuantizedActivations::new(&xv, k, quant, kernel);
     let w = PackedWeights::new(&quantize_rows(&wv, n, k), kernel);
-    let (y, range) = matmul_dequantized(&a, &w, None, false);
+    let (y, range) = matmul_dequantized(&a, &w, None, None);
     assert_eq!(range, range_of(&y));
     let mut worst = 0f32;
     let mut norm = 0f32;
@@ -74,6 +80,31 @@ fn dequantized_product_is_close_to_f32() {
         }
     }
     assert!(worst / norm < 0.02, "relative error {}", worst / norm);
+}
+
+/// An activation in the epilogue (GELU, HardSwish; ReLU as the floor) gives the bits of the
+/// plain product followed by the activation, and the range of what it stored, on every
+/// kernel this CPU runs and with rows and channels enough to split into several rectangles.
+#[test]
+fn the_epilogue_applies_the_activation_and_measures_its_output() {
+    let mut seed = 5;
+    let (m, n, k) = (70, 150, 96);
+    let xv: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
+    let wv: Vec<f32> = (0..n * k).map(|_| lcg(&mut seed) * 0.2).collect();
+    let bias: Vec<f32> = (0..n).map(|_| lcg(&mut seed)).collect();
+    let quant = ActivationQuant::for_values(&xv);
+    for kernel in supported_kernels() {
+        let a = QuantizedActivations::new(&xv, k, quant, kernel);
+        let w = PackedWeights::new(&quantize_rows(&wv, n, k), kernel);
+        let (plain, _) = matmul_dequantized(&a, &w, Some(&bias), None);
+        for act in [Activation::Gelu, Activation::HardSwish, Activation::Relu] {
+            let (y, range) = matmul_dequantized(&a, &w, Some(&bias), Some(act));
+            let mut want = plain.clone();
+            crate::kernels::activation::activate(&mut want, act);
+            assert_eq!(y, want, "{kernel:?} {act:?}");
+            assert_eq!(range, range_of(&y), "{kernel:?} {act:?}");
+        }
+    }
 }
 
 #[test]

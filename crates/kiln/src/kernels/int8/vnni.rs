@@ -1,7 +1,7 @@
 //! The AVX-512 VNNI kernel: `vpdpbusd`, 4 u8×i8 products per i32 lane, 64 per instruction.
 use std::arch::x86_64::*;
 
-use super::blocks::walk_blocks;
+use super::blocks::{run_block, walk_blocks};
 use super::{PackedWeights, QuantizedActivations};
 
 /// `R` rows × `C` channel blocks of 16: R·C accumulators, C weight registers, one
@@ -54,18 +54,13 @@ pub(super) unsafe fn rectangle(
     let g = w.groups;
     let (i0, b0) = (rows.start, blocks.start);
     let (ap, ks) = (a.bytes.as_ptr(), &a.k_offsets[..]);
-    walk_blocks(rows, blocks, 6, |i, b, full, two| {
+    walk_blocks(rows, blocks, 6, |i, b, r, two| {
         let (wp, bs) = (w.bytes[b * g * 64..].as_ptr(), &a.bases[i..]);
         // SAFETY: rows i.. and blocks b.. are inside the packed operands and this task's
         // rectangle of `out`; the CPU features were detected before packing for VNNI.
         unsafe {
             let o = out.add((i - i0) * n_pad + (b - b0) * 16);
-            match (full, two) {
-                (true, true) => block::<6, 2>(ap, bs, ks, wp, g, o, n_pad),
-                (true, false) => block::<6, 1>(ap, bs, ks, wp, g, o, n_pad),
-                (false, true) => block::<1, 2>(ap, bs, ks, wp, g, o, n_pad),
-                (false, false) => block::<1, 1>(ap, bs, ks, wp, g, o, n_pad),
-            }
+            run_block!(block, r, two, (ap, bs, ks, wp, g, o, n_pad), [1 2 3 4 5 6])
         }
     });
 }
