@@ -884,6 +884,39 @@ fn profile_onnx_times_each_operator_kind() {
         .filter(|e| e["name"] == "onnx.run")
         .count();
     assert_eq!(roots, 4);
+    // After kiln optimize's passes: the int8 layers are what runs (and a pass that does not
+    // exist is refused by name).
+    let passes = |list: &str| {
+        kiln(&[
+            "profile",
+            "--onnx",
+            &onnx_model("shufflenet"),
+            "--steps",
+            "2",
+            "--passes",
+            list,
+            "--out",
+            dir.join("prof-int8").to_str().unwrap(),
+            "--json",
+        ])
+    };
+    let o = passes("fold,int8");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    let names: Vec<&str> = v["phases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|p| p["name"].as_str())
+        .collect();
+    assert!(names.contains(&"onnx.node QLinear"), "{names:?}");
+    assert!(
+        names.iter().any(|n| n.starts_with("onnx.node QConv")),
+        "{names:?}"
+    );
+    let o = passes("fold,int4");
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("int4"), "{}", stderr(&o));
     // A model's own flags, not a zoo model's.
     let o = kiln(&[
         "profile",
