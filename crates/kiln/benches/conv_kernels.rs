@@ -40,6 +40,9 @@ fn main() {
         ("R18 1x1/2 128→256", rb, 128, 28, 256, 1, 2, 0),
         ("R18 3x3/2 256→512", rb, 256, 14, 512, 3, 2, 1),
         ("R18 1x1/2 256→512", rb, 256, 14, 512, 1, 2, 0),
+        // ResNet-50's bottleneck 1×1 layers of stage 1 (short K: 64 in, or 64 out).
+        ("R50 1x1 64→256 56²", rb, 64, 56, 256, 1, 1, 0),
+        ("R50 1x1 256→64 56²", rb, 256, 56, 64, 1, 1, 0),
         // The mobile families' wide early layers (EfficientNet-B0, MobileNet v2), where Kiln
         // trailed ONNX Runtime most per layer (BENCHMARKS run 35).
         ("EffNet stem 3x3/2 3→32", rb, 3, 224, 32, 3, 2, 1),

@@ -152,10 +152,17 @@ impl QLinear {
                 self.weight.cols, dims
             )));
         }
-        let host = x.to_f32s()?;
-        let quant = ActivationQuant::for_range(range_of(&host));
-        let a = QuantizedActivations::new(&host, k, quant, self.weight.kernel());
-        let (y, _) = matmul_dequantized(&a, &self.weight, self.bias.as_deref(), self.act);
+        // The input is read in place where the backend allows (a copy of it first was a
+        // pass over every linear layer's input).
+        let product = |host: &[f32]| {
+            let quant = ActivationQuant::for_range(range_of(host));
+            let a = QuantizedActivations::new(host, k, quant, self.weight.kernel());
+            matmul_dequantized(&a, &self.weight, self.bias.as_deref(), self.act).0
+        };
+        let y = match x.with_f32_view(product) {
+            Some(y) => y,
+            None => product(&x.to_f32s()?),
+        };
         if let Some(last) = dims.last_mut() {
             *last = self.weight.rows;
         }
