@@ -927,8 +927,6 @@ fn float_values(slot: Slot) -> Option<Result<Vec<f32>, OnnxError>> {
     }
 }
 
-/// Refuses a convolution whose (dilated) kernel is larger than its padded `[h, w]` input:
-/// it would have no output.
 impl PackedConv {
     /// Input channels, kernel size and output channels (of an input of `c` channels).
     fn io(&self, c: usize) -> (usize, [usize; 2], usize) {
@@ -1031,6 +1029,8 @@ fn conv_planes(
     Ok(vec![Slot::Image(Image::new(out, out_dims))])
 }
 
+/// Refuses a convolution whose (dilated) kernel is larger than its padded `[h, w]` input:
+/// it would have no output.
 pub(super) fn kernel_fits(
     [h, w]: [usize; 2],
     pads: [(usize, usize); 2],
