@@ -737,6 +737,30 @@ multiversion! {
         let (oh, kw) = (win.out_len(0), win.kernel[1]);
         let (n, oy) = (r / oh, r % oh);
         let (ky0, ky1, iy0) = win.valid_taps(0, oy);
+        let out_w = o_row.len() / c;
+        // At stride 1 on x86 the whole row in sliding windows, its border included.
+        if win.stride[1] == 1 && win.dilation[1] == 1 && ky1 - ky0 <= MAX_TAPS {
+            let mut rows = [(0usize, 0usize); MAX_TAPS];
+            for (i, ky) in (ky0..ky1).enumerate() {
+                let iy = iy0 + (ky - ky0) * win.dilation[0];
+                rows[i] = ((n * h + iy) * wd * c, ky * kw * c);
+            }
+            let slide = SlideRow {
+                x,
+                rows: &rows[..ky1 - ky0],
+                first_col: -(win.pads[1].0 as isize),
+                width: wd,
+                kw,
+                weights: &w.taps,
+                bias: &w.bias,
+                channels: c,
+                pixels: out_w,
+                clamp,
+            };
+            if depthwise_strip::run_row(kernel, &slide, o_row) {
+                return;
+            }
+        }
         // The row's taps for a pixel whose window lies inside the image's width, as offsets
         // from the window's first input pixel: built once per row, not per pixel (at 32
         // channels the per-pixel build cost as much as the multiply-adds).
@@ -766,30 +790,6 @@ multiversion! {
             rows: (ky0, ky1, iy0),
             row_base: (n * h + iy0) * wd,
         };
-        let out_w = o_row.len() / c;
-        // At stride 1 on x86 the whole row in sliding windows, its border included.
-        if win.stride[1] == 1 && win.dilation[1] == 1 && ky1 - ky0 <= MAX_TAPS {
-            let mut rows = [(0usize, 0usize); MAX_TAPS];
-            for (i, ky) in (ky0..ky1).enumerate() {
-                let iy = iy0 + (ky - ky0) * win.dilation[0];
-                rows[i] = ((n * h + iy) * wd * c, ky * kw * c);
-            }
-            let slide = SlideRow {
-                x,
-                rows: &rows[..ky1 - ky0],
-                first_col: -(win.pads[1].0 as isize),
-                width: wd,
-                kw,
-                weights: &w.taps,
-                bias: &w.bias,
-                channels: c,
-                pixels: out_w,
-                clamp,
-            };
-            if depthwise_strip::run_row(kernel, &slide, o_row) {
-                return;
-            }
-        }
         // The interior on x86: strips in registers of intrinsics; the border pixels here.
         let (lo, hi) = row.interior_range(out_w);
         if hi > lo {
