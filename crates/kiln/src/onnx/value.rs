@@ -290,6 +290,10 @@ impl Value {
         if let Some(values) = self.with_f32_view(<[f32]>::to_vec) {
             return Ok(values);
         }
+        // A large strided view with a contiguous last axis: over the pool, as `reshape`.
+        if let Some(values) = self.contiguous_copy() {
+            return Ok(values);
+        }
         self.data()?
             .convert::<f32>()
             .try_into_vec::<f32>()
@@ -421,6 +425,11 @@ mod tests {
             let copied = view.contiguous_copy();
             assert_eq!(copied.is_some(), perm == [1, 0, 2], "{perm:?}");
             let want = t.clone().permute(perm).reshape([12 * 197 * 64]).into_data();
+            assert_eq!(
+                view.to_f32s().unwrap(),
+                want.clone().try_into_vec::<f32>().unwrap(),
+                "{perm:?}"
+            );
             let got = view.reshape(&[12 * 197 * 64]).unwrap().data().unwrap();
             assert_eq!(got, want, "{perm:?}");
         }
