@@ -28,6 +28,8 @@ use super::activation::{Activation, activate_slice};
 use serde::{Deserialize, Serialize};
 
 #[cfg(target_arch = "x86_64")]
+mod amx;
+#[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod blocks;
@@ -127,6 +129,9 @@ pub fn quantize_rows(values: &[f32], rows: usize, cols: usize) -> QuantWeight {
 /// Which integer kernel this CPU runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kernel {
+    /// AMX `tdpbusd` tiles for plain matrices (linear layers), AVX-512 VNNI for the rest (the
+    /// same weight packing).
+    Amx,
     /// AVX-512 VNNI `vpdpbusd`.
     Vnni512,
     /// AVX2 `vpmaddwd` on i16 operands.
@@ -137,14 +142,14 @@ pub enum Kernel {
 
 impl Kernel {
     /// The kernel int8 layers use (decided once): the best this CPU supports, or the one
-    /// named by the `KILN_INT8_KERNEL` environment variable (`avx512-vnni`, `avx2`, `scalar`)
+    /// named by the `KILN_INT8_KERNEL` environment variable (`amx`, `avx512-vnni`, `avx2`, `scalar`)
     /// when the CPU supports it — so the AVX2 path can be measured on a VNNI machine.
     pub fn detect() -> Kernel {
         static KERNEL: OnceLock<Kernel> = OnceLock::new();
         *KERNEL.get_or_init(|| {
             super::kernel_from_env(
                 "KILN_INT8_KERNEL",
-                &[Kernel::Vnni512, Kernel::Avx2, Kernel::Scalar],
+                &[Kernel::Amx, Kernel::Vnni512, Kernel::Avx2, Kernel::Scalar],
                 Kernel::best_supported(),
                 Kernel::name,
             )
@@ -155,6 +160,9 @@ impl Kernel {
     fn best_supported() -> Kernel {
         #[cfg(target_arch = "x86_64")]
         {
+            if amx::available() {
+                return Kernel::Amx;
+            }
             if std::arch::is_x86_feature_detected!("avx512f")
                 && std::arch::is_x86_feature_detected!("avx512bw")
                 && std::arch::is_x86_feature_detected!("avx512vnni")
@@ -171,6 +179,7 @@ impl Kernel {
     /// Name for reports.
     pub fn name(self) -> &'static str {
         match self {
+            Kernel::Amx => "amx",
             Kernel::Vnni512 => "avx512-vnni",
             Kernel::Avx2 => "avx2",
             Kernel::Scalar => "scalar",
@@ -183,20 +192,31 @@ impl Kernel {
     fn sequential_macs(self) -> usize {
         match self {
             // ~220 G multiply-adds/s per core: W3's batch-1 conv2 (10.6 M) stays on one thread.
-            Kernel::Vnni512 => 12 << 20,
+            Kernel::Amx | Kernel::Vnni512 => 12 << 20,
             // A quarter of the products per instruction.
             Kernel::Avx2 | Kernel::Scalar => 3 << 20,
         }
     }
 
-    /// K values one lane multiplies per instruction (4 u8 for VNNI, 2 i16 otherwise).
+    /// K values one lane multiplies per instruction (4 u8 for VNNI and AMX, 2 i16 otherwise).
     fn group(self) -> usize {
-        if self == Kernel::Vnni512 { 4 } else { 2 }
+        if self.packs_bytes() { 4 } else { 2 }
     }
 
     /// Output channels per vector register (16 i32 lanes, or 8).
     fn lanes(self) -> usize {
-        if self == Kernel::Vnni512 { 16 } else { 8 }
+        if self.packs_bytes() { 16 } else { 8 }
+    }
+
+    /// Whether operands are packed as bytes (u8 activations, i8 weights: VNNI's and AMX's
+    /// layout) rather than widened to i16.
+    fn packs_bytes(self) -> bool {
+        matches!(self, Kernel::Amx | Kernel::Vnni512)
+    }
+
+    /// K-groups a weight panel is padded to a multiple of: a whole AMX tile's 16.
+    fn group_multiple(self) -> usize {
+        if self == Kernel::Amx { 16 } else { 1 }
     }
 }
 
@@ -224,12 +244,16 @@ impl PackedWeights {
     /// Packs `w` for `kernel`.
     pub fn new(w: &QuantWeight, kernel: Kernel) -> Self {
         let (g, l) = (kernel.group(), kernel.lanes());
-        let groups = w.cols.div_ceil(g).max(1);
+        let groups = w
+            .cols
+            .div_ceil(g)
+            .max(1)
+            .next_multiple_of(kernel.group_multiple());
         let blocks = w.rows.div_ceil(l).max(1);
         let index = |j: usize, k: usize| ((j / l) * groups + k / g) * l * g + (j % l) * g + k % g;
         let len = blocks * groups * l * g;
         let (mut bytes, mut wide) = (Vec::new(), Vec::new());
-        if kernel == Kernel::Vnni512 {
+        if kernel.packs_bytes() {
             bytes = vec![0u8; len];
         } else {
             wide = vec![0i16; len];
@@ -237,7 +261,7 @@ impl PackedWeights {
         for j in 0..w.rows {
             for k in 0..w.cols {
                 let v = w.values[j * w.cols + k];
-                if kernel == Kernel::Vnni512 {
+                if kernel.packs_bytes() {
                     bytes[index(j, k)] = v as u8; // i8 bit pattern
                 } else {
                     wide[index(j, k)] = v as i16;
@@ -382,6 +406,9 @@ pub struct QuantizedActivations {
     k_offsets: Vec<usize>,
     bytes: Vec<u8>,
     wide: Vec<i16>,
+    /// For the AMX kernel, the row stride of a plain matrix whose rows and K are padded for
+    /// whole tiles (see `amx`); `None` for operands it cannot read (a convolution's).
+    amx_stride: Option<usize>,
 }
 
 impl QuantizedActivations {
@@ -405,14 +432,24 @@ impl QuantizedActivations {
         kernel: Kernel,
         fill: impl Fn(usize, &mut [u8]) + Sync,
     ) -> Self {
-        let stride = cols.div_ceil(kernel.group()).max(1) * kernel.group();
-        let mut bytes = vec![quant.zero_point; rows * stride];
-        bytes
+        let g = kernel.group();
+        let stride = cols
+            .div_ceil(g)
+            .max(1)
+            .next_multiple_of(kernel.group_multiple())
+            * g;
+        // AMX loads 16 rows at a time: the rows past the last are zero-point padding.
+        let padded_rows = if kernel == Kernel::Amx {
+            rows.next_multiple_of(16)
+        } else {
+            rows
+        };
+        let mut bytes = vec![quant.zero_point; padded_rows * stride];
+        bytes[..rows * stride]
             .par_chunks_mut(stride)
             .enumerate()
             .for_each(|(r, row)| fill(r, &mut row[..cols]));
-        let g = kernel.group();
-        Self::assemble(
+        let mut op = Self::assemble(
             rows,
             cols,
             quant,
@@ -420,7 +457,11 @@ impl QuantizedActivations {
             (0..rows).map(|i| i * stride).collect(),
             (0..stride / g).map(|q| q * g).collect(),
             bytes,
-        )
+        );
+        if kernel == Kernel::Amx {
+            op.amx_stride = Some(stride);
+        }
+        op
     }
 
     /// The implicit-GEMM operand of a convolution over `x` (`[b, ci, h, w]` images stored as
@@ -543,7 +584,7 @@ impl QuantizedActivations {
         k_offsets: Vec<usize>,
         mut bytes: Vec<u8>,
     ) -> Self {
-        let wide = if kernel == Kernel::Vnni512 {
+        let wide = if kernel.packs_bytes() {
             Vec::new()
         } else {
             let wide: Vec<i16> = bytes.par_iter().map(|v| *v as i16).collect();
@@ -559,6 +600,7 @@ impl QuantizedActivations {
             k_offsets,
             bytes,
             wide,
+            amx_stride: None,
         }
     }
 }
@@ -669,7 +711,8 @@ pub fn gemm_with(
         return;
     }
     let lanes = w.kernel.lanes();
-    let (row_chunk, block_chunk) = (64, 4);
+    let row_chunk = if m * a.cols <= ROWS_IN_L2 { m } else { 64 };
+    let block_chunk = 4;
     let tasks: Vec<(usize, usize)> = (0..m.div_ceil(row_chunk))
         .flat_map(|ri| (0..w.blocks.div_ceil(block_chunk)).map(move |bi| (ri, bi)))
         .collect();
@@ -700,6 +743,9 @@ pub fn gemm_with(
         tasks.par_iter().for_each(task);
     }
 }
+
+/// Operand bytes (rows × K) up to which one task takes every row of its channel blocks.
+const ROWS_IN_L2: usize = 512 << 10;
 
 /// Dequantizes `x`'s product with `w` straight into row-major f32 `[m × n]`:
 /// `y = s_x·s_j·(acc − z·Σq_w[j]) + b[j]`, then `act(y)` when given. For a convolution's
@@ -877,6 +923,14 @@ unsafe fn rectangle(
     n_pad: usize,
 ) {
     match w.kernel {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AMX packing is only produced when `Kernel::detect` found AMX granted.
+        Kernel::Amx if amx::takes(a, w) => unsafe {
+            amx::rectangle(a, w, rows, blocks, out, n_pad)
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AMX CPUs have AVX-512 VNNI (checked with AMX), and the packing is the same.
+        Kernel::Amx => unsafe { vnni::rectangle(a, w, rows, blocks, out, n_pad) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: VNNI packing is only produced when `Kernel::detect` found the features.
         Kernel::Vnni512 => unsafe { vnni::rectangle(a, w, rows, blocks, out, n_pad) },

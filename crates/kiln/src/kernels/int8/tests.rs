@@ -14,8 +14,11 @@ fn supported_kernels() -> Vec<Kernel> {
     if best != Kernel::Scalar {
         kernels.push(Kernel::Avx2);
     }
-    if best == Kernel::Vnni512 {
+    if matches!(best, Kernel::Vnni512 | Kernel::Amx) {
         kernels.push(Kernel::Vnni512);
+    }
+    if best == Kernel::Amx {
+        kernels.push(Kernel::Amx);
     }
     kernels
 }
@@ -32,6 +35,11 @@ fn every_kernel_computes_the_exact_integers() {
         (64, 10, 100),
         (7, 130, 33),
         (130, 6, 200),
+        // AMX: a partial pair of row tiles (20 = 16 + 4), K exactly one tile, and the
+        // 64-row chunks of a large operand (600 × 1000: its last chunk 24 rows).
+        (20, 40, 70),
+        (150, 33, 64),
+        (600, 20, 1000),
     ] {
         let xv: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
         let wv: Vec<f32> = (0..n * k).map(|_| lcg(&mut seed)).collect();
@@ -140,8 +148,11 @@ fn implicit_gemm_conv_matches_direct_integer_convolution() {
     if Kernel::detect() != Kernel::Scalar {
         kernels.push(Kernel::Avx2);
     }
-    if Kernel::detect() == Kernel::Vnni512 {
+    if matches!(Kernel::detect(), Kernel::Vnni512 | Kernel::Amx) {
         kernels.push(Kernel::Vnni512);
+    }
+    if Kernel::detect() == Kernel::Amx {
+        kernels.push(Kernel::Amx);
     }
     let mut seed = 11;
     // Per-tap runs (dilation 2 along x) with 3 channels, and kernel-row runs (dilation 1)
