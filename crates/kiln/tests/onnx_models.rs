@@ -265,6 +265,17 @@ fn residual_adds_and_relus_fuse_into_convolutions() {
     assert!(count("Conv2d+Add+Relu") >= 2, "{counts:?}");
 }
 
+/// The BERT-style encoder's attention normalization `Softmax(Add(Div(scores, √d), mask))`
+/// is one step per layer, and no Softmax is left (the `bert` test above checks the fused
+/// model's outputs against ONNX Runtime's, with the last tokens of each sequence masked out,
+/// on Kiln's kernels and on Burn's path).
+#[test]
+fn attention_softmaxes_fuse_with_their_scale_and_mask() {
+    let (count, counts) = op_counts("bert");
+    assert_eq!(count("ScaledSoftmax"), 2, "{counts:?}");
+    assert_eq!(count("Softmax"), 0, "{counts:?}");
+}
+
 /// LeNet's blocks (Conv, ReLU, 2×2 max pool, at odd sizes) become one step each, the pool
 /// stored by the convolution's kernel, and its hidden linear layer's ReLU goes into that
 /// layer's store (the `lenet` test above checks the outputs on the host kernels and on

@@ -168,6 +168,7 @@ pub fn load(bytes: &[u8], name: &str, device: &Device) -> Result<OnnxModel, Onnx
     // linear layer then takes.
     model.fuse_silus();
     model.fuse_gelus();
+    model.fuse_scaled_softmaxes();
     model.fuse_activations();
     model.fuse_relu_pools();
     model.fuse_residuals();

@@ -15,6 +15,7 @@
 //! A model with operators Kiln cannot run is refused at load with one error that lists every
 //! such operator and how often it occurs.
 
+mod attention;
 mod gelu;
 mod host;
 mod load;
@@ -103,6 +104,8 @@ enum StepOp {
     Activation(Activation),
     /// ShuffleNet's channel shuffle (reshape, transpose, reshape), fused at load.
     ChannelShuffle(shuffle::ChannelShuffle),
+    /// An attention's `Softmax(Add(Div(scores, d), mask))`, fused at load.
+    ScaledSoftmax(attention::ScaledSoftmax),
 }
 
 impl Step {
@@ -461,7 +464,7 @@ impl OnnxModel {
             }
             StepOp::Activation(act) => host::unary(ins, *act),
             StepOp::ChannelShuffle(shuffle) => host::channel_shuffle(shuffle, ins),
-            StepOp::QLinear(_) => None,
+            StepOp::QLinear(_) | StepOp::ScaledSoftmax(_) => None,
         }
     }
 
@@ -490,6 +493,7 @@ impl OnnxModel {
             StepOp::Affine { scale, shift } => passes::affine(&ins, scale, shift),
             StepOp::Activation(act) => passes::activation(&ins, *act),
             StepOp::ChannelShuffle(shuffle) => shuffle.run(&ins),
+            StepOp::ScaledSoftmax(softmax) => softmax.run(&ins),
         }?;
         // What was fused into the step at load, after the operator: the residual sum, then
         // the activation.

@@ -273,7 +273,10 @@ impl OnnxModel {
                 StepOp::QLinear(q) => q.weight.rows * (q.weight.cols + 4),
                 StepOp::QConv(q) => q.weight.rows * (q.weight.cols + 4),
                 StepOp::Affine { scale, shift } => (scale.len() + shift.len()) * 4,
-                StepOp::Onnx(_) | StepOp::Activation(_) | StepOp::ChannelShuffle(_) => 0,
+                StepOp::Onnx(_)
+                | StepOp::Activation(_)
+                | StepOp::ChannelShuffle(_)
+                | StepOp::ScaledSoftmax(_) => 0,
             })
             .sum();
         constants + packed
@@ -723,7 +726,8 @@ impl OnnxModel {
                     StepOp::Onnx(_)
                     | StepOp::Affine { .. }
                     | StepOp::Activation(_)
-                    | StepOp::ChannelShuffle(_) => {
+                    | StepOp::ChannelShuffle(_)
+                    | StepOp::ScaledSoftmax(_) => {
                         unreachable!("fusable_relu returns int8 layers")
                     }
                 }
@@ -898,6 +902,7 @@ impl OnnxModel {
             StepOp::Affine { .. } => "Affine".into(),
             StepOp::Activation(act) => format!("{act:?}"),
             StepOp::ChannelShuffle(_) => "ChannelShuffle".into(),
+            StepOp::ScaledSoftmax(_) => "ScaledSoftmax".into(),
             StepOp::Onnx(ref n) => n.node_type().to_string(),
         };
         step.op = op;
