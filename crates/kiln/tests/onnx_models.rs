@@ -276,6 +276,16 @@ fn attention_softmaxes_fuse_with_their_scale_and_mask() {
     assert_eq!(count("Softmax"), 0, "{counts:?}");
 }
 
+/// Each block's residual sums (`Add(x, Linear(·))` after the attention's output projection
+/// and after the feed-forward block) go into the linear layer's store: in the f32 kernel's
+/// and, after the int8 pass, in the integer epilogue (the `bert` test and
+/// `int8_stays_near_onnx_runtime` check the fused outputs).
+#[test]
+fn residual_adds_fuse_into_linear_layers() {
+    let (count, counts) = op_counts("bert");
+    assert_eq!(count("Linear+Add"), 4, "{counts:?}");
+}
+
 /// LeNet's blocks (Conv, ReLU, 2×2 max pool, at odd sizes) become one step each, the pool
 /// stored by the convolution's kernel, and its hidden linear layer's ReLU goes into that
 /// layer's store (the `lenet` test above checks the outputs on the host kernels and on

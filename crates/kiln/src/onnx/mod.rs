@@ -483,12 +483,13 @@ impl OnnxModel {
             .iter_mut()
             .map(|s| s.take().map(|s| s.into_value(&self.device)).transpose())
             .collect::<Result<_, _>>()?;
-        let residual = step
+        let mut residual = step
             .residual
             .and_then(|i| ins.get_mut(i).and_then(Option::take));
         let outs = match &step.op {
             StepOp::Onnx(node) => ops::run(node, &ins, &self.device),
-            StepOp::QLinear(q) => q.run(&ins),
+            // Takes the residual into its epilogue when it can.
+            StepOp::QLinear(q) => q.run(&ins, &mut residual),
             StepOp::QConv(q) => q.run(&ins),
             StepOp::Affine { scale, shift } => passes::affine(&ins, scale, shift),
             StepOp::Activation(act) => passes::activation(&ins, *act),

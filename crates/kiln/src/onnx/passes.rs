@@ -11,13 +11,13 @@ use onnx_ir::node::padding::{AutoPad, PaddingConfig2d};
 use serde::Serialize;
 
 use super::ops::Inputs;
-use super::value::Value;
+use super::value::{Value, ValueKind};
 use super::{OnnxError, OnnxModel, StepOp};
 use crate::infer::ConvGeometry;
 use crate::kernels::activation::Activation;
 use crate::kernels::int8::{
     ActivationQuant, ImageLayout, Kernel, PackedWeights, QuantizedActivations, matmul_dequantized,
-    pack_conv_weights, quantize_rows, range_of,
+    matmul_dequantized_residual, pack_conv_weights, quantize_rows, range_of,
 };
 
 /// A pass over an imported model.
@@ -141,8 +141,14 @@ pub(super) fn activate(act: Activation, x: Value) -> Result<Value, OnnxError> {
 }
 
 impl QLinear {
-    /// `x · W + b` over the last axis of `x`, through the integer kernel.
-    pub(super) fn run(&self, ins: Inputs) -> Result<Vec<Value>, OnnxError> {
+    /// `x · W + b` over the last axis of `x`, through the integer kernel; plus `residual`
+    /// in the epilogue when it is an f32 value of the output's shape and the layer has no
+    /// activation of its own (it is taken then; otherwise left for the caller to add).
+    pub(super) fn run(
+        &self,
+        ins: Inputs,
+        residual: &mut Option<Value>,
+    ) -> Result<Vec<Value>, OnnxError> {
         let x = first(ins)?;
         let mut dims = x.dims();
         let k = *dims.last().unwrap_or(&1);
@@ -152,20 +158,23 @@ impl QLinear {
                 self.weight.cols, dims
             )));
         }
-        // The input is read in place where the backend allows (a copy of it first was a
-        // pass over every linear layer's input).
-        let product = |host: &[f32]| {
-            let quant = ActivationQuant::for_range(range_of(host));
-            let a = QuantizedActivations::new(host, k, quant, self.weight.kernel());
-            matmul_dequantized(&a, &self.weight, self.bias.as_deref(), self.act).0
-        };
-        let y = match x.with_f32_view(product) {
-            Some(y) => y,
-            None => product(&x.to_f32s()?),
-        };
         if let Some(last) = dims.last_mut() {
             *last = self.weight.rows;
         }
+        // The input (and the residual) are read in place where the backend allows (a copy
+        // of it first was a pass over every linear layer's input).
+        let product = |host: &[f32], r: Option<&[f32]>| {
+            let quant = ActivationQuant::for_range(range_of(host));
+            let a = QuantizedActivations::new(host, k, quant, self.weight.kernel());
+            let bias = self.bias.as_deref();
+            matmul_dequantized_residual(&a, &self.weight, bias, r, self.act).0
+        };
+        let fits =
+            |r: &Value| self.act.is_none() && r.kind() == ValueKind::Float && r.dims() == dims;
+        let y = match residual.take_if(|r| fits(r)) {
+            Some(r) => r.with_f32s(|r| x.with_f32s(|host| product(host, Some(r))))??,
+            None => x.with_f32s(|host| product(host, None))?,
+        };
         Ok(vec![host_value(y, &dims, &x.device())?])
     }
 }
@@ -422,7 +431,7 @@ impl OnnxModel {
                 let (mine, other) = (operands[i], operands[1 - i]);
                 let conv = self.sole_producer(mine)?;
                 let c = &self.steps[conv];
-                let fusable = matches!(c.op.node(), Some(Node::Conv2d(_)))
+                let fusable = matches!(c.op.node(), Some(Node::Conv2d(_) | Node::Linear(_)))
                     && c.plain_single()
                     && mine != other
                     && self.producer(other).is_none_or(|p| p < conv);
@@ -757,12 +766,13 @@ impl OnnxModel {
         };
         let x = (*step.inputs.first()?)?;
         let layer = self.sole_producer(x)?;
-        // A linear layer with another activation in its epilogue already takes no ReLU.
+        // A linear layer with another activation in its epilogue already takes no ReLU, and
+        // one with a fused residual adds it after the epilogue's ReLU would run.
         let int8 = matches!(
             self.steps[layer].op,
             StepOp::QLinear(QLinear { act: None, .. }) | StepOp::QConv(_)
         );
-        int8.then_some(layer)
+        (int8 && self.steps[layer].plain_output()).then_some(layer)
     }
 
     /// Replaces step `at` by an int8 linear layer when its weight (input 1) is a constant

@@ -343,6 +343,18 @@ impl Value {
         }
     }
 
+    /// `f` of the values as host floats: read in place where [`Value::with_f32_view`] can,
+    /// else from a copy ([`Value::to_f32s`]).
+    pub fn with_f32s<R>(&self, f: impl FnOnce(&[f32]) -> R) -> Result<R, OnnxError> {
+        let mut f = Some(f);
+        let mut once = |v: &[f32]| f.take().map(|f| f(v));
+        if let Some(Some(r)) = self.with_f32_view(&mut once) {
+            return Ok(r);
+        }
+        let values = self.to_f32s()?;
+        once(&values).ok_or_else(|| OnnxError::Graph("a value was read twice".into()))
+    }
+
     /// The elements on the host, with the ONNX shape.
     pub fn data(&self) -> Result<TensorData, OnnxError> {
         let data = with_rank!(self.rank(), D => match self.kind {

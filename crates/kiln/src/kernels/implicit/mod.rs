@@ -665,7 +665,19 @@ pub fn linear_rows_new(
     w: &ConvWeights,
     act: Option<Activation>,
 ) -> Vec<f32> {
-    conv2d_nhwc_fused_new(&linear_shape(rows, w), x, w, None, act)
+    linear_rows_residual_new(rows, x, w, None, act)
+}
+
+/// [`linear_rows_new`] plus `residual` (`rows × outputs`, row-major) added in the store,
+/// before `act`: a transformer's `Add(x, Linear(·))` without a pass over the output after.
+pub fn linear_rows_residual_new(
+    rows: usize,
+    x: &[f32],
+    w: &ConvWeights,
+    residual: Option<&[f32]>,
+    act: Option<Activation>,
+) -> Vec<f32> {
+    conv2d_nhwc_fused_new(&linear_shape(rows, w), x, w, residual, act)
 }
 
 /// A linear layer as a 1×1 convolution over `rows` 1×1 images.

@@ -711,10 +711,14 @@ pub fn gemm_with(
         return;
     }
     let lanes = w.kernel.lanes();
-    let row_chunk = if m * a.cols <= ROWS_IN_L2 { m } else { 64 };
     let block_chunk = 4;
+    // One task per channel chunk takes every row when they fit L2 and the chunks alone keep
+    // the pool busy (ViT's 197 rows no longer end in a 5-row chunk).
+    let chunks = w.blocks.div_ceil(block_chunk);
+    let all_rows = m * a.cols <= ROWS_IN_L2 && chunks >= 4 * rayon::current_num_threads();
+    let row_chunk = if all_rows { m } else { 64 };
     let tasks: Vec<(usize, usize)> = (0..m.div_ceil(row_chunk))
-        .flat_map(|ri| (0..w.blocks.div_ceil(block_chunk)).map(move |bi| (ri, bi)))
+        .flat_map(|ri| (0..chunks).map(move |bi| (ri, bi)))
         .collect();
     let task = |&(ri, bi): &(usize, usize)| {
         let rows = ri * row_chunk..((ri + 1) * row_chunk).min(m);
@@ -744,7 +748,7 @@ pub fn gemm_with(
     }
 }
 
-/// Operand bytes (rows × K) up to which one task takes every row of its channel blocks.
+/// Operand bytes (rows × K) up to which one task may take every row of its channel blocks.
 const ROWS_IN_L2: usize = 512 << 10;
 
 /// Dequantizes `x`'s product with `w` straight into row-major f32 `[m × n]`:
@@ -764,11 +768,36 @@ pub fn matmul_dequantized(
     bias: Option<&[f32]>,
     act: Option<Activation>,
 ) -> (Vec<f32>, (f32, f32)) {
+    matmul_dequantized_residual(a, w, bias, None, act)
+}
+
+/// [`matmul_dequantized`] plus `residual` (row-major `[m × n]`, the output's layout) added
+/// to each rectangle right after it is dequantized, before `act`: a transformer's
+/// `Add(x, Linear(·))` in the epilogue, while the rectangle is in cache, instead of a pass
+/// over the whole output after (BENCHMARKS.md run 43).
+///
+/// # Panics
+/// When `residual` does not hold `m × n` values.
+pub fn matmul_dequantized_residual(
+    a: &QuantizedActivations,
+    w: &PackedWeights,
+    bias: Option<&[f32]>,
+    residual: Option<&[f32]>,
+    act: Option<Activation>,
+) -> (Vec<f32>, (f32, f32)) {
     let n = w.rows;
+    if let Some(r) = residual {
+        assert_eq!(
+            r.len(),
+            a.rows * n,
+            "the residual is not the output's shape"
+        );
+    }
     let (scale, offset) = affine(a, w, bias);
-    let (floor, after) = match act {
-        Some(Activation::Relu) => (0.0, None),
-        other => (f32::NEG_INFINITY, other),
+    // The ReLU is the store's floor only when nothing is added before it.
+    let (floor, after) = match (act, residual) {
+        (Some(Activation::Relu), None) => (0.0, None),
+        (other, _) => (f32::NEG_INFINITY, other),
     };
     let len = a.rows * n;
     // Not zero-filled first: every element is written below, and zeroing megabytes of
@@ -787,9 +816,19 @@ pub fn matmul_dequantized(
         let local = unsafe {
             let out = ptr.get().add(rows.start * n + chans.start) as *mut f32;
             let range = dequantize_rect(tile, stride, rows.len(), &columns, out, n);
-            match after {
-                None => range,
-                Some(act) => activate_rect(out, rows.len(), chans.len(), n, act),
+            if let Some(r) = residual {
+                add_rect(
+                    out,
+                    &r[rows.start * n + chans.start..],
+                    rows.len(),
+                    chans.len(),
+                    n,
+                );
+            }
+            match (after, residual) {
+                (None, None) => range,
+                (None, Some(_)) => range_rect(out, rows.len(), chans.len(), n),
+                (Some(act), _) => activate_rect(out, rows.len(), chans.len(), n, act),
             }
         };
         let mut range = range.lock().unwrap_or_else(|e| e.into_inner());
@@ -800,6 +839,35 @@ pub fn matmul_dequantized(
     unsafe { y.set_len(len) };
     let range = range.into_inner().unwrap_or_else(|e| e.into_inner());
     (y, range)
+}
+
+/// Adds `rows` rows of `cols` values of `r` (`stride` apart) to those at `out`.
+///
+/// # Safety
+/// As [`activate_rect`]; `r` holds the rows.
+unsafe fn add_rect(out: *mut f32, r: &[f32], rows: usize, cols: usize, stride: usize) {
+    for i in 0..rows {
+        // SAFETY: row i of the caller's rectangle.
+        let row = unsafe { std::slice::from_raw_parts_mut(out.add(i * stride), cols) };
+        super::nhwc::arith_in_place(
+            row,
+            &r[i * stride..][..cols],
+            super::nhwc::Arith::Add,
+            false,
+        );
+    }
+}
+
+/// The range of `rows` rows of `cols` values at `out` (`stride` apart).
+///
+/// # Safety
+/// As [`activate_rect`] (read only).
+unsafe fn range_rect(out: *const f32, rows: usize, cols: usize, stride: usize) -> (f32, f32) {
+    (0..rows).fold((0.0, 0.0), |range, i| {
+        // SAFETY: row i of the caller's rectangle.
+        let row = unsafe { std::slice::from_raw_parts(out.add(i * stride), cols) };
+        widest(range, min_max(row))
+    })
 }
 
 /// `act` of `rows` rows of `cols` values at `out` (`stride` apart), and their range.

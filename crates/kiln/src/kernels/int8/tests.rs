@@ -92,7 +92,8 @@ fn dequantized_product_is_close_to_f32() {
 
 /// An activation in the epilogue (GELU, HardSwish; ReLU as the floor) gives the bits of the
 /// plain product followed by the activation, and the range of what it stored, on every
-/// kernel this CPU runs and with rows and channels enough to split into several rectangles.
+/// kernel this CPU runs and with rows and channels enough to split into several rectangles;
+/// so does a residual added there, before the activation.
 #[test]
 fn the_epilogue_applies_the_activation_and_measures_its_output() {
     let mut seed = 5;
@@ -111,6 +112,20 @@ fn the_epilogue_applies_the_activation_and_measures_its_output() {
             crate::kernels::activation::activate(&mut want, act);
             assert_eq!(y, want, "{kernel:?} {act:?}");
             assert_eq!(range, range_of(&y), "{kernel:?} {act:?}");
+        }
+        // A residual in the epilogue: the plain product plus it, then the activation (a ReLU
+        // no longer the store's floor), and the range of the sum.
+        let residual: Vec<f32> = (0..m * n)
+            .map(|i| ((i * 37) % 101) as f32 * 0.05 - 2.5)
+            .collect();
+        for act in [None, Some(Activation::Relu), Some(Activation::Gelu)] {
+            let (y, range) = matmul_dequantized_residual(&a, &w, Some(&bias), Some(&residual), act);
+            let mut want: Vec<f32> = plain.iter().zip(&residual).map(|(p, r)| p + r).collect();
+            if let Some(act) = act {
+                crate::kernels::activation::activate(&mut want, act);
+            }
+            assert_eq!(y, want, "{kernel:?} residual then {act:?}");
+            assert_eq!(range, range_of(&y), "{kernel:?} residual then {act:?}");
         }
     }
 }

@@ -32,7 +32,7 @@ use crate::kernels::activation::{Activation, activate, erf_in_place};
 use crate::kernels::conv::ConvShape;
 use crate::kernels::implicit::{
     ConvWeights, conv2d_nhwc_fused_from_nchw_new, conv2d_nhwc_fused_new,
-    conv2d_nhwc_relu_pool2_new, linear_rows_new,
+    conv2d_nhwc_relu_pool2_new, linear_rows_residual_new,
 };
 use crate::kernels::layer_norm::layer_norm_rows;
 use crate::kernels::nhwc::{
@@ -502,13 +502,53 @@ fn linear(
         Err(e) => return Some(Err(e)),
     };
     let rows = x.data.len() / inputs.max(1);
-    let _op = tracing::trace_span!("kiln.linear_rows", rows, inputs, outputs).entered();
-    let out = linear_rows_new(rows, &x.data, weights, step.act);
     let mut dims = x.dims;
     if let Some(last) = dims.last_mut() {
         *last = outputs;
     }
-    Some(Ok(vec![Slot::Rows(Rows::new(out, dims))]))
+    // A residual of the output's shape goes into the kernel's store (a transformer's
+    // `Add(x, Linear(·))`); another (a broadcast operand) is added after, and the activation
+    // waits for it.
+    let (in_store, after) = match step.residual.and_then(|i| take(ins, i)) {
+        None => (None, None),
+        Some(Slot::Rows(r)) if r.dims == dims => (Some(r.data), None),
+        Some(Slot::Value(v)) if v.kind() == ValueKind::Float && v.dims() == dims => {
+            match v.to_f32s() {
+                Ok(data) => (Some(Arc::new(data)), None),
+                Err(e) => return Some(Err(e)),
+            }
+        }
+        Some(other) => (None, Some(other)),
+    };
+    let act_now = step.act.filter(|_| after.is_none());
+    let _op = tracing::trace_span!("kiln.linear_rows", rows, inputs, outputs).entered();
+    let residual = in_store.as_ref().map(|r| &r[..]);
+    let out = linear_rows_residual_new(rows, &x.data, weights, residual, act_now);
+    let out = Slot::Rows(Rows::new(out, dims));
+    Some(match after {
+        None => Ok(vec![out]),
+        Some(r) => add_after(out, r, step.act, step.device),
+    })
+}
+
+/// `y + r` on values (numpy broadcasting), then `act`: a linear layer's fused residual that
+/// does not have the layer's output shape.
+fn add_after(
+    y: Slot,
+    r: Slot,
+    act: Option<Activation>,
+    device: &Device,
+) -> Result<Vec<Slot>, OnnxError> {
+    let sum = super::ops::math::binary(
+        super::ops::math::Binary::Add,
+        y.into_value(device)?,
+        r.into_value(device)?,
+    )?;
+    let sum = match act {
+        None => sum,
+        Some(act) => super::passes::activate(act, sum)?,
+    };
+    Ok(vec![Slot::Value(sum)])
 }
 
 fn pack_linear(
