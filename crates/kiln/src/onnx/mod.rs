@@ -464,7 +464,13 @@ impl OnnxModel {
             }
             StepOp::Activation(act) => host::unary(ins, *act),
             StepOp::ChannelShuffle(shuffle) => host::channel_shuffle(shuffle, ins),
-            StepOp::QLinear(_) | StepOp::ScaledSoftmax(_) => None,
+            StepOp::QLinear(q) => host::int8_linear(
+                q,
+                ins,
+                (step.residual, step.fused_activation()),
+                &self.device,
+            ),
+            StepOp::ScaledSoftmax(_) => None,
         }
     }
 

@@ -150,7 +150,21 @@ impl QLinear {
         residual: &mut Option<Value>,
     ) -> Result<Vec<Value>, OnnxError> {
         let x = first(ins)?;
-        let mut dims = x.dims();
+        let dims = self.output_dims(&x.dims())?;
+        // The input (and the residual) are read in place where the backend allows (a copy
+        // of it first was a pass over every linear layer's input).
+        let fits =
+            |r: &Value| self.takes_residual() && r.kind() == ValueKind::Float && r.dims() == dims;
+        let y = match residual.take_if(|r| fits(r)) {
+            Some(r) => r.with_f32s(|r| x.with_f32s(|host| self.product(host, Some(r))))??,
+            None => x.with_f32s(|host| self.product(host, None))?,
+        };
+        Ok(vec![host_value(y, &dims, &x.device())?])
+    }
+
+    /// The output's dimensions for an input shaped `dims` (features along the last axis),
+    /// or why the input does not fit.
+    pub(super) fn output_dims(&self, dims: &[usize]) -> Result<Vec<usize>, OnnxError> {
         let k = *dims.last().unwrap_or(&1);
         if k != self.weight.cols {
             return Err(OnnxError::Shape(format!(
@@ -158,24 +172,27 @@ impl QLinear {
                 self.weight.cols, dims
             )));
         }
-        if let Some(last) = dims.last_mut() {
+        let mut out = dims.to_vec();
+        if let Some(last) = out.last_mut() {
             *last = self.weight.rows;
         }
-        // The input (and the residual) are read in place where the backend allows (a copy
-        // of it first was a pass over every linear layer's input).
-        let product = |host: &[f32], r: Option<&[f32]>| {
-            let quant = ActivationQuant::for_range(range_of(host));
-            let a = QuantizedActivations::new(host, k, quant, self.weight.kernel());
-            let bias = self.bias.as_deref();
-            matmul_dequantized_residual(&a, &self.weight, bias, r, self.act).0
-        };
-        let fits =
-            |r: &Value| self.act.is_none() && r.kind() == ValueKind::Float && r.dims() == dims;
-        let y = match residual.take_if(|r| fits(r)) {
-            Some(r) => r.with_f32s(|r| x.with_f32s(|host| product(host, Some(r))))??,
-            None => x.with_f32s(|host| product(host, None))?,
-        };
-        Ok(vec![host_value(y, &dims, &x.device())?])
+        Ok(out)
+    }
+
+    /// Whether a residual can go into the epilogue: the layer has no activation of its own
+    /// (the residual is added before the step's fused one).
+    pub(super) fn takes_residual(&self) -> bool {
+        self.act.is_none()
+    }
+
+    /// The layer over host rows `x` (whole rows of the input features, checked by
+    /// [`QLinear::output_dims`]), plus `residual` (the output's layout) in the epilogue.
+    pub(super) fn product(&self, x: &[f32], residual: Option<&[f32]>) -> Vec<f32> {
+        let k = self.weight.cols;
+        let quant = ActivationQuant::for_range(range_of(x));
+        let a = QuantizedActivations::new(x, k, quant, self.weight.kernel());
+        let bias = self.bias.as_deref();
+        matmul_dequantized_residual(&a, &self.weight, bias, residual, self.act).0
     }
 }
 

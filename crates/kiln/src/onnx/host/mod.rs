@@ -394,6 +394,47 @@ pub(super) fn int8_conv(
     Some(run())
 }
 
+/// An int8 linear layer (the int8 pass's) over host rows, its output host rows too, with a
+/// fused residual of the output's shape in the integer epilogue: a transformer's
+/// `QLinear → LayerNorm → QLinear` chain stays on the host, no conversion to values and back
+/// between (each was a copy of the activations). Another input (a value, read in place by
+/// the value path) or an activation fused after the layer: `None`.
+pub(super) fn int8_linear(
+    q: &super::passes::QLinear,
+    ins: &mut [Option<Slot>],
+    (residual, act): (Option<usize>, Option<Activation>),
+    device: &Device,
+) -> Option<Result<Vec<Slot>, OnnxError>> {
+    if act.is_some() || !matches!(ins.first(), Some(Some(Slot::Rows(_)))) {
+        return None;
+    }
+    let Some(Slot::Rows(x)) = take(ins, 0) else {
+        return None;
+    };
+    let residual = residual.and_then(|i| take(ins, i));
+    let run = || -> Result<Vec<Slot>, OnnxError> {
+        let dims = q.output_dims(&x.dims)?;
+        let _op = tracing::trace_span!("kiln.qlinear_rows", input = ?x.dims).entered();
+        let y = match residual {
+            None => q.product(&x.data, None),
+            Some(Slot::Rows(r)) if q.takes_residual() && r.dims == dims => {
+                q.product(&x.data, Some(&r.data))
+            }
+            Some(Slot::Value(v))
+                if q.takes_residual() && v.kind() == ValueKind::Float && v.dims() == dims =>
+            {
+                v.with_f32s(|r| q.product(&x.data, Some(r)))?
+            }
+            Some(other) => {
+                let y = Slot::Rows(Rows::new(q.product(&x.data, None), dims));
+                return add_after(y, other, None, device);
+            }
+        };
+        Ok(vec![Slot::Rows(Rows::new(y, dims))])
+    };
+    Some(run())
+}
+
 /// A BatchNorm's `x · scale + shift` from its constant parameters (inputs 1 to 4).
 fn pack_batch_norm(step: &HostStep, ins: &[Option<Slot>], epsilon: f64) -> Option<Packed> {
     if !(1..5).all(step.constant) {
