@@ -419,6 +419,12 @@ mod tests {
             strided.to_f32s().unwrap(),
             vec![0.0, 3.0, 1.0, 4.0, 2.0, 5.0]
         );
+        // `with_f32s`: in place or from that copy, the same values either way.
+        assert_eq!(dense.with_f32s(<[f32]>::to_vec).unwrap(), values);
+        assert_eq!(
+            strided.with_f32s(<[f32]>::to_vec).unwrap(),
+            vec![0.0, 3.0, 1.0, 4.0, 2.0, 5.0]
+        );
         let ints = Value::from_i64(vec![1, 2], false, &device);
         assert_eq!(ints.with_f32_view(<[f32]>::len), None);
     }

@@ -1102,11 +1102,7 @@ fn conv_planes(
     let s = dense_shape(&win, out_dims[3]);
     let _op =
         tracing::trace_span!("kiln.conv2d_nhwc", input = ?[n, c, h, w], layout = "nchw").entered();
-    let run = |x: &[f32]| conv2d_nhwc_fused_from_nchw_new(&s, x, weights, act);
-    let out = match v.with_f32_view(run) {
-        Some(out) => out,
-        None => run(&v.to_f32s()?),
-    };
+    let out = v.with_f32s(|x| conv2d_nhwc_fused_from_nchw_new(&s, x, weights, act))?;
     Ok(vec![Slot::Image(Image::new(out, out_dims))])
 }
 
