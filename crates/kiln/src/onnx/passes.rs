@@ -156,8 +156,10 @@ impl QLinear {
         let fits =
             |r: &Value| self.takes_residual() && r.kind() == ValueKind::Float && r.dims() == dims;
         let y = match residual.take_if(|r| fits(r)) {
-            Some(r) => r.with_f32s(|r| x.with_f32s(|host| self.product(host, Some(r))))??,
-            None => x.with_f32s(|host| self.product(host, None))?,
+            Some(r) => {
+                r.with_f32s(|r| x.with_f32s(|host| self.product(host, None, Some(r)).0))??
+            }
+            None => x.with_f32s(|host| self.product(host, None, None).0)?,
         };
         Ok(vec![host_value(y, &dims, &x.device())?])
     }
@@ -186,13 +188,19 @@ impl QLinear {
     }
 
     /// The layer over host rows `x` (whole rows of the input features, checked by
-    /// [`QLinear::output_dims`]), plus `residual` (the output's layout) in the epilogue.
-    pub(super) fn product(&self, x: &[f32], residual: Option<&[f32]>) -> Vec<f32> {
+    /// [`QLinear::output_dims`]) whose range is `range` when known (else scanned), plus
+    /// `residual` (the output's layout) in the epilogue; with the output's range.
+    pub(super) fn product(
+        &self,
+        x: &[f32],
+        range: Option<(f32, f32)>,
+        residual: Option<&[f32]>,
+    ) -> (Vec<f32>, (f32, f32)) {
         let k = self.weight.cols;
-        let quant = ActivationQuant::for_range(range_of(x));
+        let quant = ActivationQuant::for_range(range.unwrap_or_else(|| range_of(x)));
         let a = QuantizedActivations::new(x, k, quant, self.weight.kernel());
         let bias = self.bias.as_deref();
-        matmul_dequantized_residual(&a, &self.weight, bias, residual, self.act).0
+        matmul_dequantized_residual(&a, &self.weight, bias, residual, self.act)
     }
 }
 

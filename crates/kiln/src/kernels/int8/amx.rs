@@ -8,7 +8,7 @@
 //! The weights' VNNI packing is already AMX's B layout: for 16 output channels, each K-group
 //! of 4 is 64 bytes (16 channels × 4 values), so 16 K-groups are one 16-row B tile, rows 64
 //! bytes apart. The activations must be a plain matrix (rows evenly strided, K contiguous and
-//! padded to 64 bytes, rows padded to a multiple of 16: see `QuantizedActivations::from_rows`);
+//! padded to 64 bytes, rows padded to a multiple of 16: see `QuantizedActivations::new`);
 //! a convolution's implicit operand is not, and runs the VNNI kernel on the same packing.
 //!
 //! Rust has no stable AMX intrinsics, so the tile instructions are inline assembly with the

@@ -180,6 +180,7 @@ pub(super) fn relayout(
             Slot::Image(image) if !to_image => Slot::Rows(Rows {
                 data: image.data,
                 dims: image.dims.to_vec(),
+                range: None,
             }),
             Slot::Rows(rows) if to_image => {
                 let dims: [usize; 4] = rows

@@ -121,6 +121,9 @@ impl Image {
 pub(super) struct Rows {
     data: Arc<Vec<f32>>,
     dims: Vec<usize>,
+    /// `(min(x, 0), max(x, 0))` of the values when the step that wrote them measured it (an
+    /// int8 layer's epilogue): the next int8 layer quantizes with it instead of scanning.
+    range: Option<(f32, f32)>,
 }
 
 impl Rows {
@@ -128,6 +131,7 @@ impl Rows {
         Rows {
             data: Arc::new(data),
             dims,
+            range: None,
         }
     }
 
@@ -415,22 +419,24 @@ pub(super) fn int8_linear(
     let run = || -> Result<Vec<Slot>, OnnxError> {
         let dims = q.output_dims(&x.dims)?;
         let _op = tracing::trace_span!("kiln.qlinear_rows", input = ?x.dims).entered();
-        let y = match residual {
-            None => q.product(&x.data, None),
+        let (y, range) = match residual {
+            None => q.product(&x.data, x.range, None),
             Some(Slot::Rows(r)) if q.takes_residual() && r.dims == dims => {
-                q.product(&x.data, Some(&r.data))
+                q.product(&x.data, x.range, Some(&r.data))
             }
             Some(Slot::Value(v))
                 if q.takes_residual() && v.kind() == ValueKind::Float && v.dims() == dims =>
             {
-                v.with_f32s(|r| q.product(&x.data, Some(r)))?
+                v.with_f32s(|r| q.product(&x.data, x.range, Some(r)))?
             }
             Some(other) => {
-                let y = Slot::Rows(Rows::new(q.product(&x.data, None), dims));
-                return add_after(y, other, None, device);
+                let (y, _) = q.product(&x.data, x.range, None);
+                return add_after(Slot::Rows(Rows::new(y, dims)), other, None, device);
             }
         };
-        Ok(vec![Slot::Rows(Rows::new(y, dims))])
+        let mut rows = Rows::new(y, dims);
+        rows.range = Some(range);
+        Ok(vec![Slot::Rows(rows)])
     };
     Some(run())
 }
