@@ -1014,8 +1014,9 @@ unsafe fn rectangle(
 ) {
     match w.kernel {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: AMX packing is only produced when `Kernel::detect` found AMX granted.
-        Kernel::Amx if amx::takes(a, w) => unsafe {
+        // SAFETY: `available` checked the CPU and the OS's grant (once; a cached flag), so
+        // operands packed for AMX by hand on another CPU take the VNNI path below instead.
+        Kernel::Amx if amx::available() && amx::takes(a, w) => unsafe {
             amx::rectangle(a, w, rows, blocks, out, n_pad)
         },
         #[cfg(target_arch = "x86_64")]
