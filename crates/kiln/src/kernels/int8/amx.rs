@@ -18,6 +18,7 @@
 use std::arch::asm;
 use std::sync::OnceLock;
 
+use super::blocks::walk_blocks;
 use super::{PackedWeights, QuantizedActivations};
 
 /// Rows of an A tile (and of an accumulator tile).
@@ -126,61 +127,51 @@ pub(super) unsafe fn rectangle(
     let steps = w.groups / (TILE_K / 4);
     let panel = w.groups * 64;
     let mut scratch = [0i32; 2 * TILE_ROWS * 32];
-    let mut b = blocks.start;
-    while b < blocks.end {
-        let two = blocks.end - b >= 2;
-        let mut i = rows.start;
-        while i < rows.end {
-            let left = rows.end - i;
-            let row_tiles = if left > TILE_ROWS { 2 } else { 1 };
+    // Blocks of up to two row tiles × two channel tiles, as the VNNI kernel walks its
+    // register blocks.
+    walk_blocks(
+        rows.clone(),
+        blocks.clone(),
+        2 * TILE_ROWS,
+        |i, b, r, two| {
+            let row_tiles = if r > TILE_ROWS { 2 } else { 1 };
             let a_ptr = a.bytes.as_ptr().wrapping_add(a.bases[i]);
             let w_ptr = w.bytes.as_ptr().wrapping_add(b * panel);
-            // A partial block (the rectangle's last rows) is stored into `scratch` and its
-            // valid rows copied: the tiles always hold 16 rows.
-            let full = left >= row_tiles * TILE_ROWS;
+            let at = out.wrapping_add((i - rows.start) * n_pad + (b - blocks.start) * 16);
+            // A partial block (the rectangle's last rows) is stored into `scratch` and its valid
+            // rows copied: the tiles always hold 16 rows.
+            let full = r == row_tiles * TILE_ROWS;
             let (dst, dst_stride) = if full {
-                (
-                    out.wrapping_add((i - rows.start) * n_pad + (b - blocks.start) * 16),
-                    n_pad,
-                )
+                (at, n_pad)
             } else {
                 (scratch.as_mut_ptr(), 32)
             };
-            // SAFETY: the operands' padding keeps every tile load inside them (`takes`);
-            // `dst` holds row_tiles × 16 rows of `dst_stride` i32s.
+            let args = (a_ptr, a_stride, w_ptr, panel, steps, dst, dst_stride);
+            // SAFETY: the operands' padding keeps every tile load inside them (`takes`); `dst`
+            // holds row_tiles × 16 rows of `dst_stride` i32s.
             unsafe {
                 match (row_tiles, two) {
-                    (2, true) => {
-                        block::<2, 2>(a_ptr, a_stride, w_ptr, panel, steps, dst, dst_stride)
-                    }
-                    (2, false) => {
-                        block::<2, 1>(a_ptr, a_stride, w_ptr, panel, steps, dst, dst_stride)
-                    }
-                    (_, true) => {
-                        block::<1, 2>(a_ptr, a_stride, w_ptr, panel, steps, dst, dst_stride)
-                    }
-                    (_, false) => {
-                        block::<1, 1>(a_ptr, a_stride, w_ptr, panel, steps, dst, dst_stride)
-                    }
+                    (2, true) => block::<2, 2>(args),
+                    (2, false) => block::<2, 1>(args),
+                    (_, true) => block::<1, 2>(args),
+                    (_, false) => block::<1, 1>(args),
                 }
             }
             if !full {
                 let cols = if two { 32 } else { 16 };
-                for r in 0..left {
-                    // SAFETY: row r < left of the rectangle; `cols` ≤ n_pad − (b − start)·16.
+                for row in 0..r {
+                    // SAFETY: row < r rows of the rectangle; `cols` ≤ n_pad − (b − start)·16.
                     unsafe {
                         std::ptr::copy_nonoverlapping(
-                            scratch.as_ptr().add(r * 32),
-                            out.add((i - rows.start + r) * n_pad + (b - blocks.start) * 16),
+                            scratch.as_ptr().add(row * 32),
+                            at.add(row * n_pad),
                             cols,
                         )
                     };
                 }
             }
-            i += left.min(row_tiles * TILE_ROWS);
-        }
-        b += if two { 2 } else { 1 };
-    }
+        },
+    );
     // SAFETY: releases this thread's tile state (context switches then skip its 8 KB).
     unsafe { asm!("tilerelease", options(nostack)) };
 }
@@ -195,13 +186,15 @@ pub(super) unsafe fn rectangle(
 /// rows of `C·16` i32s `out_stride` apart.
 #[inline(always)]
 unsafe fn block<const R: usize, const C: usize>(
-    a: *const u8,
-    a_stride: usize,
-    w: *const u8,
-    panel: usize,
-    steps: usize,
-    out: *mut i32,
-    out_stride: usize,
+    (a, a_stride, w, panel, steps, out, out_stride): (
+        *const u8,
+        usize,
+        *const u8,
+        usize,
+        usize,
+        *mut i32,
+        usize,
+    ),
 ) {
     let a1 = a.wrapping_add(TILE_ROWS * a_stride);
     let w1 = w.wrapping_add(panel);
