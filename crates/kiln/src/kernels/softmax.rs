@@ -25,22 +25,35 @@ const LANES: usize = 16;
 /// # Panics
 /// When `row` is 0 or does not divide `x`'s length.
 pub fn softmax_rows(x: &[f32], row: usize) -> Vec<f32> {
+    // Each task reads its rows where they are and writes their exponentials straight into
+    // the output (a copy of the rows first was 27% of the kernel's time under `perf`).
+    over_rows(x, row, |_, src, dst| softmax_into(src, dst, row))
+}
+
+/// `compute(first_row, rows, out)` over `x`'s `row`-long rows into a new vector of its
+/// length: on this thread when small, else in tasks of whole rows over the pool.
+///
+/// # Panics
+/// When `row` is 0 or does not divide `x`'s length.
+fn over_rows(
+    x: &[f32],
+    row: usize,
+    compute: impl Fn(usize, &[f32], &mut [MaybeUninit<f32>]) + Sync,
+) -> Vec<f32> {
     assert!(
         row > 0 && x.len().is_multiple_of(row),
         "softmax rows of {row} over {} values",
         x.len()
     );
-    // Each task reads its rows where they are and writes their exponentials straight into
-    // the output (a copy of the rows first was 27% of the kernel's time under `perf`).
     let task = (CHUNK / row).max(1) * row;
-    let compute = |(src, dst): (&[f32], &mut [MaybeUninit<f32>])| softmax_into(src, dst, row);
     super::filled(x.len(), |out| {
         if x.len() <= CHUNK {
-            compute((x, out));
+            compute(0, x, out);
         } else {
             x.par_chunks(task)
                 .zip(out.par_chunks_mut(task))
-                .for_each(compute);
+                .enumerate()
+                .for_each(|(t, (src, dst))| compute(t * (task / row), src, dst));
         }
     })
 }
@@ -144,72 +157,34 @@ impl<'a> RowMask<'a> {
 /// # Panics
 /// When `row` is 0 or does not divide `x`'s length, or the mask's rows are not `row` long.
 pub fn softmax_rows_scaled(x: &[f32], row: usize, scale: f32, mask: Option<&RowMask>) -> Vec<f32> {
-    assert!(
-        row > 0 && x.len().is_multiple_of(row),
-        "softmax rows of {row} over {} values",
-        x.len()
-    );
-    let task = (CHUNK / row).max(1) * row;
-    let compute = |(first, (src, dst)): (usize, (&[f32], &mut [MaybeUninit<f32>]))| {
-        scaled_softmax_into(src, dst, row, scale, mask, first * (task / row))
-    };
-    super::filled(x.len(), |out| {
-        if x.len() <= CHUNK {
-            compute((0, (x, out)));
-        } else {
-            x.par_chunks(task)
-                .zip(out.par_chunks_mut(task))
-                .enumerate()
-                .for_each(compute);
+    over_rows(x, row, |first, src, dst| {
+        // Each row's affine values go through one row of scratch (in L1) into the plain
+        // softmax kernel.
+        let mut z = vec![0f32; row];
+        for (r, (x, y)) in src
+            .chunks_exact(row)
+            .zip(dst.chunks_exact_mut(row))
+            .enumerate()
+        {
+            affine_into(x, scale, mask.map(|m| m.row(first + r, row)), &mut z);
+            softmax_into(&z, y, row);
         }
     })
 }
 
 multiversion! {
-    /// [`softmax_into`] of `x · scale + mask`, rows numbered from `first_row` for the mask:
-    /// the affine values are stored (and their maximum taken) first, then exponentiated and
-    /// summed in place, then scaled.
-    fn scaled_softmax_into(
-        src: &[f32],
-        dst: &mut [MaybeUninit<f32>],
-        row: usize,
-        scale: f32,
-        mask: Option<&RowMask>,
-        first_row: usize,
-    ) {
-        for (r, (x, y)) in src.chunks_exact(row).zip(dst.chunks_exact_mut(row)).enumerate() {
-            match mask {
-                Some(m) => {
-                    let m = m.row(first_row + r, row);
-                    for ((out, v), m) in y.iter_mut().zip(x).zip(m) {
-                        *out = MaybeUninit::new(v * scale + m);
-                    }
-                }
-                None => {
-                    for (out, v) in y.iter_mut().zip(x) {
-                        *out = MaybeUninit::new(v * scale);
-                    }
+    /// `out = x · scale + mask` (the mask's row when given).
+    fn affine_into(x: &[f32], scale: f32, mask: Option<&[f32]>, out: &mut [f32]) {
+        match mask {
+            Some(m) => {
+                for ((o, v), m) in out.iter_mut().zip(x).zip(m) {
+                    *o = v * scale + m;
                 }
             }
-            // SAFETY: every value of the row was written just above.
-            let y = unsafe { super::assume_init(y) };
-            let max = lanes(y, f32::NEG_INFINITY, f32::max);
-            let mut sums = [0.0f32; LANES];
-            let mut blocks = y.chunks_exact_mut(LANES);
-            for block in &mut blocks {
-                for (s, v) in sums.iter_mut().zip(block) {
-                    *v = exp(*v - max);
-                    *s += *v;
+            None => {
+                for (o, v) in out.iter_mut().zip(x) {
+                    *o = v * scale;
                 }
-            }
-            let mut tail = 0.0;
-            for v in blocks.into_remainder() {
-                *v = exp(*v - max);
-                tail += *v;
-            }
-            let scale = 1.0 / (sums.iter().sum::<f32>() + tail);
-            for v in y {
-                *v *= scale;
             }
         }
     }
