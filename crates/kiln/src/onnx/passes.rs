@@ -153,9 +153,7 @@ impl QLinear {
         let dims = self.output_dims(&x.dims())?;
         // The input (and the residual) are read in place where the backend allows (a copy
         // of it first was a pass over every linear layer's input).
-        let fits =
-            |r: &Value| self.takes_residual() && r.kind() == ValueKind::Float && r.dims() == dims;
-        let y = match residual.take_if(|r| fits(r)) {
+        let y = match residual.take_if(|r| self.takes_residual_value(r, &dims)) {
             Some(r) => {
                 r.with_f32s(|r| x.with_f32s(|host| self.product(host, None, Some(r)).0))??
             }
@@ -185,6 +183,11 @@ impl QLinear {
     /// (the residual is added before the step's fused one).
     pub(super) fn takes_residual(&self) -> bool {
         self.act.is_none()
+    }
+
+    /// Whether value `r` can go into the epilogue as the residual of an output shaped `dims`.
+    pub(super) fn takes_residual_value(&self, r: &Value, dims: &[usize]) -> bool {
+        self.takes_residual() && r.kind() == ValueKind::Float && r.dims() == dims
     }
 
     /// The layer over host rows `x` (whole rows of the input features, checked by

@@ -424,9 +424,7 @@ pub(super) fn int8_linear(
             Some(Slot::Rows(r)) if q.takes_residual() && r.dims == dims => {
                 q.product(&x.data, x.range, Some(&r.data))
             }
-            Some(Slot::Value(v))
-                if q.takes_residual() && v.kind() == ValueKind::Float && v.dims() == dims =>
-            {
+            Some(Slot::Value(v)) if q.takes_residual_value(&v, &dims) => {
                 v.with_f32s(|r| q.product(&x.data, x.range, Some(r)))?
             }
             Some(other) => {
