@@ -50,6 +50,10 @@ fn main() {
         ("EffNet 1x1 16→96 112²", rb, 16, 112, 96, 1, 1, 0),
         ("MNv2 1x1 144→24 56²", rb, 144, 56, 24, 1, 1, 0),
         ("MNv2 1x1 24→144 56²", rb, 24, 56, 144, 1, 1, 0),
+        // SqueezeNet 1.1's stem and its fire modules' narrow squeeze layers at 55².
+        ("SQ stem 3x3/2 3→64", rb, 3, 224, 64, 3, 2, 0),
+        ("SQ 1x1 128→16 55²", rb, 128, 55, 16, 1, 1, 0),
+        ("SQ 3x3 16→64 55²", rb, 16, 55, 64, 3, 1, 1),
         // Linear layers at batch 1 (a 1×1 convolution over one pixel): W3's fc1 reads a
         // 4.7 MB weight for 1.2 M multiply-adds, so memory bandwidth is what it measures.
         ("W3 fc1 b1", 1, 9216, 1, 128, 1, 1, 0),

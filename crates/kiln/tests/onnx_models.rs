@@ -401,7 +401,59 @@ fn shapes_that_depend_on_data_are_not_recorded() {
 fn relu6_clips_fuse_into_convolutions() {
     let (count, counts) = op_counts("mobilenet_v2");
     assert_eq!(count("Clip"), 0, "{counts:?}");
-    assert!(count("Conv2d+Clip") >= 4, "{counts:?}");
+    // Alone, or in a fused 1×1 + depthwise pair (both layers with their ReLU6).
+    assert!(
+        count("Conv2d+Clip") + 2 * count("Conv2d+Clip+Conv2d+Clip") >= 4,
+        "{counts:?}"
+    );
+}
+
+/// Each inverted-residual block's 1×1 expand layer and the depthwise layer after it run as
+/// one step (the expanded image made band by band, never stored whole); the model tests
+/// above check the fused outputs against ONNX Runtime, with Kiln's kernels (the fused kernel)
+/// and without (the two layers in turn). The int8 pass takes the pairs apart and quantizes
+/// the 1×1 layers; the depthwise layers stay f32 and unpaired.
+#[test]
+fn expand_and_depthwise_layers_fuse_and_passes_take_them_apart() {
+    use kiln::onnx::OnnxPass;
+    let pairs = |counts: &std::collections::BTreeMap<String, usize>| -> usize {
+        counts
+            .iter()
+            .filter(|(op, _)| op.matches("Conv2d").count() == 2)
+            .map(|(_, n)| n)
+            .sum()
+    };
+    for (name, at_least) in [
+        ("mobilenet_v2", 10),
+        ("mobilenet_v3", 4),
+        ("efficientnet", 4),
+    ] {
+        let (_, counts) = op_counts(name);
+        assert!(pairs(&counts) >= at_least, "{name}: {counts:?}");
+    }
+    let dir = models_dir();
+    let mut model = OnnxModel::load(&dir.join("mobilenet_v2.onnx"), &Device::default()).unwrap();
+    let fused = pairs(&model.op_counts());
+    let steps_before = model.op_counts().values().sum::<usize>();
+    let report = model.apply(OnnxPass::Fold).unwrap();
+    assert_eq!(
+        (report.nodes_before, report.nodes_after),
+        (steps_before, steps_before),
+        "nothing to fold: the pairs come back as they were"
+    );
+    assert_eq!(pairs(&model.op_counts()), fused);
+    model.apply(OnnxPass::Int8).unwrap();
+    let counts = model.op_counts();
+    assert_eq!(pairs(&counts), 0, "{counts:?}");
+    let int8: usize = counts
+        .iter()
+        .filter(|(op, _)| op.starts_with("QConv"))
+        .map(|(_, n)| n)
+        .sum();
+    assert!(
+        int8 >= fused,
+        "every 1×1 expand layer quantized: {counts:?}"
+    );
 }
 
 /// A pass applied after the model has run (its weights already packed for the host kernels)

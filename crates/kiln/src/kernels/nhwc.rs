@@ -722,6 +722,27 @@ pub fn depthwise_conv2d_on(
     super::rows_from_zero(len, ow * c, work >= DEPTHWISE_PARALLEL_MACS, row)
 }
 
+/// Output row `r` of the depthwise convolution over `win` (as [`depthwise_conv2d`] computes
+/// it: bias, taps, `act`) into `o_row`, on the calling thread: for a caller that makes the
+/// input rows itself, band by band ([`super::expand_depthwise`]).
+pub(crate) fn depthwise_output_row(
+    kernel: F32Kernel,
+    x: &[f32],
+    win: &Window2d,
+    w: &DepthwiseWeights,
+    act: Option<Activation>,
+    r: usize,
+    o_row: &mut [f32],
+) {
+    let (clamp, after) = Activation::split(act);
+    // The row accumulates into its values.
+    o_row.fill(0.0);
+    depthwise_row(kernel, x, win, w, clamp, r, o_row);
+    if let Some(act) = after {
+        activate_slice(o_row, act);
+    }
+}
+
 multiversion! {
     /// Output row `r` (image `r / oh`, row `r mod oh`) of [`depthwise_conv2d`].
     fn depthwise_row(

@@ -173,6 +173,8 @@ pub fn load(bytes: &[u8], name: &str, device: &Device) -> Result<OnnxModel, Onnx
     model.fuse_relu_pools();
     model.fuse_residuals();
     model.fuse_channel_shuffles();
+    // Last: the pair takes the 1×1 layer with the activation fused into it.
+    model.fuse_expand_depthwises();
     Ok(model)
 }
 

@@ -16,6 +16,7 @@
 //! such operator and how often it occurs.
 
 mod attention;
+mod expand_depthwise;
 mod gelu;
 mod host;
 mod load;
@@ -106,6 +107,10 @@ enum StepOp {
     ChannelShuffle(shuffle::ChannelShuffle),
     /// An attention's `Softmax(Add(Div(scores, d), mask))`, fused at load.
     ScaledSoftmax(attention::ScaledSoftmax),
+    /// A 1×1 convolution and the depthwise convolution that alone reads its output, fused at
+    /// load (`fuse_expand_depthwises`): the two steps as they were, the step's inputs the
+    /// first's followed by the second's after its first.
+    ExpandDepthwise(Box<[Step; 2]>),
 }
 
 impl Step {
@@ -415,29 +420,17 @@ impl OnnxModel {
         step: &Step,
         ins: &mut [Option<Slot>],
     ) -> Option<Result<Vec<Slot>, OnnxError>> {
+        // Whether the step's input `i` is a constant. Asked only while packing (a step's
+        // first run), so not collected per run.
+        let is_constant = |i: usize| {
+            step.inputs
+                .get(i)
+                .copied()
+                .flatten()
+                .is_some_and(|s| self.constants[s].is_some())
+        };
         match &step.op {
-            StepOp::Onnx(node) => {
-                // Asked only while packing (a step's first run), so not collected per run.
-                let constant = |i: usize| {
-                    step.inputs
-                        .get(i)
-                        .copied()
-                        .flatten()
-                        .is_some_and(|s| self.constants[s].is_some())
-                };
-                let host_step = host::HostStep {
-                    node,
-                    constant: &constant,
-                    cache: &step.packed,
-                    outputs: step.outputs.len(),
-                    relu: step.relu,
-                    act: step.fused_activation(),
-                    residual: step.residual,
-                    pool: step.pool,
-                    device: &self.device,
-                };
-                host::run(&host_step, ins)
-            }
+            StepOp::Onnx(_) => host::run(&self.host_step(step, &is_constant)?, ins),
             StepOp::Affine { scale, shift } => {
                 // Read back from the device once, on the step's first host run.
                 let packed = step.packed.get_or_init(|| {
@@ -471,7 +464,39 @@ impl OnnxModel {
                 &self.device,
             ),
             StepOp::ScaledSoftmax(_) => None,
+            StepOp::ExpandDepthwise(pair) => {
+                let [pw, dw] = &**pair;
+                let split = pw.inputs.len();
+                // Each layer's inputs as it numbers them, found in the fused step's list.
+                let pw_constant = |i: usize| i < split && is_constant(i);
+                let dw_constant = |i: usize| i > 0 && is_constant(split + i - 1);
+                let (pw, dw) = (
+                    self.host_step(pw, &pw_constant)?,
+                    self.host_step(dw, &dw_constant)?,
+                );
+                host::expand_depthwise(&pw, &dw, ins, split)
+            }
         }
+    }
+
+    /// What the host kernels need of ONNX operator step `step` (`None`: another kind of
+    /// step), its inputs' constness told by `constant`.
+    fn host_step<'a>(
+        &'a self,
+        step: &'a Step,
+        constant: &'a dyn Fn(usize) -> bool,
+    ) -> Option<host::HostStep<'a>> {
+        Some(host::HostStep {
+            node: step.op.node()?,
+            constant,
+            cache: &step.packed,
+            outputs: step.outputs.len(),
+            relu: step.relu,
+            act: step.fused_activation(),
+            residual: step.residual,
+            pool: step.pool,
+            device: &self.device,
+        })
     }
 
     /// Runs one step: on the host's image kernels when `on_host` and the step is one they
@@ -484,6 +509,16 @@ impl OnnxModel {
     ) -> Result<Vec<Slot>, OnnxError> {
         if on_host && let Some(outs) = self.run_on_host(step, ins) {
             return outs;
+        }
+        if let StepOp::ExpandDepthwise(pair) = &step.op {
+            // The two layers apart, each on the host where it can be.
+            let [pw, dw] = &**pair;
+            let (pw_ins, dw_rest) = ins.split_at_mut(pw.inputs.len());
+            let expanded = self.run_step(pw, pw_ins, on_host)?.into_iter().next();
+            let mut dw_ins: Vec<Option<Slot>> = std::iter::once(expanded)
+                .chain(dw_rest.iter_mut().map(Option::take))
+                .collect();
+            return self.run_step(dw, &mut dw_ins, on_host);
         }
         let mut ins: Vec<Option<Value>> = ins
             .iter_mut()
@@ -501,6 +536,9 @@ impl OnnxModel {
             StepOp::Activation(act) => passes::activation(&ins, *act),
             StepOp::ChannelShuffle(shuffle) => shuffle.run(&ins),
             StepOp::ScaledSoftmax(softmax) => softmax.run(&ins),
+            StepOp::ExpandDepthwise(_) => Err(OnnxError::Graph(
+                "a fused 1×1 and depthwise pair runs as its two layers".into(),
+            )),
         }?;
         // What was fused into the step at load, after the operator: the residual sum, then
         // the activation.

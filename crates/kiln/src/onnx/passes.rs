@@ -263,6 +263,9 @@ impl OnnxModel {
     /// Applies `pass` and reports what it changed.
     pub fn apply(&mut self, pass: OnnxPass) -> Result<OnnxPassReport, OnnxError> {
         let nodes_before = self.steps.len();
+        // The passes rewrite single layers: fused pairs are taken apart first (and fused
+        // again below where both layers still fit).
+        self.unfuse_expand_depthwises();
         let mut changes = match pass {
             OnnxPass::Fold => self.fold_batch_norm()?,
             OnnxPass::Int8 => self.quantize_int8()?,
@@ -281,6 +284,7 @@ impl OnnxModel {
                 "{fused} activation(s) fused into the layer before them"
             ));
         }
+        self.fuse_expand_depthwises();
         // Constants nothing reads any more (folded or packed weights) are dropped.
         for (slot, constant) in self.constants.iter_mut().enumerate() {
             if self.uses[slot] == 0 && !self.output_slots.contains(&slot) {
@@ -313,7 +317,8 @@ impl OnnxModel {
                 StepOp::Onnx(_)
                 | StepOp::Activation(_)
                 | StepOp::ChannelShuffle(_)
-                | StepOp::ScaledSoftmax(_) => 0,
+                | StepOp::ScaledSoftmax(_)
+                | StepOp::ExpandDepthwise(_) => 0,
             })
             .sum();
         constants + packed
@@ -764,7 +769,8 @@ impl OnnxModel {
                     | StepOp::Affine { .. }
                     | StepOp::Activation(_)
                     | StepOp::ChannelShuffle(_)
-                    | StepOp::ScaledSoftmax(_) => {
+                    | StepOp::ScaledSoftmax(_)
+                    | StepOp::ExpandDepthwise(_) => {
                         unreachable!("fusable_relu returns int8 layers")
                     }
                 }
@@ -941,6 +947,7 @@ impl OnnxModel {
             StepOp::Activation(act) => format!("{act:?}"),
             StepOp::ChannelShuffle(_) => "ChannelShuffle".into(),
             StepOp::ScaledSoftmax(_) => "ScaledSoftmax".into(),
+            StepOp::ExpandDepthwise(_) => "ExpandDepthwise".into(),
             StepOp::Onnx(ref n) => n.node_type().to_string(),
         };
         step.op = op;

@@ -99,7 +99,7 @@ impl F32Kernel {
     }
 
     /// Columns per weight panel (the register tile's width); `None` = the `gemm` layout.
-    fn panel_width(self) -> Option<usize> {
+    pub(crate) fn panel_width(self) -> Option<usize> {
         match self {
             F32Kernel::Avx512 => Some(avx512_dims::COLS),
             F32Kernel::Avx2 => Some(avx2_dims::COLS),
@@ -385,6 +385,7 @@ pub fn conv2d_nhwc_fused_new(
                 act,
                 pool: false,
                 residual,
+                serial: false,
             },
         ),
         None => {
@@ -428,6 +429,7 @@ pub fn conv2d_nhwc_fused_from_nchw_new(
                 act,
                 pool: false,
                 residual: None,
+                serial: false,
             },
         ),
         None => {
@@ -462,6 +464,8 @@ struct Epilogue<'a> {
     /// 2×2 max pool after the ReLU ([`conv2d_nhwc_relu_pool2_new`]).
     pool: bool,
     residual: Option<&'a [f32]>,
+    /// On the calling thread whatever the size: the caller is a task of a split of its own.
+    serial: bool,
 }
 
 impl Epilogue<'_> {
@@ -470,6 +474,7 @@ impl Epilogue<'_> {
             act: relu.then_some(Activation::Relu),
             pool: false,
             residual: None,
+            serial: false,
         }
     }
 }
@@ -494,6 +499,7 @@ pub fn conv2d_nhwc_relu_pool2_new(s: &ConvShape, x: &[f32], w: &ConvWeights) -> 
                 act: Some(Activation::Relu),
                 pool: true,
                 residual: None,
+                serial: false,
             },
         ),
         None => {
@@ -566,6 +572,7 @@ unsafe fn conv_simd(
         act,
         pool,
         residual,
+        serial,
     } = epilogue;
     if let Some(r) = residual {
         assert!(!pool, "a pooled convolution takes no residual");
@@ -581,7 +588,8 @@ unsafe fn conv_simd(
     let threads = rayon::current_num_threads().max(1);
     // A large weight splits even over few rows: reading it is the cost (a linear layer at
     // batch 1), and two cores read it faster than one.
-    let parallel = threads > 1 && (rows * k * cout >= SPLIT_MACS || k * cout >= SPLIT_WEIGHTS);
+    let parallel =
+        !serial && threads > 1 && (rows * k * cout >= SPLIT_MACS || k * cout >= SPLIT_WEIGHTS);
     let geometry = Geometry::new(s, cin);
     let padded;
     let slack = w.slack();
@@ -678,6 +686,31 @@ pub fn linear_rows_residual_new(
     act: Option<Activation>,
 ) -> Vec<f32> {
     conv2d_nhwc_fused_new(&linear_shape(rows, w), x, w, residual, act)
+}
+
+/// [`linear_rows_new`] into `out` (`rows × outputs`) on the calling thread, for a caller
+/// that is itself one task of a split (a band of [`super::expand_depthwise`]). `None` when
+/// `w` has no SIMD kernel (the caller takes another path).
+pub(crate) fn linear_rows_serial_into(
+    rows: usize,
+    x: &[f32],
+    w: &ConvWeights,
+    act: Option<Activation>,
+    out: &mut [f32],
+) -> Option<()> {
+    let width = simd_width(w)?;
+    let s = linear_shape(rows, w);
+    check_operands(&s, x, w);
+    assert_eq!(out.len(), s.output_len(), "linear output length");
+    let epilogue = Epilogue {
+        act,
+        pool: false,
+        residual: None,
+        serial: true,
+    };
+    // SAFETY: `out` holds the output's values and is borrowed uniquely.
+    unsafe { conv_simd(&s, Input::Nhwc(x), w, width, epilogue, out.as_mut_ptr()) };
+    Some(())
 }
 
 /// A linear layer as a 1×1 convolution over `rows` 1×1 images.

@@ -30,6 +30,7 @@ use super::value::{Value, ValueKind};
 use crate::infer::batch_norm_affine;
 use crate::kernels::activation::{Activation, activate, erf_in_place};
 use crate::kernels::conv::ConvShape;
+use crate::kernels::expand_depthwise::ExpandDepthwise;
 use crate::kernels::implicit::{
     ConvWeights, conv2d_nhwc_fused_from_nchw_new, conv2d_nhwc_fused_new,
     conv2d_nhwc_relu_pool2_new, linear_rows_residual_new,
@@ -368,6 +369,70 @@ pub(super) fn run(
         Node::MatMul(_) => linear(step, ins, false, false),
         _ => None,
     }
+}
+
+/// A 1×1 convolution `pw` and the depthwise convolution `dw` that alone reads its output
+/// (fused at load, `fuse_expand_depthwises`), in one pass over bands of rows
+/// ([`crate::kernels::expand_depthwise`]): the expanded image never reaches memory. `split`:
+/// how many of `ins` are `pw`'s (the rest are `dw`'s after its first). `None` (inputs
+/// untouched) where that kernel does not take them: the caller runs the two layers apart.
+pub(super) fn expand_depthwise(
+    pw: &HostStep,
+    dw: &HostStep,
+    ins: &mut [Option<Slot>],
+    split: usize,
+) -> Option<Result<Vec<Slot>, OnnxError>> {
+    let Some(Some(Slot::Image(x))) = ins.first() else {
+        return None;
+    };
+    let (Node::Conv2d(pn), Node::Conv2d(dn)) = (pw.node, dw.node) else {
+        return None;
+    };
+    let x_dims = x.dims;
+    let Some(Packed::Conv(PackedConv::Dense(pointwise))) = pw
+        .cache
+        .get_or_init(|| pack_conv(pw, &ins[..split], pn.config.groups).map(Packed::Conv))
+    else {
+        return None;
+    };
+    let Some(Packed::Conv(PackedConv::Depthwise(depthwise))) = dw.cache.get_or_init(|| {
+        // The depthwise layer's inputs as it numbers them: its first (the 1×1's output)
+        // is not a constant and packing does not read it.
+        let ins: Vec<Option<Slot>> = std::iter::once(None)
+            .chain(ins[split..].iter().cloned())
+            .collect();
+        pack_conv(dw, &ins, dn.config.groups).map(Packed::Conv)
+    }) else {
+        return None;
+    };
+    let [expanded, cin, ..] = pointwise.dims();
+    let window = node_window(dw.node).ok()?;
+    if x_dims[3] != cin || depthwise.channels() != expanded {
+        return None;
+    }
+    let [n, h, w, _] = x_dims;
+    let (win, out_dims) = match conv_window(
+        [n, h, w, expanded],
+        (expanded, depthwise.kernel(), expanded),
+        &window,
+    ) {
+        Ok(fit) => fit,
+        Err(e) => return Some(Err(e)),
+    };
+    let Some(Some(Slot::Image(x))) = ins.first() else {
+        return None;
+    };
+    let _op = tracing::trace_span!("kiln.expand_depthwise", input = ?x.dims, expanded).entered();
+    let layers = ExpandDepthwise {
+        pointwise,
+        pointwise_act: pw.act,
+        depthwise,
+        depthwise_act: dw.act,
+    };
+    let out = crate::kernels::expand_depthwise::expand_depthwise(&x.data, &win, &layers)?;
+    // The input's last reader is done with it.
+    take(ins, 0);
+    Some(Ok(vec![Slot::Image(Image::new(out, out_dims))]))
 }
 
 /// An int8 convolution (the int8 pass's) of an image, its output left channels-last;
