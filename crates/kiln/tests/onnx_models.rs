@@ -408,6 +408,17 @@ fn relu6_clips_fuse_into_convolutions() {
     );
 }
 
+/// SqueezeNet's fire modules end in a Concat of two convolutions: each writes its channels
+/// of the concatenated image (no copy after), so no Concat runs alone; the `squeezenet` test
+/// checks the outputs against ONNX Runtime with and without Kiln's kernels, and
+/// `int8_stays_near_onnx_runtime` after the passes take the steps apart.
+#[test]
+fn concatenated_convolutions_write_in_place() {
+    let (count, counts) = op_counts("squeezenet");
+    assert_eq!(count("Concat"), 0, "{counts:?}");
+    assert!(count("Conv2d+Relu+Concat") >= 2, "{counts:?}");
+}
+
 /// Each inverted-residual block's 1×1 expand layer and the depthwise layer after it run as
 /// one step (the expanded image made band by band, never stored whole); the model tests
 /// above check the fused outputs against ONNX Runtime, with Kiln's kernels (the fused kernel)

@@ -36,20 +36,8 @@ impl OnnxModel {
                 .chain(&dw.inputs[1..])
                 .copied()
                 .collect();
-            let step = Step {
-                name: dw.name.clone(),
-                op_name: format!("{}+{}", pw_step.op_name, dw.op_name),
-                inputs,
-                outputs: dw.outputs.clone(),
-                scalar: dw.scalar.clone(),
-                kind: dw.kind.clone(),
-                packed: Default::default(),
-                relu: false,
-                activation: None,
-                residual: None,
-                pool: false,
-                op: StepOp::ExpandDepthwise(Box::new([pw_step, dw])),
-            };
+            let make = Step::fused(format!("{}+{}", pw_step.op_name, dw.op_name), inputs, &dw);
+            let step = make(StepOp::ExpandDepthwise(Box::new([pw_step, dw])));
             // Where the 1×1 ran: the depthwise layer's other inputs are constants.
             self.steps.insert(pw, step);
             fused += 1;
@@ -95,12 +83,7 @@ impl OnnxModel {
             && self
                 .constant_dims(weight)
                 .is_some_and(|d| d.first() == Some(&groups) && d.get(1) == Some(&1))
-            && dw
-                .inputs
-                .get(2)
-                .copied()
-                .flatten()
-                .is_none_or(|b| self.constants[b].is_some());
+            && self.weights_constant(dw);
         if !dw_fits {
             return None;
         }
@@ -121,16 +104,7 @@ impl OnnxModel {
             && p.residual.is_none()
             && !p.pool
             && p.outputs.len() == 1
-            && p.inputs
-                .get(1)
-                .copied()
-                .flatten()
-                .is_some_and(|w| self.constants[w].is_some())
-            && p.inputs
-                .get(2)
-                .copied()
-                .flatten()
-                .is_none_or(|b| self.constants[b].is_some());
+            && self.weights_constant(p);
         pw_fits.then_some(pw)
     }
 

@@ -113,20 +113,13 @@ pub fn load(bytes: &[u8], name: &str, device: &Device) -> Result<OnnxModel, Onnx
             .iter()
             .map(|o| ops::declared_kind(&o.ty))
             .collect();
-        steps.push(Step {
-            name: node.name().to_string(),
-            op_name: node.node_type().to_string(),
-            op: super::StepOp::Onnx(Box::new(node)),
-            inputs: step_inputs,
-            outputs,
-            scalar,
-            kind,
-            packed: Default::default(),
-            relu: false,
-            activation: None,
-            residual: None,
-            pool: false,
-        });
+        let names = (node.name().to_string(), node.node_type().to_string());
+        steps.push(Step::plain(
+            super::StepOp::Onnx(Box::new(node)),
+            names,
+            step_inputs,
+            (outputs, scalar, kind),
+        ));
     }
 
     let mut outputs = Vec::new();
@@ -173,7 +166,8 @@ pub fn load(bytes: &[u8], name: &str, device: &Device) -> Result<OnnxModel, Onnx
     model.fuse_relu_pools();
     model.fuse_residuals();
     model.fuse_channel_shuffles();
-    // Last: the pair takes the 1×1 layer with the activation fused into it.
+    // Last: these take the layers with their activations fused into them.
+    model.fuse_concat_convs();
     model.fuse_expand_depthwises();
     Ok(model)
 }

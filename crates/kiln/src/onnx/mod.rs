@@ -16,6 +16,7 @@
 //! such operator and how often it occurs.
 
 mod attention;
+mod concat_convs;
 mod expand_depthwise;
 mod gelu;
 mod host;
@@ -111,6 +112,9 @@ enum StepOp {
     /// load (`fuse_expand_depthwises`): the two steps as they were, the step's inputs the
     /// first's followed by the second's after its first.
     ExpandDepthwise(Box<[Step; 2]>),
+    /// A channel Concat of convolutions' outputs with those convolutions, fused at load
+    /// (`fuse_concat_convs`): the step's inputs are the convolutions' in turn.
+    ConcatConvs(Box<concat_convs::ConcatConvs>),
 }
 
 impl Step {
@@ -133,6 +137,44 @@ impl Step {
             StepOp::Activation(act) => Some(*act),
             StepOp::Onnx(node) => ops::activation_of(node),
             _ => None,
+        }
+    }
+
+    /// A step fused at load from others, made by the returned function from its operator
+    /// (which may take `last` in): over `inputs`, writing what `last` (the step it replaces
+    /// last in the graph) wrote, under its name; nothing fused after it.
+    fn fused(
+        op_name: String,
+        inputs: Vec<Option<usize>>,
+        last: &Step,
+    ) -> impl FnOnce(StepOp) -> Step + use<> {
+        let name = last.name.clone();
+        let (outputs, scalar, kind) =
+            (last.outputs.clone(), last.scalar.clone(), last.kind.clone());
+        move |op| Step::plain(op, (name, op_name), inputs, (outputs, scalar, kind))
+    }
+
+    /// A step of `op` with nothing fused after it: its name and operator's name, the slots
+    /// it reads, and per output its slot, whether it is an ONNX scalar and its declared kind.
+    fn plain(
+        op: StepOp,
+        (name, op_name): (String, String),
+        inputs: Vec<Option<usize>>,
+        (outputs, scalar, kind): (Vec<usize>, Vec<bool>, Vec<Option<ValueKind>>),
+    ) -> Step {
+        Step {
+            name,
+            op_name,
+            inputs,
+            outputs,
+            scalar,
+            kind,
+            packed: Default::default(),
+            relu: false,
+            activation: None,
+            residual: None,
+            pool: false,
+            op,
         }
     }
 
@@ -420,15 +462,8 @@ impl OnnxModel {
         step: &Step,
         ins: &mut [Option<Slot>],
     ) -> Option<Result<Vec<Slot>, OnnxError>> {
-        // Whether the step's input `i` is a constant. Asked only while packing (a step's
-        // first run), so not collected per run.
-        let is_constant = |i: usize| {
-            step.inputs
-                .get(i)
-                .copied()
-                .flatten()
-                .is_some_and(|s| self.constants[s].is_some())
-        };
+        // Asked only while packing (a step's first run), so not collected per run.
+        let is_constant = |i: usize| self.input_is_constant(step, i);
         match &step.op {
             StepOp::Onnx(_) => host::run(&self.host_step(step, &is_constant)?, ins),
             StepOp::Affine { scale, shift } => {
@@ -476,7 +511,46 @@ impl OnnxModel {
                 );
                 host::expand_depthwise(&pw, &dw, ins, split)
             }
+            StepOp::ConcatConvs(fused) => {
+                let is_constant = &is_constant;
+                let mut first = 0;
+                // Each convolution's inputs as it numbers them: `count` of the step's, from
+                // `first`.
+                let constants: Vec<_> = fused
+                    .layers
+                    .iter()
+                    .map(|layer| {
+                        let (at, count) = (first, layer.inputs.len());
+                        first += count;
+                        move |i: usize| i < count && is_constant(at + i)
+                    })
+                    .collect();
+                let layers = fused
+                    .layers
+                    .iter()
+                    .zip(&constants)
+                    .map(|(layer, constant)| self.host_step(layer, constant))
+                    .collect::<Option<Vec<_>>>()?;
+                let counts: Vec<usize> = fused.layers.iter().map(|l| l.inputs.len()).collect();
+                host::concat_convs(&layers, &counts, ins)
+            }
         }
+    }
+
+    /// Whether `step`'s input `i` is a model constant (a weight).
+    fn input_is_constant(&self, step: &Step, i: usize) -> bool {
+        step.inputs
+            .get(i)
+            .copied()
+            .flatten()
+            .is_some_and(|s| self.constants[s].is_some())
+    }
+
+    /// Whether a layer step's weight (input 1) is a constant and its bias (input 2) absent
+    /// or a constant: what the host packs once.
+    fn weights_constant(&self, step: &Step) -> bool {
+        let absent = step.inputs.get(2).copied().flatten().is_none();
+        self.input_is_constant(step, 1) && (absent || self.input_is_constant(step, 2))
     }
 
     /// What the host kernels need of ONNX operator step `step` (`None`: another kind of
@@ -520,6 +594,17 @@ impl OnnxModel {
                 .collect();
             return self.run_step(dw, &mut dw_ins, on_host);
         }
+        if let StepOp::ConcatConvs(fused) = &step.op {
+            // The convolutions, then the Concat of their outputs.
+            let mut outs: Vec<Option<Slot>> = Vec::with_capacity(fused.layers.len());
+            let mut rest = &mut ins[..];
+            for layer in &fused.layers {
+                let (mine, tail) = rest.split_at_mut(layer.inputs.len());
+                outs.push(self.run_step(layer, mine, on_host)?.into_iter().next());
+                rest = tail;
+            }
+            return self.run_step(&fused.concat, &mut outs, on_host);
+        }
         let mut ins: Vec<Option<Value>> = ins
             .iter_mut()
             .map(|s| s.take().map(|s| s.into_value(&self.device)).transpose())
@@ -536,9 +621,9 @@ impl OnnxModel {
             StepOp::Activation(act) => passes::activation(&ins, *act),
             StepOp::ChannelShuffle(shuffle) => shuffle.run(&ins),
             StepOp::ScaledSoftmax(softmax) => softmax.run(&ins),
-            StepOp::ExpandDepthwise(_) => Err(OnnxError::Graph(
-                "a fused 1×1 and depthwise pair runs as its two layers".into(),
-            )),
+            StepOp::ExpandDepthwise(_) | StepOp::ConcatConvs(_) => {
+                Err(OnnxError::Graph("a fused step runs as its layers".into()))
+            }
         }?;
         // What was fused into the step at load, after the operator: the residual sum, then
         // the activation.

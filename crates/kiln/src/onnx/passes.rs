@@ -266,6 +266,7 @@ impl OnnxModel {
         // The passes rewrite single layers: fused pairs are taken apart first (and fused
         // again below where both layers still fit).
         self.unfuse_expand_depthwises();
+        self.unfuse_concat_convs();
         let mut changes = match pass {
             OnnxPass::Fold => self.fold_batch_norm()?,
             OnnxPass::Int8 => self.quantize_int8()?,
@@ -284,6 +285,7 @@ impl OnnxModel {
                 "{fused} activation(s) fused into the layer before them"
             ));
         }
+        self.fuse_concat_convs();
         self.fuse_expand_depthwises();
         // Constants nothing reads any more (folded or packed weights) are dropped.
         for (slot, constant) in self.constants.iter_mut().enumerate() {
@@ -318,7 +320,8 @@ impl OnnxModel {
                 | StepOp::Activation(_)
                 | StepOp::ChannelShuffle(_)
                 | StepOp::ScaledSoftmax(_)
-                | StepOp::ExpandDepthwise(_) => 0,
+                | StepOp::ExpandDepthwise(_)
+                | StepOp::ConcatConvs(_) => 0,
             })
             .sum();
         constants + packed
@@ -770,7 +773,8 @@ impl OnnxModel {
                     | StepOp::Activation(_)
                     | StepOp::ChannelShuffle(_)
                     | StepOp::ScaledSoftmax(_)
-                    | StepOp::ExpandDepthwise(_) => {
+                    | StepOp::ExpandDepthwise(_)
+                    | StepOp::ConcatConvs(_) => {
                         unreachable!("fusable_relu returns int8 layers")
                     }
                 }
@@ -948,6 +952,7 @@ impl OnnxModel {
             StepOp::ChannelShuffle(_) => "ChannelShuffle".into(),
             StepOp::ScaledSoftmax(_) => "ScaledSoftmax".into(),
             StepOp::ExpandDepthwise(_) => "ExpandDepthwise".into(),
+            StepOp::ConcatConvs(_) => "ConcatConvs".into(),
             StepOp::Onnx(ref n) => n.node_type().to_string(),
         };
         step.op = op;

@@ -386,6 +386,7 @@ pub fn conv2d_nhwc_fused_new(
                 pool: false,
                 residual,
                 serial: false,
+                out_stride: None,
             },
         ),
         None => {
@@ -430,6 +431,7 @@ pub fn conv2d_nhwc_fused_from_nchw_new(
                 pool: false,
                 residual: None,
                 serial: false,
+                out_stride: None,
             },
         ),
         None => {
@@ -437,6 +439,47 @@ pub fn conv2d_nhwc_fused_from_nchw_new(
             conv2d_nhwc_fused_new(s, &nhwc, w, None, act)
         }
     }
+}
+
+/// [`conv2d_nhwc_fused_new`] (no residual) into channels `first..first + cout` of `out`,
+/// `[batch, oh, ow, channels]`: a channel concatenation of convolutions written in place
+/// (SqueezeNet's fire modules), no copy after. The other channels are left as they are.
+/// `false` (nothing written) where `w` has no SIMD kernel: the caller concatenates.
+///
+/// # Panics
+/// When `out` is not `batch · oh · ow · channels` long or the channels do not fit.
+pub fn conv2d_nhwc_into_channels(
+    s: &ConvShape,
+    x: &[f32],
+    w: &ConvWeights,
+    act: Option<Activation>,
+    (out, channels, first): (&mut [MaybeUninit<f32>], usize, usize),
+) -> bool {
+    let Some(width) = simd_width(w) else {
+        return false;
+    };
+    check_operands(s, x, w);
+    assert!(
+        first + s.cout <= channels,
+        "channels {first}.. of {channels}"
+    );
+    assert_eq!(
+        out.len(),
+        s.batch * s.out_h() * s.out_w() * channels,
+        "concatenated output length"
+    );
+    let epilogue = Epilogue {
+        act,
+        pool: false,
+        residual: None,
+        serial: false,
+        out_stride: Some(channels),
+    };
+    // SAFETY: `out` holds every pixel's `channels` values; the kernels store only columns
+    // `first..first + cout` of each (masked to the panels' valid columns).
+    let out = out.as_mut_ptr().cast::<f32>().wrapping_add(first);
+    unsafe { conv_simd(s, Input::Nhwc(x), w, width, epilogue, out) };
+    true
 }
 
 /// A convolution's input values and their layout.
@@ -466,6 +509,9 @@ struct Epilogue<'a> {
     residual: Option<&'a [f32]>,
     /// On the calling thread whatever the size: the caller is a task of a split of its own.
     serial: bool,
+    /// Values from one output pixel to the next (`None`: `cout`, the output alone); wider
+    /// when the output is a slice of each pixel's channels ([`conv2d_nhwc_into_channels`]).
+    out_stride: Option<usize>,
 }
 
 impl Epilogue<'_> {
@@ -475,6 +521,7 @@ impl Epilogue<'_> {
             pool: false,
             residual: None,
             serial: false,
+            out_stride: None,
         }
     }
 }
@@ -500,6 +547,7 @@ pub fn conv2d_nhwc_relu_pool2_new(s: &ConvShape, x: &[f32], w: &ConvWeights) -> 
                 pool: true,
                 residual: None,
                 serial: false,
+                out_stride: None,
             },
         ),
         None => {
@@ -573,6 +621,7 @@ unsafe fn conv_simd(
         pool,
         residual,
         serial,
+        out_stride,
     } = epilogue;
     if let Some(r) = residual {
         assert!(!pool, "a pooled convolution takes no residual");
@@ -612,6 +661,7 @@ unsafe fn conv_simd(
         after,
         pool,
         residual,
+        out_stride: out_stride.unwrap_or(cout),
     };
     // Work items: (block of rows, panel), row-block-major, so one task's consecutive items
     // reuse the block's input from cache across panels. Few rows (deep layers at batch 1)
@@ -707,6 +757,7 @@ pub(crate) fn linear_rows_serial_into(
         pool: false,
         residual: None,
         serial: true,
+        out_stride: None,
     };
     // SAFETY: `out` holds the output's values and is borrowed uniquely.
     unsafe { conv_simd(&s, Input::Nhwc(x), w, width, epilogue, out.as_mut_ptr()) };
@@ -975,6 +1026,8 @@ struct Operands<'a> {
     pool: bool,
     /// Added to the output before the ReLU (the output's layout).
     residual: Option<&'a [f32]>,
+    /// Values from one output pixel to the next.
+    out_stride: usize,
 }
 
 impl Operands<'_> {
@@ -1018,18 +1071,19 @@ impl Operands<'_> {
                 clamp: self.clamp,
                 after: self.after,
                 cols: (cout - col0).min(self.width),
-                out_stride: cout,
+                out_stride: self.out_stride,
                 pool: self.pool,
                 residual: self.residual.map_or(std::ptr::null(), |r| {
                     r[start / group * cout + col0..].as_ptr()
                 }),
             };
-            // SAFETY: the caller's contract; row r of the rectangle starts at (r·cout + col0).
+            // SAFETY: the caller's contract; row r of the rectangle starts at
+            // (r·out_stride + col0).
             unsafe {
                 tile.run(
                     self.weights.kernel,
                     &self.bases[start..end],
-                    out.add(start / group * cout + col0),
+                    out.add(start / group * self.out_stride + col0),
                 )
             };
             start = end;

@@ -32,7 +32,7 @@ use crate::kernels::activation::{Activation, activate, erf_in_place};
 use crate::kernels::conv::ConvShape;
 use crate::kernels::expand_depthwise::ExpandDepthwise;
 use crate::kernels::implicit::{
-    ConvWeights, conv2d_nhwc_fused_from_nchw_new, conv2d_nhwc_fused_new,
+    ConvWeights, conv2d_nhwc_fused_from_nchw_new, conv2d_nhwc_fused_new, conv2d_nhwc_into_channels,
     conv2d_nhwc_relu_pool2_new, linear_rows_residual_new,
 };
 use crate::kernels::layer_norm::layer_norm_rows;
@@ -433,6 +433,63 @@ pub(super) fn expand_depthwise(
     // The input's last reader is done with it.
     take(ins, 0);
     Some(Ok(vec![Slot::Image(Image::new(out, out_dims))]))
+}
+
+/// Convolutions `layers` (their inputs `counts[i]` of `ins` each, in turn) and the channel
+/// Concat of their outputs (fused at load, `fuse_concat_convs`): each writes its channels of
+/// the concatenated image in place, so the Concat copies nothing. `None` (inputs untouched)
+/// where that path does not take them: the caller runs the layers and the Concat.
+pub(super) fn concat_convs(
+    layers: &[HostStep],
+    counts: &[usize],
+    ins: &mut [Option<Slot>],
+) -> Option<Result<Vec<Slot>, OnnxError>> {
+    let mut plans = Vec::with_capacity(layers.len());
+    let (mut first, mut channels, mut pixels) = (0, 0, None);
+    for (layer, &count) in layers.iter().zip(counts) {
+        let Some(Some(Slot::Image(x))) = ins.get(first) else {
+            return None;
+        };
+        let Node::Conv2d(n) = layer.node else {
+            return None;
+        };
+        let window = node_window(layer.node).ok()?;
+        let mine = &ins[first..first + count];
+        let Some(Packed::Conv(PackedConv::Dense(weights))) = layer
+            .cache
+            .get_or_init(|| pack_conv(layer, mine, n.config.groups).map(Packed::Conv))
+        else {
+            return None;
+        };
+        // A shape error is the layer's own to report, run apart.
+        let (win, [n, oh, ow, cout]) = conv_window(x.dims, dense_io(weights), &window).ok()?;
+        if weights.kernel().panel_width().is_none() || pixels.is_some_and(|p| p != [n, oh, ow]) {
+            return None;
+        }
+        pixels = Some([n, oh, ow]);
+        plans.push((first, dense_shape(&win, cout), weights, layer.act));
+        channels += cout;
+        first += count;
+    }
+    let [n, oh, ow] = pixels?;
+    let _op = tracing::trace_span!("kiln.concat_convs", output = ?[n, oh, ow, channels]).entered();
+    let out = crate::kernels::filled(n * oh * ow * channels, |out| {
+        let mut offset = 0;
+        for (at, shape, weights, act) in &plans {
+            if let Some(Some(Slot::Image(x))) = ins.get(*at) {
+                // Every layer's kernel was checked above: each writes its channels.
+                conv2d_nhwc_into_channels(shape, &x.data, weights, *act, (out, channels, offset));
+            }
+            offset += shape.cout;
+        }
+    });
+    for (at, ..) in &plans {
+        take(ins, *at);
+    }
+    Some(Ok(vec![Slot::Image(Image::new(
+        out,
+        [n, oh, ow, channels],
+    ))]))
 }
 
 /// An int8 convolution (the int8 pass's) of an image, its output left channels-last;
