@@ -408,6 +408,36 @@ fn relu6_clips_fuse_into_convolutions() {
     );
 }
 
+/// Where the expanded image outgrows the cache (MobileNet v2's test model at batch 32: 1.5 MB
+/// after its first 1×1 layer) the pair runs fused on the host, and the outputs match every
+/// node run on Burn's operators (the layers apart, NCHW).
+#[test]
+fn large_expanded_images_run_fused_and_match_burns_operators() {
+    let dir = models_dir();
+    let load = |kiln_kernels: bool| {
+        OnnxModel::load(&dir.join("mobilenet_v2.onnx"), &Device::default())
+            .unwrap()
+            .with_kiln_kernels(kiln_kernels)
+    };
+    let batch = 32;
+    let values: Vec<f32> = (0..batch * 3 * 32 * 32)
+        .map(|i| (i * 7919 % 1000) as f32 / 500.0 - 1.0)
+        .collect();
+    let input = || vec![TensorData::new(values.clone(), [batch, 3, 32, 32])];
+    let before = kiln::kernels::expand_depthwise::fused_calls();
+    let ours = load(true).run_data(input()).unwrap().remove(0);
+    assert!(
+        kiln::kernels::expand_depthwise::fused_calls() > before,
+        "no pair ran fused"
+    );
+    let theirs = load(false).run_data(input()).unwrap().remove(0);
+    let err = relative_error(
+        &ours.convert::<f32>().try_to_vec::<f32>().unwrap(),
+        &theirs.convert::<f32>().try_to_vec::<f32>().unwrap(),
+    );
+    assert!(err <= TOLERANCE, "fused vs Burn's operators: {err:.2e}");
+}
+
 /// SqueezeNet's fire modules end in a Concat of two convolutions: each writes its channels
 /// of the concatenated image (no copy after), so no Concat runs alone; the `squeezenet` test
 /// checks the outputs against ONNX Runtime with and without Kiln's kernels, and

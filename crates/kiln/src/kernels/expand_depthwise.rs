@@ -12,6 +12,8 @@
 //! The values are the unfused layers' to the bit: the same kernels compute each output from
 //! the same inputs in the same order.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use rayon::prelude::*;
 
 use super::activation::Activation;
@@ -21,6 +23,13 @@ use super::nhwc::{DepthwiseWeights, Window2d, depthwise_output_row};
 /// Bytes of expanded rows a task keeps in its scratch buffer: well inside L2 (1–2 MB per
 /// core on the CPUs measured), with room for the input rows and the output.
 const SCRATCH_BYTES: usize = 256 << 10;
+
+/// Bytes of the expanded image below which the two layers run apart: it stays in cache
+/// between them, and the pair would only add the rows its chunks share. Measured at batch 1
+/// (two threads, alternated medians, BENCHMARKS.md run 44): fused, ShuffleNet v2 (expanded
+/// images of 0.2–0.4 MB) and MobileNet v3 small (0.3–0.9 MB) ran 4% slower, MobileNet v2's
+/// 1.8 and 4.8 MB images 25% faster per layer pair.
+const EXPANDED_MIN_BYTES: usize = 1 << 20;
 
 /// Row chunks per thread when a call splits: enough that an uneven share evens out, few
 /// enough that the rows recomputed where two chunks meet stay a small part.
@@ -47,15 +56,30 @@ pub struct ExpandDepthwise<'a> {
 
 /// `depthwise(act(pointwise(x)))` of `x` `[batch, h, w, cin]` over `win` (the depthwise
 /// layer's window over the expanded image `[batch, h, w, expanded]`), output
-/// `[batch, oh, ow, expanded]`. `None` where the pointwise weights have no SIMD kernel, or
-/// where the pool's threads would not all get a chunk of rows long enough (a small image at
-/// batch 1: the two layers apart split better): the caller runs the two layers apart.
+/// `[batch, oh, ow, expanded]`. `None` where the pointwise weights have no SIMD kernel, where
+/// the expanded image is small enough to stay in cache between the layers, or where the
+/// pool's threads would not all get a chunk of rows long enough (a small image at batch 1:
+/// the two layers apart split better): the caller runs the two layers apart.
 ///
 /// # Panics
 /// When the shapes disagree (the caller checks them against the model first).
 pub fn expand_depthwise(x: &[f32], win: &Window2d, layers: &ExpandDepthwise) -> Option<Vec<f32>> {
-    expand_depthwise_banded(x, win, layers, SCRATCH_BYTES)
+    let [n, h, w, expanded] = win.dims;
+    if n * h * w * expanded * 4 < EXPANDED_MIN_BYTES {
+        return None;
+    }
+    let out = expand_depthwise_banded(x, win, layers, SCRATCH_BYTES)?;
+    FUSED_CALLS.fetch_add(1, Ordering::Relaxed);
+    Some(out)
 }
+
+/// Calls of [`expand_depthwise`] that ran fused, in this process so far: tests check the
+/// fused path ran where it should.
+pub fn fused_calls() -> usize {
+    FUSED_CALLS.load(Ordering::Relaxed)
+}
+
+static FUSED_CALLS: AtomicUsize = AtomicUsize::new(0);
 
 /// [`expand_depthwise`] with a scratch budget of `scratch_bytes` (tests force many bands).
 pub(crate) fn expand_depthwise_banded(
