@@ -425,10 +425,18 @@ fn large_expanded_images_run_fused_and_match_burns_operators() {
         .collect();
     let input = || vec![TensorData::new(values.clone(), [batch, 3, 32, 32])];
     let before = kiln::kernels::expand_depthwise::fused_calls();
-    let ours = load(true).run_data(input()).unwrap().remove(0);
+    let fused = load(true);
+    let ours = fused.run_data(input()).unwrap().remove(0);
     assert!(
         kiln::kernels::expand_depthwise::fused_calls() > before,
         "no pair ran fused"
+    );
+    // Both layers of every pair count as packed (the pairs' layers are most of the model's).
+    let (pairs, convs) = (fused.op_counts(), count_convs(&fused));
+    assert!(
+        fused.packed_layers() >= convs,
+        "{} packed of {convs} convolutions: {pairs:?}",
+        fused.packed_layers()
     );
     let theirs = load(false).run_data(input()).unwrap().remove(0);
     let err = relative_error(
@@ -436,6 +444,15 @@ fn large_expanded_images_run_fused_and_match_burns_operators() {
         &theirs.convert::<f32>().try_to_vec::<f32>().unwrap(),
     );
     assert!(err <= TOLERANCE, "fused vs Burn's operators: {err:.2e}");
+}
+
+/// The convolutions of `model`, those inside fused steps included (by their names).
+fn count_convs(model: &OnnxModel) -> usize {
+    model
+        .op_counts()
+        .iter()
+        .map(|(op, n)| op.matches("Conv2d").count() * n)
+        .sum()
 }
 
 /// SqueezeNet's fire modules end in a Concat of two convolutions: each writes its channels

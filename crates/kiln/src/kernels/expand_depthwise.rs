@@ -132,7 +132,8 @@ pub(crate) fn expand_depthwise_banded(
         1
     };
     let chunk_rows = oh.div_ceil(per_image);
-    let kernel = F32Kernel::detect();
+    // The depthwise rows on the instruction set the 1×1 layer was packed for.
+    let kernel = layers.pointwise.kernel();
     let run = |image: usize, c: usize, chunk: &mut [f32]| {
         band.run_chunk(kernel, x, layers, image, c * chunk_rows, chunk);
     };
@@ -297,11 +298,11 @@ impl Band {
 mod tests {
     use super::*;
     use crate::kernels::implicit::linear_rows_new;
-    use crate::kernels::nhwc::depthwise_conv2d;
+    use crate::kernels::nhwc::depthwise_conv2d_on;
 
     /// The fused pass against the two layers run apart (`linear_rows_new`, then
-    /// `depthwise_conv2d`): the same values to the bit, over band sizes from one output row
-    /// to the whole image and over the pool's splits.
+    /// `depthwise_conv2d_on`): the same values to the bit, on every SIMD kernel this CPU runs,
+    /// over band sizes from one output row to the whole image and over the pool's splits.
     #[test]
     fn matches_the_two_layers_apart() {
         let cases = [
@@ -389,48 +390,53 @@ mod tests {
                 .map(|i| ((i * 7 % 23) as f32 - 11.0) * 0.05)
                 .collect();
             let bd: Vec<f32> = (0..cexp).map(|i| (i % 3) as f32 * 0.1).collect();
-            let pointwise = ConvWeights::pack([cexp, cin, 1, 1], &wp, Some(&bp));
-            let depthwise = DepthwiseWeights::pack(cexp, [k, k], &wd, Some(&bd));
-            let win = Window2d {
-                dims: [n, h, w, cexp],
-                kernel: [k, k],
-                stride: [stride, stride],
-                dilation: [1, 1],
-                pads: [(pad, pad); 2],
-                ceil_mode: false,
-            };
-            // A 1×1 convolution is a linear layer over the pixels.
-            let expanded = linear_rows_new(n * h * w, &x, &pointwise, pact);
-            let want = depthwise_conv2d(&expanded, &win, &depthwise, dact);
-            let layers = ExpandDepthwise {
-                pointwise: &pointwise,
-                pointwise_act: pact,
-                depthwise: &depthwise,
-                depthwise_act: dact,
-            };
-            let row_bytes = w * cexp * 4;
-            for rows in [1, 2, 3, 5, h + 4] {
-                let budget = rows * row_bytes;
-                let serial = one.install(|| expand_depthwise_banded(&x, &win, &layers, budget));
-                let split = pool.install(|| expand_depthwise_banded(&x, &win, &layers, budget));
-                for (got, how) in [(serial, "serial"), (split, "split")] {
-                    // Split: declined where the threads would not all get a long chunk.
-                    let Some(got) = got else {
-                        assert_eq!(how, "split", "a SIMD kernel on x86-64");
-                        continue;
-                    };
-                    split_runs += usize::from(how == "split");
-                    assert_eq!(got.len(), want.len(), "{how} length, case {n}x{h}x{w}");
-                    let worst = got
-                        .iter()
-                        .zip(&want)
-                        .map(|(a, b)| (a - b).abs())
-                        .fold(0f32, f32::max);
-                    assert!(
-                        worst == 0.0,
-                        "{how}, {rows}-row budget, case {n}x{h}x{w}x{cin}→{cexp} k{k}/{stride}: \
-                         max diff {worst}"
-                    );
+            for kernel in F32Kernel::all_supported() {
+                if kernel.panel_width().is_none() {
+                    continue;
+                }
+                let pointwise = ConvWeights::pack_for(kernel, [cexp, cin, 1, 1], &wp, Some(&bp));
+                let depthwise = DepthwiseWeights::pack(cexp, [k, k], &wd, Some(&bd));
+                let win = Window2d {
+                    dims: [n, h, w, cexp],
+                    kernel: [k, k],
+                    stride: [stride, stride],
+                    dilation: [1, 1],
+                    pads: [(pad, pad); 2],
+                    ceil_mode: false,
+                };
+                // A 1×1 convolution is a linear layer over the pixels.
+                let expanded = linear_rows_new(n * h * w, &x, &pointwise, pact);
+                let want = depthwise_conv2d_on(kernel, &expanded, &win, &depthwise, dact);
+                let layers = ExpandDepthwise {
+                    pointwise: &pointwise,
+                    pointwise_act: pact,
+                    depthwise: &depthwise,
+                    depthwise_act: dact,
+                };
+                let row_bytes = w * cexp * 4;
+                for rows in [1, 2, 3, 5, h + 4] {
+                    let budget = rows * row_bytes;
+                    let serial = one.install(|| expand_depthwise_banded(&x, &win, &layers, budget));
+                    let split = pool.install(|| expand_depthwise_banded(&x, &win, &layers, budget));
+                    for (got, how) in [(serial, "serial"), (split, "split")] {
+                        // Split: declined where the threads would not all get a long chunk.
+                        let Some(got) = got else {
+                            assert_eq!(how, "split", "a SIMD kernel on x86-64");
+                            continue;
+                        };
+                        split_runs += usize::from(how == "split");
+                        assert_eq!(got.len(), want.len(), "{how} length, case {n}x{h}x{w}");
+                        let worst = got
+                            .iter()
+                            .zip(&want)
+                            .map(|(a, b)| (a - b).abs())
+                            .fold(0f32, f32::max);
+                        assert!(
+                            worst == 0.0,
+                            "{how} {kernel:?}, {rows}-row budget, case {n}x{h}x{w}x{cin}→{cexp} \
+                         k{k}/{stride}: max diff {worst}"
+                        );
+                    }
                 }
             }
         }

@@ -140,6 +140,15 @@ impl Step {
         }
     }
 
+    /// The layers the step runs: those a fused step keeps, or the step itself.
+    fn layers(&self) -> Vec<&Step> {
+        match &self.op {
+            StepOp::ExpandDepthwise(pair) => pair.iter().collect(),
+            StepOp::ConcatConvs(fused) => fused.layers.iter().collect(),
+            _ => vec![self],
+        }
+    }
+
     /// A step fused at load from others, made by the returned function from its operator
     /// (which may take `last` in): over `inputs`, writing what `last` (the step it replaces
     /// last in the graph) wrote, under its name; nothing fused after it.
@@ -307,6 +316,7 @@ impl OnnxModel {
     pub fn packed_layers(&self) -> usize {
         self.steps
             .iter()
+            .flat_map(Step::layers)
             .filter(|s| s.packed.get().is_some_and(Option::is_some))
             .count()
     }

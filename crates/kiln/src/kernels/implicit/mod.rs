@@ -623,6 +623,11 @@ unsafe fn conv_simd(
         serial,
         out_stride,
     } = epilogue;
+    // A residual is read with the output's stride from where the output's row starts.
+    assert!(
+        residual.is_none() || out_stride.is_none(),
+        "a convolution into a channel slice takes no residual"
+    );
     if let Some(r) = residual {
         assert!(!pool, "a pooled convolution takes no residual");
         assert_eq!(r.len(), s.output_len(), "conv2d residual length");

@@ -513,9 +513,10 @@ fn an_nchw_input_is_read_as_it_is_padded() {
 }
 
 /// Convolutions written into their channels of one concatenated image
-/// (`conv2d_nhwc_into_channels`) equal each convolution alone, concatenated: a 1×1 and a
-/// padded 3×3 over one input (SqueezeNet's fire module), widths off the panel size, each with
-/// its own activation (in the store, and after it).
+/// (`conv2d_nhwc_into_channels`) equal each convolution alone, concatenated, on every SIMD
+/// kernel this CPU runs: a 1×1 and a padded 3×3 over one input (SqueezeNet's fire module),
+/// widths off the panel size, each with its own activation (in the store, and after it).
+/// The portable kernel declines (the caller concatenates).
 #[test]
 fn convolutions_write_their_channels_of_a_concatenation() {
     let (batch, cin, side) = (2, 12, 9);
@@ -527,40 +528,50 @@ fn convolutions_write_their_channels_of_a_concatenation() {
         (16, 3, 1, None),
     ];
     let channels: usize = layers.iter().map(|l| l.0).sum();
-    let mut want = vec![0f32; batch * side * side * channels];
-    let mut first = 0;
-    let mut packed = Vec::new();
-    for (i, &(cout, k, pad, act)) in layers.iter().enumerate() {
-        let s = shape(
-            batch,
-            cin,
-            [side, side],
-            cout,
-            [k, k],
-            [1, 1],
-            [(pad, pad); 2],
-            [1, 1],
-        );
-        let w = values(s.weight_len(), 10 + i as u64);
-        let b = values(cout, 20 + i as u64);
-        let weights = ConvWeights::pack([cout, cin, k, k], &w, Some(&b));
-        let alone = conv2d_nhwc_fused_new(&s, &x, &weights, None, act);
-        for (px, values) in alone.chunks_exact(cout).enumerate() {
-            want[px * channels + first..][..cout].copy_from_slice(values);
+    for kernel in F32Kernel::all_supported() {
+        let mut want = vec![0f32; batch * side * side * channels];
+        let mut first = 0;
+        let mut packed = Vec::new();
+        for (i, &(cout, k, pad, act)) in layers.iter().enumerate() {
+            let s = shape(
+                batch,
+                cin,
+                [side, side],
+                cout,
+                [k, k],
+                [1, 1],
+                [(pad, pad); 2],
+                [1, 1],
+            );
+            let w = values(s.weight_len(), 10 + i as u64);
+            let b = values(cout, 20 + i as u64);
+            let weights = ConvWeights::pack_for(kernel, [cout, cin, k, k], &w, Some(&b));
+            let alone = conv2d_nhwc_fused_new(&s, &x, &weights, None, act);
+            for (px, values) in alone.chunks_exact(cout).enumerate() {
+                want[px * channels + first..][..cout].copy_from_slice(values);
+            }
+            packed.push((s, weights, act, first));
+            first += cout;
         }
-        packed.push((s, weights, act, first));
-        first += cout;
+        if kernel == F32Kernel::Portable {
+            let (s, weights, act, first) = &packed[0];
+            let mut out = vec![std::mem::MaybeUninit::new(0f32); want.len()];
+            let wrote =
+                conv2d_nhwc_into_channels(s, &x, weights, *act, (&mut out, channels, *first));
+            assert!(!wrote, "the portable kernel declines");
+            continue;
+        }
+        let got = crate::kernels::filled(want.len(), |out| {
+            for (s, weights, act, first) in &packed {
+                assert!(conv2d_nhwc_into_channels(
+                    s,
+                    &x,
+                    weights,
+                    *act,
+                    (out, channels, *first)
+                ));
+            }
+        });
+        assert_eq!(got, want, "{kernel:?}");
     }
-    let got = crate::kernels::filled(want.len(), |out| {
-        for (s, weights, act, first) in &packed {
-            assert!(conv2d_nhwc_into_channels(
-                s,
-                &x,
-                weights,
-                *act,
-                (out, channels, *first)
-            ));
-        }
-    });
-    assert_eq!(got, want);
 }
