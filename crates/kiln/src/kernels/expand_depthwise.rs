@@ -368,6 +368,9 @@ mod tests {
                 Some(Activation::Clip(0.0, 6.0)),
             ),
             (1, 6, 6, 4, 16, 3, 1, 0, Some(Activation::Relu), None),
+            // Dilated (DeepLab's MobileNet backbones): the kernel spans 5 and 7 rows.
+            (2, 13, 12, 8, 32, 3, 1, 2, Some(Activation::Relu), None),
+            (1, 15, 11, 6, 24, 3, 2, 3, None, Some(Activation::Relu)),
         ];
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(3)
@@ -379,6 +382,8 @@ mod tests {
             .expect("a pool");
         let mut split_runs = 0;
         for (n, h, w, cin, cexp, k, stride, pad, pact, dact) in cases {
+            // Padding past the kernel's half is a dilated kernel's "same" padding.
+            let dilation = (pad / (k / 2)).max(1);
             let x: Vec<f32> = (0..n * h * w * cin)
                 .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.02)
                 .collect();
@@ -400,7 +405,7 @@ mod tests {
                     dims: [n, h, w, cexp],
                     kernel: [k, k],
                     stride: [stride, stride],
-                    dilation: [1, 1],
+                    dilation: [dilation, dilation],
                     pads: [(pad, pad); 2],
                     ceil_mode: false,
                 };
