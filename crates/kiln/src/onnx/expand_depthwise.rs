@@ -93,8 +93,10 @@ impl OnnxModel {
             return None;
         };
         let c = &c.config;
-        let unpadded = matches!(c.padding, PaddingConfig2d::Valid)
-            || matches!(c.padding, PaddingConfig2d::Explicit(0, 0, 0, 0));
+        let unpadded = matches!(
+            c.padding,
+            PaddingConfig2d::Valid | PaddingConfig2d::Explicit(0, 0, 0, 0)
+        );
         let pw_fits = c.groups == 1
             && c.kernel_size == [1, 1]
             && c.stride == [1, 1]

@@ -388,7 +388,6 @@ pub(super) fn expand_depthwise(
     let (Node::Conv2d(pn), Node::Conv2d(dn)) = (pw.node, dw.node) else {
         return None;
     };
-    let x_dims = x.dims;
     let Some(Packed::Conv(PackedConv::Dense(pointwise))) = pw
         .cache
         .get_or_init(|| pack_conv(pw, &ins[..split], pn.config.groups).map(Packed::Conv))
@@ -407,10 +406,10 @@ pub(super) fn expand_depthwise(
     };
     let [expanded, cin, ..] = pointwise.dims();
     let window = node_window(dw.node).ok()?;
-    if x_dims[3] != cin || depthwise.channels() != expanded {
+    if x.dims[3] != cin || depthwise.channels() != expanded {
         return None;
     }
-    let [n, h, w, _] = x_dims;
+    let [n, h, w, _] = x.dims;
     let (win, out_dims) = match conv_window(
         [n, h, w, expanded],
         (expanded, depthwise.kernel(), expanded),
@@ -418,9 +417,6 @@ pub(super) fn expand_depthwise(
     ) {
         Ok(fit) => fit,
         Err(e) => return Some(Err(e)),
-    };
-    let Some(Some(Slot::Image(x))) = ins.first() else {
-        return None;
     };
     let _op = tracing::trace_span!("kiln.expand_depthwise", input = ?x.dims, expanded).entered();
     let layers = ExpandDepthwise {
@@ -445,6 +441,8 @@ pub(super) fn concat_convs(
     ins: &mut [Option<Slot>],
 ) -> Option<Result<Vec<Slot>, OnnxError>> {
     let mut plans = Vec::with_capacity(layers.len());
+    // Where each layer's image input is in `ins`, taken once all have run.
+    let mut inputs = Vec::with_capacity(layers.len());
     let (mut first, mut channels, mut pixels) = (0, 0, None);
     for (layer, &count) in layers.iter().zip(counts) {
         let Some(Some(Slot::Image(x))) = ins.get(first) else {
@@ -467,7 +465,8 @@ pub(super) fn concat_convs(
             return None;
         }
         pixels = Some([n, oh, ow]);
-        plans.push((first, dense_shape(&win, cout), weights, layer.act));
+        plans.push((&x.data[..], dense_shape(&win, cout), weights, layer.act));
+        inputs.push(first);
         channels += cout;
         first += count;
     }
@@ -475,16 +474,15 @@ pub(super) fn concat_convs(
     let _op = tracing::trace_span!("kiln.concat_convs", output = ?[n, oh, ow, channels]).entered();
     let out = crate::kernels::filled(n * oh * ow * channels, |out| {
         let mut offset = 0;
-        for (at, shape, weights, act) in &plans {
-            if let Some(Some(Slot::Image(x))) = ins.get(*at) {
-                // Every layer's kernel was checked above: each writes its channels.
-                conv2d_nhwc_into_channels(shape, &x.data, weights, *act, (out, channels, offset));
-            }
+        for (x, shape, weights, act) in &plans {
+            // Every layer's kernel was checked above: each writes its channels.
+            conv2d_nhwc_into_channels(shape, x, weights, *act, (out, channels, offset));
             offset += shape.cout;
         }
     });
-    for (at, ..) in &plans {
-        take(ins, *at);
+    drop(plans);
+    for at in inputs {
+        take(ins, at);
     }
     Some(Ok(vec![Slot::Image(Image::new(
         out,
