@@ -8,10 +8,15 @@
 
 mod support;
 
+// The CLI's allocator, so outputs allocated per call (as in a model) cost what they do there.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use support::time;
 
+use kiln::kernels::activation::Activation;
 use kiln::kernels::conv::{conv2d_nhwc_forward, pack_weight_for_nhwc};
-use kiln::kernels::implicit::{ConvWeights, F32Kernel, conv2d_nhwc};
+use kiln::kernels::implicit::{ConvWeights, F32Kernel, conv2d_nhwc, conv2d_nhwc_fused_new};
 
 fn main() {
     let (threads, pool) = support::pool_from_args();
@@ -107,6 +112,30 @@ fn main() {
                 resnet18_ms[1 + i] += ms * resnet18_count(name);
             }
             println!("{line}");
+            if name == "R50 1x1 64→256 56²" {
+                // As in the model: the block's residual added and ReLU in the store, into a
+                // fresh output per call.
+                let packed = ConvWeights::pack([cout, cin, k, k], &w, Some(&bias));
+                let res: Vec<f32> = (0..s.output_len()).map(|i| (i % 3) as f32).collect();
+                let ms = time(
+                    || {
+                        std::hint::black_box(conv2d_nhwc_fused_new(
+                            &s,
+                            &x,
+                            &packed,
+                            Some(&res),
+                            Some(Activation::Relu),
+                        ));
+                    },
+                    iters,
+                );
+                println!(
+                    "{:22} {} {}",
+                    "  + residual, ReLU",
+                    packed.kernel().name(),
+                    rate(ms)
+                );
+            }
         }
     });
     let mut total = format!("ResNet-18 b{rb} convs, ms: gemm {:.2}", resnet18_ms[0]);

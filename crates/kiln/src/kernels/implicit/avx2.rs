@@ -5,7 +5,7 @@ use std::arch::x86_64::*;
 use super::avx2_dims::{COLS, ROWS};
 use crate::kernels::activation::{Activation, activate8};
 
-use super::{PREFETCH_STEPS, Tile, tile_rows, walk_tiles};
+use super::{PREFETCH_STEPS, Tile, prefetch_tile_outputs, tile_rows, walk_tiles};
 
 /// Lanes per register.
 const LANES: usize = 8;
@@ -61,6 +61,9 @@ unsafe fn block<const R: usize>(
     masks: &[__m256i; BLOCKS],
 ) {
     let (image, panel) = (tile.image.as_ptr(), tile.panel.as_ptr());
+    // Pooled tiles store a quarter of their rows.
+    let stored = if tile.pool { R / 4 } else { R };
+    prefetch_tile_outputs(out, res, stored, tile.out_stride, BLOCKS / 2);
     let mut acc = [[_mm256_setzero_ps(); BLOCKS]; R];
     for b in 0..BLOCKS {
         // SAFETY: the bias holds COLS values.

@@ -6,7 +6,7 @@ use std::arch::x86_64::*;
 use super::avx512_dims::{COLS, ROWS};
 use crate::kernels::activation::{Activation, activate16};
 
-use super::{PREFETCH_STEPS, Tile, row_group, tile_rows, walk_tiles};
+use super::{PREFETCH_STEPS, Tile, prefetch_tile_outputs, row_group, tile_rows, walk_tiles};
 
 /// Lanes per register.
 const LANES: usize = 16;
@@ -102,6 +102,9 @@ unsafe fn block<const R: usize, const B: usize>(
     masks: &[__mmask16; B],
 ) {
     let (image, panel) = (tile.image.as_ptr(), tile.panel.as_ptr());
+    // Pooled tiles store a quarter of their rows.
+    let stored = if tile.pool { R / 4 } else { R };
+    prefetch_tile_outputs(out, res, stored, tile.out_stride, B);
     let mut acc = [[_mm512_setzero_ps(); B]; R];
     for b in 0..B {
         // SAFETY: the bias holds COLS values.
