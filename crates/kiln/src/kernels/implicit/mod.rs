@@ -931,6 +931,19 @@ impl Geometry {
         let g = if pool { 2 } else { 1 };
         let (ph, pw) = (self.oh / g, self.ow / g);
         let mut bases = Vec::with_capacity(batch * ph * pw * g * g);
+        if !pool {
+            // One output row's windows step by the stride: a loop the compiler vectorizes
+            // (the general one below, with its window loops, took 3% of MobileNet v3
+            // small's batch-1 run under `perf`).
+            let step = self.stride[1] * self.cin;
+            for n in 0..batch {
+                for oy in 0..self.oh {
+                    let first = self.base(n, oy, 0);
+                    bases.extend((0..self.ow).map(|ox| first + ox * step));
+                }
+            }
+            return bases;
+        }
         for n in 0..batch {
             for py in 0..ph {
                 for px in 0..pw {
