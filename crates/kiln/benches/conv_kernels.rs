@@ -51,6 +51,7 @@ fn main() {
         // The mobile families' wide early layers (EfficientNet-B0, MobileNet v2), where Kiln
         // trailed ONNX Runtime most per layer (BENCHMARKS run 35).
         ("EffNet stem 3x3/2 3→32", rb, 3, 224, 32, 3, 2, 1),
+        ("MNv3 stem 3x3/2 3→16", rb, 3, 224, 16, 3, 2, 1),
         ("EffNet 1x1 32→16 112²", rb, 32, 112, 16, 1, 1, 0),
         ("EffNet 1x1 16→96 112²", rb, 16, 112, 96, 1, 1, 0),
         ("MNv2 1x1 144→24 56²", rb, 144, 56, 24, 1, 1, 0),

@@ -384,7 +384,7 @@ pub fn conv2d_nhwc_fused_new(
             Epilogue {
                 act,
                 pool: false,
-                residual,
+                residual: Residual::from_option(residual),
                 serial: false,
                 out_stride: None,
             },
@@ -398,6 +398,46 @@ pub fn conv2d_nhwc_fused_new(
                 activate(&mut out, act);
             }
             out
+        }
+    }
+}
+
+/// [`conv2d_nhwc_fused_new`] with the residual's own buffer as the output: each value is
+/// read where the sum overwrites it, so the output costs no buffer and no memory traffic of
+/// its own. Why: a ResNet block's last 1×1 layer writes as many values as it reads from its
+/// residual (25.7 MB each for ResNet-50's 56² 64 → 256 layers at batch 8), and a fresh output
+/// is first read from memory for ownership before each line is written; over the residual's
+/// lines, just read, it is not (BENCHMARKS.md run 45). The executor passes the residual here
+/// when the convolution is its last reader.
+pub fn conv2d_nhwc_fused_onto(
+    s: &ConvShape,
+    x: &[f32],
+    w: &ConvWeights,
+    mut residual: Vec<f32>,
+    act: Option<Activation>,
+) -> Vec<f32> {
+    assert_eq!(residual.len(), s.output_len(), "conv2d residual length");
+    match simd_width(w) {
+        Some(width) => {
+            check_operands(s, x, w);
+            let epilogue = Epilogue {
+                act,
+                pool: false,
+                residual: Residual::InOutput,
+                serial: false,
+                out_stride: None,
+            };
+            // SAFETY: `residual` holds the output's `output_len` values and is owned here.
+            unsafe { conv_simd(s, Input::Nhwc(x), w, width, epilogue, residual.as_mut_ptr()) };
+            residual
+        }
+        None => {
+            let out = conv2d_nhwc_new(s, x, w, false);
+            residual.iter_mut().zip(out).for_each(|(r, o)| *r += o);
+            if let Some(act) = act {
+                activate(&mut residual, act);
+            }
+            residual
         }
     }
 }
@@ -429,7 +469,7 @@ pub fn conv2d_nhwc_fused_from_nchw_new(
             Epilogue {
                 act,
                 pool: false,
-                residual: None,
+                residual: Residual::None,
                 serial: false,
                 out_stride: None,
             },
@@ -471,7 +511,7 @@ pub fn conv2d_nhwc_into_channels(
     let epilogue = Epilogue {
         act,
         pool: false,
-        residual: None,
+        residual: Residual::None,
         serial: false,
         out_stride: Some(channels),
     };
@@ -499,6 +539,24 @@ impl<'a> Input<'a> {
     }
 }
 
+/// The residual a convolution adds in its store, in the output's layout.
+#[derive(Clone, Copy)]
+enum Residual<'a> {
+    /// None.
+    None,
+    /// A tensor apart from the output.
+    Apart(&'a [f32]),
+    /// The output buffer's own values, read where they are overwritten
+    /// ([`conv2d_nhwc_fused_onto`]).
+    InOutput,
+}
+
+impl<'a> Residual<'a> {
+    fn from_option(r: Option<&'a [f32]>) -> Self {
+        r.map_or(Residual::None, Residual::Apart)
+    }
+}
+
 /// What the SIMD kernels do between the accumulators and the store.
 #[derive(Clone, Copy)]
 struct Epilogue<'a> {
@@ -506,7 +564,7 @@ struct Epilogue<'a> {
     act: Option<Activation>,
     /// 2×2 max pool after the ReLU ([`conv2d_nhwc_relu_pool2_new`]).
     pool: bool,
-    residual: Option<&'a [f32]>,
+    residual: Residual<'a>,
     /// On the calling thread whatever the size: the caller is a task of a split of its own.
     serial: bool,
     /// Values from one output pixel to the next (`None`: `cout`, the output alone); wider
@@ -519,7 +577,7 @@ impl Epilogue<'_> {
         Epilogue {
             act: relu.then_some(Activation::Relu),
             pool: false,
-            residual: None,
+            residual: Residual::None,
             serial: false,
             out_stride: None,
         }
@@ -545,7 +603,7 @@ pub fn conv2d_nhwc_relu_pool2_new(s: &ConvShape, x: &[f32], w: &ConvWeights) -> 
             Epilogue {
                 act: Some(Activation::Relu),
                 pool: true,
-                residual: None,
+                residual: Residual::None,
                 serial: false,
                 out_stride: None,
             },
@@ -624,12 +682,16 @@ unsafe fn conv_simd(
         out_stride,
     } = epilogue;
     // A residual is read with the output's stride from where the output's row starts.
+    let has_residual = !matches!(residual, Residual::None);
     assert!(
-        residual.is_none() || out_stride.is_none(),
+        !has_residual || out_stride.is_none(),
         "a convolution into a channel slice takes no residual"
     );
-    if let Some(r) = residual {
-        assert!(!pool, "a pooled convolution takes no residual");
+    assert!(
+        !has_residual || !pool,
+        "a pooled convolution takes no residual"
+    );
+    if let Residual::Apart(r) = residual {
         assert_eq!(r.len(), s.output_len(), "conv2d residual length");
     }
     let [cout, cin, kh, kw] = w.dims;
@@ -760,7 +822,7 @@ pub(crate) fn linear_rows_serial_into(
     let epilogue = Epilogue {
         act,
         pool: false,
-        residual: None,
+        residual: Residual::None,
         serial: true,
         out_stride: None,
     };
@@ -1043,7 +1105,7 @@ struct Operands<'a> {
     after: Option<Activation>,
     pool: bool,
     /// Added to the output before the ReLU (the output's layout).
-    residual: Option<&'a [f32]>,
+    residual: Residual<'a>,
     /// Values from one output pixel to the next.
     out_stride: usize,
 }
@@ -1091,9 +1153,13 @@ impl Operands<'_> {
                 cols: (cout - col0).min(self.width),
                 out_stride: self.out_stride,
                 pool: self.pool,
-                residual: self.residual.map_or(std::ptr::null(), |r| {
-                    r[start / group * cout + col0..].as_ptr()
-                }),
+                residual: match self.residual {
+                    Residual::None => std::ptr::null(),
+                    Residual::Apart(r) => r[start / group * cout + col0..].as_ptr(),
+                    // The tile's own output (no residual with a pool or a channel slice, so
+                    // the output's stride is `cout`).
+                    Residual::InOutput => out.wrapping_add(start * cout + col0).cast_const(),
+                },
             };
             // SAFETY: the caller's contract; row r of the rectangle starts at
             // (r·out_stride + col0).

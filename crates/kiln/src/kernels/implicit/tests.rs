@@ -306,6 +306,16 @@ fn the_store_adds_the_residual_and_applies_each_activation() {
                     "{} {s:?} {act:?} residual {with_residual}: {err:.2e}",
                     kernel.name()
                 );
+                if with_residual {
+                    // The sum written over the residual's own buffer.
+                    let onto = conv2d_nhwc_fused_onto(&s, &x, &packed, residual.clone(), act);
+                    let err = relative_error(&onto, &want);
+                    assert!(
+                        err < 1e-5,
+                        "{} {s:?} {act:?} onto the residual: {err:.2e}",
+                        kernel.name()
+                    );
+                }
             }
         }
     }

@@ -32,8 +32,8 @@ use crate::kernels::activation::{Activation, activate, erf_in_place};
 use crate::kernels::conv::ConvShape;
 use crate::kernels::expand_depthwise::ExpandDepthwise;
 use crate::kernels::implicit::{
-    ConvWeights, conv2d_nhwc_fused_from_nchw_new, conv2d_nhwc_fused_new, conv2d_nhwc_into_channels,
-    conv2d_nhwc_relu_pool2_new, linear_rows_residual_new,
+    ConvWeights, conv2d_nhwc_fused_from_nchw_new, conv2d_nhwc_fused_new, conv2d_nhwc_fused_onto,
+    conv2d_nhwc_into_channels, conv2d_nhwc_relu_pool2_new, linear_rows_residual_new,
 };
 use crate::kernels::layer_norm::layer_norm_rows;
 use crate::kernels::nhwc::{
@@ -857,8 +857,18 @@ fn conv(
                 let pooled = Image::new(out, [n, oh / 2, ow / 2, cout]);
                 return Ok(vec![Slot::Image(pooled)]);
             }
-            let residual = in_store.as_ref().map(|r| &r.data[..]);
-            conv2d_nhwc_fused_new(&s, &image.data, weights, residual, act_now)
+            match in_store.map(|r| Arc::try_unwrap(r.data)) {
+                // This convolution is the residual's last reader: its buffer takes the sum.
+                Some(Ok(residual)) => {
+                    conv2d_nhwc_fused_onto(&s, &image.data, weights, residual, act_now)
+                }
+                // Read by a later step too (or no residual): the sum takes a new buffer.
+                residual => {
+                    let shared = residual.and_then(Result::err);
+                    let residual = shared.as_deref().map(|r| &r[..]);
+                    conv2d_nhwc_fused_new(&s, &image.data, weights, residual, act_now)
+                }
+            }
         }
         PackedConv::Depthwise(weights) => {
             let _op = tracing::trace_span!("kiln.depthwise_nhwc", input = ?image.dims).entered();
@@ -1298,6 +1308,69 @@ fn spatial_mean(ins: &mut [Option<Slot>], keepdims: bool) -> Option<Result<Vec<S
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A convolution that is its residual's last reader writes the sum over the residual's
+    /// buffer; one whose residual another step still reads (a shared buffer) leaves that
+    /// residual as it was. Both give the sum a direct loop gives.
+    #[test]
+    fn a_convolution_writes_over_its_residual_only_when_it_reads_it_last() {
+        use onnx_ir::node::padding::{AutoPad, PaddingConfig2d};
+        let device = Device::default();
+        let (n, h, w, cin, cout) = (2, 5, 4, 8, 40);
+        let value = |i: usize, seed: usize| ((i * 37 + seed * 11) % 23) as f32 / 23.0 - 0.5;
+        let x: Vec<f32> = (0..n * h * w * cin).map(|i| value(i, 1)).collect();
+        let weight: Vec<f32> = (0..cout * cin).map(|i| value(i, 2)).collect();
+        let bias: Vec<f32> = (0..cout).map(|i| value(i, 3)).collect();
+        let residual: Vec<f32> = (0..n * h * w * cout).map(|i| value(i, 4)).collect();
+        let want: Vec<f32> = (0..residual.len())
+            .map(|i| {
+                let (px, o) = (i / cout, i % cout);
+                let dot: f32 = (0..cin)
+                    .map(|c| x[px * cin + c] * weight[o * cin + c])
+                    .sum();
+                (dot + bias[o] + residual[i]).max(0.0)
+            })
+            .collect();
+        let packed = PackedConv::Dense(ConvWeights::pack([cout, cin, 1, 1], &weight, Some(&bias)));
+        let window = Window {
+            kernel: [1, 1],
+            stride: [1, 1],
+            dilation: [1, 1],
+            padding: PaddingConfig2d::Valid,
+            auto_pad: AutoPad::NotSet,
+        };
+        let image = |data: Vec<f32>, c: usize| Image::new(data, [n, h, w, c]);
+        let run = |r: Image| {
+            let outs = conv(
+                Slot::Image(image(x.clone(), cin)),
+                &packed,
+                &window,
+                (Some(Activation::Relu), Some(Slot::Image(r))),
+                false,
+                &device,
+            )
+            .unwrap();
+            outs.into_iter().next().unwrap().into_image().unwrap()
+        };
+        let close = |got: &[f32]| got.iter().zip(&want).all(|(g, w)| (g - w).abs() < 1e-5);
+        // Read later too: the step's copy is shared, so the sum takes a new buffer.
+        let shared = image(residual.clone(), cout);
+        let kept = Arc::clone(&shared.data);
+        let out = run(shared);
+        assert!(close(&out.data), "sum beside a shared residual");
+        assert_eq!(&kept[..], &residual[..], "a shared residual was written");
+        assert!(!Arc::ptr_eq(&out.data, &kept));
+        // Its last reader: the sum lands in the residual's own buffer.
+        let last = image(residual.clone(), cout);
+        let buffer = last.data.as_ptr();
+        let out = run(last);
+        assert!(close(&out.data), "sum over the residual");
+        assert_eq!(
+            out.data.as_ptr(),
+            buffer,
+            "the residual's buffer was not reused"
+        );
+    }
 
     #[test]
     fn a_kernel_larger_than_its_padded_input_is_refused_with_the_sizes() {
