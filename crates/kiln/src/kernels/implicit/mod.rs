@@ -793,6 +793,19 @@ pub fn linear_rows_new(
     linear_rows_residual_new(rows, x, w, None, act)
 }
 
+/// [`linear_rows_residual_new`] with the residual's own buffer as the output (see
+/// [`conv2d_nhwc_fused_onto`]): for a transformer's `Add(x, Linear(·))` whose `x` is read
+/// there last.
+pub fn linear_rows_residual_onto(
+    rows: usize,
+    x: &[f32],
+    w: &ConvWeights,
+    residual: Vec<f32>,
+    act: Option<Activation>,
+) -> Vec<f32> {
+    conv2d_nhwc_fused_onto(&linear_shape(rows, w), x, w, residual, act)
+}
+
 /// [`linear_rows_new`] plus `residual` (`rows × outputs`, row-major) added in the store,
 /// before `act`: a transformer's `Add(x, Linear(·))` without a pass over the output after.
 pub fn linear_rows_residual_new(

@@ -190,21 +190,39 @@ fn linear_rows_match_the_f64_reference() {
         let packed = ConvWeights::linear(inputs, outputs, &w, Some(&b));
         let mut out = vec![f32::NAN; rows * outputs];
         linear_rows(rows, &x, &packed, true, &mut out);
-        let want: Vec<f64> = (0..rows * outputs)
-            .map(|i| {
-                let (r, o) = (i / outputs, i % outputs);
-                let dot: f64 = (0..inputs)
-                    .map(|j| x[r * inputs + j] as f64 * w[j * outputs + o] as f64)
-                    .sum();
-                (dot + b[o] as f64).max(0.0)
-            })
-            .collect();
+        // ReLU(x · W + b + residual) in f64.
+        let reference = |residual: Option<&[f32]>| -> Vec<f64> {
+            (0..rows * outputs)
+                .map(|i| {
+                    let (r, o) = (i / outputs, i % outputs);
+                    let dot: f64 = (0..inputs)
+                        .map(|j| x[r * inputs + j] as f64 * w[j * outputs + o] as f64)
+                        .sum();
+                    let add = residual.map_or(0.0, |res| res[i] as f64);
+                    (dot + b[o] as f64 + add).max(0.0)
+                })
+                .collect()
+        };
+        let want = reference(None);
         // Relative to the largest output, as the convolutions (9,216 f32 products summed).
         let err = relative_error(&out, &want);
         assert!(
             err <= 1e-5,
             "[{rows}, {inputs}] · [{inputs}, {outputs}]: error {err:e}"
         );
+        // With a residual: into a new buffer and over the residual's own.
+        let residual = values(rows * outputs, 7);
+        let want = reference(Some(&residual));
+        let act = Some(Activation::Relu);
+        let apart = linear_rows_residual_new(rows, &x, &packed, Some(&residual), act);
+        let onto = linear_rows_residual_onto(rows, &x, &packed, residual.clone(), act);
+        for (got, how) in [(apart, "apart"), (onto, "onto")] {
+            let err = relative_error(&got, &want);
+            assert!(
+                err <= 1e-5,
+                "[{rows}, {inputs}] residual {how}: error {err:e}"
+            );
+        }
     }
 }
 

@@ -34,6 +34,7 @@ use crate::kernels::expand_depthwise::ExpandDepthwise;
 use crate::kernels::implicit::{
     ConvWeights, conv2d_nhwc_fused_from_nchw_new, conv2d_nhwc_fused_new, conv2d_nhwc_fused_onto,
     conv2d_nhwc_into_channels, conv2d_nhwc_relu_pool2_new, linear_rows_residual_new,
+    linear_rows_residual_onto,
 };
 use crate::kernels::layer_norm::layer_norm_rows;
 use crate::kernels::nhwc::{
@@ -687,8 +688,15 @@ fn linear(
     };
     let act_now = step.act.filter(|_| after.is_none());
     let _op = tracing::trace_span!("kiln.linear_rows", rows, inputs, outputs).entered();
-    let residual = in_store.as_ref().map(|r| &r[..]);
-    let out = linear_rows_residual_new(rows, &x.data, weights, residual, act_now);
+    let out = match in_store.map(Arc::try_unwrap) {
+        // The layer is the residual's last reader: its buffer takes the sum.
+        Some(Ok(residual)) => linear_rows_residual_onto(rows, &x.data, weights, residual, act_now),
+        residual => {
+            let shared = residual.and_then(Result::err);
+            let residual = shared.as_deref().map(|r| &r[..]);
+            linear_rows_residual_new(rows, &x.data, weights, residual, act_now)
+        }
+    };
     let out = Slot::Rows(Rows::new(out, dims));
     Some(match after {
         None => Ok(vec![out]),
