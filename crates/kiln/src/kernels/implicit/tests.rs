@@ -49,6 +49,29 @@ fn reference_grouped(
     out
 }
 
+/// A square image under a square kernel, the same stride and padding on both axes, no
+/// dilation.
+fn square(
+    batch: usize,
+    cin: usize,
+    side: usize,
+    cout: usize,
+    k: usize,
+    stride: usize,
+    pad: usize,
+) -> ConvShape {
+    shape(
+        batch,
+        cin,
+        [side, side],
+        cout,
+        [k, k],
+        [stride, stride],
+        [(pad, pad); 2],
+        [1, 1],
+    )
+}
+
 #[allow(clippy::too_many_arguments)]
 fn shape(
     batch: usize,
@@ -353,16 +376,7 @@ fn grouped_convolutions_match_a_direct_loop() {
         (1, 24, 6, 24, 3, 1, 1, 0),
     ];
     for (batch, cin, side, cout, groups, k, stride, pad) in cases {
-        let s = shape(
-            batch,
-            cin,
-            [side, side],
-            cout,
-            [k, k],
-            [stride, stride],
-            [(pad, pad); 2],
-            [1, 1],
-        );
+        let s = square(batch, cin, side, cout, k, stride, pad);
         let cg = cin / groups;
         let x = values(s.input_len(), 8);
         let w = values(cout * cg * k * k, 9);
@@ -561,16 +575,7 @@ fn convolutions_write_their_channels_of_a_concatenation() {
         let mut first = 0;
         let mut packed = Vec::new();
         for (i, &(cout, k, pad, act)) in layers.iter().enumerate() {
-            let s = shape(
-                batch,
-                cin,
-                [side, side],
-                cout,
-                [k, k],
-                [1, 1],
-                [(pad, pad); 2],
-                [1, 1],
-            );
+            let s = square(batch, cin, side, cout, k, 1, pad);
             let w = values(s.weight_len(), 10 + i as u64);
             let b = values(cout, 20 + i as u64);
             let weights = ConvWeights::pack_for(kernel, [cout, cin, k, k], &w, Some(&b));
