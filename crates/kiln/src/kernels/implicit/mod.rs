@@ -1003,14 +1003,12 @@ impl Geometry {
     /// `(2py, 2px)`, `(2py, 2px+1)`, `(2py+1, 2px)`, `(2py+1, 2px+1)` (an odd last row or
     /// column dropped).
     fn bases(&self, batch: usize, pool: bool) -> Vec<usize> {
-        let g = if pool { 2 } else { 1 };
-        let (ph, pw) = (self.oh / g, self.ow / g);
-        let mut bases = Vec::with_capacity(batch * ph * pw * g * g);
         if !pool {
             // One output row's windows step by the stride: a loop the compiler vectorizes
-            // (the general one below, with its window loops, took 3% of MobileNet v3
-            // small's batch-1 run under `perf`).
+            // (the window loops below took 3% of MobileNet v3 small's batch-1 run under
+            // `perf` when unpooled rows went through them too).
             let step = self.stride[1] * self.cin;
+            let mut bases = Vec::with_capacity(batch * self.oh * self.ow);
             for n in 0..batch {
                 for oy in 0..self.oh {
                     let first = self.base(n, oy, 0);
@@ -1019,12 +1017,14 @@ impl Geometry {
             }
             return bases;
         }
+        let (ph, pw) = (self.oh / 2, self.ow / 2);
+        let mut bases = Vec::with_capacity(batch * ph * pw * 4);
         for n in 0..batch {
             for py in 0..ph {
                 for px in 0..pw {
-                    for dy in 0..g {
-                        for dx in 0..g {
-                            bases.push(self.base(n, g * py + dy, g * px + dx));
+                    for dy in 0..2 {
+                        for dx in 0..2 {
+                            bases.push(self.base(n, 2 * py + dy, 2 * px + dx));
                         }
                     }
                 }
@@ -1153,6 +1153,8 @@ impl Operands<'_> {
             } else {
                 self.geometry.segment(start, rows.end)
             };
+            // Row r of the rectangle starts at (r·out_stride + col0).
+            let dest = out.wrapping_add(start / group * self.out_stride + col0);
             let tile = Tile {
                 // A grouped panel reads its slice of each pixel's channels.
                 image: &self.image[shift..],
@@ -1169,20 +1171,12 @@ impl Operands<'_> {
                 residual: match self.residual {
                     Residual::None => std::ptr::null(),
                     Residual::Apart(r) => r[start / group * cout + col0..].as_ptr(),
-                    // The tile's own output (no residual with a pool or a channel slice, so
-                    // the output's stride is `cout`).
-                    Residual::InOutput => out.wrapping_add(start * cout + col0).cast_const(),
+                    // The values the tile overwrites.
+                    Residual::InOutput => dest.cast_const(),
                 },
             };
-            // SAFETY: the caller's contract; row r of the rectangle starts at
-            // (r·out_stride + col0).
-            unsafe {
-                tile.run(
-                    self.weights.kernel,
-                    &self.bases[start..end],
-                    out.add(start / group * self.out_stride + col0),
-                )
-            };
+            // SAFETY: the caller's contract.
+            unsafe { tile.run(self.weights.kernel, &self.bases[start..end], dest) };
             start = end;
         }
     }
