@@ -109,7 +109,7 @@ impl Image {
 
     /// The values, copied only when another reader still holds them.
     fn into_vec(self) -> Vec<f32> {
-        Arc::try_unwrap(self.data).unwrap_or_else(|shared| (*shared).clone())
+        owned_or_shared(self.data, |owned| owned, <[f32]>::to_vec)
     }
 }
 
@@ -144,7 +144,7 @@ impl Rows {
 
     /// The values, copied only when another reader still holds them.
     fn into_vec(self) -> Vec<f32> {
-        Arc::try_unwrap(self.data).unwrap_or_else(|shared| (*shared).clone())
+        owned_or_shared(self.data, |owned| owned, <[f32]>::to_vec)
     }
 
     /// `f` over the values (in place when this was their last reader), as rows of the same
@@ -595,13 +595,14 @@ pub(super) fn affine(
     };
     let dims = image.dims;
     let (clamp, after) = Activation::split(act);
-    let mut data = match Arc::try_unwrap(image.data) {
-        Ok(mut data) => {
+    let mut data = owned_or_shared(
+        image.data,
+        |mut data| {
             scale_shift_in_place(&mut data, scale, shift, clamp);
             data
-        }
-        Err(shared) => scale_shift_new(&shared, scale, shift, clamp),
-    };
+        },
+        |x| scale_shift_new(x, scale, shift, clamp),
+    );
     if let Some(act) = after {
         activate(&mut data, act);
     }
@@ -688,14 +689,15 @@ fn linear(
     };
     let act_now = step.act.filter(|_| after.is_none());
     let _op = tracing::trace_span!("kiln.linear_rows", rows, inputs, outputs).entered();
-    let out = match in_store.map(Arc::try_unwrap) {
-        // The layer is the residual's last reader: its buffer takes the sum.
-        Some(Ok(residual)) => linear_rows_residual_onto(rows, &x.data, weights, residual, act_now),
-        residual => {
-            let shared = residual.and_then(Result::err);
-            let residual = shared.as_deref().map(|r| &r[..]);
-            linear_rows_residual_new(rows, &x.data, weights, residual, act_now)
-        }
+    let apart = |r: Option<&[f32]>| linear_rows_residual_new(rows, &x.data, weights, r, act_now);
+    let out = match in_store {
+        // The residual's last reader writes the sum over its buffer.
+        Some(r) => owned_or_shared(
+            r,
+            |r| linear_rows_residual_onto(rows, &x.data, weights, r, act_now),
+            |r| apart(Some(r)),
+        ),
+        None => apart(None),
     };
     let out = Slot::Rows(Rows::new(out, dims));
     Some(match after {
@@ -788,6 +790,20 @@ fn optional_constant(
     (values.len() == len).then_some(Some(values))
 }
 
+/// `owned(values)` when the caller holds the buffer's only reference (the step is the
+/// value's last reader: the executor moves a value to it), else `shared` reading the values
+/// where they are: what no other step will read is written in place.
+fn owned_or_shared<R>(
+    data: Arc<Vec<f32>>,
+    owned: impl FnOnce(Vec<f32>) -> R,
+    shared: impl FnOnce(&[f32]) -> R,
+) -> R {
+    match Arc::try_unwrap(data) {
+        Ok(data) => owned(data),
+        Err(data) => shared(&data),
+    }
+}
+
 /// Takes input `i` (the caller's slots are rebuilt per run, so taking is free).
 fn take(ins: &mut [Option<Slot>], i: usize) -> Option<Slot> {
     ins.get_mut(i).and_then(Option::take)
@@ -865,17 +881,16 @@ fn conv(
                 let pooled = Image::new(out, [n, oh / 2, ow / 2, cout]);
                 return Ok(vec![Slot::Image(pooled)]);
             }
-            match in_store.map(|r| Arc::try_unwrap(r.data)) {
-                // This convolution is the residual's last reader: its buffer takes the sum.
-                Some(Ok(residual)) => {
-                    conv2d_nhwc_fused_onto(&s, &image.data, weights, residual, act_now)
-                }
-                // Read by a later step too (or no residual): the sum takes a new buffer.
-                residual => {
-                    let shared = residual.and_then(Result::err);
-                    let residual = shared.as_deref().map(|r| &r[..]);
-                    conv2d_nhwc_fused_new(&s, &image.data, weights, residual, act_now)
-                }
+            let apart =
+                |r: Option<&[f32]>| conv2d_nhwc_fused_new(&s, &image.data, weights, r, act_now);
+            match in_store {
+                // The residual's last reader writes the sum over its buffer.
+                Some(r) => owned_or_shared(
+                    r.data,
+                    |r| conv2d_nhwc_fused_onto(&s, &image.data, weights, r, act_now),
+                    |r| apart(Some(r)),
+                ),
+                None => apart(None),
             }
         }
         PackedConv::Depthwise(weights) => {
