@@ -604,6 +604,10 @@ fn forward_into(
     let Some((k, p)) = check_forward(s, x, weight, out.len()) else {
         return;
     };
+    if super::direct::applies(s) {
+        super::direct::conv2d_direct(s, x, weight, bias, out);
+        return;
+    }
     let image_out = s.cout * p;
     let threads = pool_threads();
     // One group of images per task when there are enough images to keep every thread busy;

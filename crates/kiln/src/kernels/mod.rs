@@ -50,6 +50,7 @@ pub mod adam;
 mod aligned;
 pub mod conv;
 mod depthwise_strip;
+mod direct;
 pub mod expand_depthwise;
 mod extension;
 pub mod implicit;

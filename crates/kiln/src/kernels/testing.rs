@@ -30,3 +30,29 @@ pub(crate) fn relative_error(got: &[f32], want: &[f64]) -> f64 {
         }
     }) / scale
 }
+
+/// A convolution's shape from its dimensions, in the order the tests list them.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn conv_shape(
+    batch: usize,
+    cin: usize,
+    [h, w]: [usize; 2],
+    cout: usize,
+    [kh, kw]: [usize; 2],
+    stride: [usize; 2],
+    padding: [(usize, usize); 2],
+    dilation: [usize; 2],
+) -> crate::kernels::conv::ConvShape {
+    crate::kernels::conv::ConvShape {
+        batch,
+        cin,
+        h,
+        w,
+        cout,
+        kh,
+        kw,
+        stride,
+        padding,
+        dilation,
+    }
+}

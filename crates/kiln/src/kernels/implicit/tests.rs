@@ -1,4 +1,5 @@
 use super::*;
+use crate::kernels::testing::conv_shape as shape;
 use crate::kernels::testing::{relative_error, values};
 
 /// Direct f64 convolution over NHWC input, `[cout, cin, kh, kw]` weight: the reference.
@@ -70,31 +71,6 @@ fn square(
         [(pad, pad); 2],
         [1, 1],
     )
-}
-
-#[allow(clippy::too_many_arguments)]
-fn shape(
-    batch: usize,
-    cin: usize,
-    [h, w]: [usize; 2],
-    cout: usize,
-    [kh, kw]: [usize; 2],
-    stride: [usize; 2],
-    padding: [(usize, usize); 2],
-    dilation: [usize; 2],
-) -> ConvShape {
-    ConvShape {
-        batch,
-        cin,
-        h,
-        w,
-        cout,
-        kh,
-        kw,
-        stride,
-        padding,
-        dilation,
-    }
 }
 
 /// Every kernel this CPU runs matches the f64 reference to 1e-5 of the output's scale.
