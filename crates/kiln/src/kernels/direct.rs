@@ -12,19 +12,17 @@
 //! vector of input pixels per tile vector (the shifted run, masked to zero where the tap
 //! falls on padding or on a neighbouring row) and broadcasts `MR` weights. The masks depend
 //! only on the vector's place in the image and the tap, so they are computed once per call.
+//! The tiles are 8 channels × 3 vectors of 16 pixels (AVX-512). An AVX2 twin (4 channels × 3
+//! vectors of 8, `vmaskmovps` loads) was measured at 43–46 G multiply-adds/s on W5's 64- and
+//! 128-channel layers, half of the GEMM path's, so AVX2 CPUs keep the GEMM path.
 
 use std::mem::MaybeUninit;
+use std::ops::Range;
 
 use rayon::prelude::*;
 
 use super::conv::ConvShape;
-
-/// Output channels per register tile.
-const MR: usize = 8;
-/// Pixel vectors per register tile.
-const NV: usize = 3;
-/// f32 lanes per vector (AVX-512).
-const LANES: usize = 16;
+use super::implicit::F32Kernel;
 
 /// Whether [`conv2d_direct`] computes this convolution: stride 1, output as wide and as high
 /// as the input, a weight of at most [`MAX_WEIGHT`] values, and an AVX-512 CPU (elsewhere
@@ -36,7 +34,7 @@ pub(super) fn applies(s: &ConvShape) -> bool {
         && s.cin > 0
         && s.kh * s.kw > 0
         && s.weight_len() <= MAX_WEIGHT
-        && uses_avx512()
+        && F32Kernel::detect() == F32Kernel::Avx512
 }
 
 /// Weight values above which the GEMM path stays: measured on W5's layers (batch 64, 2
@@ -44,13 +42,6 @@ pub(super) fn applies(s: &ConvShape) -> bool {
 /// wins at 64 channels (94 → 108 G multiply-adds/s) and 128 (101 → 109), loses ~2% at 256
 /// (104 → 102) and ties at 512.
 const MAX_WEIGHT: usize = 256 << 10;
-
-fn uses_avx512() -> bool {
-    matches!(
-        super::implicit::F32Kernel::detect(),
-        super::implicit::F32Kernel::Avx512
-    )
-}
 
 /// The forward convolution `out` `[batch, cout, h, w]` of `x` `[batch, cin, h, w]` by
 /// `weight` `[cout, cin, kh, kw]` (+ `bias`), writing every value of `out`. Call only where
@@ -72,12 +63,30 @@ pub(super) fn conv2d_direct(
     if let Some(b) = bias {
         assert_eq!(b.len(), s.cout, "conv2d bias length");
     }
-    let p = s.h * s.w;
-    if s.batch == 0 || s.cout == 0 || p == 0 {
+    if s.batch == 0 || s.cout == 0 || s.h * s.w == 0 {
         return;
     }
-    let plan = Plan::new(s);
-    let packed = pack_weight(s, weight);
+    let operands = (x, weight, bias);
+    match F32Kernel::detect() {
+        #[cfg(target_arch = "x86_64")]
+        F32Kernel::Avx512 => run::<8, 3, 16>(s, operands, out, avx512::tile),
+        _ => unreachable!("`applies` admits only the AVX-512 kernel"),
+    }
+}
+
+/// A register tile's kernel: `tile(operands, bias, (outputs, store masks, rows))`.
+type TileFn<const MR: usize, const NV: usize> =
+    unsafe fn(Tile<'_, NV>, [f32; MR], ([*mut f32; NV], [u16; NV], usize));
+
+/// [`conv2d_direct`] with tiles of `MR` output channels × `NV` vectors of `LANES` pixels.
+fn run<const MR: usize, const NV: usize, const LANES: usize>(
+    s: &ConvShape,
+    (x, weight, bias): (&[f32], &[f32], Option<&[f32]>),
+    out: &mut [MaybeUninit<f32>],
+    tile: TileFn<MR, NV>,
+) {
+    let plan = Plan::new(s, LANES);
+    let packed = pack_weight(s, weight, MR);
     let vectors = s.batch * plan.per_image;
     let tiles = vectors.div_ceil(NV);
     // Tasks split both the output channels (in chunks whose packed weights stay in L2 while
@@ -97,22 +106,23 @@ pub(super) fn conv2d_direct(
         // Each tile's input (NV vectors of every input channel) stays in L2 while the
         // chunk's output channels run over it, and the chunk's weights stay in L2 across
         // the tiles.
-        for tile in t * per_task..((t + 1) * per_task).min(tiles) {
+        for tile_index in t * per_task..((t + 1) * per_task).min(tiles) {
+            let first = tile_index * NV;
+            let vectors = first..(first + NV).min(vectors);
             for block in c * chunk..((c + 1) * chunk).min(blocks) {
-                let first = tile * NV;
-                let count = NV.min(vectors - first);
-                // SAFETY: `plan` was built for `s`; `x`, `packed` and `bias` have the lengths
-                // asserted above; each (block, tile) writes its own output channels at its
-                // own vectors' pixels, so the tasks write disjoint values of `out` (its
-                // length asserted).
+                let operands = (x, packed.as_slice(), bias);
+                // SAFETY: `plan` and `packed` were built for `s`; `x` and `bias` have the
+                // lengths `conv2d_direct` asserted; each (block, tile) writes its own output
+                // channels at its own vectors' pixels, so the tasks write disjoint values of
+                // `out` (its length asserted); `tile` is the kernel of the CPU's
+                // instruction set (`detect`).
                 unsafe {
-                    run_tile(
-                        s,
-                        &plan,
-                        (x, &packed, bias),
+                    run_tile::<MR, NV, LANES>(
+                        (s, &plan),
+                        operands,
                         out.get(),
-                        first..first + count,
-                        block,
+                        (vectors.clone(), block),
+                        tile,
                     );
                 }
             }
@@ -126,7 +136,7 @@ const WEIGHT_CHUNK: usize = 64 << 10;
 /// A raw output pointer the tasks share; each writes values no other task writes.
 #[derive(Clone, Copy)]
 struct SendPtr(*mut f32);
-// SAFETY: the tasks write disjoint values through it (see `conv2d_direct`).
+// SAFETY: the tasks write disjoint values through it (see `run`).
 unsafe impl Send for SendPtr {}
 // SAFETY: as above.
 unsafe impl Sync for SendPtr {}
@@ -140,21 +150,22 @@ impl SendPtr {
 
 /// What every tile of one call shares: the taps' shifts and the lane masks.
 struct Plan {
-    /// Vectors per image: `⌈h·w / LANES⌉`.
+    /// Vectors per image: `⌈h·w / lanes⌉`.
     per_image: usize,
     /// Per tap, the input offset `dy·w + dx` from an output pixel.
     shifts: Vec<isize>,
     /// `masks[j·taps + t]`: the lanes of the image's vector `j` that read inside the image
-    /// through tap `t` (and lie inside the image at all).
+    /// through tap `t` (and lie inside the image at all), one bit per lane.
     masks: Vec<u16>,
     /// Per vector `j`, its lanes inside the image (the last one may be partial).
     stores: Vec<u16>,
 }
 
 impl Plan {
-    fn new(s: &ConvShape) -> Plan {
+    /// The plan of `s` for vectors of `lanes` (≤ 16) pixels.
+    fn new(s: &ConvShape, lanes: usize) -> Plan {
         let (h, w, p) = (s.h as isize, s.w as isize, s.h * s.w);
-        let per_image = p.div_ceil(LANES);
+        let per_image = p.div_ceil(lanes);
         let taps: Vec<(isize, isize)> = (0..s.kh)
             .flat_map(|ky| (0..s.kw).map(move |kx| (ky, kx)))
             .map(|(ky, kx)| {
@@ -168,16 +179,16 @@ impl Plan {
         let mut masks = Vec::with_capacity(per_image * taps.len());
         let mut stores = Vec::with_capacity(per_image);
         for j in 0..per_image {
-            let lanes = || (0..LANES).map(move |l| j * LANES + l).filter(|&q| q < p);
-            stores.push(lanes().fold(0u16, |m, q| m | 1 << (q - j * LANES)));
+            let pixels = || (j * lanes..(j + 1) * lanes).filter(|&q| q < p);
+            let bits = |qs: &mut dyn Iterator<Item = usize>| {
+                qs.fold(0u16, |m, q| m | 1 << (q - j * lanes))
+            };
+            stores.push(bits(&mut pixels()));
             for &(dy, dx) in &taps {
-                let mask = lanes()
-                    .filter(|&q| {
-                        let (y, x) = ((q / s.w) as isize + dy, (q % s.w) as isize + dx);
-                        (0..h).contains(&y) && (0..w).contains(&x)
-                    })
-                    .fold(0u16, |m, q| m | 1 << (q - j * LANES));
-                masks.push(mask);
+                masks.push(bits(&mut pixels().filter(|&q| {
+                    let (y, x) = ((q / s.w) as isize + dy, (q % s.w) as isize + dx);
+                    (0..h).contains(&y) && (0..w).contains(&x)
+                })));
             }
         }
         Plan {
@@ -189,23 +200,23 @@ impl Plan {
     }
 }
 
-/// The weight as `[⌈cout/MR⌉][taps][cin][MR]` (output channels past `cout` zero): a tile's
-/// `MR` weights for one (tap, input channel) are one contiguous run, read in order.
-fn pack_weight(s: &ConvShape, weight: &[f32]) -> Vec<f32> {
+/// The weight as `[⌈cout/mr⌉][taps][cin][mr]` (output channels past `cout` zero): a tile's
+/// `mr` weights for one (tap, input channel) are one contiguous run, read in order.
+fn pack_weight(s: &ConvShape, weight: &[f32], mr: usize) -> Vec<f32> {
     let taps = s.kh * s.kw;
-    let blocks = s.cout.div_ceil(MR);
-    let mut packed = vec![0f32; blocks * taps * s.cin * MR];
+    let blocks = s.cout.div_ceil(mr);
+    let mut packed = vec![0f32; blocks * taps * s.cin * mr];
     // Over the pool: W5's 512-channel weight is 9.4 MB, ~3 ms on one thread.
     packed
-        .par_chunks_exact_mut(taps * s.cin * MR)
+        .par_chunks_exact_mut(taps * s.cin * mr)
         .enumerate()
         .for_each(|(block, dst)| {
-            for r in 0..MR.min(s.cout - block * MR) {
-                let o = block * MR + r;
+            for r in 0..mr.min(s.cout - block * mr) {
+                let o = block * mr + r;
                 for c in 0..s.cin {
                     let kernel = &weight[(o * s.cin + c) * taps..][..taps];
                     for (t, &v) in kernel.iter().enumerate() {
-                        dst[(t * s.cin + c) * MR + r] = v;
+                        dst[(t * s.cin + c) * mr + r] = v;
                     }
                 }
             }
@@ -213,20 +224,35 @@ fn pack_weight(s: &ConvShape, weight: &[f32]) -> Vec<f32> {
     packed
 }
 
+/// One register tile's operands.
+struct Tile<'a, const NV: usize> {
+    /// Packed weights of this tile's output channels: `[taps][cin][MR]`.
+    weights: *const f32,
+    /// Per vector, its first input pixel in channel 0 (before any tap's shift).
+    inputs: [*const f32; NV],
+    /// Per vector, its `taps` lane masks.
+    masks: [*const u16; NV],
+    /// Per tap, the input offset of an output pixel.
+    shifts: &'a [isize],
+    /// Input channels.
+    cin: usize,
+    /// Pixels per channel plane (the stride between input channels and output channels).
+    plane: usize,
+}
+
 /// Computes output channels `block·MR..` (up to `MR` of them) at the output vectors `vectors`
 /// (numbered over the batch, `per_image` per image).
 ///
 /// # Safety
-/// `plan` was built for `s`; `x`, `packed` and `bias` have the lengths of `s` (as
-/// [`conv2d_direct`] asserts); `out` points to `s.output_len()` values that only this call
-/// writes at these channels and vectors; the CPU has AVX-512F.
-unsafe fn run_tile(
-    s: &ConvShape,
-    plan: &Plan,
+/// `plan` and `packed` were built for `s` (with `LANES` and `MR`); `x` and `bias` have the
+/// lengths of `s` (as [`conv2d_direct`] asserts); `out` points to `s.output_len()` values
+/// that only this call writes at these channels and vectors; `tile` runs on this CPU.
+unsafe fn run_tile<const MR: usize, const NV: usize, const LANES: usize>(
+    (s, plan): (&ConvShape, &Plan),
     (x, packed, bias): (&[f32], &[f32], Option<&[f32]>),
     out: *mut f32,
-    vectors: std::ops::Range<usize>,
-    block: usize,
+    (vectors, block): (Range<usize>, usize),
+    tile: TileFn<MR, NV>,
 ) {
     let p = s.h * s.w;
     let taps = s.kh * s.kw;
@@ -255,82 +281,58 @@ unsafe fn run_tile(
         Some(b) if r < rows => b[block * MR + r],
         _ => 0.0,
     });
+    let operands = Tile {
+        weights,
+        inputs,
+        masks,
+        shifts: &plan.shifts,
+        cin: s.cin,
+        plane: p,
+    };
     // SAFETY: the caller's contract; the tile reads `cin` channels of every tap through the
     // masks (lanes outside the image are never loaded) and writes `rows` channels of its
     // vectors' in-image lanes.
-    unsafe {
-        avx512::tile(
-            avx512::Tile {
-                weights,
-                inputs,
-                masks,
-                shifts: &plan.shifts,
-                cin: s.cin,
-                plane: p,
-                taps,
-            },
-            bias,
-            (outputs, stores, rows),
-        );
-    }
+    unsafe { tile(operands, bias, (outputs, stores, rows)) }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::{MR, NV};
+    use super::Tile;
 
-    /// One register tile's operands.
-    pub(super) struct Tile<'a> {
-        /// Packed weights of this tile's output channels: `[taps][cin][MR]`.
-        pub weights: *const f32,
-        /// Per vector, its first input pixel in channel 0 (before any tap's shift).
-        pub inputs: [*const f32; NV],
-        /// Per vector, its `taps` lane masks.
-        pub masks: [*const u16; NV],
-        /// Per tap, the input offset of an output pixel.
-        pub shifts: &'a [isize],
-        pub cin: usize,
-        /// Pixels per channel plane (the stride between input channels and output channels).
-        pub plane: usize,
-        pub taps: usize,
-    }
-
-    /// Accumulates the tile over every tap and input channel from `bias` and stores its first
-    /// `rows` output channels at `outputs[v] + r·plane` through the store masks.
+    /// Accumulates the tile (8 channels × 3 vectors of 16 pixels) over every tap and input
+    /// channel from `bias` and stores its first `rows` output channels at
+    /// `outputs[v] + r·plane` through the store masks.
     ///
     /// # Safety
     /// AVX-512F; every pointer as [`super::run_tile`] sets it up.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn tile(
-        t: Tile<'_>,
-        bias: [f32; MR],
-        (outputs, stores, rows): ([*mut f32; NV], [u16; NV], usize),
+        t: Tile<'_, 3>,
+        bias: [f32; 8],
+        (outputs, stores, rows): ([*mut f32; 3], [u16; 3], usize),
     ) {
-        let mut acc = [[_mm512_setzero_ps(); NV]; MR];
-        for (r, row) in acc.iter_mut().enumerate() {
-            *row = [_mm512_set1_ps(bias[r]); NV];
-        }
+        let mut acc = bias.map(|b| [_mm512_set1_ps(b); 3]);
         let mut weights = t.weights;
-        for (tap, &shift) in t.shifts.iter().enumerate().take(t.taps) {
-            // SAFETY: each vector has `taps` masks.
-            let masks: [__mmask16; NV] = std::array::from_fn(|v| unsafe { *t.masks[v].add(tap) });
-            let mut inputs: [*const f32; NV] = t.inputs.map(|i| i.wrapping_offset(shift));
+        for (tap, &shift) in t.shifts.iter().enumerate() {
+            // SAFETY: each vector has a mask per tap.
+            let masks: [__mmask16; 3] = std::array::from_fn(|v| unsafe { *t.masks[v].add(tap) });
+            let mut inputs = t.inputs.map(|i| i.wrapping_offset(shift));
             for _ in 0..t.cin {
-                let xs: [__m512; NV] = std::array::from_fn(|v| {
+                let xs: [__m512; 3] = std::array::from_fn(|v| {
                     // SAFETY: the mask keeps every loaded lane inside its image's channel
                     // plane; masked lanes are not accessed.
                     unsafe { _mm512_maskz_loadu_ps(masks[v], inputs[v]) }
                 });
                 for (r, row) in acc.iter_mut().enumerate() {
-                    // SAFETY: `weights` walks the packed `[taps][cin][MR]` block in order.
+                    // SAFETY: `weights` walks the packed `[taps][cin][8]` block in order.
                     let w = _mm512_set1_ps(unsafe { *weights.add(r) });
                     for (a, &x) in row.iter_mut().zip(&xs) {
                         *a = _mm512_fmadd_ps(w, x, *a);
                     }
                 }
-                weights = weights.wrapping_add(MR);
+                weights = weights.wrapping_add(8);
                 inputs = inputs.map(|i| i.wrapping_add(t.plane));
             }
         }
@@ -406,12 +408,25 @@ mod tests {
         )
     }
 
-    #[test]
-    fn direct_convolution_matches_an_f64_reference_on_every_thread_count() {
-        if !uses_avx512() {
-            // The GEMM path runs on this CPU; its own tests cover it.
-            return;
+    /// One way of running the direct convolution.
+    type Runner = fn(&ConvShape, (&[f32], &[f32], Option<&[f32]>), &mut [MaybeUninit<f32>]);
+
+    /// Every instruction set's tile this CPU runs, named.
+    fn kernels() -> Vec<(&'static str, Runner)> {
+        let mut all: Vec<(&'static str, Runner)> = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                all.push(("avx512", |s, o, out| {
+                    run::<8, 3, 16>(s, o, out, avx512::tile)
+                }));
+            }
         }
+        all
+    }
+
+    #[test]
+    fn every_direct_kernel_matches_an_f64_reference_on_every_thread_count() {
         let same = [(1, 1), (1, 1)];
         let cases = [
             // Output channels not a multiple of the tile's, pixels not of the vector's.
@@ -426,28 +441,28 @@ mod tests {
             shape(2, 4, (10, 10), 8, (3, 3), [(2, 2), (2, 2)], 2),
             shape(2, 4, (7, 6), 8, (2, 2), [(0, 1), (1, 0)], 1),
         ];
-        for (i, s) in cases.iter().enumerate() {
-            assert!(applies(s), "case {i} must take the direct path");
-            let x = values(s.input_len(), 3 + i as u64);
-            let w = values(s.weight_len(), 5 + i as u64);
-            let bias = values(s.cout, 7 + i as u64);
-            for with_bias in [false, true] {
-                let bias = with_bias.then_some(bias.as_slice());
-                let want = reference(s, &x, &w, bias);
-                for threads in [1, 2, 3] {
-                    let pool = rayon::ThreadPoolBuilder::new()
-                        .num_threads(threads)
-                        .build()
-                        .expect("a thread pool");
-                    let mut out = vec![f32::NAN; s.output_len()];
-                    pool.install(|| {
-                        conv2d_direct(s, &x, &w, bias, crate::kernels::as_uninit(&mut out))
-                    });
-                    let err = relative_error(&out, &want);
-                    assert!(
-                        err <= 1e-5,
-                        "case {i}, bias {with_bias}, {threads} threads: error {err:e}"
-                    );
+        for (name, kernel) in kernels() {
+            for (i, s) in cases.iter().enumerate() {
+                let x = values(s.input_len(), 3 + i as u64);
+                let w = values(s.weight_len(), 5 + i as u64);
+                let bias = values(s.cout, 7 + i as u64);
+                for with_bias in [false, true] {
+                    let bias = with_bias.then_some(bias.as_slice());
+                    let want = reference(s, &x, &w, bias);
+                    for threads in [1, 2, 3] {
+                        let pool = rayon::ThreadPoolBuilder::new()
+                            .num_threads(threads)
+                            .build()
+                            .expect("a thread pool");
+                        let mut out = vec![f32::NAN; s.output_len()];
+                        let uninit = crate::kernels::as_uninit(&mut out);
+                        pool.install(|| kernel(s, (&x, &w, bias), uninit));
+                        let err = relative_error(&out, &want);
+                        assert!(
+                            err <= 1e-5,
+                            "{name}, case {i}, bias {with_bias}, {threads} threads: error {err:e}"
+                        );
+                    }
                 }
             }
         }
