@@ -606,8 +606,19 @@ fn forward_into(
     };
     if super::direct::applies(s) {
         super::direct::conv2d_direct(s, x, weight, bias, out);
-        return;
+    } else {
+        forward_gemm(s, (x, weight, bias), (k, p), out);
     }
+}
+
+/// The forward as one GEMM per image or group of images over their unfolded patches (every
+/// shape; [`forward_into`] takes the direct kernel instead where it applies).
+fn forward_gemm(
+    s: &ConvShape,
+    (x, weight, bias): (&[f32], &[f32], Option<&[f32]>),
+    (k, p): (usize, usize),
+    out: &mut [MaybeUninit<f32>],
+) {
     let image_out = s.cout * p;
     let threads = pool_threads();
     // One group of images per task when there are enough images to keep every thread busy;
@@ -1285,6 +1296,27 @@ mod tests {
             conv2d_weight_grad(&s, &x, &g, &mut dw);
             let err = relative_error(&dw, &want_dw);
             assert!(err <= 1e-5, "shape {i}: weight-gradient error {err:e}");
+        }
+    }
+
+    /// The GEMM forward on every shape, also those the direct kernel takes on this CPU (so
+    /// the path AVX2 CPUs run for them stays tested on an AVX-512 machine).
+    #[test]
+    fn the_gemm_forward_matches_an_f64_reference_on_every_shape() {
+        for (i, s) in shapes().into_iter().enumerate() {
+            let x = values(s.input_len(), 1 + i as u64);
+            let w = values(s.weight_len(), 100 + i as u64);
+            let b = values(s.cout, 200 + i as u64);
+            let mut out = vec![f32::NAN; s.output_len()];
+            let dims = check_forward(&s, &x, &w, out.len()).expect("a nonempty shape");
+            forward_gemm(
+                &s,
+                (&x, &w, Some(&b)),
+                dims,
+                super::super::as_uninit(&mut out),
+            );
+            let err = relative_error(&out, &reference_forward(&s, &x, &w, Some(&b)));
+            assert!(err <= 1e-5, "shape {i} {s:?}: GEMM forward error {err:e}");
         }
     }
 
