@@ -1222,6 +1222,14 @@ mod tests {
     }
 
     /// `[batch, c, h, w]` values as `[batch, h, w, c]`.
+    /// The seeded input, weight and bias of shape `i` of [`shapes`].
+    fn operands(s: &ConvShape, i: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let i = i as u64;
+        let x = values(s.input_len(), 1 + i);
+        let w = values(s.weight_len(), 100 + i);
+        (x, w, values(s.cout, 200 + i))
+    }
+
     fn to_nhwc(x: &[f32], [b, c, h, w]: [usize; 4]) -> Vec<f32> {
         let mut y = vec![0f32; x.len()];
         for n in 0..b {
@@ -1237,9 +1245,7 @@ mod tests {
     #[test]
     fn channels_last_forward_with_fused_relu_matches_an_f64_reference() {
         for (i, s) in shapes().into_iter().enumerate() {
-            let x = values(s.input_len(), 1 + i as u64);
-            let w = values(s.weight_len(), 100 + i as u64);
-            let b = values(s.cout, 200 + i as u64);
+            let (x, w, b) = operands(&s, i);
             let x_nhwc = to_nhwc(&x, [s.batch, s.cin, s.h, s.w]);
             let packed = pack_weight_for_nhwc([s.cout, s.cin, s.kh, s.kw], &w);
             let dims = [s.batch, s.cout, s.out_h(), s.out_w()];
@@ -1266,9 +1272,7 @@ mod tests {
     #[test]
     fn forward_and_gradients_match_an_f64_reference() {
         for (i, s) in shapes().into_iter().enumerate() {
-            let x = values(s.input_len(), 1 + i as u64);
-            let w = values(s.weight_len(), 100 + i as u64);
-            let b = values(s.cout, 200 + i as u64);
+            let (x, w, b) = operands(&s, i);
             let g = values(s.output_len(), 300 + i as u64);
 
             let mut out = vec![f32::NAN; s.output_len()];
@@ -1304,9 +1308,7 @@ mod tests {
     #[test]
     fn the_gemm_forward_matches_an_f64_reference_on_every_shape() {
         for (i, s) in shapes().into_iter().enumerate() {
-            let x = values(s.input_len(), 1 + i as u64);
-            let w = values(s.weight_len(), 100 + i as u64);
-            let b = values(s.cout, 200 + i as u64);
+            let (x, w, b) = operands(&s, i);
             let mut out = vec![f32::NAN; s.output_len()];
             let dims = check_forward(&s, &x, &w, out.len()).expect("a nonempty shape");
             forward_gemm(
