@@ -5,6 +5,10 @@
 //!     cargo bench -p kiln --bench conv_kernels -- 2       # threads (default 1)
 //!     cargo bench -p kiln --bench conv_kernels -- 2 8     # ResNet-18's shapes at batch 8
 //!     cargo bench -p kiln --bench conv_kernels -- 2 "R18 3x3"   # only shapes named so
+//!
+//! The SIMD columns run 3×3 stride-1 shapes as Winograd F(2×2, 3×3) where it applies (their
+//! G/s count the direct convolution's multiply-adds, so they can pass the CPU's peak);
+//! `KILN_WINOGRAD=off` measures the implicit GEMM alone.
 
 mod support;
 

@@ -65,6 +65,7 @@ pub mod spin;
 pub mod strided;
 #[cfg(test)]
 mod testing;
+mod winograd;
 
 use std::cell::Cell;
 use std::marker::PhantomData;

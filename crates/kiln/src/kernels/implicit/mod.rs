@@ -13,6 +13,10 @@
 //! One file per instruction set, as the int8 kernels: [`avx512`] (12 rows × 32 columns of
 //! accumulators) and [`avx2`] (6 × 16). Elsewhere, or with `KILN_F32_KERNEL=portable`, the
 //! weight keeps the `gemm` path's layout and that path runs.
+//!
+//! 3×3 layers with stride 1, enough input channels and enough output pixels leave the
+//! implicit GEMM inside [`conv_simd`] for [`super::winograd`] (F(2×2, 3×3): 16 multiply-adds
+//! per 2×2 tile and input channel instead of 36), with the same epilogues.
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
@@ -32,6 +36,7 @@ use super::aligned::AlignedF32;
 use super::conv::{ConvShape, conv2d_nhwc_forward, pack_weight_for_nhwc};
 use super::nhwc::{Window2d, interleave3};
 use super::pool::{PoolShape, max_pool2d_nhwc};
+use super::winograd::{self, WinogradWeights};
 
 /// Which f32 convolution kernel this CPU runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -136,6 +141,10 @@ pub struct ConvWeights {
     pixel: usize,
     /// Per panel, the first input channel of its slice (empty: 0 for every panel).
     panel_offsets: Vec<usize>,
+    /// A 3×3 layer's weight transformed for Winograd F(2×2, 3×3), made on the first call
+    /// that runs that way (a layer only ever called on shapes that stay on the implicit
+    /// GEMM never pays its time or its 16/9 of the weight's memory).
+    winograd: OnceLock<Option<WinogradWeights>>,
 }
 
 impl ConvWeights {
@@ -255,6 +264,7 @@ impl ConvWeights {
                 has_bias: bias.is_some(),
                 pixel: dims[1],
                 panel_offsets: Vec::new(),
+                winograd: OnceLock::new(),
             };
         };
         let k = dims[1] * dims[2] * dims[3];
@@ -278,6 +288,7 @@ impl ConvWeights {
             has_bias: bias.is_some(),
             pixel: dims[1],
             panel_offsets: Vec::new(),
+            winograd: OnceLock::new(),
         }
     }
 
@@ -295,6 +306,24 @@ impl ConvWeights {
     /// The kernel these weights were packed for.
     pub fn kernel(&self) -> F32Kernel {
         self.kernel
+    }
+
+    /// The Winograd transform of a 3×3 layer's weight (made once, on first use), read back
+    /// from the panels; `None` for other kernels, grouped layers and the portable kernel.
+    fn winograd(&self) -> Option<&WinogradWeights> {
+        self.winograd
+            .get_or_init(|| {
+                let [cout, cin, kh, kw] = self.dims;
+                let width = self.kernel.panel_width()?;
+                if (kh, kw) != (3, 3) || !self.panel_offsets.is_empty() {
+                    return None;
+                }
+                let panel = 9 * cin * width;
+                WinogradWeights::transform(self.kernel, cout, cin, |o, c, ky, kx| {
+                    self.data[o / width * panel + ((ky * 3 + kx) * cin + c) * width + o % width]
+                })
+            })
+            .as_ref()
     }
 }
 
@@ -694,6 +723,28 @@ unsafe fn conv_simd(
     if let Residual::Apart(r) = residual {
         assert_eq!(r.len(), s.output_len(), "conv2d residual length");
     }
+    if let Input::Nhwc(image) = x
+        && w.panel_offsets.is_empty()
+        && winograd::applies(s, w.kernel, pool)
+        && let Some(transformed) = w.winograd()
+    {
+        let store = winograd::Store {
+            bias: &w.bias,
+            act,
+            pool,
+            residual: match residual {
+                Residual::Apart(r) => Some(r),
+                _ => None,
+            },
+            residual_in_output: matches!(residual, Residual::InOutput),
+            serial,
+            out_stride: out_stride.unwrap_or(s.cout),
+        };
+        // SAFETY: the caller's contract for `out`, which the Winograd path writes (and with
+        // the residual in the output, reads) at the same pixels as this one.
+        unsafe { winograd::conv(s, image, transformed, store, out) };
+        return;
+    }
     let [cout, cin, kh, kw] = w.dims;
     let k = cin * kh * kw;
     // GEMM rows: one per output pixel, or 4 per pooled pixel.
@@ -766,7 +817,7 @@ unsafe fn conv_simd(
         (0..items).for_each(run);
         return;
     }
-    SPLITS.with(|n| n.set(n.get() + 1));
+    note_split();
     // Task t runs items [t·items/tasks, (t+1)·items/tasks): sizes differ by one item at most
     // (the former ceil-sized tasks left the last few short, e.g. 27 tasks of 5 and fewer for
     // 132 items, so one thread ran up to 6% more than the other).
@@ -867,6 +918,11 @@ thread_local! {
     static SPLITS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
+/// Counts a call on this thread that splits over the pool (see [`split_calls`]).
+pub(crate) fn note_split() {
+    SPLITS.with(|n| n.set(n.get() + 1));
+}
+
 /// Convolution and linear calls made on this thread that split over the pool so far.
 pub fn split_calls() -> usize {
     SPLITS.with(std::cell::Cell::get)
@@ -891,17 +947,19 @@ const ROW_BLOCK: usize = 48;
 /// thread 0.61 ms; W3's conv2 the same either way).
 const TASKS_PER_THREAD: usize = 16;
 
-/// The output's base pointer, handed to the tasks that write disjoint parts of it.
+/// The output's base pointer, handed to the tasks that write disjoint parts of it (here
+/// and in [`super::winograd`]).
 #[derive(Clone, Copy)]
-struct SharedOut(*mut f32);
+pub(super) struct SharedOut(pub(super) *mut f32);
 
 impl SharedOut {
     /// The pointer (a method, so closures capture the `Sync` wrapper, not its field).
-    fn get(self) -> *mut f32 {
+    pub(super) fn get(self) -> *mut f32 {
         self.0
     }
 }
-// SAFETY: tasks write disjoint rectangles (see `conv2d_nhwc`).
+// SAFETY: the tasks of a call write disjoint parts of its output (rectangles of rows ×
+// panels here, blocks of tiles × panels in the Winograd path).
 unsafe impl Send for SharedOut {}
 // SAFETY: as above.
 unsafe impl Sync for SharedOut {}
