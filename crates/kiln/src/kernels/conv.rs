@@ -604,7 +604,9 @@ fn forward_into(
     let Some((k, p)) = check_forward(s, x, weight, out.len()) else {
         return;
     };
-    if super::direct::applies(s) {
+    if super::winograd::applies_nchw(s) {
+        super::winograd::conv2d_nchw(s, x, weight, bias, out);
+    } else if super::direct::applies(s) {
         super::direct::conv2d_direct(s, x, weight, bias, out);
     } else {
         forward_gemm(s, (x, weight, bias), (k, p), out);

@@ -103,6 +103,94 @@ pub(crate) fn applies(s: &ConvShape, kernel: F32Kernel, pool: bool) -> bool {
     tiles >= MIN_TILES && ratio <= MAX_MAC_RATIO
 }
 
+/// Whether the training forward [`conv2d_nchw`] takes a convolution of shape `s` (as
+/// [`applies`] for the CPU's kernel).
+pub(crate) fn applies_nchw(s: &ConvShape) -> bool {
+    applies(s, F32Kernel::detect(), false)
+}
+
+/// The forward convolution `out` `[batch, cout, oh, ow]` of `x` `[batch, cin, h, w]` by
+/// `weight` `[cout, cin, 3, 3]` (+ `bias`) for training, where [`applies_nchw`] holds: the
+/// weight transformed for this call (it changes every step), the input turned channels-last,
+/// the Winograd convolution, and its output turned back into `out` (every value written).
+/// The two turns are passes over memory the direct kernel does not make; the 16 instead of
+/// 36 multiply-adds per tile and channel outweigh them (BENCHMARKS.md run 47).
+pub(crate) fn conv2d_nchw(
+    s: &ConvShape,
+    x: &[f32],
+    weight: &[f32],
+    bias: Option<&[f32]>,
+    out: &mut [std::mem::MaybeUninit<f32>],
+) {
+    assert!(
+        applies_nchw(s),
+        "Winograd forward on a shape it does not cover"
+    );
+    nchw_in_parts(s, (x, weight, bias), out, CHUNK_VALUES);
+}
+
+/// [`conv2d_nchw`] a few images at a time: as many as `chunk_values` input plus output
+/// values hold (at least one).
+fn nchw_in_parts(
+    s: &ConvShape,
+    (x, weight, bias): (&[f32], &[f32], Option<&[f32]>),
+    out: &mut [std::mem::MaybeUninit<f32>],
+    chunk_values: usize,
+) {
+    assert_eq!(x.len(), s.input_len(), "conv2d input length");
+    assert_eq!(weight.len(), s.weight_len(), "conv2d weight length");
+    assert_eq!(out.len(), s.output_len(), "conv2d output length");
+    let kernel = F32Kernel::detect();
+    let cin = s.cin;
+    let w = WinogradWeights::transform(kernel, s.cout, cin, |o, c, ky, kx| {
+        weight[((o * cin + c) * 3 + ky) * 3 + kx]
+    })
+    .expect("applies only with a SIMD kernel");
+    let mut padded_bias = vec![0f32; s.cout.div_ceil(w.width) * w.width];
+    if let Some(b) = bias {
+        assert_eq!(b.len(), s.cout, "conv2d bias length");
+        padded_bias[..s.cout].copy_from_slice(b);
+    }
+    let store = Store {
+        bias: &padded_bias,
+        act: None,
+        pool: false,
+        residual: None,
+        residual_in_output: false,
+        serial: false,
+        out_stride: s.cout,
+    };
+    // A few images at a time: the channels-last copies stay a few MB (in L3 between the
+    // turn and the convolution) instead of two more batch-sized tensors per layer (W5's
+    // peak RSS grew by 112 MB with whole batches).
+    let (image_in, image_out) = (s.cin * s.h * s.w, s.cout * s.out_h() * s.out_w());
+    if image_in == 0 || image_out == 0 {
+        return;
+    }
+    let per_chunk = (chunk_values / (image_in + image_out)).max(1);
+    let chunks = x
+        .chunks(image_in * per_chunk)
+        .zip(out.chunks_mut(image_out * per_chunk));
+    for (x, out) in chunks {
+        let part = ConvShape {
+            batch: x.len() / image_in,
+            ..*s
+        };
+        let image = super::nhwc::nchw_to_nhwc(x, [part.batch, cin, s.h, s.w]);
+        let y = super::filled(part.output_len(), |y| {
+            // SAFETY: `y` holds the part's pixels × `cout` values, and an unpooled call
+            // writes every one of them (each pixel lies in one tile; the panels cover every
+            // column).
+            unsafe { conv(&part, &image, &w, store, y.as_mut_ptr().cast()) }
+        });
+        let dims = [part.batch, s.out_h(), s.out_w(), s.cout];
+        super::nhwc::nhwc_to_nchw_into(&y, dims, out);
+    }
+}
+
+/// Input plus output values per part of a training forward's batch (8 MB).
+const CHUNK_VALUES: usize = 2 << 20;
+
 /// Output tiles per image, `[rows, columns]`: those covering the output, or with `pool`
 /// only whole 2×2 windows (the pool drops an odd last row and column).
 fn tiles(oh: usize, ow: usize, pool: bool) -> [usize; 2] {
@@ -132,19 +220,46 @@ impl WinogradWeights {
         kernel: F32Kernel,
         cout: usize,
         cin: usize,
-        g: impl Fn(usize, usize, usize, usize) -> f32,
+        g: impl Fn(usize, usize, usize, usize) -> f32 + Sync,
     ) -> Option<Self> {
         let width = kernel.panel_width()?;
+        let panels = cout.div_ceil(width);
+        let mut data = AlignedF32::zeroed(panels * POINTS * cin * width);
+        let panel_len = (POINTS * cin * width).max(1);
+        // A training step transforms every layer's weight again: over the pool by panels.
+        data.par_chunks_mut(panel_len)
+            .enumerate()
+            .for_each(|(panel, data)| {
+                for col in 0..(cout - panel * width).min(width) {
+                    let o = panel * width + col;
+                    Self::transform_channel(&g, o, cin, (col, width), data);
+                }
+            });
+        Some(WinogradWeights {
+            kernel,
+            cin,
+            cout,
+            width,
+            data,
+        })
+    }
+
+    /// `U = G g Gᵀ` of output channel `o` and every input channel, into column `col` of its
+    /// panel's `[16][cin][width]` values.
+    fn transform_channel(
+        g: &impl Fn(usize, usize, usize, usize) -> f32,
+        o: usize,
+        cin: usize,
+        (col, width): (usize, usize),
+        data: &mut [f32],
+    ) {
         const G: [[f64; 3]; 4] = [
             [1.0, 0.0, 0.0],
             [0.5, 0.5, 0.5],
             [0.5, -0.5, 0.5],
             [0.0, 0.0, 1.0],
         ];
-        let panels = cout.div_ceil(width);
-        let mut data = AlignedF32::zeroed(panels * POINTS * cin * width);
-        for o in 0..cout {
-            let (panel, col) = (o / width, o % width);
+        {
             for c in 0..cin {
                 // G g (4×3), then (G g) Gᵀ (4×4).
                 let mut gg = [[0f64; 3]; 4];
@@ -156,19 +271,11 @@ impl WinogradWeights {
                 for (i, gg) in gg.iter().enumerate() {
                     for (j, gj) in G.iter().enumerate() {
                         let u: f64 = gg.iter().zip(gj).map(|(a, b)| a * b).sum();
-                        let at = ((panel * POINTS + i * 4 + j) * cin + c) * width + col;
-                        data[at] = u as f32;
+                        data[((i * 4 + j) * cin + c) * width + col] = u as f32;
                     }
                 }
             }
         }
-        Some(WinogradWeights {
-            kernel,
-            cin,
-            cout,
-            width,
-            data,
-        })
     }
 
     /// Values of one panel: `[16][cin][width]`.

@@ -281,3 +281,53 @@ fn only_wide_enough_3x3_stride_1_layers_take_the_winograd_path() {
     assert!(!applies(&pointwise, k, false));
     assert!(!applies(&square(1, 512, 7, 512, 1), k, false));
 }
+
+#[test]
+fn the_training_forward_on_nchw_matches_the_f64_reference_in_any_parts() {
+    // 5 images of 10×11 → 10×11 (padding 1), 24 → 40 channels, in parts of 1, 2 (the last
+    // part short) and all 5 images.
+    let s = shape(
+        5,
+        24,
+        [10, 11],
+        40,
+        [3, 3],
+        [1, 1],
+        [(1, 1), (1, 1)],
+        [1, 1],
+    );
+    if F32Kernel::detect().panel_width().is_none() {
+        return;
+    }
+    assert!(applies_nchw(&s));
+    let x = values(s.input_len(), 1);
+    let w = values(s.weight_len(), 2);
+    let b = values(s.cout, 3);
+    let nhwc = crate::kernels::nhwc::nchw_to_nhwc(&x, [5, 24, 10, 11]);
+    let case = Case {
+        bias: true,
+        ..Case::default()
+    };
+    let want_nhwc = reference(&s, &nhwc, &w, &b, &[], case);
+    // The reference back to NCHW.
+    let mut want = vec![0f64; want_nhwc.len()];
+    for n in 0..5 {
+        for p in 0..110 {
+            for o in 0..40 {
+                want[(n * 40 + o) * 110 + p] = want_nhwc[(n * 110 + p) * 40 + o];
+            }
+        }
+    }
+    let per_image = 24 * 110 + 40 * 110;
+    for images in [1, 2, 5] {
+        let mut out = vec![f32::NAN; s.output_len()];
+        nchw_in_parts(
+            &s,
+            (&x, &w, Some(&b)),
+            crate::kernels::as_uninit(&mut out),
+            images * per_image,
+        );
+        let err = relative_error(&out, &want);
+        assert!(err <= 1e-5, "parts of {images} images: error {err:e}");
+    }
+}
