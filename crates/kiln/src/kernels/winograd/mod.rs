@@ -51,7 +51,8 @@ const BLOCK: usize = 12;
 
 /// Input channels below which the implicit GEMM keeps the layer: each GEMM's K is the
 /// input channels, and a short K spends as long storing the accumulators as multiplying
-/// (W3's first layer has 1). Measured in BENCHMARKS.md run 47.
+/// (W3's first layer has 1, RGB stems 3). At 16 (SqueezeNet's 55² layer) Winograd measured
+/// 1.6× faster (BENCHMARKS.md run 47); between 3 and 16 it was not measured.
 const MIN_CHANNELS: usize = 16;
 
 /// Tiles per call below which the implicit GEMM keeps the layer: with few output pixels the
