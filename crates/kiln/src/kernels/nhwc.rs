@@ -74,6 +74,7 @@ fn transpose_into(x: &[f32], [rows, cols]: [usize; 2], y: &mut [MaybeUninit<f32>
     }
     // Task: one image's band of TRANSPOSE_BLOCK source columns = a contiguous run of
     // output rows, walked in square blocks.
+    #[cfg(target_arch = "x86_64")]
     let simd = F32Kernel::detect() != F32Kernel::Portable;
     let band = |src: &[f32], (k, out): (usize, &mut [MaybeUninit<f32>])| {
         let c0 = k * TRANSPOSE_BLOCK;
