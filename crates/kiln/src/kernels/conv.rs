@@ -919,6 +919,10 @@ pub fn conv2d_weight_grad(s: &ConvShape, x: &[f32], dout: &[f32], dweight: &mut 
         dweight.fill(0.0);
         return;
     }
+    if super::winograd::applies_weight_grad(s) {
+        super::winograd::weight_grad_nchw(s, x, dout, dweight);
+        return;
+    }
     let threads = pool_threads();
     if s.weight_len() >= SPLIT_WEIGHT && s.cin >= 4 * threads {
         // Every thread sums over the whole batch, so the grouping need not leave groups for

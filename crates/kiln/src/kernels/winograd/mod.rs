@@ -30,6 +30,9 @@ mod avx2;
 mod avx512;
 #[cfg(test)]
 mod tests;
+mod weight_grad;
+
+pub(crate) use weight_grad::{applies as applies_weight_grad, weight_grad_nchw};
 
 use std::cell::RefCell;
 use std::sync::OnceLock;
@@ -438,12 +441,9 @@ impl Job<'_> {
                 // SAFETY: each non-null pointer starts a pixel's `cin` values inside `x`;
                 // the scratch holds 16 points × BLOCK rows × `cs` values.
                 unsafe {
-                    isa_input_tile(
+                    on_isa!(
                         w.kernel,
-                        &src,
-                        s.cin,
-                        v.as_mut_ptr().add(i * cs),
-                        BLOCK * cs,
+                        input_tile(&src, s.cin, v.as_mut_ptr().add(i * cs), BLOCK * cs)
                     )
                 };
             }
@@ -456,13 +456,9 @@ impl Job<'_> {
                 // short last block hold finite leftovers, whose products are not stored);
                 // the panel holds 16 × cin × width values.
                 unsafe {
-                    isa_gemm(
+                    on_isa!(
                         w.kernel,
-                        v.as_ptr(),
-                        cs,
-                        w.panel(p).as_ptr(),
-                        s.cin,
-                        m.as_mut_ptr(),
+                        gemm(v.as_ptr(), cs, w.panel(p).as_ptr(), s.cin, m.as_mut_ptr())
                     )
                 };
                 for (i, t) in self.tiles.clone().enumerate() {
@@ -496,13 +492,15 @@ impl Job<'_> {
                     // SAFETY: `m` holds the block's products; `dst` are this job's output
                     // pixels (the caller's contract), `res` the residual's matching ones.
                     unsafe {
-                        isa_output_tile(
+                        on_isa!(
                             w.kernel,
-                            m.as_ptr().add(i * w.width),
-                            BLOCK * w.width,
-                            &epilogue,
-                            &dst,
-                            &res,
+                            output_tile(
+                                m.as_ptr().add(i * w.width),
+                                BLOCK * w.width,
+                                &epilogue,
+                                &dst,
+                                &res
+                            )
                         )
                     };
                 }
@@ -535,73 +533,29 @@ fn lanes(kernel: F32Kernel) -> usize {
     }
 }
 
-/// The input transform of one tile on `kernel`'s instruction set (see the ISA modules).
-///
-/// # Safety
-/// As the ISA kernels' `input_tile`.
-unsafe fn isa_input_tile(
-    kernel: F32Kernel,
-    src: &[*const f32; POINTS],
-    cin: usize,
-    dst: *mut f32,
-    point_stride: usize,
-) {
+/// Rows (input channels) of the weight gradient's register tile on `kernel`.
+fn grad_rows(kernel: F32Kernel) -> usize {
     match kernel {
-        // SAFETY: the kernel was chosen by feature detection; the caller's contract.
-        #[cfg(target_arch = "x86_64")]
-        F32Kernel::Avx512 => unsafe { avx512::input_tile(src, cin, dst, point_stride) },
-        // SAFETY: as above.
-        #[cfg(target_arch = "x86_64")]
-        F32Kernel::Avx2 => unsafe { avx2::input_tile(src, cin, dst, point_stride) },
-        _ => unreachable!("Winograd weights exist only for SIMD kernels"),
+        F32Kernel::Avx512 => 12,
+        _ => 6,
     }
 }
 
-/// The 16 GEMMs of one block and panel on `kernel`'s instruction set.
-///
-/// # Safety
-/// As the ISA kernels' `gemm`.
-unsafe fn isa_gemm(
-    kernel: F32Kernel,
-    v: *const f32,
-    cs: usize,
-    u: *const f32,
-    cin: usize,
-    m: *mut f32,
-) {
-    match kernel {
-        // SAFETY: the kernel was chosen by feature detection; the caller's contract.
-        #[cfg(target_arch = "x86_64")]
-        F32Kernel::Avx512 => unsafe { avx512::gemm(v, cs, u, cin, m) },
-        // SAFETY: as above.
-        #[cfg(target_arch = "x86_64")]
-        F32Kernel::Avx2 => unsafe { avx2::gemm(v, cs, u, cin, m) },
-        _ => unreachable!("Winograd weights exist only for SIMD kernels"),
-    }
+/// Calls kernel function `$f` of `$kernel`'s instruction set (the ISA modules' `input_tile`,
+/// `gemm`, `output_tile`, `grad_tile`, `grad_gemm`). Unsafe: the call's contract is that
+/// function's.
+macro_rules! on_isa {
+    ($kernel:expr, $f:ident($($arg:expr),* $(,)?)) => {
+        match $kernel {
+            #[cfg(target_arch = "x86_64")]
+            F32Kernel::Avx512 => crate::kernels::winograd::avx512::$f($($arg),*),
+            #[cfg(target_arch = "x86_64")]
+            F32Kernel::Avx2 => crate::kernels::winograd::avx2::$f($($arg),*),
+            _ => unreachable!("Winograd runs only on SIMD kernels"),
+        }
+    };
 }
-
-/// The output transform and store of one tile on `kernel`'s instruction set.
-///
-/// # Safety
-/// As the ISA kernels' `output_tile`.
-unsafe fn isa_output_tile(
-    kernel: F32Kernel,
-    m: *const f32,
-    point_stride: usize,
-    epilogue: &Epilogue,
-    dst: &[*mut f32; 4],
-    res: &[*const f32; 4],
-) {
-    match kernel {
-        // SAFETY: the kernel was chosen by feature detection; the caller's contract.
-        #[cfg(target_arch = "x86_64")]
-        F32Kernel::Avx512 => unsafe { avx512::output_tile(m, point_stride, epilogue, dst, res) },
-        // SAFETY: as above.
-        #[cfg(target_arch = "x86_64")]
-        F32Kernel::Avx2 => unsafe { avx2::output_tile(m, point_stride, epilogue, dst, res) },
-        _ => unreachable!("Winograd weights exist only for SIMD kernels"),
-    }
-}
+pub(crate) use on_isa;
 
 /// The three kernels of one instruction set, written once over its vector helpers (`V`,
 /// `L`, `R`, `zero`, `load`, `loadn`, `store`, `storen`, `add`, `sub`, `max`, `fma`, `bcast`,
@@ -654,6 +608,86 @@ macro_rules! winograd_kernels {
                     }
                 }
                 c += L;
+            }
+        }
+
+        /// `Q = A dy Aᵀ` of one 2×2 output-gradient tile (`src`: its 4 pixels in raster
+        /// order, null outside the output) for columns `0..qs` (zeros past `cout`), a vector
+        /// of channels at a time: point `ξ`'s values go to `dst + ξ·point_stride`.
+        ///
+        /// # Safety
+        /// The CPU has `$features`; each non-null `src[q]` is valid for `cout` reads; `dst`
+        /// for writes of 16 points × `qs` values (`qs` a multiple of `L`).
+        #[target_feature(enable = $features)]
+        pub(super) unsafe fn grad_tile(
+            src: &[*const f32; 4],
+            (cout, qs): (usize, usize),
+            dst: *mut f32,
+            point_stride: usize,
+        ) {
+            let mut c = 0;
+            while c < qs {
+                let n = cout.saturating_sub(c).min(L);
+                let d: [V; 4] = std::array::from_fn(|p| {
+                    if src[p].is_null() || n == 0 {
+                        zero()
+                    } else {
+                        // SAFETY: `n` channels from `c` lie inside the pixel.
+                        unsafe { loadn(src[p].add(c), n) }
+                    }
+                });
+                // A = [[1, 0], [1, 1], [1, −1], [0, −1]] on the rows, then on the columns.
+                let t = [
+                    [d[0], d[1]],
+                    [add(d[0], d[2]), add(d[1], d[3])],
+                    [sub(d[0], d[2]), sub(d[1], d[3])],
+                    [sub(zero(), d[2]), sub(zero(), d[3])],
+                ];
+                for (i, [a, b]) in t.into_iter().enumerate() {
+                    let v = [a, add(a, b), sub(a, b), sub(zero(), b)];
+                    for (j, v) in v.into_iter().enumerate() {
+                        // SAFETY: the caller's contract.
+                        unsafe { store(dst.add((4 * i + j) * point_stride + c), v) };
+                    }
+                }
+                c += L;
+            }
+        }
+
+        /// One point's weight-gradient block: `sum[r][..W] += Σ_t v[t][r] · q[t][..W]` for
+        /// `R` input channels `r` (rows of `sum` `qs` apart) and one panel of output
+        /// channels, over `tiles` tiles (rows of `v` `cs` apart, of `q` `qs` apart).
+        ///
+        /// # Safety
+        /// The CPU has `$features`; `v` is valid for reads of `R` values at each of its
+        /// `tiles` rows, `q` for `W` values at each of its rows, `sum` for reads and writes
+        /// of `W` values at each of its `R` rows.
+        #[target_feature(enable = $features)]
+        pub(super) unsafe fn grad_gemm(
+            v: *const f32,
+            cs: usize,
+            q: *const f32,
+            qs: usize,
+            tiles: usize,
+            sum: *mut f32,
+        ) {
+            // SAFETY: the caller's contract, for every access below.
+            unsafe {
+                let mut acc: [[V; 2]; R] =
+                    std::array::from_fn(|r| [load(sum.add(r * qs)), load(sum.add(r * qs + L))]);
+                for t in 0..tiles {
+                    let (w0, w1) = (load(q.add(t * qs)), load(q.add(t * qs + L)));
+                    let row = v.add(t * cs);
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        let a = bcast(row.add(r));
+                        acc[0] = fma(a, w0, acc[0]);
+                        acc[1] = fma(a, w1, acc[1]);
+                    }
+                }
+                for (r, acc) in acc.iter().enumerate() {
+                    store(sum.add(r * qs), acc[0]);
+                    store(sum.add(r * qs + L), acc[1]);
+                }
             }
         }
 

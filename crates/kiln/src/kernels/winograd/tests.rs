@@ -331,3 +331,87 @@ fn the_training_forward_on_nchw_matches_the_f64_reference_in_any_parts() {
         assert!(err <= 1e-5, "parts of {images} images: error {err:e}");
     }
 }
+
+/// f64 weight gradient of an NCHW convolution: `dW[o][c][ky][kx] = Σ x · dy`.
+fn reference_weight_grad(s: &ConvShape, x: &[f32], dy: &[f32]) -> Vec<f64> {
+    let (oh, ow) = (s.out_h(), s.out_w());
+    let mut dw = vec![0f64; s.weight_len()];
+    for n in 0..s.batch {
+        for o in 0..s.cout {
+            for c in 0..s.cin {
+                for ky in 0..3 {
+                    for kx in 0..3 {
+                        let mut acc = 0f64;
+                        for oy in 0..oh {
+                            for ox in 0..ow {
+                                let iy = (oy + ky) as isize - s.padding[0].0 as isize;
+                                let ix = (ox + kx) as isize - s.padding[1].0 as isize;
+                                if iy < 0 || ix < 0 || iy >= s.h as isize || ix >= s.w as isize {
+                                    continue;
+                                }
+                                let xv =
+                                    x[((n * s.cin + c) * s.h + iy as usize) * s.w + ix as usize];
+                                acc +=
+                                    xv as f64 * dy[((n * s.cout + o) * oh + oy) * ow + ox] as f64;
+                            }
+                        }
+                        dw[((o * s.cin + c) * 3 + ky) * 3 + kx] += acc;
+                    }
+                }
+            }
+        }
+    }
+    dw
+}
+
+#[test]
+fn the_weight_gradient_matches_the_f64_reference_on_every_kernel_and_in_parts() {
+    // Odd output sizes (a last tile half outside), one-sided padding, channels that fill no
+    // vector or register tile; parts of 1 and 2 images and the whole batch.
+    for s in [
+        shape(3, 19, [10, 9], 21, [3, 3], [1, 1], [(1, 0), (1, 1)], [1, 1]),
+        shape(4, 16, [8, 8], 40, [3, 3], [1, 1], [(1, 1), (1, 1)], [1, 1]),
+        shape(
+            1,
+            32,
+            [16, 16],
+            64,
+            [3, 3],
+            [1, 1],
+            [(0, 0), (0, 0)],
+            [1, 1],
+        ),
+    ] {
+        let x = values(s.input_len(), 5);
+        let dy = values(s.output_len(), 6);
+        let want = reference_weight_grad(&s, &x, &dy);
+        let per_image = s.input_len() / s.batch + s.output_len() / s.batch;
+        if F32Kernel::detect().panel_width().is_some() {
+            assert!(
+                applies_weight_grad(&s),
+                "{s:?} should take the Winograd path"
+            );
+        }
+        for kernel in F32Kernel::all_supported() {
+            if kernel.panel_width().is_none() {
+                continue;
+            }
+            for images in [1, 2, s.batch] {
+                let mut dw = vec![f32::NAN; s.weight_len()];
+                weight_grad::weight_grad_in_parts(
+                    kernel,
+                    &s,
+                    (&x, &dy),
+                    &mut dw,
+                    images * per_image,
+                );
+                let err = relative_error(&dw, &want);
+                assert!(
+                    err <= 1e-5,
+                    "{} kernel, {s:?}, parts of {images}: error {err:e}",
+                    kernel.name()
+                );
+            }
+        }
+    }
+}
