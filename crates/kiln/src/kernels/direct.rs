@@ -313,12 +313,21 @@ mod avx512 {
         bias: [f32; 8],
         (outputs, stores, rows): ([*mut f32; 3], [u16; 3], usize),
     ) {
-        let mut acc = bias.map(|b| [_mm512_set1_ps(b); 3]);
+        // Plain loops, not `array::map`: a `map` call the compiler chose not to inline (it
+        // did so after unrelated code grew: BENCHMARKS.md run 47) ran once per input channel
+        // and cost the kernel 2.5× its time.
+        let mut acc = [[_mm512_setzero_ps(); 3]; 8];
+        for (row, &b) in acc.iter_mut().zip(&bias) {
+            *row = [_mm512_set1_ps(b); 3];
+        }
         let mut weights = t.weights;
         for (tap, &shift) in t.shifts.iter().enumerate() {
             // SAFETY: each vector has a mask per tap.
             let masks: [__mmask16; 3] = std::array::from_fn(|v| unsafe { *t.masks[v].add(tap) });
-            let mut inputs = t.inputs.map(|i| i.wrapping_offset(shift));
+            let mut inputs = t.inputs;
+            for i in inputs.iter_mut() {
+                *i = i.wrapping_offset(shift);
+            }
             for _ in 0..t.cin {
                 let xs: [__m512; 3] = std::array::from_fn(|v| {
                     // SAFETY: the mask keeps every loaded lane inside its image's channel
@@ -333,7 +342,9 @@ mod avx512 {
                     }
                 }
                 weights = weights.wrapping_add(8);
-                inputs = inputs.map(|i| i.wrapping_add(t.plane));
+                for i in inputs.iter_mut() {
+                    *i = i.wrapping_add(t.plane);
+                }
             }
         }
         for (r, row) in acc.iter().enumerate().take(rows) {
