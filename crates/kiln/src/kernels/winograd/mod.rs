@@ -1,6 +1,9 @@
-//! Winograd F(2×2, 3×3) convolution for inference on channels-last images: 3×3 layers with
-//! stride 1 (VGG- and ResNet-style bodies, W3's second layer) in 16 multiply-adds per 2×2
-//! output tile and input channel where the implicit GEMM ([`super::implicit`]) takes 36.
+//! Winograd F(2×2, 3×3) convolution on channels-last images: 3×3 layers with stride 1
+//! (VGG- and ResNet-style bodies, W3's second layer) in 16 multiply-adds per 2×2 output tile
+//! and input channel where the implicit GEMM ([`super::implicit`]) takes 36. Inference calls
+//! come from the implicit GEMM's entry points; training's forward and input gradient come
+//! from [`super::conv`] through channels-last copies ([`conv2d_nchw`]), its weight gradient
+//! as F(3×3, 2×2) ([`weight_grad`]).
 //!
 //! Why: on W3 at batch 1 that GEMM already ran the layer at ~114 G multiply-adds/s on two
 //! threads — this CPU's peak — and the layer was still 55% of the run (BENCHMARKS.md run
@@ -21,7 +24,7 @@
 //!
 //! Numerics: the transforms' coefficients are 0, ±½ and ±1, so F(2×2, 3×3) adds little
 //! rounding error (checked against an f64 direct convolution in the tests, within 1e-5 of
-//! the sum of the products' magnitudes). Larger tiles (F(4×4, 3×3): 4× fewer
+//! the output's largest magnitude). Larger tiles (F(4×4, 3×3): 4× fewer
 //! multiply-adds) need coefficients up to 8 and lose about two more digits; not used.
 
 #[cfg(target_arch = "x86_64")]
