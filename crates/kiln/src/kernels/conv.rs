@@ -614,7 +614,7 @@ fn forward_into(
 }
 
 /// The forward as one GEMM per image or group of images over their unfolded patches (every
-/// shape; [`forward_into`] takes the direct kernel instead where it applies).
+/// shape; [`forward_into`] takes Winograd or the direct kernel instead where they apply).
 fn forward_gemm(
     s: &ConvShape,
     (x, weight, bias): (&[f32], &[f32], Option<&[f32]>),
@@ -1227,7 +1227,6 @@ mod tests {
         ]
     }
 
-    /// `[batch, c, h, w]` values as `[batch, h, w, c]`.
     /// The seeded input, weight and bias of shape `i` of [`shapes`].
     fn operands(s: &ConvShape, i: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
         let i = i as u64;
@@ -1236,6 +1235,7 @@ mod tests {
         (x, w, values(s.cout, 200 + i))
     }
 
+    /// `[batch, c, h, w]` values as `[batch, h, w, c]`.
     fn to_nhwc(x: &[f32], [b, c, h, w]: [usize; 4]) -> Vec<f32> {
         let mut y = vec![0f32; x.len()];
         for n in 0..b {

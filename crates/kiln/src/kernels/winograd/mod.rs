@@ -50,6 +50,45 @@ use super::implicit::{F32Kernel, SharedOut};
 /// Points of a transformed tile: the 4×4 input tile of one 2×2 output tile.
 const POINTS: usize = 16;
 
+/// The weight transform's `G` (4×3) of F(2×2, 3×3); the weight gradient's F(3×3, 2×2) turns
+/// its sums back with the same matrix, as `Gᵀ S G`.
+const G: [[f64; 3]; 4] = [
+    [1.0, 0.0, 0.0],
+    [0.5, 0.5, 0.5],
+    [0.5, -0.5, 0.5],
+    [0.0, 0.0, 1.0],
+];
+
+/// Image, tile row and tile column of tile `t` on a grid of `[th, tw]` tiles per image.
+fn tile_at(t: usize, [th, tw]: [usize; 2]) -> (usize, usize, usize) {
+    (t / (th * tw), t % (th * tw) / tw, t % tw)
+}
+
+/// The 16 input pixels of tile `(n, ty, tx)` of `s` in the channels-last `image`, null where
+/// they fall on the padding.
+fn input_tile_pixels(
+    s: &ConvShape,
+    image: &[f32],
+    (n, ty, tx): (usize, usize, usize),
+) -> [*const f32; POINTS] {
+    let [(top, _), (left, _)] = s.padding;
+    std::array::from_fn(|p| {
+        let iy = (2 * ty + p / 4).wrapping_sub(top);
+        let ix = (2 * tx + p % 4).wrapping_sub(left);
+        if iy < s.h && ix < s.w {
+            image[((n * s.h + iy) * s.w + ix) * s.cin..].as_ptr()
+        } else {
+            std::ptr::null()
+        }
+    })
+}
+
+/// Images per part of a training call turned channels-last at a time: as many as
+/// `chunk_values` values hold at `per_image` each (at least one).
+fn images_per_part(chunk_values: usize, per_image: usize) -> usize {
+    (chunk_values / per_image).max(1)
+}
+
 /// Tiles per block: one register tile of rows on AVX-512, two on AVX2. A block's transformed
 /// input (`16 × BLOCK × cin` values) and products (`16 × BLOCK × panel`) stay in L1/L2 while
 /// every panel of output channels passes over them.
@@ -174,7 +213,7 @@ fn nchw_in_parts(
     if image_in == 0 || image_out == 0 {
         return;
     }
-    let per_chunk = (chunk_values / (image_in + image_out)).max(1);
+    let per_chunk = images_per_part(chunk_values, image_in + image_out);
     let chunks = x
         .chunks(image_in * per_chunk)
         .zip(out.chunks_mut(image_out * per_chunk));
@@ -195,7 +234,8 @@ fn nchw_in_parts(
     }
 }
 
-/// Input plus output values per part of a training forward's batch (8 MB).
+/// Input plus output values per part of a training call's batch turned channels-last at a
+/// time (8 MB).
 const CHUNK_VALUES: usize = 2 << 20;
 
 /// Output tiles per image, `[rows, columns]`: those covering the output, or with `pool`
@@ -260,12 +300,6 @@ impl WinogradWeights {
         (col, width): (usize, usize),
         data: &mut [f32],
     ) {
-        const G: [[f64; 3]; 4] = [
-            [1.0, 0.0, 0.0],
-            [0.5, 0.5, 0.5],
-            [0.5, -0.5, 0.5],
-            [0.0, 0.0, 1.0],
-        ];
         {
             for c in 0..cin {
                 // G g (4×3), then (G g) Gᵀ (4×4).
@@ -428,19 +462,8 @@ impl Job<'_> {
             if m.len() < POINTS * BLOCK * w.width {
                 *m = AlignedF32::zeroed(POINTS * BLOCK * w.width);
             }
-            let [(top, _), (left, _)] = s.padding;
             for (i, t) in self.tiles.clone().enumerate() {
-                let (n, ty, tx) = self.tile_at(t);
-                // The tile's 16 input pixels, null where they fall on the padding.
-                let src: [*const f32; POINTS] = std::array::from_fn(|p| {
-                    let iy = (2 * ty + p / 4).wrapping_sub(top);
-                    let ix = (2 * tx + p % 4).wrapping_sub(left);
-                    if iy < s.h && ix < s.w {
-                        self.x[((n * s.h + iy) * s.w + ix) * s.cin..].as_ptr()
-                    } else {
-                        std::ptr::null()
-                    }
-                });
+                let src = input_tile_pixels(s, self.x, tile_at(t, self.grid));
                 // SAFETY: each non-null pointer starts a pixel's `cin` values inside `x`;
                 // the scratch holds 16 points × BLOCK rows × `cs` values.
                 unsafe {
@@ -465,7 +488,7 @@ impl Job<'_> {
                     )
                 };
                 for (i, t) in self.tiles.clone().enumerate() {
-                    let (n, ty, tx) = self.tile_at(t);
+                    let (n, ty, tx) = tile_at(t, self.grid);
                     let mut dst = [std::ptr::null_mut(); 4];
                     let mut res = [std::ptr::null(); 4];
                     if self.store.pool {
@@ -509,12 +532,6 @@ impl Job<'_> {
                 }
             }
         });
-    }
-
-    /// Image, tile row and tile column of tile `t`.
-    fn tile_at(&self, t: usize) -> (usize, usize, usize) {
-        let [th, tw] = self.grid;
-        (t / (th * tw), t % (th * tw) / tw, t % tw)
     }
 }
 

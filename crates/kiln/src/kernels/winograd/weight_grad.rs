@@ -15,7 +15,7 @@
 
 use rayon::prelude::*;
 
-use super::{POINTS, lanes, on_isa};
+use super::{CHUNK_VALUES, G, POINTS, images_per_part, input_tile_pixels, lanes, on_isa, tile_at};
 use crate::kernels::conv::ConvShape;
 use crate::kernels::implicit::F32Kernel;
 
@@ -26,9 +26,6 @@ const MAX_CHANNEL_PAIRS: usize = 128 * 128;
 /// Transformed values per block (its input and output-gradient tiles: 512 KB), so a block
 /// stays in L2 beside the thread's `S`.
 const BLOCK_VALUES: usize = 128 << 10;
-
-/// Input plus output-gradient values per part of the batch turned channels-last at a time.
-const CHUNK_VALUES: usize = 2 << 20;
 
 /// Whether [`weight_grad_nchw`] takes the weight gradient of shape `s`.
 pub(crate) fn applies(s: &ConvShape) -> bool {
@@ -76,7 +73,7 @@ pub(super) fn weight_grad_in_parts(
     let threads = rayon::current_num_threads().max(1);
     let mut sums: Vec<Vec<f32>> = vec![vec![0f32; POINTS * g.c_pad * g.qs]; threads];
     if image_in > 0 && image_out > 0 {
-        let per_chunk = (chunk_values / (image_in + image_out)).max(1);
+        let per_chunk = images_per_part(chunk_values, image_in + image_out);
         for (x, dout) in x
             .chunks(image_in * per_chunk)
             .zip(dout.chunks(image_out * per_chunk))
@@ -99,27 +96,22 @@ pub(super) fn weight_grad_in_parts(
     for part in rest {
         first.iter_mut().zip(part.iter()).for_each(|(a, b)| *a += b);
     }
-    const GT: [[f64; 4]; 3] = [
-        [1.0, 0.5, 0.5, 0.0],
-        [0.0, 0.5, -0.5, 0.0],
-        [0.0, 0.5, 0.5, 1.0],
-    ];
     dweight
         .par_chunks_mut(s.cin * 9)
         .enumerate()
         .for_each(|(o, rows)| {
             for (c, w) in rows.chunks_exact_mut(9).enumerate() {
                 let at = |p: usize| first[(p * g.c_pad + c) * g.qs + o] as f64;
-                for (ky, gy) in GT.iter().enumerate() {
-                    for (kx, gx) in GT.iter().enumerate() {
-                        let mut v = 0f64;
-                        for (i, a) in gy.iter().enumerate() {
-                            for (j, b) in gx.iter().enumerate() {
-                                v += a * at(i * 4 + j) * b;
-                            }
+                // dW[ky][kx] = Σ_ij G[i][ky] · S[i·4 + j] · G[j][kx].
+                for (k, w) in w.iter_mut().enumerate() {
+                    let (ky, kx) = (k / 3, k % 3);
+                    let mut v = 0f64;
+                    for (i, gi) in G.iter().enumerate() {
+                        for (j, gj) in G.iter().enumerate() {
+                            v += gi[ky] * at(i * 4 + j) * gj[kx];
                         }
-                        w[ky * 3 + kx] = v as f32;
                     }
+                    *w = v as f32;
                 }
             }
         });
@@ -150,7 +142,6 @@ fn accumulate(
 ) {
     let (oh, ow) = (s.out_h(), s.out_w());
     let (th, tw) = (oh.div_ceil(2), ow.div_ceil(2));
-    let [(top, _), (left, _)] = s.padding;
     let block = (BLOCK_VALUES / (POINTS * (g.cs + g.qs))).clamp(12, 192);
     // The register tile reads `rows` input channels from each row of `v`: a last block of
     // channels past `cs` reads into the next row, and past the last row into the slack.
@@ -161,16 +152,8 @@ fn accumulate(
         let n_tiles = (range.end - first).min(block);
         for i in 0..n_tiles {
             let t = first + i;
-            let (n, ty, tx) = (t / (th * tw), t % (th * tw) / tw, t % tw);
-            let src: [*const f32; POINTS] = std::array::from_fn(|p| {
-                let iy = (2 * ty + p / 4).wrapping_sub(top);
-                let ix = (2 * tx + p % 4).wrapping_sub(left);
-                if iy < s.h && ix < s.w {
-                    image[((n * s.h + iy) * s.w + ix) * s.cin..].as_ptr()
-                } else {
-                    std::ptr::null()
-                }
-            });
+            let (n, ty, tx) = tile_at(t, [th, tw]);
+            let src = input_tile_pixels(s, image, (n, ty, tx));
             let dy: [*const f32; 4] = std::array::from_fn(|p| {
                 let (y, x) = (2 * ty + p / 2, 2 * tx + p % 2);
                 if y < oh && x < ow {
