@@ -31,6 +31,21 @@ pub fn run(args: TrainArgs) -> Result<()> {
     let plan = args.config.resolve()?;
     plan.apply_runtime();
     let collective = launch::join(&plan)?;
+    let result = train_rank(&args, &plan, collective.clone());
+    if let (Err(e), Some(c)) = (&result, &collective) {
+        // A rank that fails outside the trainer (its data, its output files) must not leave
+        // the others waiting in a collective: under MPI this aborts the job.
+        c.abandon(&format!("{e:#}"));
+    }
+    result
+}
+
+/// Trains this process's rank (all of it without data parallelism) and prints the summary.
+fn train_rank(
+    args: &TrainArgs,
+    plan: &Plan,
+    collective: Option<Arc<dyn Collective>>,
+) -> Result<()> {
     // Rank 0 reports for all (events, files, the summary); the other ranks train quietly.
     let leader = collective.as_ref().is_none_or(|c| c.rank() == 0);
     let (train, test): datasets::DatasetPair = match &plan.data_dir {
@@ -102,7 +117,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
     }
     let sink: &mut dyn EventSink = &mut fan;
     let run = Rank {
-        plan: &plan,
+        plan,
         resume: resume.as_deref(),
         train: &*train,
         test: &*test,
@@ -183,14 +198,38 @@ fn fit_on_gpus(
             .map(|member| s.spawn(|| fit(member, &mut NullSink)))
             .collect();
         let outcome = fit(leader, sink);
+        // A rank that fails releases the others with `PeerLost`; report the failure itself.
+        let mut failures = Vec::new();
         for (rank, handle) in others.into_iter().enumerate() {
+            let rank = rank + 1;
             match handle.join() {
-                Ok(result) => {
-                    result.with_context(|| format!("GPU rank {}", rank + 1))?;
-                }
-                Err(_) => bail!("GPU rank {} panicked", rank + 1),
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => failures.push((rank, e)),
+                Err(_) => bail!("GPU rank {rank} panicked"),
             }
         }
-        Ok(outcome?)
+        let outcome = match outcome {
+            Ok(o) => o,
+            Err(e) => {
+                failures.insert(0, (0, e));
+                let (rank, e) = root_failure(failures);
+                return Err(e).with_context(|| format!("GPU rank {rank}"));
+            }
+        };
+        if !failures.is_empty() {
+            let (rank, e) = root_failure(failures);
+            return Err(e).with_context(|| format!("GPU rank {rank}"));
+        }
+        Ok(outcome)
     })
+}
+
+/// The failure that stopped a group of ranks: the first that is not a consequence of another
+/// rank's ([`kiln::KilnError::PeerLost`]), else the first. `failures` is not empty.
+fn root_failure(mut failures: Vec<(usize, kiln::KilnError)>) -> (usize, kiln::KilnError) {
+    let i = failures
+        .iter()
+        .position(|(_, e)| !matches!(e, kiln::KilnError::PeerLost(_)))
+        .unwrap_or(0);
+    failures.swap_remove(i)
 }

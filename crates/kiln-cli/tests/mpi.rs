@@ -1,6 +1,7 @@
 //! Data parallelism across processes over MPI (the `mpi` build, Open MPI's `mpirun`):
 //! `kiln train --processes 2` trains the model one process trains with twice the batch,
-//! writes checkpoints once (rank 0) that both ranks resume from, and refuses BatchNorm.
+//! writes checkpoints once (rank 0) that both ranks resume from, refuses BatchNorm, and
+//! aborts the job when one rank fails.
 //! Run with `cargo test -p kiln-cli --features mpi --test mpi` (CI does, after installing
 //! Debian's Open MPI).
 #![cfg(feature = "mpi")]
@@ -163,6 +164,47 @@ fn two_processes_train_the_model_of_one_with_twice_the_batch_and_resume_together
         0.0,
         "a resumed 2-process run continues bit for bit"
     );
+}
+
+#[test]
+fn a_rank_that_fails_aborts_the_job_with_its_error_instead_of_a_hang() {
+    let dir = TestDir::new("mpi-fault");
+    // (1) Inside the trainer: rank 0 cannot write its step-2 checkpoint (a directory has the
+    // file's name) while rank 1 goes on to step 3's all-reduce. (2) Outside it: rank 0
+    // cannot create its run directory (a file is in the way) while rank 1 starts training.
+    let ckpt = dir.join("ckpt");
+    std::fs::create_dir_all(ckpt.join("step-00000002.kiln").join("x")).unwrap();
+    let blocked = dir.join("not-a-dir");
+    std::fs::write(&blocked, b"").unwrap();
+    let cases: [(Vec<&str>, &str); 2] = [
+        (
+            vec!["--set", "train.checkpoint_every_steps=2"],
+            "step-00000002.kiln",
+        ),
+        (vec!["--run-dir", blocked.to_str().unwrap()], "not-a-dir"),
+    ];
+    for (extra, named) in cases {
+        let mut args = vec!["120", env!("CARGO_BIN_EXE_kiln")];
+        args.extend(train_args(
+            ckpt.to_str().unwrap(),
+            "16",
+            "6",
+            &["--processes", "2"],
+        ));
+        args.extend(extra);
+        // Under `timeout`: a hang must fail the test (status 124), not block it.
+        let o = Command::new("timeout")
+            .args(&args)
+            .env("KILN_LOG", "error")
+            .output()
+            .expect("run timeout kiln");
+        let err = text(&o.stderr);
+        assert_ne!(o.status.code(), Some(124), "the job hung: {err}");
+        assert!(!o.status.success());
+        assert!(err.contains("rank 0 of 2 failed"), "{err}");
+        assert!(err.contains(named), "{err}");
+        assert!(err.contains("aborting the MPI job"), "{err}");
+    }
 }
 
 #[test]

@@ -118,6 +118,10 @@ pub enum KilnError {
     /// A data-parallel collective (all-reduce, broadcast) failed, or the ranks disagree.
     #[error("data parallel: {0}")]
     Collective(String),
+    /// Another rank of a data-parallel group stopped (failed, panicked, or hung past the
+    /// group's timeout), so this one cannot go on: the other rank's own error is the cause.
+    #[error("data parallel: {0}; this rank stops too")]
+    PeerLost(String),
     /// An inference graph or session could not be built or run.
     #[error("inference: {0}")]
     Inference(String),

@@ -1,6 +1,7 @@
 //! Data parallelism with ranks as threads ([`ThreadGroup`]): N ranks with micro-batch b train
 //! the model one process trains with batch N·b, with accumulation, clipping, a short last
-//! batch that leaves a rank without samples, a NaN on one rank, checkpoints and resume.
+//! batch that leaves a rank without samples, a NaN on one rank, checkpoints and resume, and
+//! a rank that fails stopping the others with its error.
 //! The MPI engine runs the same trainer code across processes (kiln-cli's `tests/mpi.rs`).
 
 mod common;
@@ -279,6 +280,76 @@ fn batch_norm_models_are_refused_with_the_reason() {
     for e in errors {
         assert!(matches!(e, KilnError::Inconsistent(_)), "{e}");
         assert!(e.to_string().contains("BatchNorm"), "{e}");
+    }
+}
+
+/// Bundled samples with one record that cannot be read.
+struct Corrupt {
+    inner: kiln::data::ImageDataset,
+    bad: usize,
+}
+
+impl Dataset for Corrupt {
+    fn len(&self) -> usize {
+        self.inner.len()
+    }
+    fn item_shape(&self) -> [usize; 3] {
+        self.inner.item_shape()
+    }
+    fn fill(&self, index: usize, out: &mut [f32]) -> kiln::Result<usize> {
+        if index == self.bad {
+            return Err(KilnError::Loader(format!("record {index} is corrupt")));
+        }
+        self.inner.fill(index, out)
+    }
+}
+
+#[test]
+fn a_rank_that_fails_stops_the_others_with_its_error_instead_of_a_hang() {
+    // In order, 2 ranks × 8 with accumulation 2: step 2's first global micro-batch is
+    // samples 32..48, rank 0 reads 32..40 and rank 1 40..48. Each rank fails in turn.
+    for (bad, failing) in [(40, 1), (32, 0)] {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let ranks: Vec<_> = ThreadGroup::new(2)
+            .into_iter()
+            .map(|g| {
+                let tx = tx.clone();
+                // Plain threads, not a scope: a hang must fail the test below, not block it.
+                std::thread::spawn(move || {
+                    let data = Corrupt {
+                        inner: bundled(Split::Train).unwrap().take(161),
+                        bad,
+                    };
+                    let opts = TrainOptions {
+                        shuffle: false,
+                        ..options(8)
+                    };
+                    let r = train(opts, &data, Some(Arc::new(g))).map(|_| ());
+                    let _ = tx.send(());
+                    r
+                })
+            })
+            .collect();
+        for _ in 0..2 {
+            rx.recv_timeout(std::time::Duration::from_secs(120))
+                .expect("a rank still waits for the failed one after 120 s: a hang");
+        }
+        let errors: Vec<KilnError> = ranks
+            .into_iter()
+            .map(|h| h.join().unwrap().unwrap_err())
+            .collect();
+        // The failing rank reports its own error; the other one stops with that error as
+        // the reason, not a hang and not a generic one.
+        let own = errors[failing].to_string();
+        assert!(own.contains(&format!("record {bad} is corrupt")), "{own}");
+        let other = &errors[1 - failing];
+        assert!(matches!(other, KilnError::PeerLost(_)), "{other}");
+        let why = other.to_string();
+        assert!(
+            why.contains(&format!("rank {failing} failed"))
+                && why.contains(&format!("record {bad} is corrupt")),
+            "{why}"
+        );
     }
 }
 

@@ -64,6 +64,16 @@ pub trait Collective: Send + Sync {
     /// The engine, for logs and the plan (`"single"`, `"threads"`, `"devices"`, `"mpi"`).
     fn engine(&self) -> &'static str;
 
+    /// This rank cannot go on (its run failed with `why`): releases the other ranks, which
+    /// would otherwise wait for it at their next call forever. [`ThreadGroup`] breaks the
+    /// group, so their calls return [`crate::KilnError::PeerLost`] carrying `why`; MPI prints
+    /// `why` and aborts the job (`MPI_Abort`, the only way MPI offers to stop ranks blocked
+    /// in a collective), so under MPI this does not return. The trainer calls it when a
+    /// multi-rank run fails; a program that fails outside the trainer should call it too.
+    fn abandon(&self, why: &str) {
+        let _ = why;
+    }
+
     /// The devices, in rank order, of an engine that all-reduces gradients where they live
     /// (Burn's collective on accelerators, [`DeviceGroup`]); `None` (the default): gradients
     /// are reduced as host buffers through [`Collective::all_reduce_f32`].

@@ -113,4 +113,26 @@ impl Collective for MpiCollective {
     fn engine(&self) -> &'static str {
         "mpi"
     }
+    fn abandon(&self, why: &str) {
+        if self.size < 2 {
+            return;
+        }
+        // Printed here because the abort ends this process before its caller could.
+        eprintln!(
+            "kiln: rank {} of {} failed: {why}\nkiln: aborting the MPI job so that the other \
+             ranks stop instead of waiting for this one",
+            self.rank, self.size
+        );
+        self.world().world.abort(1)
+    }
+}
+
+impl Drop for MpiCollective {
+    /// A rank that panics would otherwise finalize MPI while the others wait for it in a
+    /// collective (and `MPI_Finalize` itself waits for them): abort the job instead.
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.abandon("panicked");
+        }
+    }
 }

@@ -149,7 +149,29 @@ impl<'s> Trainer<'s> {
     /// `valid`: the general entry point, for any batch type (a Burn `Dataset` + `Batcher`
     /// through [`crate::data::BurnBatches`], or a [`BatchSource`] of your own). `model_name`
     /// is stored in checkpoints; a resume refuses a checkpoint of another name.
+    ///
+    /// Under data parallelism a rank whose run fails releases the others
+    /// ([`Collective::abandon`]): with threads they stop with [`crate::KilnError::PeerLost`]
+    /// carrying this rank's error; under MPI the job is aborted after the error is printed.
     pub fn fit_source<B: Send, M: TrainStep<B> + 'static>(
+        &mut self,
+        model_name: &str,
+        init: impl FnOnce(&Device) -> M,
+        train: &dyn BatchSource<Batch = B>,
+        valid: Option<&dyn BatchSource<Batch = B>>,
+    ) -> Result<TrainOutcome<M>> {
+        let result = self.fit_rank(model_name, init, train, valid);
+        if let Err(e) = &result
+            && self.collective.size() > 1
+            && !matches!(e, KilnError::PeerLost(_))
+        {
+            self.collective.abandon(&e.to_string());
+        }
+        result
+    }
+
+    /// [`Trainer::fit_source`] on this rank, without releasing the others on failure.
+    fn fit_rank<B: Send, M: TrainStep<B> + 'static>(
         &mut self,
         model_name: &str,
         init: impl FnOnce(&Device) -> M,
