@@ -1,7 +1,6 @@
 //! The model-side half of data parallelism: gradients flattened into buckets in parameter
 //! order and all-reduced, the step's statistics reduced with them, rank 0's parameters
-//! broadcast, a replica check, and the refusal of BatchNorm (its running statistics would be
-//! per rank).
+//! broadcast, and a replica check.
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
@@ -462,33 +461,4 @@ pub fn check_same_settings(settings: &str, collective: &dyn Collective) -> Resul
         )));
     }
     Ok(())
-}
-
-/// Refuses models with BatchNorm layers: their running statistics (and, in training, their
-/// batch statistics) would be computed per rank, so N ranks would not train the model one
-/// process does. A synchronized BatchNorm does not exist in Kiln yet.
-pub fn refuse_batch_norm<M: Module>(model: &M) -> Result<()> {
-    struct Find(Option<String>, Vec<String>);
-    impl ModuleVisitor for Find {
-        fn enter_module(&mut self, name: &str, container_type: &str) {
-            self.1.push(name.to_string());
-            if self.0.is_none() && container_type.ends_with("BatchNorm") {
-                self.0 = Some(self.1.join("."));
-            }
-        }
-        fn exit_module(&mut self, _name: &str, _container_type: &str) {
-            self.1.pop();
-        }
-    }
-    let mut find = Find(None, Vec::new());
-    model.visit(&mut find);
-    match find.0 {
-        Some(path) => Err(KilnError::Inconsistent(format!(
-            "data parallelism with BatchNorm (`{path}`): each rank would normalize with its own \
-             batch statistics and keep its own running averages, so the replicas would not \
-             train the model that one process does. Train on one rank, or use a normalization \
-             without batch statistics (LayerNorm, GroupNorm)"
-        ))),
-        None => Ok(()),
-    }
 }

@@ -20,6 +20,7 @@
 //! clipping see the same numbers on every rank and take the same decisions.
 //! `docs/distributed.md` explains the choices.
 
+pub mod batch_norm;
 mod devices;
 pub mod grads;
 #[cfg(feature = "mpi")]
@@ -27,10 +28,7 @@ pub mod mpi;
 mod thread_group;
 
 pub use devices::{DeviceGroup, cuda_devices};
-pub use grads::{
-    GradReducer, ReduceStats, broadcast_params, check_replicas, check_same_settings,
-    refuse_batch_norm,
-};
+pub use grads::{GradReducer, ReduceStats, broadcast_params, check_replicas, check_same_settings};
 pub use thread_group::ThreadGroup;
 
 use crate::error::Result;

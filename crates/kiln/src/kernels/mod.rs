@@ -62,6 +62,7 @@ pub mod norm;
 pub mod pool;
 pub mod softmax;
 pub mod spin;
+pub mod stats_sync;
 pub mod strided;
 #[cfg(test)]
 mod testing;

@@ -41,15 +41,43 @@ impl NormShape {
 
 /// Per-channel batch mean and biased variance of `x` (accumulated in f64: a channel of a
 /// batch of 64 32×32 images sums 65,536 values).
+///
+/// Inside a [`super::stats_sync::StatsSync`] scope the sums and the count are summed over the
+/// ranks first: the statistics of the global batch.
 pub fn batch_norm_stats(s: &NormShape, x: &[f32]) -> (Vec<f32>, Vec<f32>) {
-    let m = s.per_channel().max(1) as f64;
-    channel_sums(s, x, x, |_, v, _| (v, v * v))
-        .into_iter()
-        .map(|(sum, sq)| {
+    let sums = channel_sums(s, x, x, |_, v, _| (v, v * v));
+    let (sums, m) = over_ranks(sums, s.per_channel());
+    mean_and_variance(&sums, m)
+}
+
+/// Per-channel mean and biased variance from the sums of `x` and `x²` over `m` values each.
+fn mean_and_variance(sums: &[(f64, f64)], m: f64) -> (Vec<f32>, Vec<f32>) {
+    sums.iter()
+        .map(|&(sum, sq)| {
             let mean = sum / m;
             (mean as f32, (sq / m - mean * mean).max(0.0) as f32)
         })
         .unzip()
+}
+
+/// [`batch_norm_stats`] from the buffer its synchronized call summed over the ranks (the
+/// sums of `x` and `x²` per channel, then the count): what a rank without samples replays.
+pub fn stats_from_summed(buf: &[f64]) -> (Vec<f32>, Vec<f32>) {
+    let (pairs, m) = buf.split_at(buf.len().saturating_sub(1));
+    let sums: Vec<(f64, f64)> = pairs.chunks_exact(2).map(|p| (p[0], p[1])).collect();
+    mean_and_variance(&sums, m.first().copied().unwrap_or(0.0).max(1.0))
+}
+
+/// Per-channel sums and the values per channel `m` behind them, summed over the ranks when
+/// statistics are synchronized on this thread (one call: the sums, then the count).
+fn over_ranks(sums: Vec<(f64, f64)>, m: usize) -> (Vec<(f64, f64)>, f64) {
+    let mut buf: Vec<f64> = sums.iter().flat_map(|&(a, b)| [a, b]).collect();
+    buf.push(m as f64);
+    if !super::stats_sync::sum_over_ranks(&mut buf) {
+        return (sums, m.max(1) as f64);
+    }
+    let m = buf.pop().unwrap_or(0.0).max(1.0);
+    (buf.chunks_exact(2).map(|p| (p[0], p[1])).collect(), m)
 }
 
 /// Values per task of [`channel_sums`] (whole samples, at least one).
@@ -262,14 +290,16 @@ fn backward_into(
     assert_eq!(dy.len(), s.len(), "batch norm output-gradient length");
     assert_eq!(dx.len(), s.len(), "batch norm input-gradient length");
     let (ch, relu) = (p.channels(), p.relu);
-    let m = s.per_channel().max(1) as f64;
     let (plane, channels) = (s.plane, s.channels);
     // Pass 1, per channel: Σ g and Σ g·x̂ (g = dy, masked by the ReLU).
-    let sums = channel_sums(s, x, dy, |c, v, g| {
+    let local = channel_sums(s, x, dy, |c, v, g| {
         let k = ch[c];
         let g = k.through_relu(relu, v, g);
         (g, g * (v - k.mean) * k.inv)
     });
+    // Synchronized statistics: dx is the gradient through the global batch's statistics, so
+    // it takes the sums over all ranks; dγ and dβ stay this rank's (reduced with the others).
+    let (sums, m) = over_ranks(local.clone(), s.per_channel());
     // Pass 2: dx = γ/σ · (g − Σg/M − x̂ · Σg·x̂/M).
     if plane > 0 {
         dx.par_chunks_mut(plane)
@@ -286,8 +316,8 @@ fn backward_into(
                 }
             });
     }
-    let dgamma = sums.iter().map(|s| s.1 as f32).collect();
-    let dbeta = sums.iter().map(|s| s.0 as f32).collect();
+    let dgamma = local.iter().map(|s| s.1 as f32).collect();
+    let dbeta = local.iter().map(|s| s.0 as f32).collect();
     (dgamma, dbeta)
 }
 

@@ -2,9 +2,13 @@
 //! (two passes over the activation each way instead of Burn's composed ops), with an optional
 //! fused ReLU ([`BatchNorm::forward_relu`]).
 
+use std::rc::Rc;
+
 use burn::module::{Flag, Module, Param, RunningState};
-use burn::tensor::Tensor;
 use burn::tensor::activation::relu;
+use burn::tensor::{Device, Tensor, TensorData};
+
+use crate::kernels::stats_sync;
 
 /// Configuration of a [`BatchNorm`] layer: Burn's [`burn::nn::BatchNormConfig`] (same fields,
 /// same defaults, same setters) whose `init` builds the Kiln layer.
@@ -78,6 +82,7 @@ impl BatchNorm {
             return if with_relu { relu(out) } else { out };
         }
         let dims = input.dims();
+        let sums_before = stats_sync::calls();
         let kiln = if D == 4 {
             let x: Tensor<4> = input.clone().reshape([dims[0], dims[1], dims[2], dims[3]]);
             crate::kernels::batch_norm_train(
@@ -90,6 +95,21 @@ impl BatchNorm {
         } else {
             None
         };
+        // Under data parallelism the trainer checks that every BatchNorm synchronized, and a
+        // rank without samples in a later micro-batch updates the running statistics from
+        // the replayed global sums as this one does below.
+        if stats_sync::calls() > sums_before {
+            stats_sync::mark_synced(self.gamma.id);
+            let (running_mean, running_var) = (self.running_mean.clone(), self.running_var.clone());
+            let (momentum, device) = (self.momentum, device.clone());
+            stats_sync::on_replay(Rc::new(move |summed: &[f64]| {
+                let (mean, var) = crate::kernels::norm::stats_from_summed(summed);
+                let c = mean.len();
+                let batch = |v: Vec<f32>| Tensor::<1>::from_data(TensorData::new(v, [c]), &device);
+                update_running(&running_mean, batch(mean), momentum, &device);
+                update_running(&running_var, batch(var), momentum, &device);
+            }));
+        }
         let (out, mean, var) = match kiln {
             Some((out, mean, var)) => (out.reshape(dims), mean, var),
             None => {
@@ -103,22 +123,22 @@ impl BatchNorm {
                 (out, r.mean, r.variance)
             }
         };
-        // The running statistics' update, as Burn's layer does it: running · (1 − m) +
-        // batch · m, outside the graph.
-        let m = self.momentum;
-        let blend = |running: Tensor<1>, batch: Tensor<1>| {
-            running
-                .to_device(&device)
-                .mul_scalar(1.0 - m)
-                .add(batch.detach().mul_scalar(m))
-                .detach()
-        };
-        self.running_mean
-            .update(blend(self.running_mean.value_sync(), mean));
-        self.running_var
-            .update(blend(self.running_var.value_sync(), var));
+        update_running(&self.running_mean, mean, self.momentum, &device);
+        update_running(&self.running_var, var, self.momentum, &device);
         out
     }
+}
+
+/// The running statistics' update, as Burn's layer does it: running · (1 − m) + batch · m,
+/// outside the graph.
+fn update_running(running: &RunningState<Tensor<1>>, batch: Tensor<1>, m: f64, device: &Device) {
+    let blended = running
+        .value_sync()
+        .to_device(device)
+        .mul_scalar(1.0 - m)
+        .add(batch.detach().mul_scalar(m))
+        .detach();
+    running.update(blended);
 }
 
 impl From<burn::nn::BatchNorm> for BatchNorm {

@@ -17,9 +17,8 @@ use super::{Evaluation, TrainOptions, build_optimizer, evaluate_source};
 use crate::data::{
     Batch, BatchContext, BatchSource, DataLoader, Dataset, ImageBatches, Transform, choose_workers,
 };
-use crate::distributed::{
-    Collective, SingleProcess, broadcast_params, check_same_settings, refuse_batch_norm,
-};
+use crate::distributed::batch_norm::{batch_norm_layers, sync_scope};
+use crate::distributed::{Collective, SingleProcess, broadcast_params, check_same_settings};
 use crate::error::{KilnError, Result};
 use crate::guard::{Guard, GuardPolicy};
 use crate::observe::{EpochSummary, Event, EventSink, RunSummary, Watermark};
@@ -77,7 +76,9 @@ impl<'s> Trainer<'s> {
     /// global batch is `batch_size × ranks`); the gradients are summed once per optimizer
     /// step, so N ranks train exactly the model one process trains with batch N × b (to f32
     /// rounding). Only rank 0 emits events, evaluates and writes checkpoints; every rank can
-    /// resume from them. Models with BatchNorm are refused (per-rank batch statistics).
+    /// resume from them. BatchNorm is synchronized (Kiln's [`crate::nn::BatchNorm`] sums its
+    /// statistics over the ranks); a BatchNorm that cannot (Burn's own) stops the run after
+    /// the first micro-batch with the fix.
     pub fn with_collective(mut self, collective: Arc<dyn Collective>) -> Self {
         self.collective = collective;
         self
@@ -193,9 +194,16 @@ impl<'s> Trainer<'s> {
                 engine = self.collective.engine(),
                 "data parallel"
             );
-            refuse_batch_norm(&model)?;
             check_same_settings(&rank_settings(&opts, train.len()), &*self.collective)?;
         }
+        // SyncBatchNorm: the BatchNorm kernels of this thread sum their statistics over the
+        // ranks; the first micro-batch shows whether every BatchNorm layer did.
+        let batch_norms = if world > 1 {
+            batch_norm_layers(&model)
+        } else {
+            Vec::new()
+        };
+        let _stats_sync = (!batch_norms.is_empty()).then(|| sync_scope(self.collective.clone()));
         self.check_first_batch(&model, train)?;
         let optim = build_optimizer(&opts);
 
@@ -260,6 +268,7 @@ impl<'s> Trainer<'s> {
             last_checkpoint: None,
             last_eval: None,
             last_train_loss: 0.0,
+            batch_norms,
         };
         let device = run.device();
         // The loader's workers persist across epochs; its body is the whole epoch loop.
@@ -325,6 +334,8 @@ impl<'s> Trainer<'s> {
         train: &dyn BatchSource<Batch = B>,
         device: &Device,
     ) -> Result<usize> {
+        // The probe's steps are this rank's alone (their number may differ between ranks).
+        let _local_stats = crate::kernels::stats_sync::StatsSync::pause();
         let opts = &self.options;
         let base = opts.loader_options(0);
         let max_workers = std::thread::available_parallelism().map_or(1, |n| n.get());

@@ -8,7 +8,9 @@ use burn::tensor::Tensor;
 
 use super::{Run, loss_not_scalar};
 use crate::data::EpochBatches;
+use crate::distributed::batch_norm::check_synchronized;
 use crate::error::{KilnError, Result};
+use crate::kernels::stats_sync;
 use crate::precision::autocast;
 use crate::train::contract::TrainStep;
 
@@ -55,7 +57,14 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
         let mut data_ms = 0f64;
         let mut accum = GradientsAccumulator::<M>::new();
         let mut loss_total: Option<Tensor<1>> = None;
-        for &size in sizes.iter().filter(|&&s| s > 0) {
+        for &size in sizes {
+            if size == 0 {
+                // Nothing to run here, but the other ranks' synchronized BatchNorm statistics
+                // need this rank's (zero) part.
+                stats_sync::replay_with_zeros()?;
+                continue;
+            }
+            stats_sync::begin_micro_batch();
             let td = Instant::now();
             let batch = {
                 let _s = tracing::info_span!("data_wait").entered();
@@ -94,6 +103,11 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
             let _backward = tracing::info_span!("backward").entered();
             let grads = GradientsParams::from_grads(loss.backward(), model);
             accum.accumulate(model, grads);
+            stats_sync::end_micro_batch()?;
+            if !self.batch_norms.is_empty() {
+                check_synchronized(&self.batch_norms)?;
+                self.batch_norms.clear();
+            }
         }
         let loss_sum = {
             // The one device→host read of the step: on an asynchronous backend this is where

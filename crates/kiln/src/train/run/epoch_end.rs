@@ -43,6 +43,7 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
         }
         self.trainer.emit(&Event::EpochEnd(summary.clone()));
         // A cheap guard against silent divergence of the replicas (one small all-reduce).
+        publish_running_states(model);
         check_replicas(model, &*self.trainer.collective)?;
         self.epochs_done.push(summary);
         self.pos = Position {
@@ -71,6 +72,7 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
             // Rank 0 writes for everyone: the replicas are equal (checked at epoch ends).
             return Ok(None);
         }
+        publish_running_states(model);
         let pos = &self.pos;
         let _s = tracing::info_span!("checkpoint", step = pos.global_step).entered();
         let record_err = |what| {
@@ -116,4 +118,12 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
         }
         Ok(Some(path))
     }
+}
+
+/// Makes the latest update of every running state (BatchNorm's running statistics) visible to
+/// visitors and records. Burn's `RunningState` keeps a thread's last update aside until it is
+/// synced, which `valid()` does (evaluation calls it, and only rank 0 evaluates): without
+/// this the replicas would compare — and a checkpoint would hold — values one update apart.
+fn publish_running_states<M: burn::module::Module>(model: &M) {
+    let _ = model.valid();
 }

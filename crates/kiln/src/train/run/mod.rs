@@ -90,6 +90,9 @@ pub(super) struct Run<'t, 's, 'd, B, M> {
     pub last_checkpoint: Option<PathBuf>,
     pub last_eval: Option<Evaluation>,
     pub last_train_loss: f32,
+    /// Under data parallelism, the model's BatchNorm layers, checked to have synchronized
+    /// their statistics after this rank's first micro-batch (then emptied).
+    pub batch_norms: Vec<crate::distributed::batch_norm::BatchNormLayer>,
 }
 
 impl<'t, 's, 'd, B: Send, M: TrainStep<B> + 'static> Run<'t, 's, 'd, B, M> {
