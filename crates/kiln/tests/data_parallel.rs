@@ -363,6 +363,26 @@ fn batch_norm_statistics_are_synchronized_so_ranks_train_the_model_of_one_proces
             );
         }
     }
+    // With Burn's activation checkpointing (recomputed activations in backward) the ranks
+    // still train the single process's model; with the loader's worker probe (a few
+    // training steps with local statistics before the run, which move the running
+    // statistics) the replicas still agree.
+    let recompute = |b| TrainOptions {
+        activation_checkpointing: true,
+        ..options(b)
+    };
+    let (single_ckpt, _) = train_norm_net(recompute(16), &data, None).unwrap();
+    let ranks = on_ranks(2, |c| train_norm_net(recompute(8), &data, Some(c)).unwrap());
+    assert_same_training(&single_ckpt, &ranks[0].0);
+    let probed = |b| TrainOptions {
+        workers: None,
+        ..options(b)
+    };
+    let ranks = on_ranks(2, |c| train_norm_net(probed(8), &data, Some(c)).unwrap());
+    assert_eq!(
+        ranks[0].1, ranks[1].1,
+        "running statistics after the worker probe"
+    );
     // Without synchronization (each rank its own statistics) the result would differ: the
     // check above can fail. A model-level witness: one process with batch 8 is another model.
     let (half, _) = train_norm_net(options(8), &data, None).unwrap();

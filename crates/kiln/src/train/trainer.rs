@@ -225,16 +225,20 @@ impl<'s> Trainer<'s> {
             }
             tracing::info!(step = pos.global_step, "resumed from {}", path.display());
         }
-        // Every rank starts from rank 0's parameters (a resume loads the same file on all).
+        // The worker probe trains a few steps with local BatchNorm statistics (the running
+        // statistics move with them): it comes before the broadcast that makes every replica
+        // rank 0's, so the replicas agree whatever the probe did on each rank.
+        let workers = match opts.workers {
+            Some(w) => w,
+            None => self.choose_workers(&model, train, &device)?,
+        };
+        // Every rank starts from rank 0's parameters and running statistics (a resume loads
+        // the same file on all).
         model = broadcast_params(model, &*self.collective)?;
         let snapshot = if opts.guard.policy == GuardPolicy::Rollback {
             Some(Snapshot::take(&model, &optim, pos.global_step)?)
         } else {
             None
-        };
-        let workers = match opts.workers {
-            Some(w) => w,
-            None => self.choose_workers(&model, train, &device)?,
         };
         self.emit(&Event::RunStarted {
             model: model_name.to_string(),
