@@ -53,7 +53,8 @@ pub fn join(plan: &Plan) -> Result<Option<Arc<dyn Collective>>> {
     }
     #[cfg(feature = "mpi")]
     {
-        let world = kiln::distributed::mpi::MpiCollective::init()?;
+        let world =
+            kiln::distributed::mpi::MpiCollective::init()?.with_timeout(plan.collective_timeout);
         Ok(Some(Arc::new(world)))
     }
     #[cfg(not(feature = "mpi"))]

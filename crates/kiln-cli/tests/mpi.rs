@@ -215,6 +215,48 @@ fn a_rank_that_fails_aborts_the_job_with_its_error_instead_of_a_hang() {
 }
 
 #[test]
+fn a_rank_that_hangs_aborts_the_job_after_the_collective_timeout() {
+    // Rank 0 opens its event log, a FIFO nobody reads: it blocks there for good (as on a stuck
+    // file system) while rank 1 waits for it in the run's first all-reduce.
+    let dir = TestDir::new("mpi-hang");
+    let run_dir = dir.join("run");
+    std::fs::create_dir_all(&run_dir).unwrap();
+    let fifo = run_dir.join("events.jsonl");
+    let made = Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .expect("run mkfifo");
+    assert!(made.success());
+    let ckpt = dir.join("ckpt");
+    let mut args = vec!["120", env!("CARGO_BIN_EXE_kiln")];
+    args.extend(train_args(
+        ckpt.to_str().unwrap(),
+        "16",
+        "4",
+        &["--processes", "2"],
+    ));
+    args.extend([
+        "--run-dir",
+        run_dir.to_str().unwrap(),
+        "--set",
+        "train.collective_timeout_s=2",
+    ]);
+    let o = Command::new("timeout")
+        .args(&args)
+        .env("KILN_LOG", "error")
+        .output()
+        .expect("run timeout kiln");
+    let err = text(&o.stderr);
+    assert_ne!(o.status.code(), Some(124), "the job hung: {err}");
+    assert!(!o.status.success());
+    assert!(
+        err.contains("rank 1 of 2: an MPI all-reduce waited 2s"),
+        "{err}"
+    );
+    assert!(err.contains("aborting the MPI job"), "{err}");
+}
+
+#[test]
 fn batch_norm_models_train_on_two_ranks_as_one_process_with_twice_the_batch() {
     // W5 (ResNet-18 with Kiln's BatchNorm): the statistics are summed over the ranks, so two
     // ranks × 8 normalize with the statistics of the 16 samples one process sees.

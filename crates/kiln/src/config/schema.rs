@@ -259,6 +259,20 @@ pub static SETTINGS: &[SettingSpec] = &[
               is on disk (0 = keep all)",
     },
     SettingSpec {
+        key: "train.collective_timeout_s",
+        kind: Kind::Int {
+            min: 0,
+            max: 1 << 30,
+        },
+        default: I(1800),
+        levels: &[],
+        doc: "data parallelism over MPI: abort the job when a collective call waits longer than \
+              this many seconds for the other ranks (a rank that hangs rather than dies: a \
+              stuck file system, a deadlock); 0 = wait forever. Must exceed what rank 0 does \
+              alone between two calls (evaluation, checkpoints); 1800 is PyTorch's default \
+              process-group timeout",
+    },
+    SettingSpec {
         key: "precision.policy",
         kind: Kind::Enum(crate::precision::Precision::NAMES),
         default: S("f32"),

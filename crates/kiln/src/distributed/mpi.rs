@@ -3,10 +3,12 @@
 //! Launch with `mpirun -n N kiln train ...`: every process is one rank of `MPI_COMM_WORLD`.
 
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use mpi::Threading;
 use mpi::collective::SystemOperation;
 use mpi::environment::Universe;
+use mpi::request::{Request, Scope};
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::{Communicator, CommunicatorCollectives, Equivalence, Root};
 
@@ -22,6 +24,8 @@ pub struct MpiCollective {
     inner: Mutex<Inner>,
     rank: usize,
     size: usize,
+    /// How long one call may wait for the other ranks before the job is aborted.
+    timeout: Option<Duration>,
 }
 
 struct Inner {
@@ -62,7 +66,16 @@ impl MpiCollective {
             }),
             rank,
             size,
+            timeout: None,
         })
+    }
+
+    /// Aborts the job when a call waits longer than `timeout` for the other ranks (a rank
+    /// that hangs rather than dies, which MPI's launcher cannot see); `None`: wait forever.
+    /// With a timeout the calls are MPI's non-blocking collectives, polled until done.
+    pub fn with_timeout(mut self, timeout: Option<Duration>) -> MpiCollective {
+        self.timeout = timeout;
+        self
     }
 
     fn world(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -81,7 +94,52 @@ impl MpiCollective {
             ReduceOp::Max => SystemOperation::max(),
         };
         let send = buf.to_vec();
-        self.world().world.all_reduce_into(&send[..], buf, op);
+        let inner = self.world();
+        if self.timeout.is_none() {
+            inner.world.all_reduce_into(&send[..], buf, op);
+            return;
+        }
+        mpi::request::scope(|scope| {
+            let request = inner
+                .world
+                .immediate_all_reduce_into(scope, &send[..], buf, op);
+            self.finish(&inner.world, request, "all-reduce");
+        });
+    }
+
+    /// Polls `request` until it completes; past the timeout, prints why and aborts the job
+    /// (a pending request cannot be abandoned, and the other ranks are stuck with it).
+    fn finish<'a, D: ?Sized, S: Scope<'a>>(
+        &self,
+        world: &SimpleCommunicator,
+        mut request: Request<'a, D, S>,
+        what: &str,
+    ) {
+        let Some(timeout) = self.timeout else {
+            request.wait();
+            return;
+        };
+        let started = Instant::now();
+        loop {
+            request = match request.test() {
+                Ok(_) => return,
+                Err(pending) => pending,
+            };
+            if started.elapsed() > timeout {
+                eprintln!(
+                    "kiln: rank {} of {}: an MPI {what} waited {timeout:?} for the other ranks \
+                     (train.collective_timeout_s): a rank hangs (a stuck file system, a \
+                     deadlock) or is far slower than the others\nkiln: aborting the MPI job \
+                     so that no rank waits forever; raise the timeout if the work between two \
+                     calls is legitimately that long",
+                    self.rank, self.size
+                );
+                world.abort(1);
+            }
+            // Blocking MPI calls poll too (Open MPI's default); yielding lets a rank that
+            // shares this core compute.
+            std::thread::yield_now();
+        }
     }
 }
 
@@ -103,11 +161,25 @@ impl Collective for MpiCollective {
     fn broadcast_f32(&self, buf: &mut [f32], root: usize) -> Result<()> {
         check_root(root, self.size)?;
         let inner = self.world();
-        inner.world.process_at_rank(root as i32).broadcast_into(buf);
+        let root = inner.world.process_at_rank(root as i32);
+        if self.timeout.is_none() {
+            root.broadcast_into(buf);
+            return Ok(());
+        }
+        mpi::request::scope(|scope| {
+            let request = root.immediate_broadcast_into(scope, buf);
+            self.finish(&inner.world, request, "broadcast");
+        });
         Ok(())
     }
     fn barrier(&self) -> Result<()> {
-        self.world().world.barrier();
+        let inner = self.world();
+        if self.timeout.is_none() {
+            inner.world.barrier();
+        } else {
+            let request = inner.world.immediate_barrier();
+            self.finish(&inner.world, request, "barrier");
+        }
         Ok(())
     }
     fn engine(&self) -> &'static str {

@@ -89,6 +89,9 @@ pub struct Plan {
     pub graph_compilation: GraphCompilation,
     /// The data-parallel world this run joins (`train.data_parallel` and the launcher).
     pub data_parallel: DataParallel,
+    /// How long a rank waits at one collective call before the job is aborted
+    /// (`train.collective_timeout_s`; `None` = forever).
+    pub collective_timeout: Option<std::time::Duration>,
 }
 
 /// Burn's own graph-level optimizations on a backend: operation fusion (`burn-fusion`,
@@ -490,6 +493,9 @@ fn build(config: &KilnConfig, settings: Vec<ResolvedSetting>, hw: &Hardware) -> 
             int("train.batch_size") as usize,
             (backend == Backend::Cuda).then_some(hw.gpu_count),
         )?,
+        collective_timeout: Some(int("train.collective_timeout_s") as u64)
+            .filter(|s| *s > 0)
+            .map(std::time::Duration::from_secs),
         settings,
     })
 }
