@@ -173,6 +173,22 @@ fn two_processes_train_the_model_of_one_with_twice_the_batch_and_resume_together
     );
 }
 
+/// Runs `kiln args` under a 120 s `timeout` (a hang must fail the test, status 124, not
+/// block it), asserts the job failed, and returns its stderr.
+fn failed_job(args: &[&str]) -> String {
+    let o = Command::new("timeout")
+        .arg("120")
+        .arg(env!("CARGO_BIN_EXE_kiln"))
+        .args(args)
+        .env("KILN_LOG", "error")
+        .output()
+        .expect("run timeout kiln");
+    let err = text(&o.stderr);
+    assert_ne!(o.status.code(), Some(124), "the job hung: {err}");
+    assert!(!o.status.success(), "{err}");
+    err
+}
+
 #[test]
 fn a_rank_that_fails_aborts_the_job_with_its_error_instead_of_a_hang() {
     let dir = TestDir::new("mpi-fault");
@@ -191,23 +207,9 @@ fn a_rank_that_fails_aborts_the_job_with_its_error_instead_of_a_hang() {
         (vec!["--run-dir", blocked.to_str().unwrap()], "not-a-dir"),
     ];
     for (extra, named) in cases {
-        let mut args = vec!["120", env!("CARGO_BIN_EXE_kiln")];
-        args.extend(train_args(
-            ckpt.to_str().unwrap(),
-            "16",
-            "6",
-            &["--processes", "2"],
-        ));
+        let mut args = train_args(ckpt.to_str().unwrap(), "16", "6", &["--processes", "2"]);
         args.extend(extra);
-        // Under `timeout`: a hang must fail the test (status 124), not block it.
-        let o = Command::new("timeout")
-            .args(&args)
-            .env("KILN_LOG", "error")
-            .output()
-            .expect("run timeout kiln");
-        let err = text(&o.stderr);
-        assert_ne!(o.status.code(), Some(124), "the job hung: {err}");
-        assert!(!o.status.success());
+        let err = failed_job(&args);
         assert!(err.contains("rank 0 of 2 failed"), "{err}");
         assert!(err.contains(named), "{err}");
         assert!(err.contains("aborting the MPI job"), "{err}");
@@ -228,27 +230,14 @@ fn a_rank_that_hangs_aborts_the_job_after_the_collective_timeout() {
         .expect("run mkfifo");
     assert!(made.success());
     let ckpt = dir.join("ckpt");
-    let mut args = vec!["120", env!("CARGO_BIN_EXE_kiln")];
-    args.extend(train_args(
-        ckpt.to_str().unwrap(),
-        "16",
-        "4",
-        &["--processes", "2"],
-    ));
+    let mut args = train_args(ckpt.to_str().unwrap(), "16", "4", &["--processes", "2"]);
     args.extend([
         "--run-dir",
         run_dir.to_str().unwrap(),
         "--set",
         "train.collective_timeout_s=2",
     ]);
-    let o = Command::new("timeout")
-        .args(&args)
-        .env("KILN_LOG", "error")
-        .output()
-        .expect("run timeout kiln");
-    let err = text(&o.stderr);
-    assert_ne!(o.status.code(), Some(124), "the job hung: {err}");
-    assert!(!o.status.success());
+    let err = failed_job(&args);
     assert!(
         err.contains("rank 1 of 2: an MPI all-reduce waited 2s"),
         "{err}"
