@@ -187,7 +187,7 @@ fn fit_on_gpus(
         .into_iter()
         .take(gpus)
         .collect();
-    let mut members = DeviceGroup::new(devices)?.into_iter();
+    let mut members = DeviceGroup::with_timeout(devices, run.plan.collective_timeout)?.into_iter();
     let leader = members.next().context("a device group has a first rank")?;
     let fit = |member: DeviceGroup, sink: &mut dyn EventSink| {
         let device = member.device().clone();

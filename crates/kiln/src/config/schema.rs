@@ -266,11 +266,11 @@ pub static SETTINGS: &[SettingSpec] = &[
         },
         default: I(1800),
         levels: &[],
-        doc: "data parallelism over MPI: abort the job when a collective call waits longer than \
-              this many seconds for the other ranks (a rank that hangs rather than dies: a \
-              stuck file system, a deadlock); 0 = wait forever. Must exceed what rank 0 does \
-              alone between two calls (evaluation, checkpoints); 1800 is PyTorch's default \
-              process-group timeout",
+        doc: "data parallelism: stop when a collective call waits longer than this many \
+              seconds for the other ranks (a rank that hangs rather than dies: a stuck file \
+              system, a deadlock); MPI aborts the job, GPU ranks in one process stop with an \
+              error; 0 = wait forever. Must exceed what rank 0 does alone between two calls \
+              (evaluation, checkpoints); 1800 is PyTorch's default process-group timeout",
     },
     SettingSpec {
         key: "precision.policy",

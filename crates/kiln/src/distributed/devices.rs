@@ -32,6 +32,16 @@ impl DeviceGroup {
     /// collective (`flex`: Burn leaves `all_reduce` unimplemented on the CPU; use
     /// [`ThreadGroup`] or MPI there).
     pub fn new(devices: Vec<Device>) -> Result<Vec<DeviceGroup>> {
+        Self::with_timeout(devices, None)
+    }
+
+    /// As [`DeviceGroup::new`], with the host side's [`ThreadGroup::with_timeout`]: a rank
+    /// that does not reach a step's host exchange (which comes before the device all-reduce)
+    /// within `timeout` stops the others with an error instead of leaving them waiting.
+    pub fn with_timeout(
+        devices: Vec<Device>,
+        timeout: Option<std::time::Duration>,
+    ) -> Result<Vec<DeviceGroup>> {
         if devices.is_empty() {
             return Err(KilnError::Collective(
                 "a device group needs at least one device".into(),
@@ -59,7 +69,11 @@ impl DeviceGroup {
             },
         ));
         let devices = Arc::new(devices);
-        Ok(ThreadGroup::new(devices.len())
+        let hosts = match timeout {
+            Some(t) => ThreadGroup::with_timeout(devices.len(), t),
+            None => ThreadGroup::new(devices.len()),
+        };
+        Ok(hosts
             .into_iter()
             .map(|host| DeviceGroup {
                 host,
