@@ -63,9 +63,8 @@ fn mean_and_variance(sums: &[(f64, f64)], m: f64) -> (Vec<f32>, Vec<f32>) {
 /// [`batch_norm_stats`] from the buffer its synchronized call summed over the ranks (the
 /// sums of `x` and `x²` per channel, then the count): what a rank without samples replays.
 pub fn stats_from_summed(buf: &[f64]) -> (Vec<f32>, Vec<f32>) {
-    let (pairs, m) = buf.split_at(buf.len().saturating_sub(1));
-    let sums: Vec<(f64, f64)> = pairs.chunks_exact(2).map(|p| (p[0], p[1])).collect();
-    mean_and_variance(&sums, m.first().copied().unwrap_or(0.0).max(1.0))
+    let (sums, m) = unpack(buf);
+    mean_and_variance(&sums, m)
 }
 
 /// Per-channel sums and the values per channel `m` behind them, summed over the ranks when
@@ -76,8 +75,14 @@ fn over_ranks(sums: Vec<(f64, f64)>, m: usize) -> (Vec<(f64, f64)>, f64) {
     if !super::stats_sync::sum_over_ranks(&mut buf) {
         return (sums, m.max(1) as f64);
     }
-    let m = buf.pop().unwrap_or(0.0).max(1.0);
-    (buf.chunks_exact(2).map(|p| (p[0], p[1])).collect(), m)
+    unpack(&buf)
+}
+
+/// The per-channel pairs and the count (at least 1) of a buffer laid out by [`over_ranks`].
+fn unpack(buf: &[f64]) -> (Vec<(f64, f64)>, f64) {
+    let (pairs, m) = buf.split_at(buf.len().saturating_sub(1));
+    let sums = pairs.chunks_exact(2).map(|p| (p[0], p[1])).collect();
+    (sums, m.first().copied().unwrap_or(0.0).max(1.0))
 }
 
 /// Values per task of [`channel_sums`] (whole samples, at least one).

@@ -201,3 +201,99 @@ pub fn replay_with_zeros() -> Result<()> {
         .with_borrow_mut(|s| s.as_mut().and_then(|st| st.error.take()))
         .map_or(Ok(()), Err)
 }
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+
+    use super::*;
+    use crate::kernels::norm::{NormShape, batch_norm_stats};
+
+    /// One channel of 4 values on this rank.
+    fn shape() -> NormShape {
+        NormShape {
+            batch: 1,
+            channels: 1,
+            plane: 4,
+        }
+    }
+
+    #[test]
+    fn batch_statistics_inside_a_scope_are_the_global_batchs() {
+        // This rank has four 1s; "the other rank" four 3s: the global batch has mean 2 and
+        // variance 1, and its forward call carries Σx, Σx² and the count.
+        let _sync = StatsSync::enter(Box::new(|buf: &mut [f64]| {
+            assert_eq!(buf, &[4.0, 4.0, 4.0]);
+            buf.copy_from_slice(&[16.0, 40.0, 8.0]);
+            Ok(())
+        }));
+        begin_micro_batch();
+        assert_eq!(
+            batch_norm_stats(&shape(), &[1.0; 4]),
+            (vec![2.0], vec![1.0])
+        );
+        end_micro_batch().unwrap();
+        // Paused (a probe step of this rank alone): local statistics, no call.
+        let before = calls();
+        {
+            let _local = StatsSync::pause();
+            assert!(!active());
+            assert_eq!(
+                batch_norm_stats(&shape(), &[1.0; 4]),
+                (vec![1.0], vec![0.0])
+            );
+        }
+        assert!(active());
+        assert_eq!(calls(), before);
+    }
+
+    #[test]
+    fn an_empty_rank_replays_the_last_micro_batch_with_zeros_and_its_actions() {
+        let seen = Rc::new(RefCell::new(Vec::new()));
+        let log = seen.clone();
+        let _sync = StatsSync::enter(Box::new(move |buf: &mut [f64]| {
+            log.borrow_mut().push(buf.to_vec());
+            Ok(())
+        }));
+        // Before any micro-batch this rank cannot know the calls.
+        let e = replay_with_zeros().unwrap_err().to_string();
+        assert!(e.contains("first micro-batch"), "{e}");
+        begin_micro_batch();
+        let mut a = vec![1.0, 2.0, 3.0];
+        assert!(sum_over_ranks(&mut a));
+        let replayed = Rc::new(Cell::new(0));
+        let counter = replayed.clone();
+        on_replay(Rc::new(move |summed: &[f64]| {
+            assert_eq!(summed, &[0.0, 0.0, 0.0]);
+            counter.set(counter.get() + 1);
+        }));
+        assert!(sum_over_ranks(&mut [5.0]));
+        end_micro_batch().unwrap();
+        seen.borrow_mut().clear();
+        // Twice in a row: the same calls each time, each with its action.
+        replay_with_zeros().unwrap();
+        replay_with_zeros().unwrap();
+        assert_eq!(
+            *seen.borrow(),
+            vec![vec![0.0; 3], vec![0.0], vec![0.0; 3], vec![0.0]]
+        );
+        assert_eq!(replayed.get(), 2);
+    }
+
+    #[test]
+    fn a_failed_sum_ends_the_micro_batch_with_its_error() {
+        let tries = Rc::new(Cell::new(0));
+        let count = tries.clone();
+        let _sync = StatsSync::enter(Box::new(move |_: &mut [f64]| {
+            count.set(count.get() + 1);
+            Err(KilnError::PeerLost("rank 1 failed".into()))
+        }));
+        begin_micro_batch();
+        assert!(sum_over_ranks(&mut [1.0]));
+        assert!(sum_over_ranks(&mut [1.0]));
+        // The second call did not try again: the group is gone.
+        assert_eq!(tries.get(), 1);
+        let e = end_micro_batch().unwrap_err();
+        assert!(matches!(e, KilnError::PeerLost(_)), "{e}");
+    }
+}
