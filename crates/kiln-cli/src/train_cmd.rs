@@ -208,19 +208,13 @@ fn fit_on_gpus(
                 Err(_) => bail!("GPU rank {rank} panicked"),
             }
         }
-        let outcome = match outcome {
-            Ok(o) => o,
-            Err(e) => {
-                failures.insert(0, (0, e));
+        match outcome.map_err(|e| failures.insert(0, (0, e))) {
+            Ok(outcome) if failures.is_empty() => Ok(outcome),
+            _ => {
                 let (rank, e) = root_failure(failures);
-                return Err(e).with_context(|| format!("GPU rank {rank}"));
+                Err(e).with_context(|| format!("GPU rank {rank}"))
             }
-        };
-        if !failures.is_empty() {
-            let (rank, e) = root_failure(failures);
-            return Err(e).with_context(|| format!("GPU rank {rank}"));
         }
-        Ok(outcome)
     })
 }
 

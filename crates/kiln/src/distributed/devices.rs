@@ -69,11 +69,7 @@ impl DeviceGroup {
             },
         ));
         let devices = Arc::new(devices);
-        let hosts = match timeout {
-            Some(t) => ThreadGroup::with_timeout(devices.len(), t),
-            None => ThreadGroup::new(devices.len()),
-        };
-        Ok(hosts
+        Ok(ThreadGroup::group(devices.len(), timeout)
             .into_iter()
             .map(|host| DeviceGroup {
                 host,

@@ -95,30 +95,27 @@ impl MpiCollective {
         };
         let send = buf.to_vec();
         let inner = self.world();
-        if self.timeout.is_none() {
+        let Some(timeout) = self.timeout else {
             inner.world.all_reduce_into(&send[..], buf, op);
             return;
-        }
+        };
         mpi::request::scope(|scope| {
             let request = inner
                 .world
                 .immediate_all_reduce_into(scope, &send[..], buf, op);
-            self.finish(&inner.world, request, "all-reduce");
+            self.finish(&inner.world, request, timeout, "all-reduce");
         });
     }
 
-    /// Polls `request` until it completes; past the timeout, prints why and aborts the job
-    /// (a pending request cannot be abandoned, and the other ranks are stuck with it).
+    /// Polls `request` until it completes; past `timeout`, prints why and aborts the job (a
+    /// pending request cannot be abandoned, and the other ranks are stuck with it).
     fn finish<'a, D: ?Sized, S: Scope<'a>>(
         &self,
         world: &SimpleCommunicator,
         mut request: Request<'a, D, S>,
+        timeout: Duration,
         what: &str,
     ) {
-        let Some(timeout) = self.timeout else {
-            request.wait();
-            return;
-        };
         let started = Instant::now();
         loop {
             request = match request.test() {
@@ -162,23 +159,24 @@ impl Collective for MpiCollective {
         check_root(root, self.size)?;
         let inner = self.world();
         let root = inner.world.process_at_rank(root as i32);
-        if self.timeout.is_none() {
+        let Some(timeout) = self.timeout else {
             root.broadcast_into(buf);
             return Ok(());
-        }
+        };
         mpi::request::scope(|scope| {
             let request = root.immediate_broadcast_into(scope, buf);
-            self.finish(&inner.world, request, "broadcast");
+            self.finish(&inner.world, request, timeout, "broadcast");
         });
         Ok(())
     }
     fn barrier(&self) -> Result<()> {
         let inner = self.world();
-        if self.timeout.is_none() {
-            inner.world.barrier();
-        } else {
-            let request = inner.world.immediate_barrier();
-            self.finish(&inner.world, request, "barrier");
+        match self.timeout {
+            None => inner.world.barrier(),
+            Some(timeout) => {
+                let request = inner.world.immediate_barrier();
+                self.finish(&inner.world, request, timeout, "barrier");
+            }
         }
         Ok(())
     }

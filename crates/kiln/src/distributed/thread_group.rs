@@ -71,7 +71,8 @@ impl ThreadGroup {
         Self::group(size, Some(timeout))
     }
 
-    fn group(size: usize, timeout: Option<Duration>) -> Vec<ThreadGroup> {
+    /// [`ThreadGroup::new`] or [`ThreadGroup::with_timeout`], by whether there is a timeout.
+    pub(super) fn group(size: usize, timeout: Option<Duration>) -> Vec<ThreadGroup> {
         let size = size.max(1);
         let shared = Arc::new(Shared {
             size,

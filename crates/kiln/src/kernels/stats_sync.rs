@@ -89,11 +89,6 @@ impl Drop for StatsSync {
     }
 }
 
-/// Whether this thread's BatchNorm statistics are being synchronized.
-pub fn active() -> bool {
-    STATE.with_borrow(Option::is_some)
-}
-
 /// Sums `buf` over the ranks when a scope is open (`true`), else leaves it (`false`). After a
 /// failed sum the rest of the micro-batch runs on local values; the failure is returned by
 /// [`end_micro_batch`].
@@ -118,6 +113,11 @@ impl State {
         {
             self.error = Some(e);
         }
+    }
+
+    /// The micro-batch's first failed sum, if any (cleared for the next one).
+    fn take_error(&mut self) -> Result<()> {
+        self.error.take().map_or(Ok(()), Err)
     }
 }
 
@@ -165,7 +165,7 @@ pub fn end_micro_batch() -> Result<()> {
     STATE.with_borrow_mut(|s| {
         let Some(st) = s else { return Ok(()) };
         st.last = Some(std::mem::take(&mut st.calls));
-        st.error.take().map_or(Ok(()), Err)
+        st.take_error()
     })
 }
 
@@ -197,9 +197,7 @@ pub fn replay_with_zeros() -> Result<()> {
             action(&buf);
         }
     }
-    STATE
-        .with_borrow_mut(|s| s.as_mut().and_then(|st| st.error.take()))
-        .map_or(Ok(()), Err)
+    STATE.with_borrow_mut(|s| s.as_mut().map_or(Ok(()), State::take_error))
 }
 
 #[cfg(test)]
@@ -237,14 +235,15 @@ mod tests {
         let before = calls();
         {
             let _local = StatsSync::pause();
-            assert!(!active());
+            assert!(!sum_over_ranks(&mut [1.0]));
             assert_eq!(
                 batch_norm_stats(&shape(), &[1.0; 4]),
                 (vec![1.0], vec![0.0])
             );
         }
-        assert!(active());
         assert_eq!(calls(), before);
+        // The scope is back after the pause.
+        assert!(sum_over_ranks(&mut [4.0, 4.0, 4.0]));
     }
 
     #[test]
