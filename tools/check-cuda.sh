@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Type-checks every crate and target with the `cuda` feature (no GPU needed), so the
-# cuda-gated code cannot rot unnoticed. Needs the LLVM prefix that tools/cuda-offline-llvm.sh
+# Type-checks and lints every crate and target with the `cuda` feature (no GPU needed; clippy
+# with -D warnings, as CI runs it on the default build), so the cuda-gated code cannot rot
+# unnoticed. Needs the LLVM prefix that tools/cuda-offline-llvm.sh
 # sets up (once per machine). Uses its own target directory: the feature changes Burn's
 # features, which would otherwise rebuild the default (flex) tree afterwards.
 #
@@ -13,4 +14,4 @@ if [ ! -f "$prefix/.tracel-llvm-installed" ]; then
   exit 1
 fi
 CARGO_TARGET_DIR="${KILN_CUDA_TARGET_DIR:-target/cuda-check}" \
-  cargo check --locked --workspace --all-targets --features kiln/cuda
+  cargo clippy --locked --workspace --all-targets --features kiln/cuda -- -D warnings

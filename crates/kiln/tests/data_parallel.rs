@@ -2,7 +2,7 @@
 //! the model one process trains with batch N·b, with accumulation, clipping, a short last
 //! batch that leaves a rank without samples, a NaN on one rank, checkpoints and resume, and
 //! a rank that fails stopping the others with its error, and BatchNorm with statistics
-//! synchronized over the ranks.
+//! synchronized over the ranks (in f32 and under bf16 autocast).
 //! The MPI engine runs the same trainer code across processes (kiln-cli's `tests/mpi.rs`).
 
 mod common;
@@ -267,7 +267,7 @@ fn checkpoints_are_written_once_by_rank_0_and_every_rank_resumes_from_them() {
 /// 3×3 stride 2 → BatchNorm → ReLU → linear classifier, on 1×28×28 images.
 #[derive(Module, Debug)]
 struct NormNet<N> {
-    conv: burn::nn::conv::Conv2d,
+    conv: kiln::nn::Conv2d,
     bn: N,
     fc: burn::nn::Linear,
 }
@@ -278,7 +278,7 @@ impl<N> NormNet<N> {
             // No bias before BatchNorm (which removes it): its true gradient is zero, and
             // Adam would turn the rounding noise there into full steps that differ between
             // summation orders.
-            conv: burn::nn::conv::Conv2dConfig::new([1, 6], [3, 3])
+            conv: kiln::nn::Conv2dConfig::new([1, 6], [3, 3])
                 .with_stride([2, 2])
                 .with_bias(false)
                 .init(d),
@@ -391,6 +391,42 @@ fn batch_norm_statistics_are_synchronized_so_ranks_train_the_model_of_one_proces
         diff > 1e-3,
         "batch 8 and batch 16 should train different models"
     );
+}
+
+#[test]
+fn batch_norm_stays_synchronized_under_bf16_mixed_precision() {
+    // Autocast runs the convolution in bf16 and hands BatchNorm f32 (norms stay in f32), so
+    // the statistics are summed over the ranks as in f32 runs.
+    let data = data();
+    let bf16 = |b| TrainOptions {
+        precision: Precision::Bf16,
+        ..options(b)
+    };
+    let (single, single_running) = train_norm_net(bf16(16), &data, None).unwrap();
+    let ranks = on_ranks(2, |c| train_norm_net(bf16(8), &data, Some(c)).unwrap());
+    assert_eq!(
+        common::bitwise_differences(&ranks[0].0.weights, &ranks[1].0.weights).0,
+        0,
+        "replicas differ"
+    );
+    assert_eq!(ranks[0].1, ranks[1].1, "running statistics differ");
+    // bf16 tolerances: the convolution's bf16 products are summed over 8 samples per rank
+    // instead of 16, so the runs differ by bf16 rounding (measured: losses 4.9·10⁻⁴
+    // relative, weights 1.3·10⁻⁴, running statistics 1.0·10⁻⁴). With the backward's sums
+    // left per rank (forward synchronized) the weights differ by 5.2·10⁻³ and the last loss
+    // by 4·10⁻³: caught.
+    let (a, b) = (losses(&single.sink), losses(&ranks[0].0.sink));
+    assert_eq!(a.len(), b.len(), "step counts differ");
+    for (step, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert!(
+            (x - y).abs() <= 1.5e-3 * x.abs().max(1.0),
+            "step {step}: loss {x} vs {y}"
+        );
+    }
+    let (_, weights) = common::bitwise_differences(&single.weights, &ranks[0].0.weights);
+    let (_, running) = common::bitwise_differences(&single_running, &ranks[0].1);
+    assert!(weights <= 1e-3, "weights differ by {weights}");
+    assert!(running <= 1e-3, "running statistics differ by {running}");
 }
 
 #[test]

@@ -180,7 +180,7 @@ mod on_cuda {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
                 if let Some(g) = self.0.get::<D>(param.id) {
                     self.1
-                        .push(g.into_data().convert::<f32>().to_vec().unwrap());
+                        .push(g.into_data().convert::<f32>().try_to_vec::<f32>().unwrap());
                 }
             }
         }
