@@ -430,7 +430,7 @@ fn batch_norm_stays_synchronized_under_bf16_mixed_precision() {
 }
 
 #[test]
-fn burn_batch_norm_is_refused_with_the_fix_before_replicas_drift() {
+fn unsynchronizable_batch_norms_are_refused_with_the_fix_before_replicas_drift() {
     let data = data();
     let errors = on_ranks(2, |c| {
         Trainer::new(options(8), Device::flex(), &mut NullSink)
@@ -449,6 +449,26 @@ fn burn_batch_norm_is_refused_with_the_fix_before_replicas_drift() {
         let text = e.to_string();
         assert!(
             text.contains("`bn`") && text.contains("kiln::nn::BatchNorm"),
+            "{e}"
+        );
+    }
+    // Kiln's BatchNorm with Kiln's kernels off runs Burn's op, which cannot synchronize
+    // either: refused, naming the switch.
+    let kernels_off = TrainOptions {
+        kiln_kernels: false,
+        ..options(8)
+    };
+    let errors = on_ranks(2, |c| {
+        train_norm_net(kernels_off.clone(), &data, Some(c))
+            .map(|_| ())
+            .unwrap_err()
+    });
+    for e in errors {
+        let text = e.to_string();
+        assert!(
+            matches!(e, KilnError::Inconsistent(_))
+                && text.contains("`bn`")
+                && text.contains("device.kiln_kernels = true"),
             "{e}"
         );
     }

@@ -76,9 +76,10 @@ pub fn check_synchronized(layers: &[BatchNormLayer]) -> Result<()> {
              batch statistics, so the replicas would not train the model that one process \
              does. Kiln's BatchNorm synchronizes them over the ranks: use \
              `kiln::nn::BatchNorm` (a drop-in for Burn's: `kiln::nn::BatchNormConfig`, or \
-             `.into()` from `burn::nn::BatchNorm`), train in f32 on the CPU with Kiln's \
-             kernels on (`device.kiln_kernels`), or use a normalization without batch \
-             statistics (LayerNorm, GroupNorm)",
+             `.into()` from `burn::nn::BatchNorm`) on the CPU with Kiln's kernels on \
+             (`device.kiln_kernels = true`) and f32 input to the layer (bf16/f16 autocast \
+             is fine: it hands norms f32), or use a normalization without batch statistics \
+             (LayerNorm, GroupNorm)",
             layer.path
         ))),
     }
