@@ -103,6 +103,11 @@ Examples:
   kiln serve --models opt                    KServe v2 (HTTP :8000, gRPC :8001) over opt/*/config.toml
   kiln serve --models repo --http-port 0 --no-grpc
   kiln serve --models opt --device cpu       models with kind = \"KIND_AUTO\" (or none) on the CPU
+  kiln serve --models opt --model-control-mode poll --repository-poll-secs 5
+                                             new, changed, removed models load, reload, unload
+  kiln serve --models opt --model-control-mode explicit --load-model w3
+                                             then: curl -X POST localhost:8000/v2/repository/models/w3/load
+  kiln serve --models opt --exit-on-error    refuse to start when any model fails to load
 A model directory holds config.toml, e.g. for an exported ONNX file:
   backend = \"onnx\"
   file = \"model.onnx\"
@@ -116,6 +121,19 @@ const TUNE_EXAMPLES: &str = "\
 Examples:
   kiln tune batch --model cnn --memory-budget 2GiB   largest and fastest batch under a budget
   kiln tune auto --model cnn --out runs/cnn/kiln.toml  measured plan search, writes kiln.toml";
+
+const TUNE_BATCH_EXAMPLES: &str = "\
+Examples:
+  kiln tune batch --model cnn --memory-budget 2GiB   largest and fastest batch under 2 GiB
+  kiln tune batch --model resnet --precision bf16 --memory-budget 8GiB --max-batch 512
+  kiln tune batch --config kiln.toml --mode binsearch --json   the search as JSON";
+
+const TUNE_AUTO_EXAMPLES: &str = "\
+Examples:
+  kiln tune auto --model cnn --out runs/cnn/kiln.toml   measured plan search, writes kiln.toml
+  kiln tune auto --model cnn --batch 128 --time-budget 5m   keep an effective batch of 128
+  kiln tune auto --config kiln.toml --grid --json        every combination, results as JSON
+  kiln train --config runs/cnn/kiln.toml                 then train with the winning plan";
 
 /// Kiln: a performance optimization system for deep-learning training and inference.
 #[derive(Parser, Debug)]
@@ -171,9 +189,11 @@ struct ReportArgs {
 enum TuneCommand {
     /// The largest batch that fits a memory budget, and the fastest one: power-of-two growth
     /// then binary search, each trial a few real training steps in a child process.
+    #[command(after_help = TUNE_BATCH_EXAMPLES)]
     Batch(Box<TuneBatchArgs>),
     /// The auto-optimizer: short measured trials over precision, micro-batch (effective batch
     /// kept), activation checkpointing and loader workers; writes the winner as a kiln.toml.
+    #[command(after_help = TUNE_AUTO_EXAMPLES)]
     Auto(Box<TuneAutoArgs>),
 }
 

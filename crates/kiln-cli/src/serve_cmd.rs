@@ -6,7 +6,9 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use kiln_serve::{InstanceKind, Repository, Server, ServerOptions};
+use kiln_serve::{
+    InstanceKind, ModelControlMode, Repository, RepositoryOptions, Server, ServerOptions,
+};
 
 /// `kiln serve` arguments.
 #[derive(Args, Debug)]
@@ -35,9 +37,30 @@ pub struct ServeArgs {
     /// on a stage thread (a hand-off costs more than the work); 0 = always staged.
     #[arg(long, default_value_t = 16384)]
     inline_bytes: usize,
-    /// Largest request body in bytes.
+    /// Largest request in bytes, on both protocols (an HTTP body, a gRPC message).
     #[arg(long, default_value_t = kiln_serve::MAX_BODY_BYTES)]
     max_body_bytes: usize,
+    /// How models change while serving (Triton's modes): none (loaded once at start), poll
+    /// (the repository is re-read every --repository-poll-secs: new, changed and removed
+    /// models and versions load, reload and unload), explicit (clients load and unload:
+    /// POST /v2/repository/models/M/load and /unload, gRPC RepositoryModelLoad/Unload).
+    #[arg(long, default_value = "none")]
+    model_control_mode: String,
+    /// Poll mode: seconds between two reads of the repository.
+    #[arg(long, default_value_t = 15)]
+    repository_poll_secs: u64,
+    /// Explicit mode: a model to load at start (repeat it; `*` loads every model). Others
+    /// wait for a load request.
+    #[arg(long = "load-model")]
+    load_models: Vec<String>,
+    /// Exit with an error when any model fails to load at start, instead of serving the
+    /// others (for deployments that want all or nothing).
+    #[arg(long)]
+    exit_on_error: bool,
+    /// Seconds a replaced or unloaded model version waits for its in-flight requests before
+    /// it stops anyway.
+    #[arg(long, default_value_t = 60)]
+    drain_timeout_secs: u64,
     /// CPU threads for tensor work (0 = all cores).
     #[arg(long, default_value_t = 0)]
     threads: usize,
@@ -54,23 +77,70 @@ pub fn run(args: ServeArgs) -> Result<()> {
     }
     let default_kind = InstanceKind::parse(&args.device)
         .map_err(|_| anyhow::anyhow!("--device {:?}: use auto, cpu or gpu", args.device))?;
+    let mode = ModelControlMode::parse(&args.model_control_mode)
+        .map_err(|e| anyhow::anyhow!("--model-control-mode: {e}"))?;
+    if !args.load_models.is_empty() && mode != ModelControlMode::Explicit {
+        anyhow::bail!(
+            "--load-model applies to --model-control-mode explicit; the {} mode loads every model",
+            mode.name()
+        );
+    }
+    if mode == ModelControlMode::Poll && args.repository_poll_secs == 0 {
+        anyhow::bail!("--repository-poll-secs must be at least 1");
+    }
+    let options = RepositoryOptions {
+        stages: kiln_serve::Stages {
+            threads: args.stage_threads,
+            inline_bytes: args.inline_bytes,
+        },
+        default_kind,
+        mode,
+        startup_models: args.load_models.clone(),
+        drain_timeout: std::time::Duration::from_secs(args.drain_timeout_secs),
+    };
     let repository = Arc::new(
-        Repository::load_on(
-            &args.models,
-            kiln_serve::Stages {
-                threads: args.stage_threads,
-                inline_bytes: args.inline_bytes,
-            },
-            default_kind,
-        )
-        .with_context(|| format!("loading models from {}", args.models.display()))?,
+        Repository::open(&args.models, options)
+            .with_context(|| format!("loading models from {}", args.models.display()))?,
     );
+    for w in repository.warnings() {
+        eprintln!("warning: {w}");
+    }
     for m in repository.index() {
-        if m.reason.is_empty() {
-            eprintln!("model {}: {}", m.name, m.state);
+        let version = if m.version.is_empty() {
+            String::new()
         } else {
-            eprintln!("model {}: {} — {}", m.name, m.state, m.reason);
+            format!(" version {}", m.version)
+        };
+        if m.reason.is_empty() {
+            eprintln!("model {}{version}: {}", m.name, m.state);
+        } else {
+            eprintln!("model {}{version}: {} — {}", m.name, m.state, m.reason);
         }
+    }
+    let failures = repository.failures();
+    if args.exit_on_error && !failures.is_empty() {
+        repository.shutdown();
+        let names: Vec<String> = failures
+            .iter()
+            .map(|f| match f.version.as_str() {
+                "" => f.name.clone(),
+                v => format!("{} version {v}", f.name),
+            })
+            .collect();
+        anyhow::bail!(
+            "--exit-on-error: {} failed to load ({}); the reasons are above",
+            if names.len() == 1 {
+                "a model"
+            } else {
+                "models"
+            },
+            names.join(", ")
+        );
+    }
+    if mode == ModelControlMode::Poll {
+        repository
+            .start_polling(std::time::Duration::from_secs(args.repository_poll_secs))
+            .context("starting the repository poll")?;
     }
     let options = ServerOptions {
         http: SocketAddr::new(args.host, args.http_port),

@@ -31,6 +31,14 @@
 //! cascade = [{ graph = "exit0.kgraph", threshold = 0.9 }]  # cheaper stages first (early
 //!                                 # exit prefix, or a coarse model at 1/f resolution; graph
 //!                                 # or file = "x.onnx"); the model answers the rest
+//!
+//! version_policy = { latest = 1 } # numbered version directories (M/1, M/2) served: the
+//!                                 # latest N (default 1), "all", or { specific = [1, 3] }
+//!
+//! [warmup]                        # run on every instance before the model is marked ready
+//! batch_size = 8                  # rows per warm-up execution (≤ max_batch_size)
+//! count = 2                       # executions per instance
+//! data = "zero"                   # zero | random (seeded values in [0, 1))
 //! ```
 
 use std::collections::BTreeMap;
@@ -135,6 +143,117 @@ pub struct DynamicBatching {
     pub preferred_batch_sizes: Vec<usize>,
 }
 
+/// Which numbered versions of a model are served: Triton's `version_policy`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VersionPolicy {
+    /// The `n` highest-numbered versions on disk (Triton's default is the latest 1).
+    Latest(usize),
+    /// Every version on disk.
+    All,
+    /// Exactly these versions (those on disk).
+    Specific(Vec<u64>),
+}
+
+impl Default for VersionPolicy {
+    fn default() -> Self {
+        VersionPolicy::Latest(1)
+    }
+}
+
+impl VersionPolicy {
+    /// The versions this policy serves out of `on_disk` (ascending in, ascending out).
+    pub fn select(&self, on_disk: &[u64]) -> Vec<u64> {
+        match self {
+            VersionPolicy::Latest(n) => on_disk[on_disk.len().saturating_sub(*n)..].to_vec(),
+            VersionPolicy::All => on_disk.to_vec(),
+            VersionPolicy::Specific(wanted) => on_disk
+                .iter()
+                .copied()
+                .filter(|v| wanted.contains(v))
+                .collect(),
+        }
+    }
+
+    /// Parses the TOML value of `version_policy`.
+    fn parse(value: &toml::Value) -> std::result::Result<Self, String> {
+        const FIX: &str = "use version_policy = { latest = N }, \"all\" or { specific = [1, 3] }";
+        match value {
+            toml::Value::String(s) if s == "all" => Ok(VersionPolicy::All),
+            toml::Value::Table(t) if t.len() == 1 => {
+                let (key, v) = t.iter().next().ok_or(FIX)?;
+                match (key.as_str(), v) {
+                    ("latest", toml::Value::Integer(n)) if *n >= 1 => {
+                        Ok(VersionPolicy::Latest(*n as usize))
+                    }
+                    ("specific", toml::Value::Array(list)) if !list.is_empty() => list
+                        .iter()
+                        .map(|v| match v {
+                            toml::Value::Integer(n) if *n >= 1 => Ok(*n as u64),
+                            other => Err(format!(
+                                "version_policy.specific: {other} is not a version number (1, 2, …)"
+                            )),
+                        })
+                        .collect::<std::result::Result<Vec<_>, _>>()
+                        .map(VersionPolicy::Specific),
+                    _ => Err(format!("version_policy {value} is not a policy; {FIX}")),
+                }
+            }
+            other => Err(format!("version_policy {other} is not a policy; {FIX}")),
+        }
+    }
+}
+
+/// Warm-up run on every instance before the model is marked ready (Triton's
+/// `model_warmup`), so that the first client request does not pay for first-call work
+/// (kernel selection, weight transforms, allocator growth).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Warmup {
+    /// Rows per warm-up execution.
+    pub batch_size: usize,
+    /// Executions per instance.
+    pub count: usize,
+    /// Seeded values in [0, 1) (INT64 inputs: 0..10) instead of zeros.
+    pub random: bool,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawWarmup {
+    #[serde(default = "one")]
+    batch_size: usize,
+    #[serde(default = "one")]
+    count: usize,
+    data: Option<String>,
+}
+
+impl RawWarmup {
+    fn validate(self, max_batch_size: usize) -> std::result::Result<Warmup, String> {
+        if self.batch_size == 0 || self.batch_size > max_batch_size {
+            return Err(format!(
+                "warmup.batch_size {} must be 1..=max_batch_size ({max_batch_size})",
+                self.batch_size
+            ));
+        }
+        if self.count == 0 || self.count > 1000 {
+            return Err(format!("warmup.count {} must be 1..=1000", self.count));
+        }
+        let random = match self.data.as_deref() {
+            None | Some("zero") => false,
+            Some("random") => true,
+            Some(other) => {
+                return Err(format!(
+                    "warmup.data {other:?} is not a data kind; use \"zero\" or \"random\""
+                ));
+            }
+        };
+        Ok(Warmup {
+            batch_size: self.batch_size,
+            count: self.count,
+            random,
+        })
+    }
+}
+
 /// A validated model configuration.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
@@ -157,6 +276,10 @@ pub struct ModelConfig {
     pub kiln_kernels: bool,
     /// `Some`: a stateful stream model (`[sequence_batching]`).
     pub sequence: Option<SequenceConfig>,
+    /// Which numbered versions are served (models laid out as `M/1`, `M/2`, …).
+    pub version_policy: VersionPolicy,
+    /// `Some`: executions run on every instance before the model is ready.
+    pub warmup: Option<Warmup>,
 }
 
 /// A stream model's settings: Triton's `sequence_batching` block with Kiln's real-time
@@ -338,6 +461,8 @@ struct RawConfig {
     timeout_microseconds: u64,
     dynamic_batching: Option<RawBatching>,
     sequence_batching: Option<RawSequence>,
+    version_policy: Option<toml::Value>,
+    warmup: Option<RawWarmup>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -517,6 +642,22 @@ impl ModelConfig {
             }
             Some(seq) => Some(seq.validate(dir)?),
         };
+        let version_policy = match &raw.version_policy {
+            Some(v) => VersionPolicy::parse(v)?,
+            None => VersionPolicy::default(),
+        };
+        let warmup = match raw.warmup {
+            None => None,
+            // A stream model's executions carry sequence state: a warm-up would have to start
+            // and end sequences of its own, which no client could tell from theirs.
+            Some(_) if sequence.is_some() => {
+                return Err(
+                    "warmup is not supported for stream models ([sequence_batching]); remove [warmup]"
+                        .into(),
+                );
+            }
+            Some(w) => Some(w.validate(raw.max_batch_size)?),
+        };
         Ok(ModelConfig {
             backend,
             max_batch_size: raw.max_batch_size,
@@ -528,6 +669,8 @@ impl ModelConfig {
             dynamic_batching,
             kiln_kernels: raw.kiln_kernels.unwrap_or(true),
             sequence,
+            version_policy,
+            warmup,
         })
     }
 }
@@ -607,6 +750,46 @@ max_sequence_idle_microseconds = 2000000
     }
 
     #[test]
+    fn version_policies_parse_and_select_like_tritons() {
+        let policy = |text: &str| {
+            parse(&format!("backend = \"identity\"\ndims = [4]\n{text}"))
+                .unwrap()
+                .version_policy
+        };
+        let on_disk = [1, 2, 5, 7];
+        assert_eq!(policy(""), VersionPolicy::Latest(1));
+        assert_eq!(policy("").select(&on_disk), vec![7]);
+        let latest2 = policy("version_policy = { latest = 2 }");
+        assert_eq!(latest2.select(&on_disk), vec![5, 7]);
+        assert_eq!(latest2.select(&[3]), vec![3]);
+        assert_eq!(
+            policy("version_policy = \"all\"").select(&on_disk),
+            on_disk.to_vec()
+        );
+        let specific = policy("version_policy = { specific = [2, 3, 7] }");
+        assert_eq!(specific.select(&on_disk), vec![2, 7]);
+    }
+
+    #[test]
+    fn warmup_parses_with_defaults() {
+        let c = parse("backend = \"identity\"\ndims = [4]\n[warmup]\ndata = \"random\"").unwrap();
+        assert_eq!(
+            c.warmup,
+            Some(Warmup {
+                batch_size: 1,
+                count: 1,
+                random: true
+            })
+        );
+        assert!(
+            parse("backend = \"identity\"\ndims = [4]")
+                .unwrap()
+                .warmup
+                .is_none()
+        );
+    }
+
+    #[test]
     fn kiln_kernels_switch_per_model_where_a_model_runs_kernels() {
         let c = parse("backend = \"onnx\"\nfile = \"m.onnx\"\nkiln_kernels = false").unwrap();
         assert!(!c.kiln_kernels);
@@ -673,6 +856,34 @@ max_sequence_idle_microseconds = 2000000
             (
                 "backend = \"graph\"\ngraph = \"g\"\n[sequence_batching]\nframe_dims = [1, 56, 56]\ncascade = [{ graph = \"a\", threshold = 1.5 }]",
                 "cascade[0].threshold 1.5",
+            ),
+            (
+                "backend = \"identity\"\ndims = [4]\nversion_policy = { latest = 0 }",
+                "version_policy = { latest = N }",
+            ),
+            (
+                "backend = \"identity\"\ndims = [4]\nversion_policy = \"newest\"",
+                "is not a policy",
+            ),
+            (
+                "backend = \"identity\"\ndims = [4]\nversion_policy = { specific = [0] }",
+                "not a version number",
+            ),
+            (
+                "backend = \"identity\"\ndims = [4]\nmax_batch_size = 4\n[warmup]\nbatch_size = 8",
+                "warmup.batch_size 8",
+            ),
+            (
+                "backend = \"identity\"\ndims = [4]\n[warmup]\ndata = \"ones\"",
+                "warmup.data",
+            ),
+            (
+                "backend = \"identity\"\ndims = [4]\n[warmup]\nbatchsize = 2",
+                "unknown field `batchsize`",
+            ),
+            (
+                "backend = \"graph\"\ngraph = \"g\"\n[sequence_batching]\nframe_dims = [1, 56, 56]\n[warmup]\ncount = 1",
+                "not supported for stream models",
             ),
         ];
         for (text, expected) in cases {

@@ -84,6 +84,10 @@ pub enum ServeError {
         /// What is wrong and how to fix it.
         message: String,
     },
+    /// A model control request (load, unload) that this server's mode does not allow, or
+    /// that names no model it could load.
+    #[error("{0}")]
+    ControlRefused(String),
     /// Binding or serving a socket failed.
     #[error("server I/O: {0}")]
     Io(#[from] std::io::Error),
@@ -93,14 +97,15 @@ impl ServeError {
     /// The HTTP status this error is answered with.
     pub fn http_status(&self) -> u16 {
         match self {
-            ServeError::InvalidRequest(_) | ServeError::ModelNotReady { .. } => 400,
+            // A failed load is the request's problem to fix (its files), as Triton answers it.
+            ServeError::InvalidRequest(_)
+            | ServeError::ModelNotReady { .. }
+            | ServeError::ControlRefused(_)
+            | ServeError::Load { .. } => 400,
             ServeError::ModelNotFound(_) => 404,
             ServeError::QueueFull { .. } | ServeError::SequencesFull { .. } => 429,
             ServeError::Timeout { .. } | ServeError::ShuttingDown => 503,
-            ServeError::Inference { .. }
-            | ServeError::Load { .. }
-            | ServeError::Config { .. }
-            | ServeError::Io(_) => 500,
+            ServeError::Inference { .. } | ServeError::Config { .. } | ServeError::Io(_) => 500,
         }
     }
 
@@ -109,7 +114,9 @@ impl ServeError {
         match self {
             ServeError::InvalidRequest(_) => tonic::Code::InvalidArgument,
             ServeError::ModelNotFound(_) => tonic::Code::NotFound,
-            ServeError::ModelNotReady { .. } => tonic::Code::FailedPrecondition,
+            ServeError::ModelNotReady { .. } | ServeError::ControlRefused(_) => {
+                tonic::Code::FailedPrecondition
+            }
             ServeError::QueueFull { .. } | ServeError::SequencesFull { .. } => {
                 tonic::Code::ResourceExhausted
             }
@@ -124,7 +131,7 @@ impl ServeError {
     /// The label this error is counted under in `/metrics`.
     pub fn metric_reason(&self) -> &'static str {
         match self {
-            ServeError::InvalidRequest(_) => "invalid",
+            ServeError::InvalidRequest(_) | ServeError::ControlRefused(_) => "invalid",
             ServeError::ModelNotFound(_) | ServeError::ModelNotReady { .. } => "not_ready",
             ServeError::QueueFull { .. } | ServeError::SequencesFull { .. } => "queue_full",
             ServeError::Timeout { .. } => "timeout",

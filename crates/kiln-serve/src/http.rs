@@ -38,6 +38,8 @@ pub fn router(repository: Arc<Repository>, max_body: usize) -> Router {
         .route("/v2/health/live", get(|| async { StatusCode::OK }))
         .route("/v2/health/ready", get(server_ready))
         .route("/v2/repository/index", post(repository_index))
+        .route("/v2/repository/models/{model}/load", post(load_model))
+        .route("/v2/repository/models/{model}/unload", post(unload_model))
         .route("/v2/models/stats", get(all_stats))
         .route("/v2/models/{model}", get(metadata))
         .route("/v2/models/{model}/versions/{version}", get(metadata))
@@ -84,17 +86,6 @@ fn json_response(v: Value) -> Response {
         .into_response()
 }
 
-/// Only version 1 exists: a model is served as loaded.
-fn check_version(model: &str, version: &str) -> Result<(), ServeError> {
-    if version.is_empty() || version == "1" {
-        Ok(())
-    } else {
-        Err(ServeError::ModelNotFound(format!(
-            "{model} (version {version}; only version 1 is served)"
-        )))
-    }
-}
-
 async fn server_metadata() -> Response {
     let (name, version, extensions) = crate::server_metadata();
     json_response(json!({ "name": name, "version": version, "extensions": extensions }))
@@ -108,13 +99,24 @@ async fn server_ready(State(s): State<Http>) -> StatusCode {
     }
 }
 
-async fn repository_index(State(s): State<Http>) -> Response {
+async fn repository_index(State(s): State<Http>, request: Request) -> Response {
+    let only_ready = match read_body(&s, request)
+        .await
+        .and_then(|b| crate::codec::control::http_index(&b))
+    {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
     let index: Vec<Value> = s
         .repository
         .index()
         .into_iter()
+        .filter(|m| !only_ready || m.state == "READY")
         .map(|m| {
-            let mut v = json!({ "name": m.name, "version": "1", "state": m.state });
+            let mut v = json!({ "name": m.name, "state": m.state });
+            if !m.version.is_empty() {
+                v["version"] = json!(m.version);
+            }
             if !m.reason.is_empty() {
                 v["reason"] = json!(m.reason);
             }
@@ -124,6 +126,66 @@ async fn repository_index(State(s): State<Http>) -> Response {
     json_response(Value::Array(index))
 }
 
+/// `POST /v2/repository/models/M/load`: loads or reloads M (explicit mode); answers when the
+/// new versions serve (or with why they do not).
+async fn load_model(
+    State(s): State<Http>,
+    Path(model): Path<String>,
+    request: Request,
+) -> Response {
+    let checked = read_body(&s, request).await.and_then(|b| {
+        crate::codec::control::check_load(&crate::codec::control::http_parameters(
+            &b,
+            "model load",
+        )?)
+    });
+    if let Err(e) = checked {
+        return e.into_response();
+    }
+    let repository = Arc::clone(&s.repository);
+    // Loading reads weights and runs the warm-up: blocking work, off the async runtime.
+    match tokio::task::spawn_blocking(move || repository.request_load(&model)).await {
+        Ok(Ok(_)) => StatusCode::OK.into_response(),
+        Ok(Err(e)) => e.into_response(),
+        Err(e) => error_response(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
+    }
+}
+
+/// `POST /v2/repository/models/M/unload`: takes M out of service; its versions drain their
+/// requests in the background.
+async fn unload_model(
+    State(s): State<Http>,
+    Path(model): Path<String>,
+    request: Request,
+) -> Response {
+    let checked = read_body(&s, request).await.and_then(|b| {
+        crate::codec::control::check_unload(&crate::codec::control::http_parameters(
+            &b,
+            "model unload",
+        )?)
+    });
+    if let Err(e) = checked {
+        return e.into_response();
+    }
+    match s.repository.request_unload(&model) {
+        Ok(_) => StatusCode::OK.into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// A request's whole body, up to the server's limit.
+async fn read_body(s: &Http, request: Request) -> Result<Bytes, ServeError> {
+    axum::body::to_bytes(request.into_body(), s.max_body)
+        .await
+        .map_err(|_| body_too_large(s.max_body))
+}
+
+fn body_too_large(limit: usize) -> ServeError {
+    ServeError::InvalidRequest(format!(
+        "request body exceeds the server's limit of {limit} bytes (kiln serve --max-body-bytes)"
+    ))
+}
+
 /// A route's `{model}` and optional `{version}`.
 type ModelPath = Path<HashMap<String, String>>;
 
@@ -131,8 +193,7 @@ type ModelPath = Path<HashMap<String, String>>;
 fn runtime(s: &Http, path: &HashMap<String, String>) -> Result<Arc<ModelRuntime>, ServeError> {
     let model = path.get("model").map_or("", String::as_str);
     let version = path.get("version").map_or("", String::as_str);
-    check_version(model, version)?;
-    s.repository.runtime(model)
+    s.repository.runtime_version(model, version)
 }
 
 async fn metadata(State(s): State<Http>, Path(path): ModelPath) -> Response {
@@ -141,7 +202,7 @@ async fn metadata(State(s): State<Http>, Path(path): ModelPath) -> Response {
             let tensor = |t: &crate::tensor::TensorSpec| json!({ "name": t.name, "datatype": t.datatype.wire_name(), "shape": t.batched_shape() });
             json_response(json!({
                 "name": rt.name,
-                "versions": ["1"],
+                "versions": s.repository.ready_versions(&rt.name).iter().map(u64::to_string).collect::<Vec<_>>(),
                 "platform": rt.spec.platform,
                 "inputs": rt.spec.inputs.iter().map(tensor).collect::<Vec<_>>(),
                 "outputs": rt.spec.outputs.iter().map(tensor).collect::<Vec<_>>(),
@@ -207,12 +268,9 @@ async fn infer_body(
         )));
     }
     let header_len = header_length(&parts.headers)?;
-    let body: Bytes = axum::body::to_bytes(body, s.max_body).await.map_err(|_| {
-        ServeError::InvalidRequest(format!(
-            "request body exceeds the server's limit of {} bytes (kiln serve --max-body-bytes)",
-            s.max_body
-        ))
-    })?;
+    let body: Bytes = axum::body::to_bytes(body, s.max_body)
+        .await
+        .map_err(|_| body_too_large(s.max_body))?;
     match rt.infer(WireRequest::Http { body, header_len }).await? {
         Encoded::Http { body, header_len } => {
             let mut response = Response::new(Body::from(body));

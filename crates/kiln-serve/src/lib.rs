@@ -31,11 +31,15 @@ pub mod sequence;
 pub mod server;
 pub mod tensor;
 pub mod triton_config;
+pub mod warmup;
 
-pub use config::{BackendConfig, DynamicBatching, InstanceKind, ModelConfig, SequenceConfig};
+pub use config::{
+    BackendConfig, DynamicBatching, InstanceKind, ModelConfig, SequenceConfig, VersionPolicy,
+    Warmup,
+};
 pub use error::{Result, ServeError};
 pub use pipeline::Stages;
-pub use repository::Repository;
+pub use repository::{ModelControlMode, Repository, RepositoryOptions};
 pub use server::{Server, ServerOptions};
 
 /// Largest request or response body accepted on either protocol by default.
@@ -51,6 +55,7 @@ pub fn server_metadata() -> (&'static str, &'static str, &'static [&'static str]
             "statistics",
             "model_configuration",
             "model_repository",
+            "model_repository(unload_dependents)",
             "sequence",
         ],
     )

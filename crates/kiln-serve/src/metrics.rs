@@ -192,9 +192,10 @@ impl ModelMetrics {
         self.queue_seconds.observe(waited.as_secs_f64());
     }
 
-    /// Appends this model's series to a Prometheus exposition.
-    pub fn render(&self, out: &mut String, model: &str) {
-        let l = format!("model=\"{}\"", model.replace(['"', '\\', '\n'], "_"));
+    /// Appends this model's series to a Prometheus exposition, each with `labels` (already
+    /// escaped: `model="w3"` or `model="w3",version="2"`).
+    pub fn render(&self, out: &mut String, labels: &str) {
+        let l = labels;
         let count = |a: &AtomicU64| a.load(Ordering::Relaxed).to_string();
         let secs = |a: &AtomicU64| (a.load(Ordering::Relaxed) as f64 / 1e9).to_string();
         let series = [
@@ -224,11 +225,11 @@ impl ModelMetrics {
                 c.load(Ordering::Relaxed)
             );
         }
-        self.batch_size.render(out, "kiln_batch_size", &l);
+        self.batch_size.render(out, "kiln_batch_size", l);
         self.queue_seconds
-            .render(out, "kiln_queue_duration_seconds", &l);
+            .render(out, "kiln_queue_duration_seconds", l);
         self.request_seconds
-            .render(out, "kiln_request_duration_seconds", &l);
+            .render(out, "kiln_request_duration_seconds", l);
     }
 }
 
@@ -320,7 +321,7 @@ mod tests {
         }
         assert_eq!(m.batch_size.bucket_counts(), vec![1, 0, 1, 2, 0]);
         let mut text = String::new();
-        m.render(&mut text, "w3");
+        m.render(&mut text, "model=\"w3\"");
         assert!(
             text.contains("kiln_batch_size_bucket{model=\"w3\",le=\"4\"} 2"),
             "{text}"

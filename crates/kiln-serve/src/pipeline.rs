@@ -110,6 +110,12 @@ struct PostJob {
 pub struct ModelRuntime {
     /// Model name.
     pub name: String,
+    /// Which version of the model this is (1 for a model directory without numbered
+    /// versions).
+    pub version: u64,
+    /// Whether the model is laid out in numbered versions: its metrics then carry a
+    /// `version` label, so that two versions serving side by side are two series.
+    pub versioned: bool,
     /// Its configuration.
     pub config: ModelConfig,
     /// Its wire signature.
@@ -137,17 +143,34 @@ impl std::fmt::Debug for ModelRuntime {
 
 impl ModelRuntime {
     /// Builds `config.instances` backends and starts `stages.threads` pre- and postprocess
-    /// threads each.
-    pub fn start(name: &str, mut config: ModelConfig, stages: Stages) -> Result<Arc<Self>> {
+    /// threads each: version 1 of a model without numbered versions.
+    pub fn start(name: &str, config: ModelConfig, stages: Stages) -> Result<Arc<Self>> {
+        Self::start_version(name, None, config, stages)
+    }
+
+    /// [`ModelRuntime::start`] for numbered version `version` (`None`: an unversioned
+    /// model, served as version 1). The warm-up, when configured, runs on every instance
+    /// before this returns: a runtime that exists is ready.
+    pub fn start_version(
+        name: &str,
+        version: Option<u64>,
+        mut config: ModelConfig,
+        stages: Stages,
+    ) -> Result<Arc<Self>> {
         let stage_threads = stages.threads;
         // The kind as it resolved on this machine (KIND_AUTO becomes CPU or GPU), so the
         // model's configuration reports where it really runs.
         let (kind, device) = instance_device(name, config.kind)?;
         config.kind = kind;
-        let (backends, spec) = build_backends(name, &config, &device)?;
+        let (mut backends, spec) = build_backends(name, &config, &device)?;
+        if let Some(warmup) = &config.warmup {
+            crate::warmup::run(name, warmup, &spec, &mut backends)?;
+        }
         let capacity = config.max_queue_size;
         let runtime = Arc::new(ModelRuntime {
             name: name.to_string(),
+            version: version.unwrap_or(1),
+            versioned: version.is_some(),
             metrics: Arc::new(ModelMetrics::new(config.max_batch_size)),
             pre: Arc::new(BoundedQueue::new(capacity)),
             batch: Arc::new(BoundedQueue::new(capacity)),
@@ -193,16 +216,36 @@ impl ModelRuntime {
     /// Appends the model's series to a Prometheus exposition: its counters, and for a stream
     /// model the sequences it holds.
     pub fn render_metrics(&self, out: &mut String) {
-        self.metrics.render(out, &self.name);
+        let labels = self.metric_labels();
+        self.metrics.render(out, &labels);
         if let Some(table) = &self.sequences {
             use std::fmt::Write;
             let _ = writeln!(
                 out,
-                "kiln_stream_sequences_active{{model=\"{}\"}} {}",
-                self.name.replace(['"', '\\', '\n'], "_"),
+                "kiln_stream_sequences_active{{{labels}}} {}",
                 table.active()
             );
         }
+    }
+
+    /// The Prometheus labels naming this model (and its version, when numbered).
+    fn metric_labels(&self) -> String {
+        let model = self.name.replace(['"', '\\', '\n'], "_");
+        if self.versioned {
+            format!("model=\"{model}\",version=\"{}\"", self.version)
+        } else {
+            format!("model=\"{model}\"")
+        }
+    }
+
+    /// Threads this runtime runs (each holds a reference to it until it stops).
+    pub fn thread_count(&self) -> usize {
+        self.threads
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(Vec::len)
+            .sum()
     }
 
     /// Runs one request through the pipeline and returns its encoded response; overload,
@@ -422,7 +465,7 @@ impl ModelRuntime {
     fn finish(&self, job: PostJob) {
         let started = Instant::now();
         let outputs = postprocess(&self.spec, job.request.batch, job.outputs);
-        let encoded = codec::encode(&self.name, job.request, outputs);
+        let encoded = codec::encode(&self.name, &self.version.to_string(), job.request, outputs);
         ModelMetrics::add_time(&self.metrics.post_ns, started.elapsed());
         let _ = job.reply.send(encoded);
     }

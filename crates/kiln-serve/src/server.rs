@@ -89,7 +89,8 @@ impl Server {
                 .into_future(),
         );
         let grpc = self.grpc.map(|listener| {
-            let service = GrpcFrontend::new(Arc::clone(&self.repository)).into_service();
+            let service =
+                GrpcFrontend::new(Arc::clone(&self.repository), self.max_body_bytes).into_service();
             let incoming =
                 tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
             tokio::spawn(

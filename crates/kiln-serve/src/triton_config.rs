@@ -161,7 +161,7 @@ pub fn statistics_json(rt: &ModelRuntime) -> Value {
     let d = |count: u64, ns: u64| json!({"count": count, "ns": ns});
     json!({
         "name": rt.name,
-        "version": "1",
+        "version": rt.version.to_string(),
         "last_inference": s.last_ms,
         "inference_count": s.inferences,
         "execution_count": s.executions,
@@ -183,7 +183,7 @@ pub fn statistics_proto(rt: &ModelRuntime) -> pb::ModelStatistics {
     let d = |count: u64, ns: u64| Some(pb::StatisticDuration { count, ns });
     pb::ModelStatistics {
         name: rt.name.clone(),
-        version: "1".into(),
+        version: rt.version.to_string(),
         last_inference: s.last_ms,
         inference_count: s.inferences,
         execution_count: s.executions,

@@ -105,10 +105,15 @@ pub fn decode(
 }
 
 /// Encodes outputs as a `ModelInferResponse` with `raw_output_contents`, as Triton does.
-pub fn encode(model: &str, id: String, outputs: Vec<(NamedTensor, Option<bool>)>) -> Encoded {
+pub fn encode(
+    model: &str,
+    version: &str,
+    id: String,
+    outputs: Vec<(NamedTensor, Option<bool>)>,
+) -> Encoded {
     let mut response = pb::ModelInferResponse {
         model_name: model.to_string(),
-        model_version: "1".into(),
+        model_version: version.to_string(),
         id,
         ..Default::default()
     };

@@ -199,6 +199,7 @@ fn json_values(name: &str, dt: DataType, data: &Value) -> Result<Values> {
 /// Encodes outputs as the KServe v2 JSON response, binary where requested.
 pub fn encode(
     model: &str,
+    version: &str,
     id: &str,
     outputs: Vec<(NamedTensor, Option<bool>)>,
     binary_default: bool,
@@ -225,7 +226,7 @@ pub fn encode(
     }
     let mut response = json!({
         "model_name": model,
-        "model_version": "1",
+        "model_version": version,
         "outputs": listed,
     });
     if !id.is_empty() {

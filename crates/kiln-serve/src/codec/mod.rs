@@ -3,6 +3,7 @@
 //! Decoding and encoding run on the pipeline's pre- and postprocess threads, not on the
 //! async runtime: the handlers only move bytes.
 
+pub mod control;
 pub mod grpc;
 pub mod http;
 
@@ -180,13 +181,18 @@ pub fn decode(wire: WireRequest, spec: &ModelSpec, max_batch: usize) -> Result<I
 }
 
 /// Encodes a response in the format the request asked for.
-pub fn encode(model: &str, request: InferRequest, outputs: Vec<NamedTensor>) -> Result<Encoded> {
+pub fn encode(
+    model: &str,
+    version: &str,
+    request: InferRequest,
+    outputs: Vec<NamedTensor>,
+) -> Result<Encoded> {
     let selected = select_outputs(outputs, &request.outputs);
     Ok(match request.format {
         ResponseFormat::Http { binary_default } => {
-            http::encode(model, &request.id, selected, binary_default)?
+            http::encode(model, version, &request.id, selected, binary_default)?
         }
-        ResponseFormat::Grpc => grpc::encode(model, request.id, selected),
+        ResponseFormat::Grpc => grpc::encode(model, version, request.id, selected),
     })
 }
 

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use burn::tensor::{Device, Tensor, TensorData};
 use kiln::infer::{InferenceSession, load_graph, lower, save_graph};
 use kiln::zoo::ModelKind;
-use kiln_serve::{Repository, Server, ServerOptions, Stages};
+use kiln_serve::{Repository, RepositoryOptions, Server, ServerOptions, Stages};
 
 #[path = "../../../kiln/tests/common/test_dir.rs"]
 mod test_dir;
@@ -104,12 +104,21 @@ impl TestServer {
 
     /// [`TestServer::start_with`] with the given stage placement.
     pub fn start_staged(repo: &Path, max_body_bytes: usize, stages: Stages) -> Self {
+        let options = RepositoryOptions {
+            stages,
+            ..RepositoryOptions::default()
+        };
+        Self::start_options(repo, max_body_bytes, options)
+    }
+
+    /// A server over `repo` opened with `options` (model control mode, start-up models).
+    pub fn start_options(repo: &Path, max_body_bytes: usize, options: RepositoryOptions) -> Self {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .build()
             .unwrap();
-        let repository = Arc::new(Repository::load(repo, stages).unwrap());
+        let repository = Arc::new(Repository::open(repo, options).unwrap());
         let options = ServerOptions {
             http: "127.0.0.1:0".parse().unwrap(),
             grpc: Some("127.0.0.1:0".parse().unwrap()),
@@ -221,7 +230,8 @@ pub fn http(
     parse_response(&raw)
 }
 
-fn parse_response(raw: &[u8]) -> HttpResponse {
+/// Parses a raw HTTP/1.1 response (chunked bodies joined).
+pub fn parse_response(raw: &[u8]) -> HttpResponse {
     let split = raw
         .windows(4)
         .position(|w| w == b"\r\n\r\n")
