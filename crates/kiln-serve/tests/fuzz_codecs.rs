@@ -1,7 +1,9 @@
 //! Mutation fuzzing (`kiln::fuzz`) of the wire decoders, alone (no server): the HTTP JSON
 //! body, the HTTP binary tensor extension (JSON header + raw bytes), and the gRPC
-//! `ModelInferRequest` from its protobuf bytes. Every mutated request is either decoded into
-//! a valid request for the model's signature or refused with a clear error; never a panic.
+//! `ModelInferRequest` from its protobuf bytes; the model control requests (HTTP bodies and
+//! gRPC `RepositoryModelLoad`); and a model's `config.toml`, which arrives from whoever can
+//! write into the repository — with poll mode, while the server runs. Every mutated input is
+//! either accepted or refused with a clear error; never a panic.
 //! Kept crashers: `tests/fuzz_regressions/`, replayed first.
 
 use std::path::Path;
@@ -24,6 +26,11 @@ static ALLOC: kiln::observe::heap::CountingAlloc<std::alloc::System, true> =
 const HTTP_JSON: HeapLimit = HeapLimit::new(1, 32);
 const HTTP_BINARY: HeapLimit = HeapLimit::new(1, 8);
 const GRPC: HeapLimit = HeapLimit::new(1, 8);
+// A config.toml: the TOML tree and the validated config, a few copies of the text (as the
+// kiln.toml target states); the control bodies: a JSON tree or a protobuf map of parameters.
+const SERVE_CONFIG: HeapLimit = HeapLimit::new(1, 64);
+const CONTROL_HTTP: HeapLimit = HeapLimit::new(1, 32);
+const CONTROL_GRPC: HeapLimit = HeapLimit::new(1, 8);
 
 /// A model with two inputs (FP32 `[2]`, INT64 `[3]`), as an exported ONNX model has.
 fn spec() -> ModelSpec {
@@ -142,5 +149,117 @@ fn grpc_requests() {
     assert!(
         summary.accepted > 0,
         "no mutated request decoded: is the seed valid?"
+    );
+}
+
+#[test]
+fn model_config_files() {
+    // Every section and key a model's config.toml can hold, so mutations reach each check.
+    let seed = br#"backend = "graph"
+graph = "model.kgraph"
+kiln_kernels = true
+max_batch_size = 8
+instances = 2
+kind = "KIND_CPU"
+max_queue_size = 64
+timeout_microseconds = 5000
+version_policy = { latest = 2 }
+[dynamic_batching]
+max_queue_delay_microseconds = 500
+preferred_batch_size = [4, 8]
+[sequence_batching]
+frame_dims = [1, 56, 56]
+regions = [[0, 0, 28, 28], [28, 28, 28, 28]]
+frame_gate = { threshold = 0.05, max_reuse_age = 30 }
+region_gate = { threshold = 0.08, max_reuse_age = 30 }
+max_sequence_idle_microseconds = 60000000
+max_active_sequences = 16
+cascade = [{ graph = "coarse.kgraph", threshold = 0.9 }]
+"#;
+    let dir = Path::new("/models/m/1");
+    let summary = run(&target("serve-config", seed, SERVE_CONFIG), |bytes| {
+        let text = std::str::from_utf8(bytes).map_err(|e| format!("not UTF-8: {e}"))?;
+        kiln_serve::ModelConfig::parse(text, dir).map(drop)
+    });
+    eprintln!("seed {} bytes: {summary:?}", seed.len());
+    assert!(
+        summary.accepted > 0,
+        "no mutated config parsed: is the seed valid?"
+    );
+    // The warm-up block (not allowed beside [sequence_batching]) from a seed of its own.
+    let seed = br#"backend = "onnx"
+file = "model.onnx"
+input_dims = { input_ids = [128] }
+passes = "fold"
+max_batch_size = 16
+version_policy = { specific = [1, 3] }
+[warmup]
+batch_size = 4
+count = 2
+data = "random"
+"#;
+    let summary = run(
+        &target("serve-config-warmup", seed, SERVE_CONFIG),
+        |bytes| {
+            let text = std::str::from_utf8(bytes).map_err(|e| format!("not UTF-8: {e}"))?;
+            kiln_serve::ModelConfig::parse(text, dir).map(drop)
+        },
+    );
+    eprintln!("seed {} bytes: {summary:?}", seed.len());
+    assert!(
+        summary.accepted > 0,
+        "no mutated config parsed: is the seed valid?"
+    );
+}
+
+#[test]
+fn model_control_http_bodies() {
+    use kiln_serve::codec::control;
+    let seed = br#"{"parameters": {"unload_dependents": false}}"#;
+    let summary = run(&target("control-http", seed, CONTROL_HTTP), |bytes| {
+        // The same bytes as each of the three bodies the repository extension takes.
+        let index = control::http_index(bytes).map(drop);
+        let load = control::http_parameters(bytes, "load").and_then(|p| control::check_load(&p));
+        let unload =
+            control::http_parameters(bytes, "unload").and_then(|p| control::check_unload(&p));
+        index.and(load).or(unload)
+    });
+    eprintln!("seed {} bytes: {summary:?}", seed.len());
+    assert!(
+        summary.accepted > 0,
+        "no mutated body accepted: is the seed valid?"
+    );
+}
+
+#[test]
+fn model_control_grpc_requests() {
+    use kiln_serve::codec::control;
+    let flag = pb::ModelRepositoryParameter {
+        parameter_choice: Some(pb::model_repository_parameter::ParameterChoice::BoolParam(
+            true,
+        )),
+    };
+    let request = pb::RepositoryModelUnloadRequest {
+        repository_name: String::new(),
+        model_name: "w3".into(),
+        parameters: [("unload_dependents".to_string(), flag)].into(),
+    };
+    let seed = request.encode_to_vec();
+    let summary = run(&target("control-grpc", &seed, CONTROL_GRPC), |bytes| {
+        let unload = pb::RepositoryModelUnloadRequest::decode(bytes)
+            .map_err(|e| format!("not a RepositoryModelUnloadRequest: {e}"))?;
+        kiln_serve::repository::check_name(&unload.model_name)?;
+        control::check_unload(&control::grpc_parameters(&unload.parameters))
+            .map_err(|e| e.to_string())?;
+        // Load and unload requests share their field numbers: the same bytes as a load.
+        let load = pb::RepositoryModelLoadRequest::decode(bytes)
+            .map_err(|e| format!("not a RepositoryModelLoadRequest: {e}"))?;
+        let _ = control::check_load(&control::grpc_parameters(&load.parameters));
+        Ok::<(), String>(())
+    });
+    eprintln!("seed {} bytes: {summary:?}", seed.len());
+    assert!(
+        summary.accepted > 0,
+        "no mutated request accepted: is the seed valid?"
     );
 }

@@ -235,3 +235,39 @@ fn grpc_overload_is_resource_exhausted_and_counts_add_up() {
         exhausted as u64
     );
 }
+
+/// `--max-body-bytes` holds on gRPC as on HTTP: a message above it is refused before it is
+/// decoded, naming the limit; one below it is served.
+#[test]
+fn grpc_messages_obey_the_body_limit_http_has() {
+    let repo = tempdir("grpc-limit");
+    write_cnn_model(&repo, "w3", "max_batch_size = 64\n");
+    let limit = 64 << 10;
+    let server = TestServer::start_with(&repo, limit);
+    let addr = format!("http://{}", server.grpc);
+    server.runtime.block_on(async {
+        let mut c: Client = GrpcInferenceServiceClient::connect(addr).await.unwrap();
+        // 4 images: 12.5 KiB of tensor data, under the limit.
+        let small = request("w3", "images", vec![4, 1, 28, 28], f32_bytes(&images(1, 4)));
+        assert!(c.model_infer(small).await.is_ok());
+        // 32 images: 98 KiB, over it.
+        let large = request(
+            "w3",
+            "images",
+            vec![32, 1, 28, 28],
+            f32_bytes(&images(2, 32)),
+        );
+        let err = c.model_infer(large).await.unwrap_err();
+        assert_eq!(err.code(), Code::OutOfRange, "{}", err.message());
+        assert!(
+            err.message().contains(&limit.to_string()),
+            "{}",
+            err.message()
+        );
+    });
+    // The same body size on HTTP is refused too, with the flag that raises it.
+    let body = common::infer_body("images", &[32, 1, 28, 28], &images(2, 32));
+    let r = common::post_json(server.http, "/v2/models/w3/infer", &body);
+    assert_eq!(r.status, 400);
+    assert!(r.error().contains("--max-body-bytes"), "{}", r.error());
+}

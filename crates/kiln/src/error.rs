@@ -1,6 +1,6 @@
 //! The library's error type: every variant names the problem and, where there is one, the fix.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Result alias used throughout Kiln.
 pub type Result<T, E = KilnError> = std::result::Result<T, E>;
@@ -74,8 +74,8 @@ pub enum KilnError {
         /// What went non-finite, where, and what the guard did before stopping.
         detail: String,
     },
-    /// An I/O error with the path it concerns.
-    #[error("I/O error on {path}: {source}")]
+    /// An I/O error with the path it concerns (and, when the disk is full, which one).
+    #[error("I/O error on {path}: {source}{}", disk_full_hint(path, source))]
     Io {
         /// The file or directory.
         path: PathBuf,
@@ -146,4 +146,47 @@ impl KilnError {
             source,
         }
     }
+}
+
+/// When `error` says the disk is full (or the quota is spent), a clause naming the file system
+/// that holds `path` — its mount point and type, read from `/proc/self/mounts` — and the fix;
+/// otherwise empty. "No space left on device" alone does not say *which* device: a checkpoint
+/// directory on its own mount, a tmpfs `/tmp` or a container's overlay each need another fix.
+pub fn disk_full_hint(path: &Path, error: &std::io::Error) -> String {
+    // ENOSPC and EDQUOT on Linux; the kinds cover the other platforms.
+    let full = matches!(
+        error.kind(),
+        std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded
+    ) || matches!(error.raw_os_error(), Some(28 | 122));
+    if !full {
+        return String::new();
+    }
+    let place = match mount_of(path) {
+        Some((mount, fs_type)) => format!("the {fs_type} file system mounted at {mount}"),
+        None => format!(
+            "the disk holding {}",
+            path.parent().unwrap_or(path).display()
+        ),
+    };
+    format!("; {place} is full: free space there or write to another disk")
+}
+
+/// The mount point and file system type that hold `path` (the longest mount point that is a
+/// prefix of its nearest existing ancestor, resolved).
+fn mount_of(path: &Path) -> Option<(String, String)> {
+    let mounts = std::fs::read_to_string("/proc/self/mounts").ok()?;
+    let existing = path.ancestors().find(|p| p.exists())?;
+    let resolved = existing.canonicalize().ok()?;
+    mounts
+        .lines()
+        .filter_map(|line| {
+            let mut fields = line.split_whitespace();
+            let (_device, mount, fs_type) = (fields.next()?, fields.next()?, fields.next()?);
+            // /proc/self/mounts escapes spaces and the like as octal (\040).
+            let mount = mount.replace("\\040", " ").replace("\\011", "\t");
+            resolved
+                .starts_with(&mount)
+                .then(|| (mount, fs_type.to_string()))
+        })
+        .max_by_key(|(mount, _)| mount.len())
 }

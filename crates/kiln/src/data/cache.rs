@@ -248,10 +248,13 @@ impl DiskCache {
             .and_then(|_| std::fs::rename(&tmp, &path));
         if let Err(e) = written {
             let _ = std::fs::remove_file(&tmp);
-            return Err(KilnError::Cache {
-                path,
-                problem: format!("cannot write the entry: {e}; check free space and permissions"),
-            });
+            let hint = crate::error::disk_full_hint(&path, &e);
+            let problem = if hint.is_empty() {
+                format!("cannot write the entry: {e}; check free space and permissions")
+            } else {
+                format!("cannot write the entry: {e}{hint}")
+            };
+            return Err(KilnError::Cache { path, problem });
         }
         let mut index = self.lock();
         index.clock += 1;
