@@ -153,6 +153,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         .context("starting the async runtime")?;
     runtime.block_on(async {
         let server = Server::bind(Arc::clone(&repository), &options).await?;
+        let shutdown = shutdown_signal()?;
         // One line a script can wait for, with the ports actually bound.
         println!(
             "kiln-serve listening: http {} grpc {}",
@@ -161,30 +162,31 @@ pub fn run(args: ServeArgs) -> Result<()> {
                 .grpc_addr()?
                 .map_or_else(|| "off".to_string(), |a| a.to_string())
         );
-        server.run(shutdown_signal()).await?;
+        server.run(shutdown).await?;
         anyhow::Ok(())
     })
 }
 
-async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
+/// Ctrl-C or SIGTERM, registered now: a signal that arrives right after the listening line
+/// (a supervisor stopping a server it just started) still drains in-flight requests instead of
+/// killing the process, which a handler installed on the future's first poll would miss.
+fn shutdown_signal() -> Result<impl std::future::Future<Output = ()> + Send + 'static> {
     #[cfg(unix)]
     {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(s) => s,
-                Err(_) => {
-                    let _ = ctrl_c.await;
-                    return;
-                }
-            };
-        tokio::select! {
-            _ = ctrl_c => {},
-            _ = term.recv() => {},
-        }
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut term = signal(SignalKind::terminate()).context("listening for SIGTERM")?;
+        let mut interrupt = signal(SignalKind::interrupt()).context("listening for Ctrl-C")?;
+        Ok(async move {
+            tokio::select! {
+                _ = term.recv() => {},
+                _ = interrupt.recv() => {},
+            }
+        })
     }
     #[cfg(not(unix))]
     {
-        let _ = ctrl_c.await;
+        Ok(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
     }
 }

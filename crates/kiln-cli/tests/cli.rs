@@ -1572,3 +1572,111 @@ fn sigkill_at_random_moments_then_resume_reaches_the_uninterrupted_weights() {
         want.len()
     );
 }
+
+/// `kiln serve` start-up that tells: `--exit-on-error` refuses to start when a model fails to
+/// load (naming it), an empty repository and a model's own directory are warnings naming what
+/// was expected, and the control flags are checked before anything binds.
+#[test]
+fn serve_start_up_tells_what_is_wrong() {
+    let repo = tempdir("serve-startup");
+    let good = repo.join("id");
+    std::fs::create_dir_all(&good).unwrap();
+    std::fs::write(
+        good.join("config.toml"),
+        "backend = \"identity\"\ndims = [4]\n",
+    )
+    .unwrap();
+    let broken = repo.join("broken");
+    std::fs::create_dir_all(&broken).unwrap();
+    std::fs::write(
+        broken.join("config.toml"),
+        "backend = \"graph\"\ngraph = \"missing.kgraph\"\n",
+    )
+    .unwrap();
+    let serve = |extra: &[&str], models: &std::path::Path| {
+        let mut args = vec!["serve", "--models", models.to_str().unwrap()];
+        args.extend(["--http-port", "0", "--grpc-port", "0"]);
+        args.extend(extra);
+        kiln(&args)
+    };
+    let o = serve(&["--exit-on-error"], &repo);
+    assert!(
+        !o.status.success(),
+        "started with a broken model under --exit-on-error"
+    );
+    let err = stderr(&o);
+    assert!(
+        err.contains("--exit-on-error: a model failed to load (broken version 1)")
+            && err.contains("model broken version 1: UNAVAILABLE")
+            && err.contains("missing.kgraph"),
+        "{err}"
+    );
+    // The control flags are checked before anything binds.
+    let o = serve(&["--model-control-mode", "sometimes"], &repo);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("not one of none, poll, explicit"),
+        "{}",
+        stderr(&o)
+    );
+    let o = serve(&["--load-model", "id"], &repo);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("--load-model applies to --model-control-mode explicit"),
+        "{}",
+        stderr(&o)
+    );
+    let o = serve(
+        &["--model-control-mode", "explicit", "--load-model", "nope"],
+        &repo,
+    );
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--load-model nope"), "{}", stderr(&o));
+    // An empty repository and a model's own directory still serve, with a warning that names
+    // what was expected.
+    let empty = tempdir("serve-empty");
+    let err = serve_until_listening(&empty);
+    assert!(
+        err.contains("warning: the model repository")
+            && err.contains("holds no model directories")
+            && err.contains("<model>/config.toml"),
+        "{err}"
+    );
+    let err = serve_until_listening(&good);
+    assert!(
+        err.contains("looks like one model's own directory")
+            && err.contains(&format!("--models {}", repo.display())),
+        "{err}"
+    );
+}
+
+/// Starts `kiln serve` over `models` on free ports, waits for its listening line, stops it
+/// with SIGTERM and returns what it printed on stderr.
+fn serve_until_listening(models: &std::path::Path) -> String {
+    use std::io::{BufRead, Read};
+    let _shared = MACHINE.read().unwrap_or_else(|e| e.into_inner());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["serve", "--models", models.to_str().unwrap()])
+        .args(["--http-port", "0", "--grpc-port", "0"])
+        .env("KILN_LOG", "error")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert!(line.starts_with("kiln-serve listening"), "{line:?}");
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let status = child.wait().unwrap();
+    assert!(status.success(), "kiln serve exited with {status}");
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    err
+}
