@@ -40,8 +40,8 @@ fn peak(model: ModelKind, checkpointing: bool) -> (u64, f32) {
 }
 
 /// W2's CNN: Burn's checkpointing recomputes the memory-bound activations (ReLU, pooling,
-/// reshapes) in backward instead of keeping them; measured here 211 → 189 MB (−10%). The
-/// recompute gives the same numbers. W1's MLP holds only linear-layer outputs, which
+/// reshapes) in backward instead of keeping them; measured here 213.4 → 191.3 MB (−10%,
+/// BENCHMARKS.md run 49). The recompute gives the same numbers. W1's MLP holds only linear-layer outputs, which
 /// checkpointing keeps, so its peak does not move (16.0 MB both): checkpointing never costs
 /// memory.
 #[test]
