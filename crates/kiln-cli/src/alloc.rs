@@ -60,6 +60,48 @@ fn keep_freed_pages() {
     }
 }
 
+/// How long a freed page stays mapped in `kiln serve` before mimalloc returns it, in ms.
+///
+/// Why not "never", as for training: a server swaps models in and out (reloads, unloads), and
+/// with purging off every reload's peak — old and new weights side by side — stayed resident
+/// for the rest of the process's life (W2 graph: 92 → 168 MiB over four reloads). Why not
+/// mimalloc's 10 ms: a batch's activations are freed and allocated again every few
+/// milliseconds under load, and must not page-fault each time. A second keeps every buffer
+/// in steady use mapped and returns a retired model's weights a second after its drain
+/// (BENCHMARKS.md run 49).
+const SERVING_PURGE_DELAY_MS: std::ffi::c_long = 1000;
+
+/// Sets mimalloc's purge delay for a long-running server (see [`SERVING_PURGE_DELAY_MS`]),
+/// unless the user set `MIMALLOC_PURGE_DELAY`.
+pub fn purge_for_serving() {
+    if choice() != MIMALLOC {
+        return;
+    }
+    // SAFETY: as in `keep_freed_pages`.
+    unsafe {
+        if libc::getenv(c"MIMALLOC_PURGE_DELAY".as_ptr()).is_null() {
+            libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, SERVING_PURGE_DELAY_MS);
+        }
+    }
+}
+
+/// Hands memory the process has freed back to the OS, once: what `kiln serve` calls after a
+/// replaced or unloaded model version is gone. With the system allocator that is glibc's
+/// `malloc_trim` (which otherwise keeps freed arena memory); mimalloc collects what the
+/// calling thread holds, and its purge delay returns the rest.
+pub fn release_free_memory() {
+    if choice() == SYSTEM {
+        // SAFETY: malloc_trim only walks glibc's own arenas; valid at any time.
+        #[cfg(target_env = "gnu")]
+        unsafe {
+            libc::malloc_trim(0);
+        }
+    } else {
+        // SAFETY: mi_collect frees what this thread's heap holds; valid at any time.
+        unsafe { libmimalloc_sys::mi_collect(true) }
+    }
+}
+
 /// Which allocator this process uses.
 pub fn name() -> &'static str {
     if choice() == SYSTEM {

@@ -72,6 +72,7 @@ pub struct ServeArgs {
 
 /// Loads the repository, serves until Ctrl-C / SIGTERM, then drains in-flight requests.
 pub fn run(args: ServeArgs) -> Result<()> {
+    crate::alloc::purge_for_serving();
     if args.threads > 0 {
         kiln::plan::set_cpu_threads(args.threads);
     }
@@ -97,6 +98,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         mode,
         startup_models: args.load_models.clone(),
         drain_timeout: std::time::Duration::from_secs(args.drain_timeout_secs),
+        release_memory: Some(crate::alloc::release_free_memory),
     };
     let repository = Arc::new(
         Repository::open(&args.models, options)

@@ -78,6 +78,11 @@ pub struct RepositoryOptions {
     pub startup_models: Vec<String>,
     /// Longest a replaced or unloaded version waits for its in-flight requests.
     pub drain_timeout: Duration,
+    /// Called after a retired version's memory is freed, to hand freed pages back to the OS.
+    /// The process's allocator decides whether and how (the `kiln` binary's mimalloc keeps
+    /// freed pages mapped for training speed, so without this a server's resident memory
+    /// would keep every reload's peak); `None` leaves it to the allocator.
+    pub release_memory: Option<fn()>,
 }
 
 impl Default for RepositoryOptions {
@@ -88,6 +93,7 @@ impl Default for RepositoryOptions {
             mode: ModelControlMode::None,
             startup_models: Vec::new(),
             drain_timeout: Duration::from_secs(60),
+            release_memory: None,
         }
     }
 }
@@ -186,7 +192,7 @@ impl Default for Repository {
             options: RepositoryOptions::default(),
             table: RwLock::new(BTreeMap::new()),
             control: Mutex::new(()),
-            retirer: Retirer::new(RepositoryOptions::default().drain_timeout),
+            retirer: Retirer::new(RepositoryOptions::default().drain_timeout, None),
             warnings: Vec::new(),
             poller: Mutex::new(None),
         }
@@ -248,7 +254,7 @@ impl Repository {
         }
         let repository = Repository {
             root: Some(dir.to_path_buf()),
-            retirer: Retirer::new(options.drain_timeout),
+            retirer: Retirer::new(options.drain_timeout, options.release_memory),
             options,
             warnings,
             ..Repository::default()

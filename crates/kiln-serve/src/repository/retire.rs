@@ -25,28 +25,34 @@ pub struct Retirer {
     /// Longest a version waits for requests that hold it before it stops anyway (its queued
     /// requests are still answered; a handler that had not queued yet gets 503).
     timeout: Duration,
+    /// Hands freed memory back to the OS once a version is gone.
+    release: Option<fn()>,
 }
 
 impl Retirer {
-    /// A retirer that waits at most `timeout` for a version's requests.
-    pub fn new(timeout: Duration) -> Self {
+    /// A retirer that waits at most `timeout` for a version's requests and calls `release`
+    /// once a version's memory is freed.
+    pub fn new(timeout: Duration, release: Option<fn()>) -> Self {
         Retirer {
             draining: Mutex::new(Vec::new()),
             timeout,
+            release,
         }
     }
 
     /// Drains and stops `runtime` on a thread of its own (no longer reachable from the table).
     pub fn retire(&self, runtime: Arc<ModelRuntime>) {
-        let timeout = self.timeout;
+        let (timeout, release) = (self.timeout, self.release);
         let name = format!("{}-v{}-retire", runtime.name, runtime.version);
         let moved = Arc::clone(&runtime);
         let mut draining = self.draining.lock().unwrap_or_else(|e| e.into_inner());
         draining.retain(|t| !t.is_finished());
-        match std::thread::Builder::new()
-            .name(name)
-            .spawn(move || drain(moved, timeout))
-        {
+        match std::thread::Builder::new().name(name).spawn(move || {
+            drain(moved, timeout);
+            if let Some(release) = release {
+                release();
+            }
+        }) {
             Ok(handle) => draining.push(handle),
             // No thread to drain on: stop it here (queued requests are still answered) rather
             // than leave its threads waiting on queues nobody closes.
@@ -74,7 +80,8 @@ impl Retirer {
     }
 }
 
-/// Waits for `runtime`'s last outside holder to let go (or `timeout`), then shuts it down.
+/// Waits for `runtime`'s last outside holder to let go (or `timeout`), then shuts it down;
+/// its memory is freed when this returns (the retirer's clone is the last).
 fn drain(runtime: Arc<ModelRuntime>, timeout: Duration) {
     let started = Instant::now();
     let internal = 1 + runtime.thread_count();
