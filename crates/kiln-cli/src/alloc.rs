@@ -64,12 +64,12 @@ fn keep_freed_pages() {
 ///
 /// Why not "never", as for training: a server swaps models in and out (reloads, unloads), and
 /// with purging off every reload's peak — old and new weights side by side — stayed resident
-/// for the rest of the process's life (W2 graph: 92 → 168 MiB over four reloads). Why not
-/// mimalloc's 10 ms: a batch's activations are freed and allocated again every few
-/// milliseconds under load, and must not page-fault each time. A second keeps every buffer
-/// in steady use mapped and returns a retired model's weights a second after its drain
-/// (BENCHMARKS.md run 49).
-const SERVING_PURGE_DELAY_MS: std::ffi::c_long = 1000;
+/// for the rest of the process's life (ResNet-18 graph: 291 → 583 MiB over three reloads).
+/// Why not short: a 1 s delay returned it too but cost ~12% of steady throughput (batch
+/// buffers of sizes used less than once a second were unmapped and faulted back). At 5 s the
+/// steady rate is within noise of purging off (296 vs 301 requests/s) and the plateau after
+/// each reload's drain is the first version's (249–252 MiB vs 254). BENCHMARKS.md run 49.
+const SERVING_PURGE_DELAY_MS: std::ffi::c_long = 5000;
 
 /// Sets mimalloc's purge delay for a long-running server (see [`SERVING_PURGE_DELAY_MS`]),
 /// unless the user set `MIMALLOC_PURGE_DELAY`.
@@ -85,10 +85,11 @@ pub fn purge_for_serving() {
     }
 }
 
-/// Hands memory the process has freed back to the OS, once: what `kiln serve` calls after a
-/// replaced or unloaded model version is gone. With the system allocator that is glibc's
-/// `malloc_trim` (which otherwise keeps freed arena memory); mimalloc collects what the
-/// calling thread holds, and its purge delay returns the rest.
+/// Hands memory the process has freed back to the OS, once: what `kiln serve` calls on a
+/// retiring version's own thread once the version is gone. With the system allocator that is
+/// glibc's `malloc_trim`, without which glibc keeps freed arena memory (ResNet-18 graph: the
+/// plateau after a reload 172–179 MiB with it, BENCHMARKS.md run 49); mimalloc collects what
+/// this thread holds, and its purge delay returns the rest.
 pub fn release_free_memory() {
     if choice() == SYSTEM {
         // SAFETY: malloc_trim only walks glibc's own arenas; valid at any time.

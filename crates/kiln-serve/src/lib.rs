@@ -14,6 +14,10 @@
 //! A model with `[sequence_batching]` is a stateful stream model ([`sequence`]): the
 //! protocol's sequence parameters, Kiln's temporal coherence and regions of interest.
 //!
+//! Models change while serving by the [`ModelControlMode`] ([`repository`]): numbered
+//! versions under a version policy, poll or explicit load/unload, each new version built and
+//! warmed beside the serving one and switched in without dropping a request.
+//!
 //! Start it with `kiln serve --models DIR` or [`Server::bind`] + [`Server::run`].
 
 pub mod codec;
