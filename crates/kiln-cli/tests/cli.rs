@@ -606,26 +606,8 @@ fn optimize_reports_each_pass_and_writes_the_model() {
 /// Starts `kiln serve` on free ports over `models` (holding `mlp` and `mlp_onnx`), checks
 /// readiness and that both models give the same logits, then SIGTERM → exit status 0.
 fn serve_answers_then_stops_on_sigterm(models: &std::path::Path) {
-    use std::io::{BufRead, Read, Write};
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
-        .args(["serve", "--models", models.to_str().unwrap()])
-        .args(["--http-port", "0", "--grpc-port", "0"])
-        .env("KILN_LOG", "error")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    std::io::BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    // "kiln-serve listening: http ADDR grpc ADDR"
-    let http: std::net::SocketAddr = line
-        .split_whitespace()
-        .nth(3)
-        .unwrap_or_else(|| panic!("no listening line: {line:?}"))
-        .parse()
-        .unwrap();
+    use std::io::{Read, Write};
+    let (mut child, http) = spawn_serve(models);
     let request = |method: &str, path: &str, body: &str| {
         let mut s = std::net::TcpStream::connect(http).unwrap();
         write!(
@@ -1650,11 +1632,10 @@ fn serve_start_up_tells_what_is_wrong() {
     );
 }
 
-/// Starts `kiln serve` over `models` on free ports, waits for its listening line, stops it
-/// with SIGTERM and returns what it printed on stderr.
-fn serve_until_listening(models: &std::path::Path) -> String {
-    use std::io::{BufRead, Read};
-    let _shared = MACHINE.read().unwrap_or_else(|e| e.into_inner());
+/// Starts `kiln serve` over `models` on free ports and waits for its listening line; the
+/// child (stderr piped) and its HTTP address.
+fn spawn_serve(models: &std::path::Path) -> (std::process::Child, std::net::SocketAddr) {
+    use std::io::BufRead;
     let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
         .args(["serve", "--models", models.to_str().unwrap()])
         .args(["--http-port", "0", "--grpc-port", "0"])
@@ -1667,7 +1648,22 @@ fn serve_until_listening(models: &std::path::Path) -> String {
     std::io::BufReader::new(child.stdout.take().unwrap())
         .read_line(&mut line)
         .unwrap();
-    assert!(line.starts_with("kiln-serve listening"), "{line:?}");
+    // "kiln-serve listening: http ADDR grpc ADDR"
+    let http = line
+        .split_whitespace()
+        .nth(3)
+        .unwrap_or_else(|| panic!("no listening line: {line:?}"))
+        .parse()
+        .unwrap();
+    (child, http)
+}
+
+/// Starts `kiln serve` over `models` on free ports, waits for its listening line, stops it
+/// with SIGTERM and returns what it printed on stderr.
+fn serve_until_listening(models: &std::path::Path) -> String {
+    use std::io::Read;
+    let _shared = MACHINE.read().unwrap_or_else(|e| e.into_inner());
+    let (mut child, _) = spawn_serve(models);
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     let status = child.wait().unwrap();
     assert!(status.success(), "kiln serve exited with {status}");

@@ -133,13 +133,8 @@ async fn load_model(
     Path(model): Path<String>,
     request: Request,
 ) -> Response {
-    let checked = read_body(&s, request).await.and_then(|b| {
-        crate::codec::control::check_load(&crate::codec::control::http_parameters(
-            &b,
-            "model load",
-        )?)
-    });
-    if let Err(e) = checked {
+    let check = crate::codec::control::check_load;
+    if let Err(e) = control_body(&s, request, "model load", check).await {
         return e.into_response();
     }
     let repository = Arc::clone(&s.repository);
@@ -158,19 +153,25 @@ async fn unload_model(
     Path(model): Path<String>,
     request: Request,
 ) -> Response {
-    let checked = read_body(&s, request).await.and_then(|b| {
-        crate::codec::control::check_unload(&crate::codec::control::http_parameters(
-            &b,
-            "model unload",
-        )?)
-    });
-    if let Err(e) = checked {
+    let check = crate::codec::control::check_unload;
+    if let Err(e) = control_body(&s, request, "model unload", check).await {
         return e.into_response();
     }
     match s.repository.request_unload(&model) {
         Ok(_) => StatusCode::OK.into_response(),
         Err(e) => e.into_response(),
     }
+}
+
+/// Reads a load or unload body and checks its parameters with `check`.
+async fn control_body(
+    s: &Http,
+    request: Request,
+    what: &str,
+    check: fn(&crate::codec::control::Parameters) -> Result<(), ServeError>,
+) -> Result<(), ServeError> {
+    let body = read_body(s, request).await?;
+    check(&crate::codec::control::http_parameters(&body, what)?)
 }
 
 /// A request's whole body, up to the server's limit.

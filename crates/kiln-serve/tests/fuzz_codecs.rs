@@ -176,11 +176,11 @@ max_sequence_idle_microseconds = 60000000
 max_active_sequences = 16
 cascade = [{ graph = "coarse.kgraph", threshold = 0.9 }]
 "#;
-    let dir = Path::new("/models/m/1");
-    let summary = run(&target("serve-config", seed, SERVE_CONFIG), |bytes| {
+    let parse = |bytes: &[u8]| {
         let text = std::str::from_utf8(bytes).map_err(|e| format!("not UTF-8: {e}"))?;
-        kiln_serve::ModelConfig::parse(text, dir).map(drop)
-    });
+        kiln_serve::ModelConfig::parse(text, Path::new("/models/m/1")).map(drop)
+    };
+    let summary = run(&target("serve-config", seed, SERVE_CONFIG), parse);
     eprintln!("seed {} bytes: {summary:?}", seed.len());
     assert!(
         summary.accepted > 0,
@@ -198,13 +198,7 @@ batch_size = 4
 count = 2
 data = "random"
 "#;
-    let summary = run(
-        &target("serve-config-warmup", seed, SERVE_CONFIG),
-        |bytes| {
-            let text = std::str::from_utf8(bytes).map_err(|e| format!("not UTF-8: {e}"))?;
-            kiln_serve::ModelConfig::parse(text, dir).map(drop)
-        },
-    );
+    let summary = run(&target("serve-config-warmup", seed, SERVE_CONFIG), parse);
     eprintln!("seed {} bytes: {summary:?}", seed.len());
     assert!(
         summary.accepted > 0,

@@ -26,10 +26,13 @@ pub enum ParamKind {
     Other,
 }
 
+/// A control request's parameters: each name with the kind of its value.
+pub type Parameters = [(String, ParamKind)];
+
 /// Checks a load request's parameters. Triton's `config` (a configuration override) and
 /// `file:` (model files in the request) are refused with the fix: Kiln loads what is in the
 /// repository directory, so a load always reproduces from disk.
-pub fn check_load(parameters: &[(String, ParamKind)]) -> Result<()> {
+pub fn check_load(parameters: &Parameters) -> Result<()> {
     // Every parameter Triton defines for a load is one Kiln refuses: the first one named is
     // the refusal.
     if let Some((key, _)) = parameters.first() {
@@ -51,7 +54,7 @@ pub fn check_load(parameters: &[(String, ParamKind)]) -> Result<()> {
 
 /// Checks an unload request's parameters: `unload_dependents` (a boolean) is accepted — Kiln
 /// has no ensembles, so no model depends on another.
-pub fn check_unload(parameters: &[(String, ParamKind)]) -> Result<()> {
+pub fn check_unload(parameters: &Parameters) -> Result<()> {
     for (key, kind) in parameters {
         match (key.as_str(), kind) {
             ("unload_dependents", ParamKind::Bool) => {}
