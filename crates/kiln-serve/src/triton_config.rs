@@ -48,6 +48,31 @@ pub fn to_json(rt: &ModelRuntime) -> Value {
             },
         });
     }
+    // Triton's JSON forms of the version policy and the warm-up, so a client reading the
+    // configuration sees which versions the server keeps and what runs before ready.
+    config["version_policy"] = match &c.version_policy {
+        crate::config::VersionPolicy::Latest(n) => json!({ "latest": { "num_versions": n } }),
+        crate::config::VersionPolicy::All => json!({ "all": {} }),
+        crate::config::VersionPolicy::Specific(v) => json!({ "specific": { "versions": v } }),
+    };
+    if let Some(w) = &c.warmup {
+        let data = if w.random { "random_data" } else { "zero_data" };
+        let inputs: serde_json::Map<String, Value> = rt
+            .spec
+            .inputs
+            .iter()
+            .map(|i| {
+                let spec = json!({ "data_type": type_name(i), "dims": dims(i), data: true });
+                (i.name.clone(), spec)
+            })
+            .collect();
+        config["model_warmup"] = json!([{
+            "name": "warmup",
+            "batch_size": w.batch_size,
+            "count": w.count,
+            "inputs": inputs,
+        }]);
+    }
     if let Some(seq) = &c.sequence {
         // Triton's block (perf_analyzer reads it and sends sequence ids), with Kiln's stream
         // settings beside it.

@@ -417,6 +417,14 @@ fn versions_are_routed_reported_and_counted_apart() {
     }
     let meta = http(addr, "GET", "/v2/models/m", &[], b"").json();
     assert_eq!(meta["versions"], json!(["1", "2"]));
+    // The configuration reports the policy and the warm-up in Triton's JSON forms.
+    let config = http(addr, "GET", "/v2/models/m/config", &[], b"").json();
+    assert_eq!(config["version_policy"], json!({ "all": {} }));
+    assert_eq!(config["model_warmup"][0]["batch_size"], 4);
+    assert_eq!(
+        config["model_warmup"][0]["inputs"]["images"]["zero_data"],
+        true
+    );
     assert_eq!(
         http(addr, "GET", "/v2/models/m/versions/1/ready", &[], b"").status,
         200
