@@ -51,11 +51,17 @@ const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
 
 /// Turns mimalloc's purging of freed pages off, unless the user set `MIMALLOC_PURGE_DELAY`.
 fn keep_freed_pages() {
+    set_purge_delay(-1);
+}
+
+/// Sets mimalloc's purge delay to `ms` (-1: never), unless the user set
+/// `MIMALLOC_PURGE_DELAY`, whose value then stands.
+fn set_purge_delay(ms: std::ffi::c_long) {
     // SAFETY: getenv reads a NUL-terminated name and does not allocate; mi_option_set stores
     // a value in mimalloc's static option table (no allocation either), valid at any time.
     unsafe {
         if libc::getenv(c"MIMALLOC_PURGE_DELAY".as_ptr()).is_null() {
-            libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1);
+            libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, ms);
         }
     }
 }
@@ -64,42 +70,35 @@ fn keep_freed_pages() {
 ///
 /// Why not "never", as for training: a server swaps models in and out (reloads, unloads), and
 /// with purging off every reload's peak — old and new weights side by side — stayed resident
-/// for the rest of the process's life (ResNet-18 graph: 291 → 583 MiB over three reloads).
-/// Why not short: a 1 s delay returned it too but cost ~12% of steady throughput (batch
-/// buffers of sizes used less than once a second were unmapped and faulted back). At 5 s the
-/// steady rate is within noise of purging off (296 vs 301 requests/s) and the plateau after
-/// each reload's drain is the first version's (249–252 MiB vs 254). BENCHMARKS.md run 49.
+/// for the rest of the process's life (ResNet-18 graph: 293 → 589 MiB over three reloads).
+/// Why not short: a 1 s delay returned it too but cost ~12% of steady throughput (medians
+/// 258 vs 295 requests/s; batch buffers of sizes used less than once a second were unmapped
+/// and faulted back). At 5 s the steady rate is within this machine's noise of purging off
+/// (medians 254 vs 263) and the plateau after each reload's drain is the first version's
+/// (246–261 MiB vs 253–259). BENCHMARKS.md run 49.
 const SERVING_PURGE_DELAY_MS: std::ffi::c_long = 5000;
 
 /// Sets mimalloc's purge delay for a long-running server (see [`SERVING_PURGE_DELAY_MS`]),
 /// unless the user set `MIMALLOC_PURGE_DELAY`.
 pub fn purge_for_serving() {
-    if choice() != MIMALLOC {
-        return;
-    }
-    // SAFETY: as in `keep_freed_pages`.
-    unsafe {
-        if libc::getenv(c"MIMALLOC_PURGE_DELAY".as_ptr()).is_null() {
-            libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, SERVING_PURGE_DELAY_MS);
-        }
+    if choice() == MIMALLOC {
+        set_purge_delay(SERVING_PURGE_DELAY_MS);
     }
 }
 
 /// Hands memory the process has freed back to the OS, once: what `kiln serve` calls on a
 /// retiring version's own thread once the version is gone. With the system allocator that is
 /// glibc's `malloc_trim`, without which glibc keeps freed arena memory (ResNet-18 graph: the
-/// plateau after a reload 172–179 MiB with it, BENCHMARKS.md run 49); mimalloc collects what
-/// this thread holds, and its purge delay returns the rest.
+/// plateau after a reload 169–185 MiB with it, BENCHMARKS.md run 49). With mimalloc there is
+/// nothing to do here: a `mi_collect` on this thread returned nothing measurable (the old
+/// weights' pages belong to other threads' heaps); the purge delay returns them.
 pub fn release_free_memory() {
+    #[cfg(target_env = "gnu")]
     if choice() == SYSTEM {
         // SAFETY: malloc_trim only walks glibc's own arenas; valid at any time.
-        #[cfg(target_env = "gnu")]
         unsafe {
             libc::malloc_trim(0);
         }
-    } else {
-        // SAFETY: mi_collect frees what this thread's heap holds; valid at any time.
-        unsafe { libmimalloc_sys::mi_collect(true) }
     }
 }
 

@@ -157,18 +157,8 @@ pub struct IndexEntry {
     pub reason: String,
 }
 
-/// What a load did, for the caller's log and the control response.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct LoadReport {
-    /// Versions that now serve a fresh load.
-    pub loaded: Vec<u64>,
-    /// Versions that kept serving unchanged.
-    pub kept: Vec<u64>,
-    /// Versions that failed, with why (an older load of them may still serve).
-    pub failed: Vec<(u64, String)>,
-    /// Versions that were taken out of service (they drain in the background).
-    pub retired: Vec<u64>,
-}
+/// Versions whose load failed, each with why (an older load of it may still serve).
+type Failures = Vec<(u64, String)>;
 
 /// Every model the server knows, by name.
 #[derive(Debug)]
@@ -235,15 +225,11 @@ impl Repository {
         }
         let explicit = options.mode == ModelControlMode::Explicit;
         let everything = options.startup_models.iter().any(|m| m == "*");
-        let mut unknown: Vec<&String> = Vec::new();
-        if explicit && !everything {
-            unknown = options
-                .startup_models
-                .iter()
-                .filter(|m| !names.contains(m))
-                .collect();
-        }
-        if let Some(missing) = unknown.first() {
+        let unknown = options.startup_models.iter().find(|m| !names.contains(m));
+        if explicit
+            && !everything
+            && let Some(missing) = unknown
+        {
             return Err(ServeError::Config {
                 path: dir.display().to_string(),
                 message: format!(
@@ -273,32 +259,6 @@ impl Repository {
     /// Repository-wide problems found at start (logged too).
     pub fn warnings(&self) -> &[String] {
         &self.warnings
-    }
-
-    /// How this repository changes while serving.
-    pub fn mode(&self) -> ModelControlMode {
-        self.options.mode
-    }
-
-    /// Adds a model from a load result (a failure is kept, with its reason), as version 1.
-    pub fn insert(&self, name: &str, loaded: Result<Arc<ModelRuntime>>) {
-        let version = match loaded {
-            Ok(rt) => Version {
-                runtime: Some(rt),
-                reason: String::new(),
-                fingerprint: Fingerprint::new(),
-            },
-            Err(e) => Version {
-                runtime: None,
-                reason: e.to_string(),
-                fingerprint: Fingerprint::new(),
-            },
-        };
-        let model = Model {
-            versions: BTreeMap::from([(1, version)]),
-            reason: String::new(),
-        };
-        self.set(name, model);
     }
 
     fn set(&self, name: &str, model: Model) {
@@ -386,7 +346,8 @@ impl Repository {
     /// in explicit mode the server is ready without models, as Triton's is: clients load
     /// them.
     pub fn is_ready(&self) -> bool {
-        self.options.mode == ModelControlMode::Explicit || !self.ready_runtimes().is_empty()
+        self.options.mode == ModelControlMode::Explicit
+            || self.read().values().any(|m| m.default_runtime().is_some())
     }
 
     /// Every model version with its state and reason; a model with no version is one row
@@ -432,13 +393,12 @@ impl Repository {
     /// versions the policy no longer selects retire. A failed version leaves what served
     /// before in place. Refused in `none` and `poll` mode (the client's load request);
     /// [`Repository::poll`] is the poller's road.
-    pub fn request_load(&self, name: &str) -> Result<LoadReport> {
+    pub fn request_load(&self, name: &str) -> Result<()> {
         self.check_control("load")?;
         check_name(name).map_err(ServeError::InvalidRequest)?;
-        let report = self.load_model(name)?;
-        if !report.failed.is_empty() {
-            let mut why: Vec<String> = report
-                .failed
+        let failed = self.load_model(name)?;
+        if !failed.is_empty() {
+            let mut why: Vec<String> = failed
                 .iter()
                 .map(|(v, e)| format!("version {v}: {e}"))
                 .collect();
@@ -453,7 +413,7 @@ impl Repository {
                 message: why.join("; "),
             });
         }
-        Ok(report)
+        Ok(())
     }
 
     /// Takes every version of model `name` out of service (each drains its requests first)
@@ -461,19 +421,30 @@ impl Repository {
     pub fn request_unload(&self, name: &str) -> Result<Vec<u64>> {
         self.check_control("unload")?;
         let _control = self.control.lock().unwrap_or_else(|e| e.into_inner());
-        let old = {
-            let mut table = self.table.write().unwrap_or_else(|e| e.into_inner());
-            let model = table
-                .get_mut(name)
-                .ok_or_else(|| ServeError::ModelNotFound(name.to_string()))?;
-            std::mem::replace(model, Model::unavailable(UNLOADED))
-        };
-        let retired: Vec<u64> = old.runtimes().map(|rt| rt.version).collect();
-        for rt in old.runtimes() {
-            self.retirer.retire(Arc::clone(rt));
+        if !self.contains(name) {
+            return Err(ServeError::ModelNotFound(name.to_string()));
         }
+        let retired = self.take_out(name, Some(Model::unavailable(UNLOADED)));
         tracing::info!(model = name, versions = ?retired, "unloaded");
         Ok(retired)
+    }
+
+    /// Takes model `name` out of the table (leaving `replacement` listed in its place, if
+    /// any) and retires every version that served; their numbers. The caller holds the
+    /// control lock.
+    fn take_out(&self, name: &str, replacement: Option<Model>) -> Vec<u64> {
+        let old = {
+            let mut table = self.table.write().unwrap_or_else(|e| e.into_inner());
+            match replacement {
+                Some(model) => table.insert(name.to_string(), model),
+                None => table.remove(name),
+            }
+        };
+        let runtimes: Vec<&Arc<ModelRuntime>> = old.iter().flat_map(Model::runtimes).collect();
+        for rt in &runtimes {
+            self.retirer.retire(Arc::clone(rt));
+        }
+        runtimes.iter().map(|rt| rt.version).collect()
     }
 
     fn check_control(&self, what: &str) -> Result<()> {
@@ -504,14 +475,7 @@ impl Repository {
         let known: Vec<String> = self.read().keys().cloned().collect();
         for gone in known.iter().filter(|k| !names.contains(k)) {
             let _control = self.control.lock().unwrap_or_else(|e| e.into_inner());
-            let old = self
-                .table
-                .write()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(gone);
-            for rt in old.iter().flat_map(Model::runtimes) {
-                self.retirer.retire(Arc::clone(rt));
-            }
+            self.take_out(gone, None);
             tracing::info!(model = %gone, "model directory removed: unloaded");
         }
         for name in &names {
@@ -520,13 +484,13 @@ impl Repository {
     }
 
     /// [`Repository::sync`] that retries failed versions (a load, not a poll).
-    fn load_model(&self, name: &str) -> Result<LoadReport> {
+    fn load_model(&self, name: &str) -> Result<Failures> {
         self.sync(name, true)
     }
 
     /// Brings model `name` in line with the disk (see [`Repository::request_load`]);
     /// `retry_failed` also reloads unchanged versions that failed before.
-    fn sync(&self, name: &str, retry_failed: bool) -> Result<LoadReport> {
+    fn sync(&self, name: &str, retry_failed: bool) -> Result<Failures> {
         let root = self.root.as_ref().ok_or_else(|| {
             ServeError::ControlRefused("this repository has no directory to load from".into())
         })?;
@@ -544,7 +508,7 @@ impl Repository {
             Ok(m) => m,
             Err(reason) => return Err(self.model_failed(name, current, reason)),
         };
-        let mut report = LoadReport::default();
+        let mut failed = Failures::new();
         let mut next = Model::default();
         for v in on_disk.versions {
             let old = current.versions.get(&v.number);
@@ -553,9 +517,6 @@ impl Repository {
                 && let Some(o) = old
                 && (o.runtime.is_some() || !retry_failed)
             {
-                if o.runtime.is_some() {
-                    report.kept.push(v.number);
-                }
                 next.versions.insert(v.number, o.clone());
                 continue;
             }
@@ -575,7 +536,6 @@ impl Repository {
                         dynamic_batching = rt.config.dynamic_batching.is_some(),
                         "model ready"
                     );
-                    report.loaded.push(v.number);
                     Version {
                         runtime: Some(rt),
                         reason: String::new(),
@@ -584,7 +544,7 @@ impl Repository {
                 }
                 Err(e) => {
                     tracing::error!(model = name, version = v.number, reason = %e, "model not loaded");
-                    report.failed.push((v.number, e.clone()));
+                    failed.push((v.number, e.clone()));
                     // A reload that failed keeps the load that served.
                     let runtime = old.and_then(|o| o.runtime.clone());
                     let reason = if runtime.is_some() {
@@ -608,7 +568,6 @@ impl Repository {
                 if old.runtime.is_some() && !next.versions.contains_key(number) {
                     let mut kept = old.clone();
                     kept.reason = "kept serving: no version the policy selects loaded".into();
-                    report.kept.push(*number);
                     next.versions.insert(*number, kept);
                 }
             }
@@ -616,8 +575,8 @@ impl Repository {
         if next.versions.is_empty() {
             next.reason = "no version directory the version policy selects".into();
         }
-        self.swap(name, &current, next, &mut report);
-        Ok(report)
+        self.swap(name, &current, next);
+        Ok(failed)
     }
 
     /// A model whose directory or config cannot be read: what served keeps serving.
@@ -631,7 +590,7 @@ impl Repository {
         if !known {
             tracing::error!(model = name, %reason, "model not loaded");
         }
-        let mut next = current.clone();
+        let mut next = current;
         if next.default_runtime().is_some() {
             for v in next.versions.values_mut() {
                 v.reason = format!("serving the previous load; reloading failed: {reason}");
@@ -648,12 +607,11 @@ impl Repository {
 
     /// Writes `next` for model `name` and retires the runtimes of `current` it no longer
     /// holds.
-    fn swap(&self, name: &str, current: &Model, next: Model, report: &mut LoadReport) {
+    fn swap(&self, name: &str, current: &Model, next: Model) {
         let still: Vec<*const ModelRuntime> = next.runtimes().map(Arc::as_ptr).collect();
         self.set(name, next);
         for rt in current.runtimes() {
             if !still.contains(&Arc::as_ptr(rt)) {
-                report.retired.push(rt.version);
                 self.retirer.retire(Arc::clone(rt));
             }
         }
