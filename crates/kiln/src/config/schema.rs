@@ -210,6 +210,16 @@ pub static SETTINGS: &[SettingSpec] = &[
         doc: "stop after this many optimizer steps (0 = no limit); the schedule still spans all epochs, so the run can be resumed",
     },
     SettingSpec {
+        key: "train.sync_every",
+        kind: Kind::Int {
+            min: 0,
+            max: 1_000_000,
+        },
+        default: I(0),
+        levels: &[],
+        doc: "optimizer steps between the loop's reads of losses, guard verdicts and norms from the device (0 = auto: every step on the CPU, 25 on a GPU); the trajectory is the same at any value",
+    },
+    SettingSpec {
         key: "train.eval_every_epochs",
         kind: Kind::Int {
             min: 0,

@@ -31,6 +31,61 @@ pub fn probe_grads<M: Module>(model: &M, grads: &GradientsParams) -> Option<Tens
     v.1
 }
 
+/// One entry per float parameter of `model`, in visit order (the order of [`param_paths`]):
+/// 0 where the parameter's gradient is finite (or absent), NaN where it is not. Kept on the
+/// device by the trainer and read at its next sync point, so a skipped step still names the
+/// tensors that overflowed without a read per step.
+pub fn probe_grads_each<M: Module>(model: &M, grads: &GradientsParams) -> Option<Tensor<1>> {
+    struct V<'a>(&'a GradientsParams, Vec<Tensor<1>>);
+    impl ModuleVisitor for V<'_> {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            let probe = match self.0.get::<D>(p.id) {
+                Some(g) => zero_sum(g).reshape([1]),
+                None => Tensor::zeros([1], &p.val().device()),
+            };
+            self.1.push(probe);
+        }
+    }
+    let mut v = V(grads, Vec::new());
+    model.visit(&mut v);
+    (!v.1.is_empty()).then(|| Tensor::cat(v.1, 0))
+}
+
+/// Module paths (`Mlp.fc1.weight`) of every float parameter of `model`, in visit order.
+pub fn param_paths<M: Module>(model: &M) -> Vec<String> {
+    struct Paths {
+        stack: Vec<String>,
+        found: Vec<String>,
+    }
+    impl ModuleVisitor for Paths {
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.stack.push(name.to_string());
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.stack.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, _p: &Param<Tensor<D>>) {
+            self.found.push(module_path(&self.stack));
+        }
+    }
+    let mut paths = Paths {
+        stack: Vec::new(),
+        found: Vec::new(),
+    };
+    model.visit(&mut paths);
+    paths.found
+}
+
+/// The dotted path of the modules entered so far (the unnamed root left out).
+fn module_path(stack: &[String]) -> String {
+    let parts: Vec<&str> = stack
+        .iter()
+        .map(String::as_str)
+        .filter(|s| !s.is_empty())
+        .collect();
+    parts.join(".")
+}
+
 /// A 1-element tensor that is 0 when every parameter is finite and NaN otherwise.
 pub fn probe_params<M: Module>(model: &M) -> Option<Tensor<1>> {
     struct V(Option<Tensor<1>>);
@@ -81,13 +136,7 @@ fn nonfinite_paths<M: Module>(model: &M, grads: Option<&GradientsParams>) -> Vec
                 None => Some(p.val()),
             };
             if tensor.is_some_and(is_bad) {
-                let path: Vec<&str> = self
-                    .stack
-                    .iter()
-                    .map(String::as_str)
-                    .filter(|s| !s.is_empty())
-                    .collect();
-                self.found.push(path.join("."));
+                self.found.push(module_path(&self.stack));
             }
         }
     }

@@ -40,29 +40,48 @@ impl AdamStep {
             epsilon: epsilon * correction_2,
         }
     }
+}
 
+/// The per-run constants of an Adam update; with the step's device scalars (applied or not,
+/// the step count, the gradient factor) they make an [`AdamStep`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamConfigScalars {
+    /// Learning rate.
+    pub lr: f32,
+    /// First- and second-moment decays.
+    pub betas: [f32; 2],
+    /// ε.
+    pub epsilon: f32,
+    /// L2 penalty added to the gradient; 0 for none.
+    pub weight_decay: f32,
+}
+
+impl AdamConfigScalars {
     /// As an array, the form Kiln's backend extension passes it in.
-    pub fn to_array(self) -> [f32; 6] {
-        [
-            self.lr,
-            self.beta_1,
-            self.beta_2,
-            self.weight_decay,
-            self.factor,
-            self.epsilon,
-        ]
+    pub fn to_array(self) -> [f32; 5] {
+        let [beta_1, beta_2] = self.betas;
+        [self.lr, beta_1, beta_2, self.epsilon, self.weight_decay]
     }
 
-    /// From [`AdamStep::to_array`]'s form.
-    pub fn from_array([lr, beta_1, beta_2, weight_decay, factor, epsilon]: [f32; 6]) -> Self {
-        AdamStep {
+    /// From [`AdamConfigScalars::to_array`]'s form.
+    pub fn from_array([lr, beta_1, beta_2, epsilon, weight_decay]: [f32; 5]) -> Self {
+        AdamConfigScalars {
             lr,
-            beta_1,
-            beta_2,
-            weight_decay,
-            factor,
+            betas: [beta_1, beta_2],
             epsilon,
+            weight_decay,
         }
+    }
+
+    /// The step scalars of applied step number `time` (1 for the first).
+    pub fn step(self, time: i32) -> AdamStep {
+        AdamStep::new(
+            self.lr as f64,
+            self.betas,
+            self.epsilon,
+            self.weight_decay,
+            time,
+        )
     }
 }
 

@@ -13,7 +13,7 @@ use burn::backend::{Autodiff, Backend, Flex, TensorMetadata, backend_extension};
 use burn::tensor::ops::ConvOptions;
 use burn::tensor::{DType, IntDType, TensorData};
 
-use super::adam::{AdamStep, adam_update};
+use super::adam::{AdamConfigScalars, adam_update};
 use super::conv::{ConvShape, conv2d_forward_new, conv2d_input_grad_new, conv2d_weight_grad};
 use super::linear::{LinearShape, linear_forward, linear_input_grad, linear_weight_grad};
 use super::norm::{
@@ -91,15 +91,17 @@ pub trait KilnKernels: Backend {
         stride: [usize; 2],
     ) -> FloatTensor<Self>;
 
-    /// One Adam update of `param` from its gradient and moments (`step`: an
-    /// [`AdamStep`](super::adam::AdamStep) as an array): the new parameter and moments. Not
-    /// differentiated: optimizers run on the inner tensors.
+    /// One Adam update of `param` from its gradient and moments, with the step's device
+    /// scalars `[apply, time, grad_factor]` and the run's constants (`config`: an
+    /// [`AdamConfigScalars`] as an array): the new parameter and moments, unchanged when
+    /// `apply` is 0. Not differentiated: optimizers run on the inner tensors.
     fn kiln_adam(
         param: FloatTensor<Self>,
         grad: FloatTensor<Self>,
         moment_1: FloatTensor<Self>,
         moment_2: FloatTensor<Self>,
-        step: [f32; 6],
+        scalars: FloatTensor<Self>,
+        config: [f32; 5],
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
 
     /// Per-channel batch mean and biased variance of NCHW `x` as `[2, C]` (not
@@ -474,17 +476,36 @@ impl KilnKernels for Flex {
         grad: FloatTensor<Self>,
         moment_1: FloatTensor<Self>,
         moment_2: FloatTensor<Self>,
-        step: [f32; 6],
+        scalars: FloatTensor<Self>,
+        config: [f32; 5],
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         let _op =
             tracing::trace_span!("kiln.adam", elements = param.shape().num_elements()).entered();
+        // The step's scalars are this kernel's inputs on its own device (flex runs on the
+        // host): reading them is the kernel reading its operands, not a device sync.
+        let [apply, time, factor] = match values(&scalars)[..] {
+            [a, t, f] => [a, t, f],
+            _ => panic!("kiln_adam takes [apply, time, grad_factor]"),
+        };
+        if apply == 0.0 {
+            // A skipped step: parameter and moments stay as they were.
+            return (param, moment_1, moment_2);
+        }
+        let step = AdamConfigScalars::from_array(config).step(time as i32);
+        let grad = values(&grad);
+        // Clipping's coefficient; exactly 1 when the norm is under the threshold.
+        let grad = if factor == 1.0 {
+            grad
+        } else {
+            std::borrow::Cow::Owned(grad.iter().map(|g| g * factor).collect())
+        };
         // In place: the optimizer hands over tensors it alone holds, so `storage_mut` writes
         // into their buffers (it copies one that is shared: the first step's zero moments).
         let [mut p, mut m, mut v] = [param, moment_1, moment_2].map(dense);
         adam_update(
-            &AdamStep::from_array(step),
+            &step,
             p.storage_mut::<f32>(),
-            &values(&grad),
+            &grad,
             [m.storage_mut::<f32>(), v.storage_mut::<f32>()],
         );
         (p, m, v)
@@ -758,14 +779,16 @@ impl<B: Backend + KilnKernels, C: CheckpointStrategy> KilnKernels for Autodiff<B
         grad: FloatTensor<Self>,
         moment_1: FloatTensor<Self>,
         moment_2: FloatTensor<Self>,
-        step: [f32; 6],
+        scalars: FloatTensor<Self>,
+        config: [f32; 5],
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         let (p, m, v) = B::kiln_adam(
             param.into_primitive(),
             grad.into_primitive(),
             moment_1.into_primitive(),
             moment_2.into_primitive(),
-            step,
+            scalars.into_primitive(),
+            config,
         );
         (
             <FloatTensor<Self>>::new(p),

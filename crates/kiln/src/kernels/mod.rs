@@ -338,24 +338,24 @@ pub fn adam_serves<const D: usize>(param: &Tensor<D>, grad: &Tensor<D>) -> bool 
 }
 
 /// One Adam update in one pass ([`adam::adam_update`]): the new parameter and moments, from
-/// the parameter, its gradient and the previous moments (`None` before the first step). Call
-/// where [`adam_serves`] holds.
+/// the parameter, its gradient, the previous moments (zeros before the first step) and the
+/// step's device scalars `[apply, time, grad_factor]` (1-D, 3 elements): `apply` 0 leaves
+/// all three unchanged (a skipped step), `time` is the applied step's number, the gradient is
+/// multiplied by `grad_factor` first. Call where [`adam_serves`] holds.
 pub fn adam_step<const D: usize>(
     param: Tensor<D>,
     grad: Tensor<D>,
-    moments: Option<(Tensor<D>, Tensor<D>)>,
-    step: adam::AdamStep,
+    (m, v): (Tensor<D>, Tensor<D>),
+    scalars: Tensor<1>,
+    config: adam::AdamConfigScalars,
 ) -> (Tensor<D>, Tensor<D>, Tensor<D>) {
-    let (m, v) = moments.unwrap_or_else(|| {
-        let zeros = Tensor::zeros(param.dims(), &param.device());
-        (zeros.clone(), zeros)
-    });
     let (p, m, v) = <Dispatch as KilnKernels>::kiln_adam(
         param.into_dispatch(),
         grad.into_dispatch(),
         m.into_dispatch(),
         v.into_dispatch(),
-        step.to_array(),
+        scalars.into_dispatch(),
+        config.to_array(),
     );
     (
         Tensor::from_dispatch(p),

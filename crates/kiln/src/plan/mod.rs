@@ -450,6 +450,7 @@ fn build(config: &KilnConfig, settings: Vec<ResolvedSetting>, hw: &Hardware) -> 
             snapshot_every: int("guard.snapshot_every") as u64,
         },
         kiln_kernels: flag("device.kiln_kernels"),
+        sync_every: int("train.sync_every") as usize,
     };
     if train.checkpoint_every_steps.is_some() && train.checkpoint_dir.is_none() {
         return Err(KilnError::Inconsistent(

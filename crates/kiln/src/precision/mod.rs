@@ -18,7 +18,7 @@ pub use autocast::{
     AutocastScope, ConvGeometry, autocast, compute_dtype, conv2d, conv2d_weights, linear,
     linear_weights, matmul,
 };
-pub use scaler::{LossScaler, ScaleChange, ScalerState};
+pub use scaler::{DeviceScaler, LossScaler, ScaleChange, ScalerState};
 
 /// The numeric precision of a training step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]

@@ -5,6 +5,7 @@
 //! finite is skipped and the scale backs off; after `growth_interval` clean steps in a row
 //! the scale grows.
 
+use burn::tensor::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 
 /// What [`LossScaler::update`] did to the scale.
@@ -127,6 +128,53 @@ impl LossScaler {
     }
 }
 
+/// The scaler's state as device tensors, updated from each step's device-side verdict
+/// without a read (the training loop's host [`LossScaler`] is brought level at its sync
+/// points by replaying the same verdicts: the arithmetic is exact, halving and doubling).
+#[derive(Clone)]
+pub struct DeviceScaler {
+    /// The scale in force, `[1]`.
+    pub scale: Tensor<1>,
+    /// Clean steps in a row, `[1]` (f32: exact to 2²⁴, far above any growth interval).
+    pub good_steps: Tensor<1>,
+    growth_factor: f32,
+    backoff_factor: f32,
+    growth_interval: u32,
+}
+
+impl LossScaler {
+    /// This scaler's state on `device`; `None` when scaling is off.
+    pub fn to_device(&self, device: &Device) -> Option<DeviceScaler> {
+        self.enabled.then(|| DeviceScaler {
+            scale: Tensor::full([1], self.state.scale, device),
+            good_steps: Tensor::full([1], self.state.good_steps as f32, device),
+            growth_factor: self.growth_factor,
+            backoff_factor: self.backoff_factor,
+            growth_interval: self.growth_interval,
+        })
+    }
+}
+
+impl DeviceScaler {
+    /// [`LossScaler::update`] on the device: `apply` is 1 for a clean step, 0 for one whose
+    /// loss or gradients were not finite.
+    pub fn update(&mut self, apply: &Tensor<1>) {
+        let bad = apply.clone().equal_elem(0.0);
+        let good = self.good_steps.clone().add_scalar(1.0);
+        let due = good.clone().greater_equal_elem(self.growth_interval as f32);
+        let grown = self.scale.clone().mul_scalar(self.growth_factor);
+        // Never grow into infinity (as the host scaler).
+        let grow = due.clone().bool_and(grown.clone().is_finite());
+        let backed_off = self.scale.clone().mul_scalar(self.backoff_factor);
+        self.scale = self
+            .scale
+            .clone()
+            .mask_where(grow, grown)
+            .mask_where(bad.clone(), backed_off);
+        self.good_steps = good.mask_fill(due, 0.0).mask_fill(bad, 0.0);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -195,5 +243,24 @@ mod tests {
         t.restore(saved);
         assert_eq!(t.scale(), 32_768.0);
         assert_eq!(t.state().good_steps, 1);
+    }
+
+    #[test]
+    fn the_device_scaler_follows_the_host_scaler_step_for_step() {
+        let device = Device::flex();
+        let mut host = LossScaler::dynamic().with_growth_interval(3);
+        let mut dev = host.to_device(&device).expect("scaling on");
+        // Clean runs long enough to grow, overflows that reset them, growth to the f32 limit.
+        let mut verdicts = vec![true, true, true, false, true, true, false, false, true];
+        verdicts.extend([true; 400]);
+        for (i, clean) in verdicts.into_iter().enumerate() {
+            host.update(!clean);
+            dev.update(&Tensor::full([1], if clean { 1.0 } else { 0.0 }, &device));
+            let scale: f32 = dev.scale.clone().into_scalar();
+            let good: f32 = dev.good_steps.clone().into_scalar();
+            assert_eq!(scale, host.scale(), "step {i}");
+            assert_eq!(good as u32, host.state().good_steps, "step {i}");
+        }
+        assert!(host.scale().is_finite());
     }
 }

@@ -72,3 +72,29 @@ pub fn scale_grads<M: Module>(
     });
     grads
 }
+
+/// Multiplies every gradient of `model` by the 1-element device tensor `factor` (loss-scale
+/// removal without reading the scale back).
+pub fn scale_grads_by<M: Module>(
+    model: &M,
+    mut grads: GradientsParams,
+    factor: &Tensor<1>,
+) -> GradientsParams {
+    struct Scale<'a> {
+        grads: &'a mut GradientsParams,
+        factor: &'a Tensor<1>,
+    }
+    impl ModuleVisitor for Scale<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(g) = self.grads.remove::<D>(param.id) {
+                let factor = self.factor.clone().reshape([1; D]);
+                self.grads.register::<D>(param.id, g.mul(factor));
+            }
+        }
+    }
+    model.visit(&mut Scale {
+        grads: &mut grads,
+        factor,
+    });
+    grads
+}

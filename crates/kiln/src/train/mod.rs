@@ -14,6 +14,7 @@ mod params;
 mod restore;
 mod run;
 mod schedule;
+pub mod step;
 mod trainer;
 
 use std::path::PathBuf;
@@ -23,13 +24,14 @@ use serde::{Deserialize, Serialize};
 pub use checkpoint::{
     Checkpoint, CheckpointState, checkpoints_in, latest_checkpoint, prune_checkpoints,
 };
-pub use clip::{clip_global_norm, global_norm, scale_grads};
+pub use clip::{clip_global_norm, global_norm, scale_grads, scale_grads_by};
 pub use contract::{StepOutput, Targets, TrainStep};
 pub use eval::{Evaluation, evaluate, evaluate_source};
 pub use metrics::{Accuracy, LossMetric, Metric, Mse, default_metrics};
 pub use optimizer::build_optimizer;
 pub use params::flatten_params;
 pub use schedule::learning_rate;
+pub use step::host_read::host_reads;
 pub use trainer::{TrainOutcome, Trainer, backend_rng_guard, seeded_init};
 
 use crate::data::{Augment, LoaderOptions};
@@ -125,6 +127,12 @@ pub struct TrainOptions {
     pub scaler: ScalerOptions,
     /// Numerical-stability guard.
     pub guard: GuardOptions,
+    /// Steps between the loop's sync points, where it reads the queued steps' losses, guard
+    /// verdicts and norms back in one transfer (`train.sync_every`; 0 = auto: every step on
+    /// the CPU, [`step::GPU_SYNC_EVERY`] on a GPU). Evaluations, checkpoints and epoch ends
+    /// are sync points too.
+    #[serde(default)]
+    pub sync_every: usize,
     /// Whether the step uses Kiln's kernels on the CPU (`device.kiln_kernels`; off = Burn's own
     /// ops). The trainer switches them for its thread only ([`crate::kernels::Scope`]).
     #[serde(default = "kiln_kernels_default")]
@@ -167,6 +175,7 @@ impl Default for TrainOptions {
             precision: Precision::F32,
             scaler: ScalerOptions::default(),
             guard: GuardOptions::default(),
+            sync_every: 0,
             kiln_kernels: true,
         }
     }

@@ -1,16 +1,24 @@
-//! Builds the optimizers from [`TrainOptions`]: Burn's, with Adam's update fused into one
-//! pass on the CPU ([`FusedAdam`]).
+//! Builds the optimizers from [`TrainOptions`]: Adam, AdamW and SGD with momentum whose every
+//! per-step decision lives on the device.
+//!
+//! Why Kiln's own rather than Burn's: Burn's optimizers keep Adam's step count on the host
+//! and are skipped by not calling them, so a non-finite step would need a host branch — a
+//! device→host read, which on CUDA waits for the whole queued step. Here the step count is a
+//! device tensor, and the [`StepContext`](super::step::context::StepContext) the trainer
+//! enters carries the guard's verdict and the clipping coefficient as device tensors: a
+//! skipped step is a select that keeps the parameter and its state (torch's fused Adam with
+//! `found_inf` does the same). The arithmetic is Burn's, operation for operation, and the
+//! records keep Burn's layout (`momentum.time`, `momentum.moment_1`, …), so checkpoints
+//! written before load unchanged. On `flex` with Kiln's kernels, Adam's update is one fused
+//! pass ([`kernels::adam_step`]) that reads the verdict and the step count as its inputs.
 
-use burn::optim::decay::WeightDecayConfig;
-use burn::optim::momentum::MomentumConfig;
-use burn::optim::{
-    Adam, AdamConfig, AdamState, AdamWConfig, AdaptiveMomentumState, LearningRate, ModuleOptimizer,
-    Optimizer, SgdConfig,
-};
-use burn::tensor::{Device, Tensor};
+use burn::optim::{LearningRate, ModuleOptimizer, Optimizer, RecordState, StateSink, StateSource};
+use burn::tensor::{Bool, Device, Tensor, TensorData};
+use burn_pack::Scalar;
 
+use super::step::context::{self, StepContext};
 use super::{OptimizerKind, TrainOptions};
-use crate::kernels::{self, adam::AdamStep};
+use crate::kernels::{self, adam::AdamConfigScalars};
 
 /// torch's default epsilon, so trajectories are comparable with the PyTorch peer.
 const ADAM_EPSILON: f32 = 1e-8;
@@ -20,50 +28,83 @@ const ADAM_BETAS: [f32; 2] = [0.9, 0.999];
 /// The optimizer the options ask for. Clipping is *not* configured here: Kiln clips by the
 /// global norm itself (see [`super::clip_global_norm`]).
 pub fn build_optimizer(options: &TrainOptions) -> ModuleOptimizer {
-    let decay =
-        (options.weight_decay > 0.0).then(|| WeightDecayConfig::new(options.weight_decay as f32));
+    let decay = options.weight_decay as f32;
     match options.optimizer {
-        OptimizerKind::Adam => {
-            let config = AdamConfig::new()
-                .with_beta_1(ADAM_BETAS[0])
-                .with_beta_2(ADAM_BETAS[1])
-                .with_epsilon(ADAM_EPSILON)
-                .with_weight_decay(decay);
-            ModuleOptimizer::from(FusedAdam {
-                burn: config.build(),
-                weight_decay: options.weight_decay as f32,
-            })
-        }
-        OptimizerKind::AdamW => AdamWConfig::new()
-            .with_epsilon(ADAM_EPSILON)
-            .with_weight_decay(options.weight_decay as f32)
-            .init(),
-        OptimizerKind::Sgd => SgdConfig::new()
-            .with_momentum(Some(
-                // torch's SGD has no dampening by default; Burn's defaults to 0.1.
-                MomentumConfig::new()
-                    .with_momentum(options.momentum)
-                    .with_dampening(0.0),
-            ))
-            .with_weight_decay(decay)
-            .init(),
+        OptimizerKind::Adam | OptimizerKind::AdamW => ModuleOptimizer::from(DeviceAdam {
+            betas: ADAM_BETAS,
+            epsilon: ADAM_EPSILON,
+            weight_decay: decay,
+            decoupled: options.optimizer == OptimizerKind::AdamW,
+        }),
+        OptimizerKind::Sgd => ModuleOptimizer::from(DeviceSgd {
+            momentum: options.momentum as f32,
+            weight_decay: decay,
+        }),
     }
 }
 
-/// Burn's Adam, with the update of an f32 parameter on `flex` run by Kiln's fused kernel
-/// ([`kernels::adam_step`]: one pass instead of about ten tensor ops) and Burn's own code
-/// everywhere else (other devices and dtypes, Kiln's kernels switched off). The state is
-/// Burn's [`AdamState`], so checkpoints are the same whichever path ran, and the arithmetic
-/// is Burn's operation for operation (a test holds the two to the same bits).
+/// Adam (L2 penalty added to the gradient, Burn's `Adam`) or AdamW (decoupled decay, Burn's
+/// `AdamW`), with the step count on the device; see the module documentation.
+#[derive(Clone, Debug)]
+pub struct DeviceAdam {
+    betas: [f32; 2],
+    epsilon: f32,
+    /// Adam: L2 penalty added to the gradient; AdamW: decoupled decay rate. 0 for none.
+    weight_decay: f32,
+    /// AdamW's decoupled weight decay instead of Adam's L2 penalty.
+    decoupled: bool,
+}
+
+/// Adam's state for one parameter: Burn's `AdaptiveMomentumState`, with the number of
+/// applied steps as a 1-element f32 device tensor (exact up to 2²⁴ steps).
 #[derive(Clone)]
-pub struct FusedAdam {
-    burn: Adam,
-    /// L2 penalty added to the gradient (Burn's Adam `weight_decay`); 0 for none.
+pub struct DeviceAdamState<const D: usize> {
+    /// Applied steps so far.
+    pub time: Tensor<1>,
+    /// First moment.
+    pub moment_1: Tensor<D>,
+    /// Second moment.
+    pub moment_2: Tensor<D>,
+}
+
+/// SGD with momentum (no dampening, as torch) and an L2 penalty, Burn's `Sgd` arithmetic.
+#[derive(Clone, Debug)]
+pub struct DeviceSgd {
+    momentum: f32,
     weight_decay: f32,
 }
 
-impl Optimizer for FusedAdam {
-    type State<const D: usize> = AdamState<D>;
+/// SGD's state for one parameter: the velocity (zeros before the first applied step, which
+/// makes the first update `v = g`, as torch and Burn start it).
+#[derive(Clone)]
+pub struct DeviceSgdState<const D: usize> {
+    /// The momentum buffer.
+    pub velocity: Tensor<D>,
+}
+
+/// The step's context, or one that applies every step with the gradients as given (an
+/// optimizer used outside the trainer).
+fn step_context(device: &Device) -> StepContext {
+    context::current().unwrap_or_else(|| StepContext {
+        apply: Tensor::ones([1], device),
+        grad_factor: None,
+    })
+}
+
+/// A 1-element tensor shaped to broadcast against rank `D`.
+fn scalar_as<const D: usize>(t: &Tensor<1>) -> Tensor<D> {
+    t.clone().reshape([1; D])
+}
+
+/// `new` where the step applies, `old` where it is skipped (a select: a NaN in `new` never
+/// reaches the result of a skipped step).
+fn select<const D: usize>(skip: &Tensor<1, Bool>, new: Tensor<D>, old: Tensor<D>) -> Tensor<D> {
+    let mask = skip.clone().reshape([1; D]).expand(new.dims());
+    new.mask_where(mask, old)
+}
+
+impl Optimizer for DeviceAdam {
+    type State<const D: usize> = DeviceAdamState<D>;
 
     fn step<const D: usize>(
         &self,
@@ -72,103 +113,186 @@ impl Optimizer for FusedAdam {
         grad: Tensor<D>,
         state: Option<Self::State<D>>,
     ) -> (Tensor<D>, Option<Self::State<D>>) {
-        let amsgrad = state
-            .as_ref()
-            .is_some_and(|s| s.momentum.max_moment_2.is_some());
-        if amsgrad || !kernels::adam_serves(&tensor, &grad) {
-            return self.burn.step(lr, tensor, grad, state);
-        }
-        let (time, moments) = match state {
-            Some(s) => (
-                s.momentum.time + 1,
-                Some((s.momentum.moment_1, s.momentum.moment_2)),
-            ),
-            None => (1, None),
+        let device = tensor.device();
+        let ctx = step_context(&device);
+        let (time, moment_1, moment_2) = match state {
+            Some(s) => (s.time, s.moment_1, s.moment_2),
+            None => {
+                let zeros = Tensor::<D>::zeros(tensor.dims(), &device);
+                (Tensor::zeros([1], &device), zeros.clone(), zeros)
+            }
         };
-        let step = AdamStep::new(lr, ADAM_BETAS, ADAM_EPSILON, self.weight_decay, time as i32);
-        let (tensor, moment_1, moment_2) = kernels::adam_step(tensor, grad, moments, step);
-        let momentum = AdaptiveMomentumState::new(time, moment_1, moment_2);
-        (tensor, Some(AdamState::new(momentum)))
+        let time_next = time.clone() + ctx.apply.clone();
+        if !self.decoupled && kernels::adam_serves(&tensor, &grad) {
+            let factor = ctx
+                .grad_factor
+                .clone()
+                .unwrap_or_else(|| Tensor::ones([1], &device));
+            let scalars = Tensor::cat(vec![ctx.apply, time_next.clone(), factor], 0);
+            let config = AdamConfigScalars {
+                lr: lr as f32,
+                betas: self.betas,
+                epsilon: self.epsilon,
+                weight_decay: self.weight_decay,
+            };
+            let (tensor, moment_1, moment_2) =
+                kernels::adam_step(tensor, grad, (moment_1, moment_2), scalars, config);
+            let state = DeviceAdamState {
+                time: time_next,
+                moment_1,
+                moment_2,
+            };
+            return (tensor, Some(state));
+        }
+        let grad = match &ctx.grad_factor {
+            Some(f) => grad.mul(scalar_as::<D>(f)),
+            None => grad,
+        };
+        let [beta_1, beta_2] = self.betas;
+        let grad = if !self.decoupled && self.weight_decay != 0.0 {
+            // Burn's `WeightDecay::transform`.
+            tensor.clone().mul_scalar(self.weight_decay).add(grad)
+        } else {
+            grad
+        };
+        let m = moment_1
+            .clone()
+            .mul_scalar(beta_1)
+            .add(grad.clone().mul_scalar(1.0 - beta_1));
+        let v = moment_2
+            .clone()
+            .mul_scalar(beta_2)
+            .add(grad.square().mul_scalar(1.0 - beta_2));
+        // βᵗ from the device's step count. A skipped first step computes 1 − β⁰ = 0 and
+        // divides by it; the select below discards that.
+        let power = |beta: f32| {
+            Tensor::<1>::full([1], beta, &device)
+                .powf(time_next.clone())
+                .neg()
+                .add_scalar(1.0)
+        };
+        let (correction_1, correction_2) = (power(beta_1), power(beta_2));
+        let updated = if self.decoupled {
+            // Burn's `AdaptiveMomentumW`, then the decoupled decay.
+            let m_hat = m.clone().div(scalar_as::<D>(&correction_1));
+            let v_hat = v.clone().div(scalar_as::<D>(&correction_2));
+            let delta = m_hat.div(v_hat.sqrt().add_scalar(self.epsilon));
+            let decay_rate = lr * self.weight_decay as f64;
+            let decayed = if decay_rate == 0.0 {
+                tensor.clone()
+            } else {
+                tensor.clone().mul_scalar(1.0 - decay_rate)
+            };
+            decayed - delta.mul_scalar(lr)
+        } else {
+            // Burn's `AdaptiveMomentum`: both corrections folded into one factor.
+            let sqrt_2 = correction_2.sqrt();
+            let combined = sqrt_2.clone().div(correction_1);
+            let delta = m.clone().mul(scalar_as::<D>(&combined)).div(
+                v.clone()
+                    .sqrt()
+                    .add(scalar_as::<D>(&sqrt_2.mul_scalar(self.epsilon))),
+            );
+            tensor.clone() - delta.mul_scalar(lr)
+        };
+        let skip = ctx.apply.equal_elem(0.0);
+        let state = DeviceAdamState {
+            time: time_next,
+            moment_1: select(&skip, m, moment_1),
+            moment_2: select(&skip, v, moment_2),
+        };
+        (select(&skip, updated, tensor), Some(state))
     }
 
     fn to_device<const D: usize>(state: Self::State<D>, device: &Device) -> Self::State<D> {
-        <Adam as Optimizer>::to_device(state, device)
+        DeviceAdamState {
+            time: state.time.to_device(device),
+            moment_1: state.moment_1.to_device(device),
+            moment_2: state.moment_2.to_device(device),
+        }
+    }
+}
+
+impl Optimizer for DeviceSgd {
+    type State<const D: usize> = DeviceSgdState<D>;
+
+    fn step<const D: usize>(
+        &self,
+        lr: LearningRate,
+        tensor: Tensor<D>,
+        grad: Tensor<D>,
+        state: Option<Self::State<D>>,
+    ) -> (Tensor<D>, Option<Self::State<D>>) {
+        let device = tensor.device();
+        let ctx = step_context(&device);
+        let velocity = match state {
+            Some(s) => s.velocity,
+            None => Tensor::zeros(tensor.dims(), &device),
+        };
+        let grad = match &ctx.grad_factor {
+            Some(f) => grad.mul(scalar_as::<D>(f)),
+            None => grad,
+        };
+        let grad = if self.weight_decay != 0.0 {
+            tensor.clone().mul_scalar(self.weight_decay).add(grad)
+        } else {
+            grad
+        };
+        // Burn's `Momentum::transform` without dampening; from zeros the first step is `g`.
+        let v = grad.add(velocity.clone().mul_scalar(self.momentum));
+        let updated = tensor.clone() - v.clone().mul_scalar(lr);
+        let skip = ctx.apply.equal_elem(0.0);
+        let state = DeviceSgdState {
+            velocity: select(&skip, v, velocity),
+        };
+        (select(&skip, updated, tensor), Some(state))
+    }
+
+    fn to_device<const D: usize>(state: Self::State<D>, device: &Device) -> Self::State<D> {
+        DeviceSgdState {
+            velocity: state.velocity.to_device(device),
+        }
+    }
+}
+
+/// Burn's `AdamState`/`AdamWState` record layout: `{prefix}.momentum.{time, moment_1,
+/// moment_2}`. Writing the step count reads it from the device: records are written at
+/// checkpoints and snapshots, which are sync points anyway.
+impl<const D: usize> RecordState for DeviceAdamState<D> {
+    fn state_flatten(&self, prefix: &str, out: &mut StateSink) {
+        let momentum = burn::optim::join_path(prefix, "momentum");
+        let time = self.time.clone().into_scalar::<f32>().max(0.0) as usize;
+        out.push_scalar(&momentum, "time", Scalar::from(time));
+        out.push_tensor(&momentum, "moment_1", self.moment_1.clone().into_data());
+        out.push_tensor(&momentum, "moment_2", self.moment_2.clone().into_data());
+    }
+
+    fn state_unflatten(prefix: &str, src: &mut StateSource, device: &Device) -> Option<Self> {
+        let momentum = burn::optim::join_path(prefix, "momentum");
+        let time = usize::try_from(src.take_scalar(&momentum, "time")?).ok()?;
+        let moment_1 = Tensor::from_data(src.take_tensor(&momentum, "moment_1")?, device);
+        let moment_2 = Tensor::from_data(src.take_tensor(&momentum, "moment_2")?, device);
+        Some(DeviceAdamState {
+            time: Tensor::from_data(TensorData::new(vec![time as f32], [1]), device),
+            moment_1,
+            moment_2,
+        })
+    }
+}
+
+/// Burn's `SgdState` record layout: `{prefix}.momentum.velocity`.
+impl<const D: usize> RecordState for DeviceSgdState<D> {
+    fn state_flatten(&self, prefix: &str, out: &mut StateSink) {
+        let momentum = burn::optim::join_path(prefix, "momentum");
+        out.push_tensor(&momentum, "velocity", self.velocity.clone().into_data());
+    }
+
+    fn state_unflatten(prefix: &str, src: &mut StateSource, device: &Device) -> Option<Self> {
+        let momentum = burn::optim::join_path(prefix, "momentum");
+        let velocity = Tensor::from_data(src.take_tensor(&momentum, "velocity")?, device);
+        Some(DeviceSgdState { velocity })
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use burn::tensor::{Distribution, TensorData};
-
-    fn values(t: &Tensor<2>) -> Vec<f32> {
-        t.to_data().try_to_vec::<f32>().expect("f32 values")
-    }
-
-    /// Runs `steps` updates of a parameter large enough to split over the threads, with
-    /// Kiln's fused path and with Burn's Adam, and returns both parameters and moments.
-    fn both(decay: f32) -> [(Vec<f32>, Vec<f32>, Vec<f32>); 2] {
-        let device = Device::flex();
-        let decay_config = (decay > 0.0).then(|| WeightDecayConfig::new(decay));
-        let config = AdamConfig::new()
-            .with_epsilon(ADAM_EPSILON)
-            .with_weight_decay(decay_config);
-        let fused = FusedAdam {
-            burn: config.build(),
-            weight_decay: decay,
-        };
-        let burn = config.build();
-        let shape = [300, 700];
-        let init = Tensor::<2>::random(shape, Distribution::Normal(0.0, 1.0), &device);
-        let grads: Vec<Tensor<2>> = (0..3)
-            .map(|_| Tensor::random(shape, Distribution::Normal(0.0, 0.1), &device))
-            .collect();
-        assert!(
-            kernels::adam_serves(&init, &grads[0]),
-            "the fused path must run"
-        );
-        let mut fused_run = (init.clone(), None);
-        let mut burn_run = (init, None);
-        for (i, g) in grads.into_iter().enumerate() {
-            let lr = 1e-3 * (i + 1) as f64;
-            fused_run = fused.step(lr, fused_run.0, g.clone(), fused_run.1);
-            burn_run = burn.step(lr, burn_run.0, g, burn_run.1);
-        }
-        [fused_run, burn_run].map(|(p, state): (Tensor<2>, Option<AdamState<2>>)| {
-            let state = state.expect("a state after a step").momentum;
-            assert_eq!(state.time, 3);
-            (values(&p), values(&state.moment_1), values(&state.moment_2))
-        })
-    }
-
-    #[test]
-    fn fused_adam_matches_burns_adam_to_the_bit() {
-        for decay in [0.0, 0.01] {
-            let [fused, burn] = both(decay);
-            assert!(fused.0 == burn.0, "decay {decay}: parameters differ");
-            assert!(fused.1 == burn.1, "decay {decay}: first moments differ");
-            assert!(fused.2 == burn.2, "decay {decay}: second moments differ");
-        }
-    }
-
-    #[test]
-    fn fused_adam_hands_other_cases_to_burn() {
-        let device = Device::flex();
-        let p = Tensor::<1>::from_data(TensorData::from([1.0f32, 2.0]), &device);
-        let g = Tensor::<1>::from_data(TensorData::from([0.5f32, -0.5]), &device);
-        let _burn_only = kernels::Scope::enter(false);
-        assert!(!kernels::adam_serves(&p, &g));
-        let fused = FusedAdam {
-            burn: AdamConfig::new().with_epsilon(ADAM_EPSILON).build(),
-            weight_decay: 0.0,
-        };
-        let (p, state) = fused.step(0.1, p, g, None);
-        let p = p.to_data().try_to_vec::<f32>().expect("f32 values");
-        // Adam's first step moves each value by the learning rate against its gradient's sign.
-        assert!(
-            (p[0] - 0.9).abs() < 1e-6 && (p[1] - 2.1).abs() < 1e-6,
-            "{p:?}"
-        );
-        assert_eq!(state.expect("a state").momentum.time, 1);
-    }
-}
+mod tests;

@@ -13,6 +13,7 @@ use super::contract::TrainStep;
 use super::metrics::Metric;
 use super::restore::{Snapshot, restore};
 use super::run::{Position, Run, Totals};
+use super::step::resolve_sync_every;
 use super::{Evaluation, TrainOptions, build_optimizer, evaluate_source};
 use crate::data::{
     Batch, BatchContext, BatchSource, DataLoader, Dataset, ImageBatches, Transform, choose_workers,
@@ -20,7 +21,7 @@ use crate::data::{
 use crate::distributed::batch_norm::{batch_norm_layers, sync_scope};
 use crate::distributed::{Collective, SingleProcess, broadcast_params, check_same_settings};
 use crate::error::{KilnError, Result};
-use crate::guard::{Guard, GuardPolicy};
+use crate::guard::{Guard, GuardPolicy, param_paths};
 use crate::observe::{EpochSummary, Event, EventSink, RunSummary, Watermark};
 use crate::precision::autocast;
 
@@ -261,7 +262,11 @@ impl<'s> Trainer<'s> {
             planned,
             total_steps,
             pos,
+            device_scaler: scaler.to_device(&device),
             scaler,
+            pending: Vec::new(),
+            sync_every: resolve_sync_every(opts.sync_every, &device),
+            param_paths: param_paths(&model),
             guard: Guard::new(opts.guard.clone()),
             snapshot,
             micro_batch: opts.batch_size,

@@ -18,8 +18,9 @@ use crate::train::contract::TrainStep;
 pub(in crate::train) struct Accumulated {
     /// The summed gradients, still multiplied by the loss scale when scaling is on.
     pub grads: Option<GradientsParams>,
-    /// Sum over the micro-batches of mean loss × samples (NaN if unreadable).
-    pub loss_sum: f64,
+    /// Sum over the micro-batches of mean loss × samples, on the device (`[1]`); `None`
+    /// when this rank had no samples in the step.
+    pub loss_total: Option<Tensor<1>>,
     /// Samples in the step.
     pub samples: usize,
     /// Time spent waiting for the loader, ms.
@@ -30,13 +31,6 @@ pub(in crate::train) struct Accumulated {
     pub rank_compute_ms: Option<Vec<f64>>,
     /// Under data parallelism: the reduction's milliseconds on this rank.
     pub reduce_ms: Option<f64>,
-}
-
-impl Accumulated {
-    /// Mean loss per sample of the step.
-    pub fn mean_loss(&self) -> f32 {
-        (self.loss_sum / self.samples.max(1) as f64) as f32
-    }
 }
 
 impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
@@ -82,8 +76,8 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
             if dims != [1] {
                 return Err(loss_not_scalar(&dims));
             }
-            // Kept on the device and read once per step: a read per micro-batch would stall
-            // an asynchronous backend (CUDA) between micro-batches.
+            // Kept on the device and read at the loop's next sync point: a read here would
+            // stall an asynchronous backend (CUDA) between micro-batches.
             let weighted = loss.clone().detach().mul_scalar(size as f64);
             loss_total = Some(match loss_total.take() {
                 Some(t) => t + weighted,
@@ -94,10 +88,9 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
             } else {
                 loss.mul_scalar(size as f64 / group as f64)
             };
-            let loss = if self.scaler.enabled() {
-                loss.mul_scalar(self.scaler.scale())
-            } else {
-                loss
+            let loss = match &self.device_scaler {
+                Some(scaler) => loss.mul(scaler.scale.clone()),
+                None => loss,
             };
             drop(forward_span);
             let _backward = tracing::info_span!("backward").entered();
@@ -109,20 +102,9 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
                 self.batch_norms.clear();
             }
         }
-        let loss_sum = {
-            // The one device→host read of the step: on an asynchronous backend this is where
-            // the queued work is waited for.
-            let _s = tracing::info_span!("sync").entered();
-            match loss_total {
-                Some(t) => t.into_scalar::<f32>() as f64,
-                // No samples on this rank this step: it adds nothing to the sum.
-                None if local == 0 => 0.0,
-                None => f64::NAN,
-            }
-        };
         Ok(Accumulated {
             grads: Some(accum.grads()),
-            loss_sum,
+            loss_total,
             samples: local,
             data_ms,
             compute_ms: started.elapsed().as_secs_f64() * 1e3 - data_ms,

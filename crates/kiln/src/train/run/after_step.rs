@@ -5,80 +5,78 @@ use std::time::Instant;
 
 use burn::optim::ModuleOptimizer;
 
+use burn::tensor::Tensor;
+
 use super::Run;
 use super::accumulate::Accumulated;
-use super::update::StepOutcome;
+use super::sync::PendingStep;
 use crate::error::Result;
 use crate::observe::{BatchAdaptedEvent, Event, StepEvent, WatermarkEvent, memory};
 use crate::train::contract::TrainStep;
 
 impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
-    /// Books step `s` of `epoch` (started at `t0`); returns whether the micro-batch was
-    /// halved, in which case the epoch's batches restart at the new size.
+    /// Advances the position, queues the step's event (its device values are read at the
+    /// next sync point), checks the memory watermark and syncs and checkpoints when due.
+    /// Returns the model and optimizer (a sync may roll them back) and whether the
+    /// micro-batch was halved.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn after_step(
         &mut self,
-        model: &M,
-        optim: &ModuleOptimizer,
+        model: M,
+        optim: ModuleOptimizer,
         epoch: usize,
         s: usize,
         acc: &Accumulated,
-        outcome: &StepOutcome,
+        (record, lr): (Tensor<1>, f64),
         t0: Instant,
-    ) -> Result<bool> {
-        let mean_loss = acc.mean_loss();
+    ) -> Result<(M, ModuleOptimizer, bool)> {
         self.pos.global_step += 1;
         self.pos.step_in_epoch = s + 1;
-        if mean_loss.is_finite() {
-            // A non-finite loss would poison the epoch mean (and the checkpoint's JSON): the
-            // mean is over finite ones.
-            self.pos.epoch_loss_sum += acc.loss_sum;
-            self.pos.epoch_samples += acc.samples as u64;
-        }
         let step_ms = t0.elapsed().as_secs_f64() * 1e3;
         self.totals.step_seconds += step_ms / 1e3;
         self.totals.data_seconds += acc.data_ms / 1e3;
         self.totals.samples += acc.samples as u64;
         let report_span = tracing::info_span!("report").entered();
-        self.trainer.emit(&Event::Step(StepEvent {
-            step: self.pos.global_step,
-            epoch,
-            loss: mean_loss,
-            lr: outcome.lr,
-            grad_norm: outcome.grad_norm,
-            samples: acc.samples,
-            step_ms,
-            data_ms: acc.data_ms,
-            compute_ms: step_ms - acc.data_ms,
-            samples_per_s: acc.samples as f64 / (step_ms / 1e3).max(1e-9),
-            peak_rss_bytes: memory::peak_rss_bytes(),
-            skipped: outcome.trouble.is_some(),
-            loss_scale: self.scaler.enabled().then_some(outcome.loss_scale),
-            rank_compute_ms: acc.rank_compute_ms.clone(),
-            reduce_ms: acc.reduce_ms,
-        }));
+        self.pending.push(PendingStep {
+            record,
+            clipped: self.trainer.options.grad_clip_norm.is_some(),
+            event: StepEvent {
+                step: self.pos.global_step,
+                epoch,
+                // The device values (loss, norm, scale, skipped) come at the sync point.
+                loss: f32::NAN,
+                lr,
+                grad_norm: None,
+                samples: acc.samples,
+                step_ms,
+                data_ms: acc.data_ms,
+                compute_ms: step_ms - acc.data_ms,
+                samples_per_s: acc.samples as f64 / (step_ms / 1e3).max(1e-9),
+                peak_rss_bytes: memory::peak_rss_bytes(),
+                skipped: false,
+                loss_scale: None,
+                rank_compute_ms: acc.rank_compute_ms.clone(),
+                reduce_ms: acc.reduce_ms,
+            },
+        });
         let adapted = self.check_watermark()?;
         drop(report_span);
-        if self
+        let checkpoint_due = self
             .trainer
             .options
             .checkpoint_every_steps
-            .is_some_and(|k| self.pos.global_step.is_multiple_of(k))
-        {
-            self.last_checkpoint = self.checkpoint(model, optim)?;
+            .is_some_and(|k| self.pos.global_step.is_multiple_of(k));
+        let (model, optim) = if checkpoint_due || self.sync_due() {
+            self.sync(model, optim)?
+        } else {
+            (model, optim)
+        };
+        if checkpoint_due {
+            self.last_checkpoint = self.checkpoint(&model, &optim)?;
         }
-        Ok(adapted)
+        Ok((model, optim, adapted))
     }
 
-    /// Reads memory in use against the watermark; on a crossing reports it and, with
-    /// `oom_adaptive`, halves the micro-batch. Returns whether it halved.
-    ///
-    /// After a halving the watermark re-arms at once: the reading after the next step (the
-    /// step's heap peak where the heap is counted) shows whether half was enough, and a
-    /// reading still above halves again, down to what fits or to a micro-batch of 1.
-    ///
-    /// Under data parallelism the ranks agree: a crossing on any rank halves on all (one
-    /// small all-reduce per step), so their micro-batches never differ.
     fn check_watermark(&mut self) -> Result<bool> {
         let step = self.pos.global_step;
         let device = self.device();

@@ -2,8 +2,12 @@
 //! changes during the run (position, scaler, guard, snapshot, micro-batch, counters) and its
 //! small step methods live in files of their own:
 //! - `accumulate.rs`: the micro-batches of one optimizer step → accumulated gradients;
-//! - `update.rs`: unscale, the guard's check, clipping, the optimizer step, rollback;
-//! - `after_step.rs`: position, the step event, the memory watermark and batch halving;
+//! - `update.rs`: on the device: unscale, the guard's verdict, clipping, the optimizer step
+//!   (applied or skipped by a select), the loss scale;
+//! - `after_step.rs`: position, the queued step event, the memory watermark and batch
+//!   halving;
+//! - `sync.rs`: the sync points, where the queued steps are read in one transfer and the
+//!   host catches up (events, the guard's policy and rollback, the host's scaler);
 //! - `epoch_end.rs`: evaluation, the epoch summary and checkpoints.
 //!
 //! The model and optimizer are threaded through by value (Burn's optimizer step consumes the
@@ -13,6 +17,7 @@ mod accumulate;
 mod after_step;
 mod epoch_end;
 mod reduce;
+mod sync;
 mod update;
 
 use std::path::PathBuf;
@@ -28,7 +33,7 @@ use crate::data::{BatchSource, DataLoader, Shard};
 use crate::error::{KilnError, Result};
 use crate::guard::Guard;
 use crate::observe::{EpochSummary, Event, RunSummary, Watermark, memory};
-use crate::precision::LossScaler;
+use crate::precision::{DeviceScaler, LossScaler};
 
 /// Where the loop stands.
 #[derive(Debug, Default, Clone)]
@@ -77,7 +82,17 @@ pub(super) struct Run<'t, 's, 'd, B, M> {
     /// Steps this run stops at (`max_steps` or `planned`).
     pub total_steps: u64,
     pub pos: Position,
+    /// The host's copy of the loss scaler, level with the device's at each sync point.
     pub scaler: LossScaler,
+    /// The loss scaler on the device (`None` without scaling): the step scales by it and
+    /// updates it without a read.
+    pub device_scaler: Option<DeviceScaler>,
+    /// Steps whose device values are not read yet.
+    pub pending: Vec<sync::PendingStep>,
+    /// Steps between sync points (`train.sync_every`, resolved).
+    pub sync_every: usize,
+    /// Module paths of the model's parameters, in the order of the gradient probes.
+    pub param_paths: Vec<String>,
     pub guard: Guard,
     pub snapshot: Option<Snapshot<M>>,
     /// The micro-batch and accumulation the loop runs with: OOM-adaptive batching halves the
@@ -121,6 +136,8 @@ impl<'t, 's, 'd, B: Send, M: TrainStep<B> + 'static> Run<'t, 's, 'd, B, M> {
             let epoch_start = Instant::now();
             let flow;
             (model, optim, flow) = self.epoch(loader, epoch, model, optim)?;
+            // The epoch's last steps: read before its summary, evaluation and checkpoint.
+            (model, optim) = self.sync(model, optim)?;
             if let EpochFlow::Stopped = flow {
                 // Stopped early by max_steps: leave a checkpoint to continue from.
                 self.last_train_loss = self.pos.epoch_mean_loss();
@@ -171,9 +188,10 @@ impl<'t, 's, 'd, B: Send, M: TrainStep<B> + 'static> Run<'t, 's, 'd, B, M> {
                     tracing::info_span!("step", step = self.pos.global_step + 1).entered();
                 let mut acc = self.accumulate(&model, &mut batches, &sizes, step_samples)?;
                 self.reduce(&model, &mut acc)?;
-                let outcome;
-                (model, optim, outcome) = self.guard_and_step(model, optim, &mut acc)?;
-                adapted = self.after_step(&model, &optim, epoch, s, &acc, &outcome, t0)?;
+                let (record, lr);
+                (model, optim, record, lr) = self.guard_and_step(model, optim, &mut acc)?;
+                (model, optim, adapted) =
+                    self.after_step(model, optim, epoch, s, &acc, (record, lr), t0)?;
                 drop(step_span);
                 if adapted {
                     break;

@@ -6,6 +6,8 @@ use super::accumulate::Accumulated;
 use crate::distributed::{GradReducer, ReduceStats};
 use crate::error::{KilnError, Result};
 use crate::train::contract::TrainStep;
+use crate::train::step::host_read::read_to_host;
+use burn::tensor::Tensor;
 
 impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
     /// Replaces this rank's gradients, loss sum and sample count by their sums over all
@@ -25,8 +27,15 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
             .take()
             .ok_or_else(|| KilnError::Loader("internal: the step's gradients were taken".into()))?;
         acc.grads = Some(GradReducer::default().reduce(model, grads, &*collective)?);
-        let stats = ReduceStats::reduce(&*collective, acc.loss_sum, acc.samples, acc.compute_ms)?;
-        acc.loss_sum = stats.loss_sum;
+        // The host collectives sum the loss with the step's statistics: one counted read per
+        // step under data parallelism (the gradients cross the host here anyway).
+        let device = self.device();
+        let loss_sum = match acc.loss_total.take() {
+            Some(t) => read_to_host(t).first().copied().unwrap_or(f32::NAN) as f64,
+            None => 0.0,
+        };
+        let stats = ReduceStats::reduce(&*collective, loss_sum, acc.samples, acc.compute_ms)?;
+        acc.loss_total = Some(Tensor::full([1], stats.loss_sum as f32, &device));
         acc.samples = stats.samples;
         acc.rank_compute_ms = Some(stats.rank_compute_ms);
         acc.reduce_ms = Some(started.elapsed().as_secs_f64() * 1e3);
