@@ -58,8 +58,22 @@ bench="$out/bench.jsonl"
 torch=(python3 "$pack"/peers/torch_bench.py --device cuda --threads 8 --json)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 ldd "$kiln" | grep "not found"
+# CubeCL's compiled kernels and autotune results (device.kernel_cache = auto, under the user
+# cache directory): kept in the pack so the next lease starts warm, and copied to $OUT at
+# the end so they come back from this one.
+export XDG_CACHE_HOME="$PWD/$pack/cache"
+mkdir -p "$XDG_CACHE_HOME"
+bring_back_caches() {
+  [ -d "$XDG_CACHE_HOME/kiln" ] && tar -C "$XDG_CACHE_HOME" -czf "$out/kernel-cache.tgz" kiln
+}
+trap bring_back_caches EXIT
+# A GPU test that finds no GPU fails instead of passing by running nothing.
+export KILN_REQUIRE_GPU=1
 step plan 60 "$kiln" plan --device cuda --level advanced --set train.data_parallel=gpus ||
   exit 1
+# Every GPU path in one command of the one binary: device vs CPU (matmul, inference), W1
+# training in f32 and bf16, the step's device reads, the device memory reading.
+step check-gpu 180 "$kiln" check gpu
 
 if [ "$what" = fusion ]; then
   # Alternated, so drift on the machine hits both builds alike.
@@ -79,7 +93,7 @@ if [ "$what" = fusion ]; then
 fi
 
 if [ "$what" != bench ]; then
-have test-gpu && step test-gpu 240 "$bin/test-gpu" --test-threads=1 --nocapture
+have test-gpu && step test-gpu 240 "$bin/test-gpu" --test-threads=1 --nocapture  # KILN_REQUIRE_GPU=1
 ck=/tmp/kiln-gpu-ck
 step train 180 "$kiln" train --device cuda --epochs 1 --checkpoint-dir "$ck"
 step train-gpus 180 "$kiln" train --device cuda --set train.data_parallel=gpus --epochs 1 \

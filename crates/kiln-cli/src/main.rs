@@ -2,6 +2,7 @@
 
 mod alloc;
 mod bench_cmd;
+mod check_cmd;
 mod data_bench;
 mod launch;
 mod onnx_bench;
@@ -98,6 +99,12 @@ Examples:
   kiln train --run-dir runs/cnn && kiln report runs/cnn   HTML report with plots
   kiln report runs/cnn --out report.html";
 
+const CHECK_EXAMPLES: &str = "\
+Examples:
+  kiln check gpu            CUDA against the CPU: matmul, W2 inference, W1 training (f32, bf16),
+                            the step's device reads, the device memory reading
+  kiln check cpu --json     Kiln's CPU kernels against Burn's ops, one JSON line per check";
+
 const SERVE_EXAMPLES: &str = "\
 Examples:
   kiln serve --models opt                    KServe v2 (HTTP :8000, gRPC :8001) over opt/*/config.toml
@@ -174,6 +181,11 @@ enum Command {
     /// batching; Triton's clients (tritonclient, perf_analyzer) work unmodified.
     #[command(after_help = SERVE_EXAMPLES)]
     Serve(serve_cmd::ServeArgs),
+    /// Check that a device computes what the CPU computes and trains as Kiln means it to
+    /// (gpu: CUDA against the CPU; cpu: Kiln's kernels against Burn's ops). Fails when a
+    /// check does.
+    #[command(after_help = CHECK_EXAMPLES)]
+    Check(check_cmd::CheckArgs),
 }
 
 #[derive(Args, Debug)]
@@ -553,6 +565,7 @@ fn main() {
             .map(|p| println!("report: {}", p.display()))
             .map_err(Into::into),
         Command::Serve(args) => serve_cmd::run(args),
+        Command::Check(args) => check_cmd::run(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -1676,3 +1676,46 @@ fn serve_until_listening(models: &std::path::Path) -> String {
         .unwrap();
     err
 }
+
+/// `kiln check cpu` runs every check and passes; `kiln check gpu` passes on a cuda build with
+/// a GPU and otherwise fails, naming what is missing — a machine without a GPU never passes
+/// a GPU check.
+#[test]
+fn check_cpu_passes_and_check_gpu_says_what_is_missing() {
+    let o = kiln(&["check", "cpu", "--json"]);
+    assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
+    let checks: Vec<serde_json::Value> = stdout(&o)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
+        .collect();
+    let names: Vec<&str> = checks.iter().filter_map(|c| c["name"].as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "device",
+            "matmul",
+            "inference",
+            "train-steps",
+            "bf16-steps",
+            "memory"
+        ]
+    );
+    assert!(checks.iter().all(|c| c["passed"] == true), "{checks:?}");
+    let reads = checks[3]["detail"].as_str().unwrap_or_default();
+    assert!(reads.contains("2 device read(s) in 6 steps"), "{reads}");
+
+    let o = kiln(&["check", "gpu"]);
+    let hw = kiln::plan::Hardware::probe();
+    if hw.cuda_compiled && hw.cuda_driver && hw.gpu_count > 0 {
+        assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
+    } else {
+        assert_eq!(o.status.code(), Some(2));
+        let out = stdout(&o);
+        assert!(out.contains("FAIL device"), "{out}");
+        assert!(
+            out.contains("--features cuda") || out.contains("libcuda.so.1"),
+            "{out}"
+        );
+        assert!(stderr(&o).contains("1 of 1 checks failed: device"));
+    }
+}

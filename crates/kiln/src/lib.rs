@@ -87,6 +87,7 @@
 //! - [`tune`]: batch-size search, the plan search, bottleneck detection.
 //! - [`fsutil`]: atomic file writes.
 
+pub mod check;
 pub mod config;
 pub mod data;
 pub mod datasets;

@@ -1,8 +1,27 @@
 //! What runs on a GPU: data parallelism over Burn's own device collective (`DeviceGroup`,
 //! NCCL on CUDA) and the memory watermark read from the device's pool. The GPU tests are
 //! compiled with the `cuda` feature (CI builds without it; `tools/gpu-check.sh` runs them on
-//! a GPU machine) and say so, without failing, on a cuda build that finds no driver; the
-//! refusals run everywhere.
+//! a GPU machine) and say so, without failing, on a cuda build that finds no driver — unless
+//! `KILN_REQUIRE_GPU=1` (the GPU script sets it), which turns a missing GPU, driver or cuda
+//! build into a failure, so a lease never passes by running nothing. The refusals run
+//! everywhere.
+
+/// Whether the run demands a GPU (`KILN_REQUIRE_GPU=1`).
+fn gpu_required() -> bool {
+    std::env::var("KILN_REQUIRE_GPU").is_ok_and(|v| v == "1")
+}
+
+/// With `KILN_REQUIRE_GPU=1`, a test binary built without the `cuda` feature fails instead
+/// of passing with its GPU tests compiled out.
+#[test]
+fn a_required_gpu_is_never_skipped() {
+    let cuda_build = cfg!(feature = "cuda-eager");
+    assert!(
+        cuda_build || !gpu_required(),
+        "KILN_REQUIRE_GPU=1 but this test binary was built without the cuda feature: \
+         build it with `cargo test -p kiln --features cuda --test gpu`"
+    );
+}
 
 mod common;
 
@@ -51,6 +70,10 @@ mod on_cuda {
     /// The CUDA devices, or `None` (said on stderr) on a machine without the driver.
     fn gpus() -> Option<Vec<Device>> {
         if !Hardware::probe().cuda_driver {
+            assert!(
+                !super::gpu_required(),
+                "KILN_REQUIRE_GPU=1 but there is no NVIDIA driver (libcuda.so.1) on this machine"
+            );
             eprintln!("no NVIDIA driver on this machine: the GPU test has nothing to run on");
             return None;
         }

@@ -393,3 +393,30 @@ fn data_parallel_over_gpus_takes_every_cuda_device_or_says_why_not() {
     let err = resolve(&c, &hw()).unwrap_err().to_string();
     assert!(err.contains("needs the cuda backend"), "{err}");
 }
+
+/// The kernel cache (issue 49, item 3) is on by default in the user's cache directory, the
+/// plan says where, and a directory or `off` are taken as given; the step's sync interval
+/// is auto by default and set by its key.
+#[test]
+fn the_kernel_cache_defaults_to_the_user_cache_and_the_plan_says_where() {
+    let p = plan_at(Level::Basic);
+    let cache = p
+        .get("device.kernel_cache")
+        .expect("the plan lists the key");
+    if let Some(dir) = kiln::plan::autotune::user_kernel_cache() {
+        assert_eq!(
+            cache.value.as_str(),
+            Some(dir.display().to_string().as_str())
+        );
+        assert!(matches!(&cache.source, Source::Probe(why) if why.contains("user cache")));
+        assert!(dir.ends_with("kiln/cubecl"));
+    }
+    assert_eq!(p.train.sync_every, 0, "auto");
+    let mut c = KilnConfig::default();
+    c.set("device.kernel_cache", "off").unwrap();
+    c.set("train.sync_every", "10").unwrap();
+    let p = resolve(&c, &hw()).unwrap();
+    let cache = p.get("device.kernel_cache").unwrap();
+    assert_eq!(cache.value.as_str(), Some("off"));
+    assert_eq!(p.train.sync_every, 10);
+}

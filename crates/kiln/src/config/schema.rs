@@ -367,6 +367,13 @@ pub static SETTINGS: &[SettingSpec] = &[
               CUBECL_AUTOTUNE_LEVEL); `kiln tune auto` A/Bs them on a GPU; no effect on flex",
     },
     SettingSpec {
+        key: "device.kernel_cache",
+        kind: Kind::Text,
+        default: S("auto"),
+        levels: &[],
+        doc: "where CubeCL keeps compiled kernels and autotune results between runs on cuda, so a second process does not compile again: auto = the user cache directory (XDG_CACHE_HOME or ~/.cache)/kiln/cubecl; off = CubeCL's own default (under the build's target directory, compiled kernels not kept); or a directory; no effect on flex",
+    },
+    SettingSpec {
         key: "device.threads",
         kind: Kind::Int { min: 0, max: 4096 },
         default: I(0),

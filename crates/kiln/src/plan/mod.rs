@@ -287,6 +287,12 @@ fn probe_autos(settings: &mut [ResolvedSetting], hardware: &Hardware) -> Result<
                 s.value = toml::Value::Integer(mib);
                 s.source = Source::Probe(why);
             }
+            ("device.kernel_cache", toml::Value::String(v)) if v == "auto" => {
+                if let Some(dir) = autotune::user_kernel_cache() {
+                    s.value = toml::Value::String(dir.display().to_string());
+                    s.source = Source::Probe("the user cache directory".into());
+                }
+            }
             ("device.threads", toml::Value::Integer(0)) => {
                 let (threads, why) = threads_per_rank(hardware.cores, local_ranks);
                 s.value = toml::Value::Integer(threads as i64);
@@ -531,19 +537,26 @@ pub fn known_keys() -> impl Iterator<Item = &'static str> {
 
 impl Plan {
     /// Applies the plan's process-wide runtime settings: the CPU thread count and, on cuda,
-    /// CubeCL's autotune level (`device.autotune`). Call once, before any tensor work; later
-    /// calls keep the first values. (The kernel switch
+    /// CubeCL's autotune level (`device.autotune`) and kernel cache (`device.kernel_cache`).
+    /// Call once, before any tensor work; later calls keep the first values. (The kernel switch
     /// is not process-wide: it travels in [`TrainOptions::kiln_kernels`] and in each
     /// inference session.)
     pub fn apply_runtime(&self) {
         set_cpu_threads(self.threads);
-        if self.backend == Backend::Cuda
-            && let Some(level) = self.get("device.autotune").and_then(|s| s.value.as_str())
-            && !autotune::set_level(level)
-        {
-            tracing::warn!(
-                "device.autotune = {level:?} not applied: CubeCL's configuration was already read"
-            );
+        if self.backend == Backend::Cuda {
+            let text = |key: &str| {
+                self.get(key)
+                    .and_then(|s| s.value.as_str())
+                    .unwrap_or("default")
+                    .to_string()
+            };
+            let (level, cache) = (text("device.autotune"), text("device.kernel_cache"));
+            if !autotune::configure(&level, &cache) {
+                tracing::warn!(
+                    "device.autotune = {level:?}, device.kernel_cache = {cache:?} not applied: \
+                     CubeCL's configuration was already read"
+                );
+            }
         }
     }
 }
