@@ -72,6 +72,7 @@ fn loader_rate(
         prefetch_factor: 2,
         shuffle: true,
         drop_last: false,
+        pad_last: false,
         seed: 7,
     };
     let device = Device::flex();

@@ -60,6 +60,10 @@ impl EventSink for ProgressSink {
                     .unwrap_or_else(|_| ProgressStyle::default_bar()),
                 );
                 bar.set_position(*start_step);
+                // Until the first step reports (on a GPU it compiles its kernels first, or
+                // finds them in device.kernel_cache): the elapsed time keeps moving.
+                bar.set_message("first step…");
+                bar.enable_steady_tick(std::time::Duration::from_millis(250));
                 self.bar = Some(bar);
             }
             Event::Step(s) => {

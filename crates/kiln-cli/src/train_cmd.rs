@@ -138,6 +138,10 @@ fn train_rank(
             s.wall_seconds,
             s.peak_rss_bytes.map_or("n/a".into(), memory::human_bytes),
         );
+        if let Some(ms) = s.first_step_ms {
+            // On a GPU the first step compiles kernels unless device.kernel_cache has them.
+            println!("first step: {ms:.0} ms");
+        }
         if let Some(ckpt) = &s.last_checkpoint {
             println!("last checkpoint: {ckpt}");
         }

@@ -171,6 +171,7 @@ fn concurrent_readers_through_the_loader_see_correct_samples() {
         prefetch_factor: 2,
         shuffle: true,
         drop_last: false,
+        pad_last: false,
         seed: 3,
     };
     let collect = |data: &dyn Dataset| {

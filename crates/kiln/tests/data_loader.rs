@@ -72,6 +72,7 @@ fn options(workers: usize, batch: usize) -> LoaderOptions {
         prefetch_factor: 2,
         shuffle: true,
         drop_last: false,
+        pad_last: false,
         seed: 5,
     }
 }
@@ -140,6 +141,7 @@ fn every_sample_once_in_the_same_order_whatever_the_worker_count() {
         &device,
         LoaderOptions {
             drop_last: true,
+            pad_last: false,
             ..options(3, 7)
         },
         |loader| epoch_indices(loader, 0, 0),

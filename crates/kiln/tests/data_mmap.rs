@@ -167,6 +167,7 @@ fn streaming_a_file_much_larger_than_the_bound_keeps_rss_bounded() {
         prefetch_factor: 2,
         shuffle: true,
         drop_last: false,
+        pad_last: false,
         seed: 1,
     };
     let (peak, samples, checksum) = DataLoader::run(&data, None, &device, options, |loader| {

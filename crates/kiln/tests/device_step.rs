@@ -1,13 +1,16 @@
-//! A training step that never waits for the host (issue 49, item 1): between the loop's sync
-//! points the host reads nothing back from the device, and the trajectory — losses, skipped
-//! steps, clipping norms, loss scales, final weights — is the same bit for bit whether it
-//! reads every step or every N.
+//! What keeps a GPU busy, tested on the CPU (issue 49). A training step that never waits for
+//! the host: between the loop's sync points the host reads nothing back from the device, and
+//! the trajectory — losses, skipped steps, clipping norms, loss scales, final weights — is
+//! the same bit for bit whether it reads every step or every N. And one shape per epoch: the
+//! last, short batch padded or dropped (`data.last_batch`).
 
 mod common;
 
 use burn::tensor::Device;
+use kiln::data::LastBatch;
 use kiln::datasets::{Split, bundled};
 use kiln::guard::{GuardOptions, GuardPolicy};
+use kiln::observe::MemorySink;
 use kiln::observe::{Event, EventSink, StepEvent};
 use kiln::precision::{Precision, ScalerOptions, ScalingMode};
 use kiln::train::{OptimizerKind, Schedule, TrainOptions, flatten_params, host_reads};
@@ -155,4 +158,35 @@ fn reads_only_at_sync_points_with_the_same_trajectory() {
         );
         assert!(every.weights.iter().all(|w| w.is_finite()), "{what}");
     }
+}
+
+/// 100 samples in batches of 32: kept, the last batch has 4 samples; padded, every batch
+/// has 32 (the epoch's first 28 samples again); dropped, three batches of 32. Under
+/// accumulation the micro-batches follow the same rule.
+#[test]
+fn every_batch_has_one_shape_when_the_last_is_padded_or_dropped() {
+    let data = bundled(Split::Train).unwrap().take(100);
+    let samples = |last_batch, accum| {
+        let mut sink = MemorySink::default();
+        let out = Trainer::new(
+            TrainOptions {
+                epochs: 2,
+                batch_size: 32 / accum,
+                grad_accum_steps: accum,
+                last_batch,
+                ..TrainOptions::default()
+            },
+            Device::flex(),
+            &mut sink,
+        )
+        .fit("mlp", |d| ModelKind::Mlp.init(d), &data, None)
+        .expect("training runs");
+        assert!(out.summary.first_step_ms.is_some_and(|ms| ms > 0.0));
+        sink.steps().map(|s| s.samples).collect::<Vec<usize>>()
+    };
+    assert_eq!(samples(LastBatch::Keep, 1), [32, 32, 32, 4, 32, 32, 32, 4]);
+    assert_eq!(samples(LastBatch::Pad, 1), [32; 8]);
+    assert_eq!(samples(LastBatch::Drop, 1), [32; 6]);
+    // Micro-batches of 16, two per step: padding fills the last micro-batch.
+    assert_eq!(samples(LastBatch::Pad, 2), [32, 32, 32, 16, 32, 32, 32, 16]);
 }

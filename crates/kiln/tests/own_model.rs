@@ -500,6 +500,7 @@ fn burn_datasets_go_through_the_loader_exactly_once_per_epoch() {
         prefetch_factor: 2,
         shuffle: true,
         drop_last: false,
+        pad_last: false,
         seed: 5,
     };
     let epochs = DataLoader::run_source(&source, &Device::flex(), options, |loader| {

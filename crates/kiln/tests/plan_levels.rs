@@ -297,6 +297,7 @@ fn every_enum_name_the_schema_accepts_resolves_to_itself() {
                 "precision.loss_scaling" => plan.train.scaler.mode.name().to_string(),
                 "guard.policy" => plan.train.guard.policy.name().to_string(),
                 "train.model" => plan.model.name().to_string(),
+                "data.last_batch" => plan.train.last_batch.name().to_string(),
                 _ => plan
                     .get(spec.key)
                     .unwrap()
@@ -305,8 +306,8 @@ fn every_enum_name_the_schema_accepts_resolves_to_itself() {
                     .unwrap()
                     .to_string(),
             };
-            // `auto` backends resolve to what the probe found.
-            if !(spec.key == "device.backend" && *name == "auto") {
+            // `auto` backends and last batches resolve to what the probe found.
+            if *name != "auto" || !matches!(spec.key, "device.backend" | "data.last_batch") {
                 assert_eq!(back, *name, "{}", spec.key);
             }
         }
@@ -419,4 +420,23 @@ fn the_kernel_cache_defaults_to_the_user_cache_and_the_plan_says_where() {
     let cache = p.get("device.kernel_cache").unwrap();
     assert_eq!(cache.value.as_str(), Some("off"));
     assert_eq!(p.train.sync_every, 10);
+}
+
+/// `data.last_batch = auto`: one shape per epoch on a GPU (padded), the short batch kept on
+/// the CPU; the plan says why.
+#[test]
+fn the_last_batch_is_padded_on_a_gpu_and_kept_on_the_cpu() {
+    let p = plan_at(Level::Basic);
+    assert_eq!(p.train.last_batch, kiln::data::LastBatch::Keep);
+    let mut c = KilnConfig::default();
+    c.set("device.backend", "cuda").unwrap();
+    let p = resolve(&c, &gpu_hw(1)).unwrap();
+    assert_eq!(p.train.last_batch, kiln::data::LastBatch::Pad);
+    let s = p.get("data.last_batch").unwrap();
+    assert!(matches!(&s.source, Source::Probe(why) if why.contains("one shape per epoch")));
+    c.set("data.last_batch", "drop").unwrap();
+    assert_eq!(
+        resolve(&c, &gpu_hw(1)).unwrap().train.last_batch,
+        kiln::data::LastBatch::Drop
+    );
 }

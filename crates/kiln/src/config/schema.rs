@@ -427,6 +427,13 @@ pub static SETTINGS: &[SettingSpec] = &[
         doc: "shuffle the training set each epoch (seeded by train.seed and the epoch)",
     },
     SettingSpec {
+        key: "data.last_batch",
+        kind: Kind::Enum(&["auto", "keep", "drop", "pad"]),
+        default: S("auto"),
+        levels: &[],
+        doc: "the epoch's last, short batch: keep it, drop it, or pad it with the epoch's first samples so every batch has one shape (a GPU compiles kernels per shape); auto = keep on the CPU, pad on a GPU",
+    },
+    SettingSpec {
         key: "data.workers",
         kind: Kind::IntOrAuto { min: 0, max: 256 },
         default: I(0),

@@ -28,7 +28,7 @@ use serde::{Deserialize, Serialize};
 
 use super::source::{BatchContext, BatchSource, ImageBatches, panic_text};
 use super::transform::Transform;
-use super::{Batch, Dataset, Shard, epoch_order};
+use super::{Batch, Dataset, LastBatch, Shard, epoch_order};
 use crate::error::{KilnError, Result};
 
 /// How a [`DataLoader`] batches and prefetches.
@@ -44,6 +44,10 @@ pub struct LoaderOptions {
     pub shuffle: bool,
     /// Drop the last batch of an epoch when it is short.
     pub drop_last: bool,
+    /// Fill the last batch of an epoch with the epoch's first samples when it is short
+    /// ([`LastBatch::Pad`]), so every batch has one shape.
+    #[serde(default)]
+    pub pad_last: bool,
     /// Seed for the order and the augmentation.
     pub seed: u64,
 }
@@ -56,6 +60,7 @@ impl Default for LoaderOptions {
             prefetch_factor: 2,
             shuffle: true,
             drop_last: false,
+            pad_last: false,
             seed: 42,
         }
     }
@@ -70,7 +75,20 @@ impl LoaderOptions {
     /// Batches in an epoch over `n` samples.
     pub fn batches_per_epoch(&self, n: usize) -> usize {
         let b = self.batch_size.max(1);
-        if self.drop_last { n / b } else { n.div_ceil(b) }
+        if self.drop_last {
+            n / b
+        } else {
+            self.last_batch().epoch_len(n, b).div_ceil(b)
+        }
+    }
+
+    /// The last-batch policy these options say ([`LastBatch`]).
+    pub fn last_batch(&self) -> LastBatch {
+        match (self.drop_last, self.pad_last) {
+            (true, _) => LastBatch::Drop,
+            (false, true) => LastBatch::Pad,
+            (false, false) => LastBatch::Keep,
+        }
     }
 }
 
@@ -279,11 +297,18 @@ impl<'s, T: Send> DataLoader<'s, T> {
 
     /// Batches per epoch at the current batch size (this rank's, under a [`Shard`]).
     pub fn batches_per_epoch(&self) -> usize {
-        self.shard.batches(
-            self.shared.source.len(),
-            self.batch_size,
-            self.shared.options.drop_last,
-        )
+        let opts = &self.shared.options;
+        let n = if opts.pad_last {
+            LastBatch::Pad.epoch_len(self.shared.source.len(), self.global_batch())
+        } else {
+            self.shared.source.len()
+        };
+        self.shard.batches(n, self.batch_size, opts.drop_last)
+    }
+
+    /// Samples of one batch over all ranks.
+    fn global_batch(&self) -> usize {
+        self.batch_size * self.shard.world.max(1)
     }
 
     /// The current batch size.
@@ -316,7 +341,11 @@ impl<'s, T: Send> DataLoader<'s, T> {
     pub fn epoch(&mut self, epoch: usize, start: usize) -> EpochBatches<'_, 's, T> {
         let opts = &self.shared.options;
         let n = self.shared.source.len();
-        let order = Arc::new(epoch_order(n, opts.seed, epoch, opts.shuffle));
+        let mut order = epoch_order(n, opts.seed, epoch, opts.shuffle);
+        if opts.pad_last {
+            order = LastBatch::Pad.apply(order, self.global_batch());
+        }
+        let order = Arc::new(order);
         let end = self.batches_per_epoch();
         let batch_size = self.batch_size;
         let shard = self.shard;

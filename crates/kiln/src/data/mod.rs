@@ -15,6 +15,7 @@
 
 mod cache;
 mod image;
+mod last_batch;
 mod loader;
 mod mmap;
 mod shard;
@@ -25,6 +26,7 @@ mod workers;
 
 pub use cache::{CacheStats, CachedDataset, DiskCache};
 pub use image::{ImageDataset, MNIST_MEAN_STD};
+pub use last_batch::LastBatch;
 pub use loader::{DataLoader, EpochBatches, LoaderOptions, LoaderStats};
 pub use mmap::{
     DEFAULT_RELEASE_EVERY, ElementType, MappedImages, MmapArray, NpyDataset, PixelScaling,

@@ -161,6 +161,10 @@ pub struct RunSummary {
     pub last_checkpoint: Option<String>,
     /// Every stability-guard event of this process, in order.
     pub guard_events: Vec<GuardEvent>,
+    /// Milliseconds of this process's first step: on a GPU, with its kernel compilation (a
+    /// cold kernel cache) or without (a warm one). `None` when no step ran.
+    #[serde(default)]
+    pub first_step_ms: Option<f64>,
 }
 
 /// Everything a run reports.

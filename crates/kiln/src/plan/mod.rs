@@ -13,7 +13,7 @@ pub use parallel::{DataParallel, MPI_COMPILED};
 
 use crate::config::schema::{self, SETTINGS};
 use crate::config::{ConfigName, KilnConfig, Level, Origin};
-use crate::data::Augment;
+use crate::data::{Augment, LastBatch};
 use crate::error::{KilnError, Result};
 use crate::guard::{GuardOptions, GuardPolicy};
 use crate::precision::{Precision, ScalerOptions, ScalingMode};
@@ -287,6 +287,17 @@ fn probe_autos(settings: &mut [ResolvedSetting], hardware: &Hardware) -> Result<
                 s.value = toml::Value::Integer(mib);
                 s.source = Source::Probe(why);
             }
+            ("data.last_batch", toml::Value::String(v)) if v == "auto" => {
+                let (policy, why) = match backend {
+                    Backend::Cuda => (
+                        "pad",
+                        "a GPU compiles kernels per shape: one shape per epoch",
+                    ),
+                    Backend::Flex => ("keep", "the CPU compiles nothing per shape"),
+                };
+                s.value = toml::Value::String(policy.into());
+                s.source = Source::Probe(why.into());
+            }
             ("device.kernel_cache", toml::Value::String(v)) if v == "auto" => {
                 if let Some(dir) = autotune::user_kernel_cache() {
                     s.value = toml::Value::String(dir.display().to_string());
@@ -436,6 +447,7 @@ fn build(config: &KilnConfig, settings: Vec<ResolvedSetting>, hw: &Hardware) -> 
         checkpoint_every_steps: Some(int("train.checkpoint_every_steps") as u64).filter(|s| *s > 0),
         keep_checkpoints: int("train.keep_checkpoints") as usize,
         shuffle: flag("data.shuffle"),
+        last_batch: named::<LastBatch>("data.last_batch", &text)?,
         workers: get("data.workers").as_integer().map(|w| w as usize),
         prefetch_factor: int("data.prefetch_factor") as usize,
         augment: Augment::from_name(&text("data.augment"))?,

@@ -34,7 +34,7 @@ pub use schedule::learning_rate;
 pub use step::host_read::host_reads;
 pub use trainer::{TrainOutcome, Trainer, backend_rng_guard, seeded_init};
 
-use crate::data::{Augment, LoaderOptions};
+use crate::data::{Augment, LastBatch, LoaderOptions};
 use crate::guard::GuardOptions;
 use crate::precision::{Precision, ScalerOptions};
 
@@ -108,6 +108,10 @@ pub struct TrainOptions {
     pub keep_checkpoints: usize,
     /// Shuffle the training set each epoch.
     pub shuffle: bool,
+    /// The epoch's last, short batch: kept, dropped or padded to the batch's shape
+    /// (`data.last_batch`; auto resolves to keep on the CPU, pad on a GPU).
+    #[serde(default)]
+    pub last_batch: LastBatch,
     /// Loader worker threads; `None` measures a few steps per count at the start of the run
     /// and takes the fewest that keep data wait under 5% of step time.
     pub workers: Option<usize>,
@@ -167,6 +171,7 @@ impl Default for TrainOptions {
             checkpoint_every_steps: None,
             keep_checkpoints: DEFAULT_KEEP_CHECKPOINTS,
             shuffle: true,
+            last_batch: LastBatch::Keep,
             workers: Some(0),
             prefetch_factor: 2,
             augment: Augment::None,
@@ -182,15 +187,16 @@ impl Default for TrainOptions {
 }
 
 impl TrainOptions {
-    /// The data loader settings of a run with `workers` loader threads (never drops the
-    /// last, short batch: every sample is trained on every epoch).
+    /// The data loader settings of a run with `workers` loader threads (the last, short
+    /// batch as [`TrainOptions::last_batch`] says).
     pub fn loader_options(&self, workers: usize) -> LoaderOptions {
         LoaderOptions {
             batch_size: self.batch_size,
             workers,
             prefetch_factor: self.prefetch_factor,
             shuffle: self.shuffle,
-            drop_last: false,
+            drop_last: self.last_batch == LastBatch::Drop,
+            pad_last: self.last_batch == LastBatch::Pad,
             seed: self.seed,
         }
     }
@@ -212,6 +218,7 @@ impl TrainOptions {
             ("train.grad_clip_norm", format!("{:?}", self.grad_clip_norm)),
             ("train.seed", self.seed.to_string()),
             ("data.shuffle", self.shuffle.to_string()),
+            ("data.last_batch", self.last_batch.name().to_string()),
             ("data.augment", self.augment.name().to_string()),
             ("precision.policy", self.precision.name().to_string()),
             ("precision.loss_scaling", format!("{:?}", self.scaler.mode)),

@@ -13,7 +13,7 @@ use super::contract::TrainStep;
 use super::metrics::Metric;
 use super::restore::{Snapshot, restore};
 use super::run::{Position, Run, Totals};
-use super::step::resolve_sync_every;
+use super::step::{computes_on_host, resolve_sync_every};
 use super::{Evaluation, TrainOptions, build_optimizer, evaluate_source};
 use crate::data::{
     Batch, BatchContext, BatchSource, DataLoader, Dataset, ImageBatches, Transform, choose_workers,
@@ -210,7 +210,9 @@ impl<'s> Trainer<'s> {
 
         let n = train.len();
         // Under data parallelism a step takes `batch_size` samples per rank and micro-batch.
-        let steps_per_epoch = n
+        let steps_per_epoch = opts
+            .last_batch
+            .epoch_len(n, opts.batch_size * world)
             .div_ceil(opts.batch_size * world)
             .div_ceil(opts.grad_accum_steps);
         let planned = (opts.epochs * steps_per_epoch) as u64;
@@ -273,6 +275,7 @@ impl<'s> Trainer<'s> {
             accum_steps: opts.grad_accum_steps,
             watermark: opts.memory_watermark.map(Watermark::new),
             totals: Totals::default(),
+            first_step_ms: None,
             epochs_done: Vec::new(),
             last_checkpoint: None,
             last_eval: None,
@@ -387,13 +390,14 @@ impl<'s> Trainer<'s> {
     ) -> Result<Evaluation> {
         let _amp = autocast(self.options.precision);
         let _s = tracing::info_span!("eval", samples = data.len()).entered();
-        evaluate_source(
-            &model.valid(),
-            data,
-            EVAL_BATCH,
-            &self.base,
-            &mut self.metrics,
-        )
+        // On a GPU, evaluate at the training batch: its forward kernels are compiled
+        // already (a 500-sample batch would compile and autotune a shape of its own).
+        let batch = if computes_on_host(&self.base) {
+            EVAL_BATCH
+        } else {
+            self.options.batch_size
+        };
+        evaluate_source(&model.valid(), data, batch, &self.base, &mut self.metrics)
     }
 }
 

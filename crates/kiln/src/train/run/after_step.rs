@@ -33,6 +33,7 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
         self.pos.global_step += 1;
         self.pos.step_in_epoch = s + 1;
         let step_ms = t0.elapsed().as_secs_f64() * 1e3;
+        self.first_step_ms.get_or_insert(step_ms);
         self.totals.step_seconds += step_ms / 1e3;
         self.totals.data_seconds += acc.data_ms / 1e3;
         self.totals.samples += acc.samples as u64;

@@ -101,6 +101,8 @@ pub(super) struct Run<'t, 's, 'd, B, M> {
     pub accum_steps: usize,
     pub watermark: Option<Watermark>,
     pub totals: Totals,
+    /// This process's first step, ms (kernel compilation included on a GPU).
+    pub first_step_ms: Option<f64>,
     pub epochs_done: Vec<EpochSummary>,
     pub last_checkpoint: Option<PathBuf>,
     pub last_eval: Option<Evaluation>,
@@ -162,7 +164,13 @@ impl<'t, 's, 'd, B: Send, M: TrainStep<B> + 'static> Run<'t, 's, 'd, B, M> {
         let shard = self.shard();
         loop {
             // Micro-batches are global: each rank loads its part of each (see `Shard`).
-            let micro_per_epoch = shard.global_batches(self.n, self.micro_batch, false);
+            // The epoch's positions: its samples, less a dropped or plus a padded last batch.
+            let n = self
+                .trainer
+                .options
+                .last_batch
+                .epoch_len(self.n, self.micro_batch * shard.world);
+            let micro_per_epoch = shard.global_batches(n, self.micro_batch, false);
             loader.set_batch_size(self.micro_batch);
             loader.set_shard(shard);
             let mut batches = loader.epoch(epoch, self.pos.step_in_epoch * self.accum_steps);
@@ -176,10 +184,10 @@ impl<'t, 's, 'd, B: Send, M: TrainStep<B> + 'static> Run<'t, 's, 'd, B, M> {
                 // This rank's samples per micro-batch, and the step's samples on all ranks.
                 let sizes: Vec<usize> = micros
                     .clone()
-                    .map(|m| shard.range(self.n, micro, m).len())
+                    .map(|m| shard.range(n, micro, m).len())
                     .collect();
                 let step_samples: usize = micros
-                    .map(|m| Shard::WHOLE.range(self.n, micro * shard.world, m).len())
+                    .map(|m| Shard::WHOLE.range(n, micro * shard.world, m).len())
                     .sum();
                 let t0 = Instant::now();
                 // Spans around every phase: free without a subscriber, the profiler's trace
@@ -233,6 +241,7 @@ impl<'t, 's, 'd, B: Send, M: TrainStep<B> + 'static> Run<'t, 's, 'd, B, M> {
                 .as_ref()
                 .map(|p| p.display().to_string()),
             guard_events: self.guard.events.clone(),
+            first_step_ms: self.first_step_ms,
         };
         self.trainer.emit(&Event::RunFinished(summary.clone()));
         Ok(summary)

@@ -17,14 +17,17 @@ pub const GPU_SYNC_EVERY: usize = 25;
 /// floats and the log is live) and [`GPU_SYNC_EVERY`] elsewhere.
 pub fn resolve_sync_every(configured: usize, device: &Device) -> usize {
     match configured {
-        0 if matches!(
-            device.clone().inner().as_dispatch(),
-            DispatchDevice::Flex(_)
-        ) =>
-        {
-            1
-        }
+        0 if computes_on_host(device) => 1,
         0 => GPU_SYNC_EVERY,
         n => n,
     }
+}
+
+/// Whether `device` is the CPU backend (`flex`), which computes each operation before
+/// returning and compiles nothing per shape.
+pub fn computes_on_host(device: &Device) -> bool {
+    matches!(
+        device.clone().inner().as_dispatch(),
+        DispatchDevice::Flex(_)
+    )
 }
