@@ -9,7 +9,10 @@
 # step costs its limit, not the lease. A lease carries at most 64 MiB, so a call takes
 # `kiln` with either the tests (`test-gpu`) or `kiln-eager`; what is missing is skipped.
 #
-# usage: [KILN_GPU_PACK=.gpu] tools/gpu-check.sh [all|checks|bench|fusion]
+# usage: [KILN_GPU_PACK=.gpu] tools/gpu-check.sh [lease|all|checks|bench|fusion]
+#   lease: `all` within one budget (KILN_GPU_BUDGET_S, default 480 s: a 15-minute lease's
+#   one call, with the machine's start and the transfers around it): each step's limit is
+#   cut to what is left, and a step that would start with under 10 s left is skipped.
 #   checks: the checks without the benchmarks; bench: the benchmarks without the checks;
 #   fusion: only the fusion A/B (`kiln` against `kiln-eager`, built without Burn's fusion),
 #   alternated, in f32 and bf16.
@@ -21,6 +24,11 @@
 set -u
 cd "$(dirname "$0")/.."
 what="${1:-all}"
+deadline=""
+if [ "$what" = lease ]; then
+  deadline=$((SECONDS + ${KILN_GPU_BUDGET_S:-480}))
+  what=all
+fi
 pack="${KILN_GPU_PACK:-.gpu}"   # the folder gpu-pack.sh filled (carried to the GPU machine)
 out="${OUT:-/tmp/kiln-gpu}"
 mkdir -p "$out"
@@ -46,6 +54,14 @@ export LD_LIBRARY_PATH="$PWD/$pack/lib:/usr/local/cuda/lib64:${extra}:${LD_LIBRA
 step() { # step NAME SECONDS CMD...: runs CMD with a limit, reports its status and time
   local name=$1 limit=$2 t0=$SECONDS rc
   shift 2
+  if [ -n "$deadline" ]; then
+    local left=$((deadline - SECONDS))
+    if [ "$left" -lt 10 ]; then
+      echo "=== $name: skipped, the lease budget is spent" >&2
+      return 124
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
+  fi
   echo "=== $name (limit ${limit}s): $*" >&2
   timeout "$limit" "$@"
   rc=$?

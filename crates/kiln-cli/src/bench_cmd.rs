@@ -476,8 +476,14 @@ fn kiln_train(
     config.set("train.batch_size", &batch.to_string())?;
     config.set("precision.policy", precision.name())?;
     let plan = resolve(&config, &Hardware::probe())?;
-    let total = WARMUP + steps * REPEATS;
+    // A sync point ends each timed repeat (and the warm-up): between sync points a step's
+    // time is the host's, and an asynchronous device (CUDA) runs behind it, so only a
+    // repeat that ends by waiting for the device measures the device.
+    let steps = steps.max(1);
+    let warmup = WARMUP.div_ceil(steps) * steps;
+    let total = warmup + steps * REPEATS;
     let mut options = plan.train.clone();
+    options.sync_every = steps;
     options.epochs = 1;
     options.max_steps = Some(total as u64);
     options.eval_every_epochs = 0;
@@ -490,7 +496,7 @@ fn kiln_train(
         &data,
         None,
     )?;
-    let durations: Vec<f64> = sink.steps().map(|s| s.step_ms).skip(WARMUP).collect();
+    let durations: Vec<f64> = sink.steps().map(|s| s.step_ms).skip(warmup).collect();
     summarize(&durations, steps, REPEATS).context("too few steps were measured")
 }
 

@@ -224,6 +224,10 @@ fn measure(
         checkpoint_dir: None,
         checkpoint_every_steps: None,
         scaler: crate::precision::ScalerOptions::default(),
+        // Each step read at its end: between sync points a step's time is the host's and an
+        // asynchronous device runs behind it, so per-step rates need a sync per step. The
+        // read costs every candidate alike.
+        sync_every: 1,
         ..base.clone()
     };
     let mut sink = MemorySink::default();
