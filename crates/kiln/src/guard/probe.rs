@@ -40,7 +40,7 @@ pub fn probe_grads_each<M: Module>(model: &M, grads: &GradientsParams) -> Option
     impl ModuleVisitor for V<'_> {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
             let probe = match self.0.get::<D>(p.id) {
-                Some(g) => zero_sum(g).reshape([1]),
+                Some(g) => zero_sum(g),
                 None => Tensor::zeros([1], &p.val().device()),
             };
             self.1.push(probe);

@@ -92,15 +92,19 @@ pub trait KilnKernels: Backend {
     ) -> FloatTensor<Self>;
 
     /// One Adam update of `param` from its gradient and moments, with the step's device
-    /// scalars `[apply, time, grad_factor]` and the run's constants (`config`: an
-    /// [`AdamConfigScalars`] as an array): the new parameter and moments, unchanged when
-    /// `apply` is 0. Not differentiated: optimizers run on the inner tensors.
+    /// scalars (`time`: this step's number if applied, `apply`: 1 or 0, `factor`: the
+    /// gradient's multiplier) and the run's constants (`config`: an [`AdamConfigScalars`] as
+    /// an array): the new parameter and moments, unchanged when `apply` is 0. Not
+    /// differentiated: optimizers run on the inner tensors.
+    #[allow(clippy::too_many_arguments)]
     fn kiln_adam(
         param: FloatTensor<Self>,
         grad: FloatTensor<Self>,
         moment_1: FloatTensor<Self>,
         moment_2: FloatTensor<Self>,
-        scalars: FloatTensor<Self>,
+        time: FloatTensor<Self>,
+        apply: FloatTensor<Self>,
+        factor: FloatTensor<Self>,
         config: [f32; 5],
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
 
@@ -476,28 +480,26 @@ impl KilnKernels for Flex {
         grad: FloatTensor<Self>,
         moment_1: FloatTensor<Self>,
         moment_2: FloatTensor<Self>,
-        scalars: FloatTensor<Self>,
+        time: FloatTensor<Self>,
+        apply: FloatTensor<Self>,
+        factor: FloatTensor<Self>,
         config: [f32; 5],
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         let _op =
             tracing::trace_span!("kiln.adam", elements = param.shape().num_elements()).entered();
         // The step's scalars are this kernel's inputs on its own device (flex runs on the
         // host): reading them is the kernel reading its operands, not a device sync.
-        let [apply, time, factor] = match values(&scalars)[..] {
-            [a, t, f] => [a, t, f],
-            _ => panic!("kiln_adam takes [apply, time, grad_factor]"),
-        };
-        if apply == 0.0 {
+        let first = |t: &FloatTensor<Self>| values(t).first().copied().unwrap_or(f32::NAN);
+        if first(&apply) == 0.0 {
             // A skipped step: parameter and moments stay as they were.
             return (param, moment_1, moment_2);
         }
-        let step = AdamConfigScalars::from_array(config).step(time as i32);
+        let step = AdamConfigScalars::from_array(config).step(first(&time) as i32);
         let grad = values(&grad);
         // Clipping's coefficient; exactly 1 when the norm is under the threshold.
-        let grad = if factor == 1.0 {
-            grad
-        } else {
-            std::borrow::Cow::Owned(grad.iter().map(|g| g * factor).collect())
+        let grad = match first(&factor) {
+            1.0 => grad,
+            f => std::borrow::Cow::Owned(grad.iter().map(|g| g * f).collect()),
         };
         // In place: the optimizer hands over tensors it alone holds, so `storage_mut` writes
         // into their buffers (it copies one that is shared: the first step's zero moments).
@@ -779,7 +781,9 @@ impl<B: Backend + KilnKernels, C: CheckpointStrategy> KilnKernels for Autodiff<B
         grad: FloatTensor<Self>,
         moment_1: FloatTensor<Self>,
         moment_2: FloatTensor<Self>,
-        scalars: FloatTensor<Self>,
+        time: FloatTensor<Self>,
+        apply: FloatTensor<Self>,
+        factor: FloatTensor<Self>,
         config: [f32; 5],
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         let (p, m, v) = B::kiln_adam(
@@ -787,7 +791,9 @@ impl<B: Backend + KilnKernels, C: CheckpointStrategy> KilnKernels for Autodiff<B
             grad.into_primitive(),
             moment_1.into_primitive(),
             moment_2.into_primitive(),
-            scalars.into_primitive(),
+            time.into_primitive(),
+            apply.into_primitive(),
+            factor.into_primitive(),
             config,
         );
         (

@@ -339,22 +339,27 @@ pub fn adam_serves<const D: usize>(param: &Tensor<D>, grad: &Tensor<D>) -> bool 
 
 /// One Adam update in one pass ([`adam::adam_update`]): the new parameter and moments, from
 /// the parameter, its gradient, the previous moments (zeros before the first step) and the
-/// step's device scalars `[apply, time, grad_factor]` (1-D, 3 elements): `apply` 0 leaves
-/// all three unchanged (a skipped step), `time` is the applied step's number, the gradient is
-/// multiplied by `grad_factor` first. Call where [`adam_serves`] holds.
+/// step's device scalars (`[1]` each): `time`, this step's number if it is applied; `apply`,
+/// 0 to leave everything unchanged (a skipped step); `grad_factor`, the gradient's
+/// multiplier (`None` for 1). Call where [`adam_serves`] holds.
 pub fn adam_step<const D: usize>(
     param: Tensor<D>,
     grad: Tensor<D>,
     (m, v): (Tensor<D>, Tensor<D>),
-    scalars: Tensor<1>,
+    (time, apply, grad_factor): (Tensor<1>, Tensor<1>, Option<Tensor<1>>),
     config: adam::AdamConfigScalars,
 ) -> (Tensor<D>, Tensor<D>, Tensor<D>) {
+    // An applied step's factor of 1 is `apply` itself (a skipped step never reads it): no
+    // tensor to make.
+    let factor = grad_factor.unwrap_or_else(|| apply.clone());
     let (p, m, v) = <Dispatch as KilnKernels>::kiln_adam(
         param.into_dispatch(),
         grad.into_dispatch(),
         m.into_dispatch(),
         v.into_dispatch(),
-        scalars.into_dispatch(),
+        time.into_dispatch(),
+        apply.into_dispatch(),
+        factor.into_dispatch(),
         config.to_array(),
     );
     (

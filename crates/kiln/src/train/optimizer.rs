@@ -124,19 +124,19 @@ impl Optimizer for DeviceAdam {
         };
         let time_next = time.clone() + ctx.apply.clone();
         if !self.decoupled && kernels::adam_serves(&tensor, &grad) {
-            let factor = ctx
-                .grad_factor
-                .clone()
-                .unwrap_or_else(|| Tensor::ones([1], &device));
-            let scalars = Tensor::cat(vec![ctx.apply, time_next.clone(), factor], 0);
             let config = AdamConfigScalars {
                 lr: lr as f32,
                 betas: self.betas,
                 epsilon: self.epsilon,
                 weight_decay: self.weight_decay,
             };
-            let (tensor, moment_1, moment_2) =
-                kernels::adam_step(tensor, grad, (moment_1, moment_2), scalars, config);
+            let (tensor, moment_1, moment_2) = kernels::adam_step(
+                tensor,
+                grad,
+                (moment_1, moment_2),
+                (time_next.clone(), ctx.apply, ctx.grad_factor),
+                config,
+            );
             let state = DeviceAdamState {
                 time: time_next,
                 moment_1,
