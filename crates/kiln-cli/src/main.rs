@@ -101,8 +101,8 @@ Examples:
 
 const CHECK_EXAMPLES: &str = "\
 Examples:
-  kiln check gpu            CUDA against the CPU: matmul, W2 inference, W1 training (f32, bf16),
-                            the step's device reads, the device memory reading
+  kiln check gpu            CUDA against the CPU: matmul, W2 inference, a skipped optimizer step,
+                            W1 training (f32, bf16), the step's device reads, the memory reading
   kiln check cpu --json     Kiln's CPU kernels against Burn's ops, one JSON line per check";
 
 const SERVE_EXAMPLES: &str = "\

@@ -1695,13 +1695,14 @@ fn check_cpu_passes_and_check_gpu_says_what_is_missing() {
             "device",
             "matmul",
             "inference",
+            "skip-select",
             "train-steps",
             "bf16-steps",
             "memory"
         ]
     );
     assert!(checks.iter().all(|c| c["passed"] == true), "{checks:?}");
-    let reads = checks[3]["detail"].as_str().unwrap_or_default();
+    let reads = checks[4]["detail"].as_str().unwrap_or_default();
     assert!(reads.contains("2 device read(s) in 6 steps"), "{reads}");
 
     let o = kiln(&["check", "gpu"]);

@@ -6,10 +6,13 @@
 //! Each check runs the same work on the device under test and on a reference, and says by
 //! how much they differ against a stated tolerance. On `cuda` the reference is the CPU
 //! (`flex`, Kiln's kernels on); `kiln check cpu` holds Kiln's CPU kernels to Burn's own ops.
+//! `skip-select` runs the trainer's optimizer step on the device with a "skip" verdict and
+//! NaN gradients: the device-side select a GPU step relies on.
 
 use std::time::Instant;
 
 use burn::module::Module;
+use burn::optim::GradientsParams;
 use burn::tensor::{Device, Distribution, Tensor, TensorData};
 use serde::Serialize;
 
@@ -19,8 +22,11 @@ use crate::kernels;
 use crate::observe::{NullSink, memory};
 use crate::plan::{Backend, Hardware};
 use crate::precision::Precision;
-use crate::train::{TrainOptions, Trainer, flatten_params, host_reads, seeded_init};
-use crate::zoo::{Classifier, ModelKind};
+use crate::train::step::context::{self, StepContext};
+use crate::train::{
+    OptimizerKind, TrainOptions, Trainer, build_optimizer, flatten_params, host_reads, seeded_init,
+};
+use crate::zoo::{Classifier, ModelKind, ZooModel};
 
 /// What one check found.
 #[derive(Debug, Clone, Serialize)]
@@ -113,9 +119,10 @@ pub fn run_checks(backend: Backend) -> Vec<CheckResult> {
         seconds: started.elapsed().as_secs_f64(),
     }];
     type Check = fn(&Sides) -> (bool, String);
-    let checks: [(&'static str, Check); 5] = [
+    let checks: [(&'static str, Check); 6] = [
         ("matmul", matmul),
         ("inference", inference),
+        ("skip-select", skip_select),
         ("train-steps", train_steps),
         ("bf16-steps", bf16_steps),
         ("memory", memory_reading),
@@ -210,6 +217,58 @@ fn inference(sides: &Sides) -> (bool, String) {
         relative_difference(&ours, &theirs),
         2e-3,
     )
+}
+
+/// The optimizer step the trainer takes, on the device, with the guard's verdict "skip" and
+/// NaN gradients: Adam and SGD must leave every parameter as it was (the device-side select),
+/// then an applied step must move them.
+fn skip_select(sides: &Sides) -> (bool, String) {
+    let device = sides.device.clone().autodiff();
+    let _k = kernels::Scope::enter(sides.kiln);
+    let mut report = Vec::new();
+    let mut ok = true;
+    for optimizer in [OptimizerKind::Adam, OptimizerKind::Sgd] {
+        let model = seeded_init(&device, 3, |d| ModelKind::Mlp.init(d));
+        let grads_for = |model: &ZooModel, fill: f32| {
+            let x = Tensor::<4>::full([4, 1, 28, 28], fill, &device);
+            let loss = model.forward(x).mean();
+            GradientsParams::from_grads(loss.backward(), model)
+        };
+        let mut optim = build_optimizer(&TrainOptions {
+            optimizer,
+            ..TrainOptions::default()
+        });
+        let before = flatten_params(&model);
+        let skipped = {
+            let _ctx = context::enter(StepContext {
+                apply: Tensor::zeros([1], &device.clone().without_autodiff()),
+                grad_factor: None,
+            });
+            let grads = grads_for(&model, f32::NAN);
+            optim.step(1e-2, model, grads)
+        };
+        let after_skip = flatten_params(&skipped);
+        let grads = grads_for(&skipped, 0.5);
+        let applied = optim.step(1e-2, skipped, grads);
+        let after_step = flatten_params(&applied);
+        let unchanged = after_skip == before;
+        let moved = after_step != before && after_step.iter().all(|v| v.is_finite());
+        ok &= unchanged && moved;
+        report.push(format!(
+            "{optimizer:?}: skipped step {}, applied step {}",
+            if unchanged {
+                "left every parameter"
+            } else {
+                "CHANGED parameters"
+            },
+            if moved {
+                "moved them"
+            } else {
+                "did NOT move them (or made them non-finite)"
+            }
+        ));
+    }
+    (ok, report.join("; "))
 }
 
 /// Options of the checks' short training runs.
