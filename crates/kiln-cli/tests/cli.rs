@@ -1561,20 +1561,17 @@ fn sigkill_at_random_moments_then_resume_reaches_the_uninterrupted_weights() {
 #[test]
 fn serve_start_up_tells_what_is_wrong() {
     let repo = tempdir("serve-startup");
-    let good = repo.join("id");
-    std::fs::create_dir_all(&good).unwrap();
-    std::fs::write(
-        good.join("config.toml"),
-        "backend = \"identity\"\ndims = [4]\n",
-    )
-    .unwrap();
-    let broken = repo.join("broken");
-    std::fs::create_dir_all(&broken).unwrap();
-    std::fs::write(
-        broken.join("config.toml"),
+    let model = |name: &str, config: &str| {
+        let dir = repo.join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("config.toml"), config).unwrap();
+        dir
+    };
+    let good = model("id", "backend = \"identity\"\ndims = [4]\n");
+    model(
+        "broken",
         "backend = \"graph\"\ngraph = \"missing.kgraph\"\n",
-    )
-    .unwrap();
+    );
     let serve = |extra: &[&str], models: &std::path::Path| {
         let mut args = vec!["serve", "--models", models.to_str().unwrap()];
         args.extend(["--http-port", "0", "--grpc-port", "0"]);

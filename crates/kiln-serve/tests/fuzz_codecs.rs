@@ -8,7 +8,7 @@
 
 use std::path::Path;
 
-use kiln::fuzz::{HeapLimit, Target, cases, run};
+use kiln::fuzz::{HeapLimit, Summary, Target, cases, run};
 use kiln_serve::codec::{grpc, http};
 use kiln_serve::model::{ModelSpec, Postprocess};
 use kiln_serve::proto::pb;
@@ -50,6 +50,16 @@ fn spec() -> ModelSpec {
     }
 }
 
+/// Reports a fuzz run and fails it when no mutation of the seed got through: the seed
+/// itself was not valid, so nothing deep was exercised. `what` says what went through.
+fn seed_was_valid(summary: &Summary, seed_len: usize, what: &str) {
+    eprintln!("seed {seed_len} bytes: {summary:?}");
+    assert!(
+        summary.accepted > 0,
+        "no mutated {what}: is the seed valid?"
+    );
+}
+
 fn target<'a>(name: &'a str, seed: &'a [u8], heap: HeapLimit) -> Target<'a> {
     Target {
         name,
@@ -74,11 +84,7 @@ fn http_json_bodies() {
     let summary = run(&target("http-json", seed, HTTP_JSON), |bytes| {
         http::decode(bytes, None, &spec, 8).map(drop)
     });
-    eprintln!("seed {} bytes: {summary:?}", seed.len());
-    assert!(
-        summary.accepted > 0,
-        "no mutated body decoded: is the seed valid?"
-    );
+    seed_was_valid(&summary, seed.len(), "body decoded");
 }
 
 #[test]
@@ -105,11 +111,7 @@ fn http_binary_extension_bodies() {
         };
         http::decode(bytes, header_len, &spec, 8).map(drop)
     });
-    eprintln!("seed {} bytes: {summary:?}", seed.len());
-    assert!(
-        summary.accepted > 0,
-        "no mutated body decoded: is the seed valid?"
-    );
+    seed_was_valid(&summary, seed.len(), "body decoded");
 }
 
 #[test]
@@ -145,11 +147,7 @@ fn grpc_requests() {
             .map(drop)
             .map_err(|e| e.to_string())
     });
-    eprintln!("seed {} bytes: {summary:?}", seed.len());
-    assert!(
-        summary.accepted > 0,
-        "no mutated request decoded: is the seed valid?"
-    );
+    seed_was_valid(&summary, seed.len(), "request decoded");
 }
 
 #[test]
@@ -181,11 +179,7 @@ cascade = [{ graph = "coarse.kgraph", threshold = 0.9 }]
         kiln_serve::ModelConfig::parse(text, Path::new("/models/m/1")).map(drop)
     };
     let summary = run(&target("serve-config", seed, SERVE_CONFIG), parse);
-    eprintln!("seed {} bytes: {summary:?}", seed.len());
-    assert!(
-        summary.accepted > 0,
-        "no mutated config parsed: is the seed valid?"
-    );
+    seed_was_valid(&summary, seed.len(), "config parsed");
     // The warm-up block (not allowed beside [sequence_batching]) from a seed of its own.
     let seed = br#"backend = "onnx"
 file = "model.onnx"
@@ -199,11 +193,7 @@ count = 2
 data = "random"
 "#;
     let summary = run(&target("serve-config-warmup", seed, SERVE_CONFIG), parse);
-    eprintln!("seed {} bytes: {summary:?}", seed.len());
-    assert!(
-        summary.accepted > 0,
-        "no mutated config parsed: is the seed valid?"
-    );
+    seed_was_valid(&summary, seed.len(), "config parsed");
 }
 
 #[test]
@@ -222,11 +212,7 @@ fn model_control_http_bodies() {
             control::http_parameters(bytes, "unload").and_then(|p| control::check_unload(&p));
         index.or(load).or(unload)
     });
-    eprintln!("seed {} bytes: {summary:?}", seed.len());
-    assert!(
-        summary.accepted > 0,
-        "no mutated body accepted: is the seed valid?"
-    );
+    seed_was_valid(&summary, seed.len(), "body accepted");
 }
 
 #[test]
@@ -258,9 +244,5 @@ fn model_control_grpc_requests() {
         let _ = control::check_load(&control::grpc_parameters(&load.parameters));
         Ok::<(), String>(())
     });
-    eprintln!("seed {} bytes: {summary:?}", seed.len());
-    assert!(
-        summary.accepted > 0,
-        "no mutated request accepted: is the seed valid?"
-    );
+    seed_was_valid(&summary, seed.len(), "request accepted");
 }

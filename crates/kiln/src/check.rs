@@ -16,7 +16,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::{Device, Distribution, Tensor, TensorData};
 use serde::Serialize;
 
-use crate::data::MNIST_MEAN_STD;
+use crate::data::{MNIST_MEAN_STD, panic_text};
 use crate::datasets::{Split, bundled};
 use crate::kernels;
 use crate::observe::{NullSink, memory};
@@ -72,14 +72,12 @@ pub fn run_checks(backend: Backend) -> Vec<CheckResult> {
     let started = Instant::now();
     let sides = match backend {
         Backend::Cuda => {
-            let missing = if !hardware.cuda_compiled {
-                Some("this kiln was built without CUDA: build it with `cargo build --release -p kiln-cli --features cuda`".to_string())
-            } else if !hardware.cuda_driver {
-                Some("no NVIDIA driver (libcuda.so.1) on this machine".to_string())
-            } else if hardware.gpu_count == 0 {
-                Some("the NVIDIA driver reports no CUDA device".to_string())
-            } else {
-                None
+            let missing = match hardware.ensure_runs(Backend::Cuda, "kiln check gpu") {
+                Err(e) => Some(e.to_string()),
+                Ok(()) if hardware.gpu_count == 0 => {
+                    Some("the NVIDIA driver reports no CUDA device".to_string())
+                }
+                Ok(()) => None,
             };
             if let Some(why) = missing {
                 return vec![CheckResult {
@@ -132,14 +130,7 @@ pub fn run_checks(backend: Backend) -> Vec<CheckResult> {
         // A check that panics inside a backend fails alone, with the panic's message.
         let (passed, detail) =
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| check(&sides)))
-                .unwrap_or_else(|p| {
-                    let message = p
-                        .downcast_ref::<String>()
-                        .cloned()
-                        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                        .unwrap_or_default();
-                    (false, format!("panicked: {message}"))
-                });
+                .unwrap_or_else(|p| (false, format!("panicked: {}", panic_text(&*p))));
         results.push(CheckResult {
             name,
             passed,

@@ -134,25 +134,40 @@ fn every_sample_once_in_the_same_order_whatever_the_worker_count() {
     assert_eq!(runs[0], runs[1], "1 worker = inline");
     assert_eq!(runs[0], runs[2], "4 workers = inline");
 
-    // drop_last: 14 full batches, every sample at most once.
-    let dropped = DataLoader::run(
-        &data,
-        None,
-        &device,
-        LoaderOptions {
-            drop_last: true,
-            pad_last: false,
+    // The first epoch's batches of `data` with 3 workers and batches of 7, the last batch as
+    // `drop_last` / `pad_last` say.
+    let first_epoch = |data: &Probe, drop_last: bool, pad_last: bool| {
+        let options = LoaderOptions {
+            drop_last,
+            pad_last,
             ..options(3, 7)
-        },
-        |loader| epoch_indices(loader, 0, 0),
-    )
-    .unwrap();
+        };
+        DataLoader::run(data, None, &device, options, |loader| {
+            epoch_indices(loader, 0, 0)
+        })
+        .unwrap()
+    };
+
+    // drop_last: 14 full batches, every sample at most once.
+    let dropped = first_epoch(&data, true, false);
     assert_eq!(dropped.len(), 14);
     assert!(dropped.iter().all(|b| b.len() == 7));
     let mut seen: Vec<usize> = dropped.into_iter().flatten().collect();
     seen.sort_unstable();
     seen.dedup();
     assert_eq!(seen.len(), 98);
+
+    // pad_last: 15 full batches, the last one filled with the epoch's first 4 samples.
+    let padded = first_epoch(&data, false, true);
+    assert_eq!(padded.len(), 15);
+    assert!(padded.iter().all(|b| b.len() == 7));
+    assert_eq!(padded[14][3..], padded[0][..4]);
+
+    // drop_last with fewer samples than one batch keeps them (as the trainer counts its
+    // steps, `LastBatch::epoch_len`): one short batch, not an empty epoch.
+    let kept = first_epoch(&Probe::new(5), true, false);
+    assert_eq!(kept.len(), 1);
+    assert_eq!(kept[0].len(), 5);
 }
 
 #[test]

@@ -42,7 +42,8 @@ pub struct LoaderOptions {
     pub prefetch_factor: usize,
     /// Shuffle each epoch (seeded by `seed` and the epoch).
     pub shuffle: bool,
-    /// Drop the last batch of an epoch when it is short.
+    /// Drop the last batch of an epoch when it is short ([`LastBatch::Drop`]: an epoch with
+    /// fewer samples than one batch keeps them).
     pub drop_last: bool,
     /// Fill the last batch of an epoch with the epoch's first samples when it is short
     /// ([`LastBatch::Pad`]), so every batch has one shape.
@@ -75,11 +76,7 @@ impl LoaderOptions {
     /// Batches in an epoch over `n` samples.
     pub fn batches_per_epoch(&self, n: usize) -> usize {
         let b = self.batch_size.max(1);
-        if self.drop_last {
-            n / b
-        } else {
-            self.last_batch().epoch_len(n, b).div_ceil(b)
-        }
+        self.last_batch().epoch_len(n, b).div_ceil(b)
     }
 
     /// The last-batch policy these options say ([`LastBatch`]).
@@ -297,13 +294,9 @@ impl<'s, T: Send> DataLoader<'s, T> {
 
     /// Batches per epoch at the current batch size (this rank's, under a [`Shard`]).
     pub fn batches_per_epoch(&self) -> usize {
-        let opts = &self.shared.options;
-        let n = if opts.pad_last {
-            LastBatch::Pad.epoch_len(self.shared.source.len(), self.global_batch())
-        } else {
-            self.shared.source.len()
-        };
-        self.shard.batches(n, self.batch_size, opts.drop_last)
+        let n = (self.shared.options.last_batch())
+            .epoch_len(self.shared.source.len(), self.global_batch());
+        self.shard.batches(n, self.batch_size)
     }
 
     /// Samples of one batch over all ranks.
@@ -341,11 +334,8 @@ impl<'s, T: Send> DataLoader<'s, T> {
     pub fn epoch(&mut self, epoch: usize, start: usize) -> EpochBatches<'_, 's, T> {
         let opts = &self.shared.options;
         let n = self.shared.source.len();
-        let mut order = epoch_order(n, opts.seed, epoch, opts.shuffle);
-        if opts.pad_last {
-            order = LastBatch::Pad.apply(order, self.global_batch());
-        }
-        let order = Arc::new(order);
+        let order = epoch_order(n, opts.seed, epoch, opts.shuffle);
+        let order = Arc::new(opts.last_batch().apply(order, self.global_batch()));
         let end = self.batches_per_epoch();
         let batch_size = self.batch_size;
         let shard = self.shard;

@@ -40,19 +40,15 @@ impl Shard {
         start + self.rank * len / world..start + (self.rank + 1) * len / world
     }
 
-    /// Global batches in an epoch of `n` samples.
-    pub fn global_batches(&self, n: usize, batch: usize, drop_last: bool) -> usize {
-        let global = batch.max(1) * self.world.max(1);
-        if drop_last {
-            n / global
-        } else {
-            n.div_ceil(global)
-        }
+    /// Global batches in an epoch of `n` positions (what [`super::LastBatch::epoch_len`]
+    /// makes of the samples: a dropped or padded last batch is already in `n`).
+    pub fn global_batches(&self, n: usize, batch: usize) -> usize {
+        n.div_ceil(batch.max(1) * self.world.max(1))
     }
 
     /// Batches this rank loads in an epoch: the global ones but a last one it has no share of.
-    pub fn batches(&self, n: usize, batch: usize, drop_last: bool) -> usize {
-        let global = self.global_batches(n, batch, drop_last);
+    pub fn batches(&self, n: usize, batch: usize) -> usize {
+        let global = self.global_batches(n, batch);
         if global > 0 && self.range(n, batch, global - 1).is_empty() {
             global - 1
         } else {
@@ -70,7 +66,7 @@ mod tests {
         for (n, batch, world) in [(10, 1, 4), (23, 3, 2), (64, 8, 4), (5, 4, 3), (1, 2, 2)] {
             let shards: Vec<Shard> = (0..world).map(|rank| Shard { rank, world }).collect();
             let mut seen = vec![0; n];
-            for k in 0..shards[0].global_batches(n, batch, false) {
+            for k in 0..shards[0].global_batches(n, batch) {
                 let parts: Vec<Range<usize>> =
                     shards.iter().map(|s| s.range(n, batch, k)).collect();
                 // The parts tile global batch k of a single process with batch × world.
@@ -89,8 +85,8 @@ mod tests {
             }
             assert!(seen.iter().all(|&c| c == 1), "n={n} b={batch} w={world}");
             for s in &shards {
-                let count = s.batches(n, batch, false);
-                for k in 0..s.global_batches(n, batch, false) {
+                let count = s.batches(n, batch);
+                for k in 0..s.global_batches(n, batch) {
                     assert_eq!(!s.range(n, batch, k).is_empty(), k < count, "prefix");
                 }
             }

@@ -12,10 +12,7 @@ mod probe;
 use serde::{Deserialize, Serialize};
 
 pub use crate::observe::{GuardAction, GuardEvent, Trouble};
-pub use probe::{
-    nonfinite_grad_names, nonfinite_param_names, param_paths, probe_grads, probe_grads_each,
-    probe_params,
-};
+pub use probe::{nonfinite_param_names, param_paths, probe_grads_each, probe_params};
 
 /// What the guard does when a step goes non-finite.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -221,11 +221,16 @@ pub fn enabled() -> bool {
 /// Whether Kiln's CPU kernels serve this device: switched on, and the `flex` backend (with or
 /// without autodiff).
 pub fn serves(device: &Device) -> bool {
-    enabled()
-        && matches!(
-            device.clone().inner().as_dispatch(),
-            DispatchDevice::Flex(_)
-        )
+    enabled() && is_flex(device)
+}
+
+/// Whether `device` is the CPU backend, `flex` (with or without autodiff): it computes each
+/// operation before returning and compiles nothing per shape.
+pub fn is_flex(device: &Device) -> bool {
+    matches!(
+        device.clone().inner().as_dispatch(),
+        DispatchDevice::Flex(_)
+    )
 }
 
 /// Whether the operands and the optional bias are all f32 (the only dtype the kernels take).

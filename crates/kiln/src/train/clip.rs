@@ -49,46 +49,44 @@ pub fn clip_global_norm<M: Module>(
 }
 
 /// Multiplies every gradient of `model` by `factor` (clipping, loss-scale removal).
-pub fn scale_grads<M: Module>(
-    model: &M,
-    mut grads: GradientsParams,
-    factor: f64,
-) -> GradientsParams {
-    struct Scale<'a> {
-        grads: &'a mut GradientsParams,
-        factor: f64,
-    }
-    impl ModuleVisitor for Scale<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if let Some(g) = self.grads.remove::<D>(param.id) {
-                self.grads
-                    .register::<D>(param.id, g.mul_scalar(self.factor));
-            }
-        }
-    }
-    model.visit(&mut Scale {
-        grads: &mut grads,
-        factor,
-    });
-    grads
+pub fn scale_grads<M: Module>(model: &M, grads: GradientsParams, factor: f64) -> GradientsParams {
+    scale_each(model, grads, Factor::Host(factor))
 }
 
 /// Multiplies every gradient of `model` by the 1-element device tensor `factor` (loss-scale
 /// removal without reading the scale back).
 pub fn scale_grads_by<M: Module>(
     model: &M,
-    mut grads: GradientsParams,
+    grads: GradientsParams,
     factor: &Tensor<1>,
+) -> GradientsParams {
+    scale_each(model, grads, Factor::Device(factor))
+}
+
+/// A gradient multiplier: a host scalar, or a 1-element tensor on the gradients' device.
+#[derive(Clone, Copy)]
+enum Factor<'a> {
+    Host(f64),
+    Device(&'a Tensor<1>),
+}
+
+fn scale_each<M: Module>(
+    model: &M,
+    mut grads: GradientsParams,
+    factor: Factor<'_>,
 ) -> GradientsParams {
     struct Scale<'a> {
         grads: &'a mut GradientsParams,
-        factor: &'a Tensor<1>,
+        factor: Factor<'a>,
     }
     impl ModuleVisitor for Scale<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             if let Some(g) = self.grads.remove::<D>(param.id) {
-                let factor = self.factor.clone().reshape([1; D]);
-                self.grads.register::<D>(param.id, g.mul(factor));
+                let scaled = match self.factor {
+                    Factor::Host(f) => g.mul_scalar(f),
+                    Factor::Device(f) => g.mul(f.clone().reshape([1; D])),
+                };
+                self.grads.register::<D>(param.id, scaled);
             }
         }
     }

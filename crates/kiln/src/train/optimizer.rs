@@ -91,6 +91,25 @@ fn step_context(device: &Device) -> StepContext {
     })
 }
 
+/// The gradient an update uses: multiplied by the step's factor (clipping), plus an L2
+/// penalty `decay · param` when `l2_decay` is not 0 (Burn's `WeightDecay::transform`).
+fn prepared_grad<const D: usize>(
+    ctx: &StepContext,
+    tensor: &Tensor<D>,
+    grad: Tensor<D>,
+    l2_decay: f32,
+) -> Tensor<D> {
+    let grad = match &ctx.grad_factor {
+        Some(f) => grad.mul(scalar_as::<D>(f)),
+        None => grad,
+    };
+    if l2_decay != 0.0 {
+        tensor.clone().mul_scalar(l2_decay).add(grad)
+    } else {
+        grad
+    }
+}
+
 /// A 1-element tensor shaped to broadcast against rank `D`.
 fn scalar_as<const D: usize>(t: &Tensor<1>) -> Tensor<D> {
     t.clone().reshape([1; D])
@@ -144,17 +163,13 @@ impl Optimizer for DeviceAdam {
             };
             return (tensor, Some(state));
         }
-        let grad = match &ctx.grad_factor {
-            Some(f) => grad.mul(scalar_as::<D>(f)),
-            None => grad,
-        };
-        let [beta_1, beta_2] = self.betas;
-        let grad = if !self.decoupled && self.weight_decay != 0.0 {
-            // Burn's `WeightDecay::transform`.
-            tensor.clone().mul_scalar(self.weight_decay).add(grad)
+        let l2_decay = if self.decoupled {
+            0.0
         } else {
-            grad
+            self.weight_decay
         };
+        let grad = prepared_grad(&ctx, &tensor, grad, l2_decay);
+        let [beta_1, beta_2] = self.betas;
         let m = moment_1
             .clone()
             .mul_scalar(beta_1)
@@ -229,15 +244,7 @@ impl Optimizer for DeviceSgd {
             Some(s) => s.velocity,
             None => Tensor::zeros(tensor.dims(), &device),
         };
-        let grad = match &ctx.grad_factor {
-            Some(f) => grad.mul(scalar_as::<D>(f)),
-            None => grad,
-        };
-        let grad = if self.weight_decay != 0.0 {
-            tensor.clone().mul_scalar(self.weight_decay).add(grad)
-        } else {
-            grad
-        };
+        let grad = prepared_grad(&ctx, &tensor, grad, self.weight_decay);
         // Burn's `Momentum::transform` without dampening; from zeros the first step is `g`.
         let v = grad.add(velocity.clone().mul_scalar(self.momentum));
         let updated = tensor.clone() - v.clone().mul_scalar(lr);

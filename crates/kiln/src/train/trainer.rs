@@ -13,7 +13,7 @@ use super::contract::TrainStep;
 use super::metrics::Metric;
 use super::restore::{Snapshot, restore};
 use super::run::{Position, Run, Totals};
-use super::step::{computes_on_host, resolve_sync_every};
+use super::step::resolve_sync_every;
 use super::{Evaluation, TrainOptions, build_optimizer, evaluate_source};
 use crate::data::{
     Batch, BatchContext, BatchSource, DataLoader, Dataset, ImageBatches, Transform, choose_workers,
@@ -392,7 +392,7 @@ impl<'s> Trainer<'s> {
         let _s = tracing::info_span!("eval", samples = data.len()).entered();
         // On a GPU, evaluate at the training batch: its forward kernels are compiled
         // already (a 500-sample batch would compile and autotune a shape of its own).
-        let batch = if computes_on_host(&self.base) {
+        let batch = if crate::kernels::is_flex(&self.base) {
             EVAL_BATCH
         } else {
             self.options.batch_size

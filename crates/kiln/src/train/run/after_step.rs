@@ -4,7 +4,6 @@
 use std::time::Instant;
 
 use burn::optim::ModuleOptimizer;
-
 use burn::tensor::Tensor;
 
 use super::Run;
@@ -40,7 +39,6 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
         let report_span = tracing::info_span!("report").entered();
         self.pending.push(PendingStep {
             record,
-            clipped: self.trainer.options.grad_clip_norm.is_some(),
             event: StepEvent {
                 step: self.pos.global_step,
                 epoch,
@@ -78,6 +76,15 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
         Ok((model, optim, adapted))
     }
 
+    /// Reads memory in use against the watermark; on a crossing reports it and, with
+    /// `oom_adaptive`, halves the micro-batch. Returns whether it halved.
+    ///
+    /// After a halving the watermark re-arms at once: the reading after the next step (the
+    /// step's heap peak where the heap is counted) shows whether half was enough, and a
+    /// reading still above halves again, down to what fits or to a micro-batch of 1.
+    ///
+    /// Under data parallelism the ranks agree: a crossing on any rank halves on all (one
+    /// small all-reduce per step), so their micro-batches never differ.
     fn check_watermark(&mut self) -> Result<bool> {
         let step = self.pos.global_step;
         let device = self.device();

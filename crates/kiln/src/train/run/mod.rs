@@ -170,7 +170,7 @@ impl<'t, 's, 'd, B: Send, M: TrainStep<B> + 'static> Run<'t, 's, 'd, B, M> {
                 .options
                 .last_batch
                 .epoch_len(self.n, self.micro_batch * shard.world);
-            let micro_per_epoch = shard.global_batches(n, self.micro_batch, false);
+            let micro_per_epoch = shard.global_batches(n, self.micro_batch);
             loader.set_batch_size(self.micro_batch);
             loader.set_shard(shard);
             let mut batches = loader.epoch(epoch, self.pos.step_in_epoch * self.accum_steps);

@@ -16,7 +16,6 @@ use burn::optim::ModuleOptimizer;
 use burn::tensor::Tensor;
 
 use super::Run;
-use super::update::RECORD_HEAD;
 use crate::error::{KilnError, Result};
 use crate::guard::{GuardAction, GuardEvent, GuardPolicy, Trouble, nonfinite_param_names};
 use crate::observe::{Event, StepEvent};
@@ -27,12 +26,63 @@ use crate::train::step::host_read::read_to_host;
 
 /// A step whose values are still on the device, with what the host measured of it.
 pub(in crate::train) struct PendingStep {
-    /// The step's record (`update.rs`'s layout).
+    /// The step's device values ([`StepValues::record`]).
     pub record: Tensor<1>,
     /// The step's event, but for what the record holds (loss, norm, scale, skipped).
     pub event: StepEvent,
-    /// Whether the step clipped (its norm is then reported).
-    pub clipped: bool,
+}
+
+/// A step's device values as the host reads them back; [`StepValues::record`] lays them out
+/// on the device, [`StepValues::parse`] reads them, so the layout is written once.
+pub(super) struct StepValues<'a> {
+    /// Σ mean loss × samples over the step's micro-batches.
+    loss_sum: f32,
+    /// The global gradient norm (0 without clipping).
+    grad_norm: f32,
+    /// The loss scale in force (1 without scaling).
+    loss_scale: f32,
+    /// 0, or NaN when a parameter is not finite after the update (0 without the check).
+    params_probe: f32,
+    /// Per parameter, in [`crate::guard::param_paths`] order: 0, or NaN for a non-finite
+    /// gradient.
+    grad_probes: &'a [f32],
+}
+
+impl StepValues<'_> {
+    /// The values before the per-parameter probes.
+    const HEAD: usize = 4;
+
+    /// The step's values as one device tensor (each part `[1]`, the probes `[parameters]`;
+    /// `None` for a part the step does not compute).
+    pub fn record(
+        loss_sum: Tensor<1>,
+        grad_norm: Option<Tensor<1>>,
+        loss_scale: Option<Tensor<1>>,
+        params_probe: Option<Tensor<1>>,
+        grad_probes: Option<Tensor<1>>,
+    ) -> Tensor<1> {
+        let device = loss_sum.device();
+        let zero = || Tensor::zeros([1], &device);
+        let mut parts = vec![
+            loss_sum,
+            grad_norm.unwrap_or_else(zero),
+            loss_scale.unwrap_or_else(|| Tensor::ones([1], &device)),
+            params_probe.unwrap_or_else(zero),
+        ];
+        parts.extend(grad_probes);
+        Tensor::cat(parts, 0)
+    }
+
+    /// The values of one step's record as read back.
+    fn parse(record: &[f32]) -> StepValues<'_> {
+        StepValues {
+            loss_sum: record[0],
+            grad_norm: record[1],
+            loss_scale: record[2],
+            params_probe: record[3],
+            grad_probes: &record[Self::HEAD..],
+        }
+    }
 }
 
 impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
@@ -108,10 +158,16 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
         p: PendingStep,
         record: &[f32],
     ) -> Result<(bool, bool)> {
-        let [loss_sum, norm, scale, params_probe] = [0, 1, 2, 3].map(|i| record[i]);
+        let StepValues {
+            loss_sum,
+            grad_norm,
+            loss_scale: scale,
+            params_probe,
+            grad_probes,
+        } = StepValues::parse(record);
         let mut event = p.event;
         let mean_loss = (loss_sum as f64 / event.samples.max(1) as f64) as f32;
-        let bad_grads: Vec<String> = record[RECORD_HEAD..]
+        let bad_grads: Vec<String> = grad_probes
             .iter()
             .enumerate()
             .filter(|(_, v)| !v.is_finite())
@@ -144,7 +200,8 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
         self.scaler.update(trouble.is_some());
         event.loss = mean_loss;
         event.skipped = trouble.is_some();
-        event.grad_norm = (p.clipped && trouble.is_none()).then_some(norm);
+        let clipped = self.trainer.options.grad_clip_norm.is_some();
+        event.grad_norm = (clipped && trouble.is_none()).then_some(grad_norm);
         event.loss_scale = self.scaler.enabled().then_some(scale);
         let mut rolled_back = false;
         let mut clean = false;

@@ -1,25 +1,22 @@
 //! The update, on the device: unscale the gradients, the guard's verdict (a finite loss and
 //! finite gradients), the global-norm clipping coefficient, the optimizer step — applied or
 //! skipped by a device-side select ([`crate::train::step::context`]) — and the loss scale's
-//! update. Nothing here reads a value back: the step's loss, norm, scale and probes go into a
-//! [`PendingStep`] that the loop reads at its next sync point (`sync.rs`), where the guard's
-//! policy, the events and the host's copy of the scaler catch up.
+//! update. Nothing here reads a value back: the step's loss, norm, scale and probes go into
+//! one device record ([`StepValues::record`]) that the loop reads at its next sync point
+//! (`sync.rs`), where the guard's policy, the events and the host's copy of the scaler catch
+//! up.
 
 use burn::optim::ModuleOptimizer;
 use burn::tensor::Tensor;
 
 use super::Run;
 use super::accumulate::Accumulated;
+use super::sync::StepValues;
 use crate::error::{KilnError, Result};
 use crate::guard::{probe_grads_each, probe_params};
 use crate::train::contract::TrainStep;
 use crate::train::step::context::{self, StepContext};
 use crate::train::{global_norm, learning_rate, scale_grads_by};
-
-/// Record layout of a pending step (`sync.rs`): loss sum, gradient norm (0 without clipping), the loss
-/// scale in force (1 without scaling), the parameters' probe (0 without the check), then one
-/// gradient probe per parameter.
-pub(super) const RECORD_HEAD: usize = 4;
 
 impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
     /// Applies one step's gradients to `model` on the device; see the module documentation.
@@ -40,17 +37,17 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
             let _s = tracing::info_span!("unscale").entered();
             grads = scale_grads_by(&model, grads, &scale.clone().recip());
         }
+        // No samples on this rank this step (data parallelism's short last batch): it adds
+        // nothing to the loss.
+        let loss = acc
+            .loss_total
+            .take()
+            .unwrap_or_else(|| Tensor::zeros([1], &device));
         let (apply, probes) = {
             let _s = tracing::info_span!("guard_check").entered();
-            // No samples on this rank this step (data parallelism's short last batch): it adds
-            // nothing to the loss.
-            let loss = acc
-                .loss_total
-                .clone()
-                .unwrap_or_else(|| Tensor::zeros([1], &device));
             let probes = probe_grads_each(&model, &grads);
             // 0·loss is 0 for a finite loss and NaN otherwise; each probe is 0 or NaN.
-            let mut check = loss.mul_scalar(0.0);
+            let mut check = loss.clone().mul_scalar(0.0);
             if let Some(p) = &probes {
                 check = check + p.clone().sum();
             }
@@ -92,16 +89,7 @@ impl<B: Send, M: TrainStep<B> + 'static> Run<'_, '_, '_, B, M> {
         if let Some(scaler) = self.device_scaler.as_mut() {
             scaler.update(&apply);
         }
-        let zero = || Tensor::<1>::zeros([1], &device);
-        let mut parts = vec![
-            acc.loss_total
-                .take()
-                .unwrap_or_else(|| Tensor::zeros([1], &device)),
-            norm.unwrap_or_else(zero),
-            scale.unwrap_or_else(|| Tensor::ones([1], &device)),
-            params_probe.map(|p| p.reshape([1])).unwrap_or_else(zero),
-        ];
-        parts.extend(probes);
-        Ok((model, optim, Tensor::cat(parts, 0), lr))
+        let record = StepValues::record(loss, norm, scale, params_probe, probes);
+        Ok((model, optim, record, lr))
     }
 }

@@ -4,7 +4,6 @@
 pub mod context;
 pub mod host_read;
 
-use burn::backend::DispatchDevice;
 use burn::tensor::Device;
 
 /// Steps between sync points when `train.sync_every` is 0 (auto) on an asynchronous device:
@@ -17,17 +16,8 @@ pub const GPU_SYNC_EVERY: usize = 25;
 /// floats and the log is live) and [`GPU_SYNC_EVERY`] elsewhere.
 pub fn resolve_sync_every(configured: usize, device: &Device) -> usize {
     match configured {
-        0 if computes_on_host(device) => 1,
+        0 if crate::kernels::is_flex(device) => 1,
         0 => GPU_SYNC_EVERY,
         n => n,
     }
-}
-
-/// Whether `device` is the CPU backend (`flex`), which computes each operation before
-/// returning and compiles nothing per shape.
-pub fn computes_on_host(device: &Device) -> bool {
-    matches!(
-        device.clone().inner().as_dispatch(),
-        DispatchDevice::Flex(_)
-    )
 }
