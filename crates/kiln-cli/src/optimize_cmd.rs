@@ -7,7 +7,7 @@ use kiln::datasets::{self, Split};
 use kiln::infer::{self, InferenceSession, LogitDelta, Pass, onnx};
 use kiln::observe::timing::measure;
 use kiln::plan::Plan;
-use kiln::zoo::ModelKind;
+use kiln::zoo::{self, ModelKind};
 use serde::Serialize;
 
 use crate::OptimizeArgs;
@@ -81,7 +81,7 @@ pub fn run(args: OptimizeArgs) -> Result<()> {
         checkpoint.clone()
     };
     let device = plan.backend.device();
-    let model = infer::load_model(kind, shape[0], &checkpoint, &device)?;
+    let model = zoo::load_model(kind, shape[0], &checkpoint, &device)?;
 
     let mut stages = Vec::new();
     let mut reference: Option<Vec<f32>> = None;

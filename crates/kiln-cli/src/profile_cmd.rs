@@ -252,7 +252,7 @@ pub fn run_onnx(p: &OnnxProfile) -> Result<()> {
     rayon::scope(|_| {
         let subscriber = tracing_subscriber::registry().with(profiler.layer());
         result = tracing::subscriber::with_default(subscriber, || {
-            kiln::kernels::spin::with_spinning_workers(|| {
+            kiln_kernels::base::spin::with_spinning_workers(|| {
                 (0..p.runs).try_for_each(|i| {
                     let _run = tracing::info_span!("onnx.run", run = i).entered();
                     run()

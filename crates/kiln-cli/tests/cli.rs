@@ -1481,8 +1481,7 @@ fn sigkill_at_random_moments_then_resume_reaches_the_uninterrupted_weights() {
             .state
             .global_step;
         let device = kiln::burn::tensor::Device::flex();
-        let model =
-            kiln::infer::load_model(kiln::zoo::ModelKind::Mlp, 1, &latest, &device).unwrap();
+        let model = kiln::zoo::load_model(kiln::zoo::ModelKind::Mlp, 1, &latest, &device).unwrap();
         (step, kiln::train::flatten_params(&model))
     };
     let (steps, want) = final_model(&straight);

@@ -89,7 +89,7 @@ fn final_weights_of(kind: kiln::zoo::ModelKind, dir: &Path) -> (u64, Vec<f32>) {
         .state
         .global_step;
     let device = kiln::burn::tensor::Device::flex();
-    let model = kiln::infer::load_model(kind, 1, &latest, &device).unwrap();
+    let model = kiln::zoo::load_model(kind, 1, &latest, &device).unwrap();
     (step, kiln::train::flatten_params(&model))
 }
 

@@ -19,20 +19,23 @@
 //! warmed beside the serving one and switched in without dropping a request.
 //!
 //! Start it with `kiln serve --models DIR` or [`Server::bind`] + [`Server::run`].
+#![deny(missing_docs)]
 
+pub mod backend;
 pub mod codec;
 pub mod config;
 pub mod error;
 pub mod grpc;
 pub mod http;
+pub mod loader;
 pub mod metrics;
-pub mod model;
 pub mod pipeline;
 pub mod proto;
 pub mod queue;
 pub mod repository;
 pub mod sequence;
 pub mod server;
+pub mod signature;
 pub mod tensor;
 pub mod triton_config;
 pub mod warmup;

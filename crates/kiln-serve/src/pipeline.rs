@@ -20,12 +20,14 @@ use std::time::Instant;
 
 use tokio::sync::oneshot;
 
+use crate::backend::Backend;
 use crate::codec::{self, Encoded, InferRequest, WireRequest};
 use crate::config::{DynamicBatching, ModelConfig};
 use crate::error::{Result, ServeError};
+use crate::loader::{build_backends, instance_device};
 use crate::metrics::ModelMetrics;
-use crate::model::{Backend, ModelSpec, build_backends, instance_device, postprocess};
 use crate::queue::{BoundedQueue, PushError};
+use crate::signature::{ModelSpec, postprocess};
 use crate::tensor::Values;
 
 type Reply = oneshot::Sender<Result<Encoded>>;
@@ -87,7 +89,7 @@ struct PreJob {
 struct Pending {
     request: InferRequest,
     /// The request's stream sequence (stream models only).
-    sequence: Option<crate::sequence::SequenceState>,
+    sequence: Option<crate::backend::SequenceState>,
     enqueued: Instant,
     /// The tighter of the model's `timeout_microseconds` and the request's own `timeout`.
     timeout: Option<std::time::Duration>,

@@ -36,15 +36,12 @@ use kiln::stream::{
     crop_resize, top1_rows,
 };
 
+use crate::backend::{Backend, SequenceState};
 use crate::codec::{InferRequest, SequenceId};
 use crate::config::{SequenceConfig, StageSource};
 use crate::error::{Result, ServeError};
-use crate::model::{Backend, ModelSpec, Postprocess};
+use crate::signature::{ModelSpec, Postprocess};
 use crate::tensor::{DataType, TensorSpec, Values};
-
-/// One sequence's state, shared by the table (until the sequence ends or idles out) and the
-/// requests in flight.
-pub type SequenceState = Arc<Mutex<StreamProcessor>>;
 
 /// Locks a sequence's state; a panic elsewhere while it was held does not make it unusable
 /// (the state is gates and results, valid after any partial update).

@@ -6,9 +6,10 @@
 //! batch's working set. Without a warm-up that cost lands on the first clients after a start
 //! or a reload, which is exactly when a zero-downtime reload must not show a latency spike.
 
+use crate::backend::Backend;
 use crate::config::Warmup;
 use crate::error::{Result, ServeError};
-use crate::model::{Backend, ModelSpec};
+use crate::signature::ModelSpec;
 use crate::tensor::{DataType, Values};
 
 /// Runs `warmup` on every backend of model `name`; the first failure is a load error naming

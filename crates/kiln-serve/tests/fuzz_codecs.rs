@@ -10,8 +10,8 @@ use std::path::Path;
 
 use kiln::fuzz::{HeapLimit, Summary, Target, cases, run};
 use kiln_serve::codec::{grpc, http};
-use kiln_serve::model::{ModelSpec, Postprocess};
 use kiln_serve::proto::pb;
+use kiln_serve::signature::{ModelSpec, Postprocess};
 use kiln_serve::tensor::{DataType, TensorSpec};
 use prost::Message;
 

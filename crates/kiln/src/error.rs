@@ -125,9 +125,11 @@ pub enum KilnError {
     /// An inference graph or session could not be built or run.
     #[error("inference: {0}")]
     Inference(String),
-    /// An ONNX model could not be loaded or run.
+    /// An ONNX model could not be loaded or run: the importer's own error (`onnx::OnnxError`),
+    /// boxed so this type, the lowest of the library, names no module above it (the importer
+    /// provides the `From`).
     #[error("ONNX model: {0}")]
-    Onnx(#[from] crate::onnx::OnnxError),
+    Onnx(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// A Burn record (weights or optimizer state) that could not be (de)serialized.
     #[error("cannot (de)serialize {what}: {message}")]
     Record {

@@ -86,8 +86,10 @@
 //! - [`kernels`]: Kiln's CPU kernels (f32 convolution) as a Burn backend extension.
 //! - [`tune`]: batch-size search, the plan search, bottleneck detection.
 //! - [`fsutil`]: atomic file writes.
+#![deny(missing_docs)]
 
 pub mod check;
+pub mod classifier;
 pub mod config;
 pub mod data;
 pub mod datasets;
@@ -98,6 +100,7 @@ pub mod fuzz;
 pub mod guard;
 pub mod infer;
 pub mod kernels;
+pub mod names;
 pub mod nn;
 pub mod observe;
 pub mod onnx;

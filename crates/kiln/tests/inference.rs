@@ -13,7 +13,7 @@ use kiln::infer::{
 };
 use kiln::observe::NullSink;
 use kiln::train::TrainOptions;
-use kiln::zoo::{Classifier, ModelKind, ZooModel};
+use kiln::zoo::{self, Classifier, ModelKind, ZooModel};
 use kiln::{KilnError, Trainer, burn};
 
 fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
@@ -680,11 +680,11 @@ fn unsupported_layers_and_mismatched_checkpoints_are_clear_errors() {
         .fit("mlp", |d| ModelKind::Mlp.init(d), &data, None)
         .unwrap();
     let ckpt = kiln::train::latest_checkpoint(&dir).unwrap().unwrap();
-    let msg = infer::load_model(ModelKind::Cnn, 1, &ckpt, &device)
+    let msg = zoo::load_model(ModelKind::Cnn, 1, &ckpt, &device)
         .unwrap_err()
         .to_string();
     assert!(msg.contains("holds model `mlp`"), "{msg}");
-    assert!(infer::load_model(ModelKind::Mlp, 1, &ckpt, &device).is_ok());
+    assert!(zoo::load_model(ModelKind::Mlp, 1, &ckpt, &device).is_ok());
 
     let dir3 = common::tempdir("infer", "ckpt3");
     options.checkpoint_dir = Some(dir3.to_path_buf());
@@ -698,7 +698,7 @@ fn unsupported_layers_and_mismatched_checkpoints_are_clear_errors() {
         )
         .unwrap();
     let ckpt = kiln::train::latest_checkpoint(&dir3).unwrap().unwrap();
-    let msg = infer::load_model(ModelKind::ResNet, 1, &ckpt, &device)
+    let msg = zoo::load_model(ModelKind::ResNet, 1, &ckpt, &device)
         .unwrap_err()
         .to_string();
     assert!(msg.contains("do not fit") && msg.contains("stem"), "{msg}");

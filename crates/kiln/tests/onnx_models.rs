@@ -424,11 +424,11 @@ fn large_expanded_images_run_fused_and_match_burns_operators() {
         .map(|i| (i * 7919 % 1000) as f32 / 500.0 - 1.0)
         .collect();
     let input = || vec![TensorData::new(values.clone(), [batch, 3, 32, 32])];
-    let before = kiln::kernels::expand_depthwise::fused_calls();
+    let before = kiln_kernels::expand_depthwise::fused_calls();
     let fused = load(true);
     let ours = fused.run_data(input()).unwrap().remove(0);
     assert!(
-        kiln::kernels::expand_depthwise::fused_calls() > before,
+        kiln_kernels::expand_depthwise::fused_calls() > before,
         "no pair ran fused"
     );
     // Both layers of every pair count as packed (the pairs' layers are most of the model's).

@@ -5,8 +5,8 @@ use super::{
     check_len, check_outputs,
 };
 use crate::error::{Result, ServeError};
-use crate::model::ModelSpec;
 use crate::proto::pb;
+use crate::signature::ModelSpec;
 use crate::tensor::{DataType, NamedTensor, Values};
 
 fn bad(message: impl Into<String>) -> ServeError {

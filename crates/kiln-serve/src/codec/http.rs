@@ -7,7 +7,7 @@ use super::{
     check_outputs,
 };
 use crate::error::{Result, ServeError};
-use crate::model::ModelSpec;
+use crate::signature::ModelSpec;
 use crate::tensor::{DataType, NamedTensor, Values};
 
 fn bad(message: impl Into<String>) -> ServeError {

@@ -8,8 +8,8 @@ pub mod grpc;
 pub mod http;
 
 use crate::error::{Result, ServeError};
-use crate::model::ModelSpec;
 use crate::proto::pb;
+use crate::signature::ModelSpec;
 use crate::tensor::{DataType, NamedTensor, TensorSpec, Values};
 
 /// A request as it arrived, not yet decoded.

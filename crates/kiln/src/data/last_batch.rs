@@ -21,7 +21,7 @@ pub enum LastBatch {
     Pad,
 }
 
-crate::config::config_names!(LastBatch { Keep => "keep", Drop => "drop", Pad => "pad" });
+crate::names::config_names!(LastBatch { Keep => "keep", Drop => "drop", Pad => "pad" });
 
 impl LastBatch {
     /// Positions in an epoch of `n` samples taken in batches of `global` samples (over all

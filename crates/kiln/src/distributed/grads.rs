@@ -6,9 +6,9 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor, TensorData};
 
+use super::params::flatten_params;
 use super::{Collective, ReduceOp};
 use crate::error::{KilnError, Result};
-use crate::train::flatten_params;
 
 /// Reduces a step's gradients across ranks in buckets of at most `bucket_floats` values (in
 /// parameter order, as DDP does with its ~25 MB buckets: large messages amortize each call's

@@ -25,10 +25,12 @@ mod devices;
 pub mod grads;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+mod params;
 mod thread_group;
 
 pub use devices::{DeviceGroup, cuda_devices};
 pub use grads::{GradReducer, ReduceStats, broadcast_params, check_replicas, check_same_settings};
+pub use params::flatten_params;
 pub use thread_group::ThreadGroup;
 
 use crate::error::Result;

@@ -25,7 +25,7 @@ pub enum GuardPolicy {
     Abort,
 }
 
-crate::config::config_names!(GuardPolicy { Skip => "skip", Rollback => "rollback", Abort => "abort" });
+crate::names::config_names!(GuardPolicy { Skip => "skip", Rollback => "rollback", Abort => "abort" });
 
 /// Guard settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

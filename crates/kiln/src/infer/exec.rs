@@ -8,19 +8,22 @@ use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
 use burn::tensor::ops::ConvOptions;
 use burn::tensor::{Device, FloatDType, Tensor, TensorData};
 
-use crate::kernels::implicit::ConvWeights;
-use crate::kernels::nhwc::nhwc_to_nchw;
-use crate::kernels::spin::RunPlacement;
+use kiln_kernels::base::layout::nhwc_to_nchw;
+use kiln_kernels::base::spin::RunPlacement;
+use kiln_kernels::implicit::ConvWeights;
 
 use super::graph::{ConvGeometry, Graph, Op, QuantWeight, ValueId, Weight, batch_norm_affine};
 use crate::error::{KilnError, Result};
-use crate::kernels::int8::{
+use kiln_kernels::int8::{
     ActivationQuant, ImageLayout, Kernel, PackedWeights, QuantizedActivations, matmul_dequantized,
     pack_conv_weights, range_of,
 };
-use crate::kernels::pool::{PoolShape, max_pool2d_forward};
+use kiln_kernels::pool::{PoolShape, max_pool2d_forward};
 
+mod host;
 mod ops;
+
+use host::*;
 
 /// A value flowing through the graph: on the device, or on the host between int8 ops (so a
 /// chain of quantized layers never round-trips through the device).
@@ -119,7 +122,7 @@ enum Prepared {
 }
 
 /// A convolution's weights (packed once) and shape for
-/// [`crate::kernels::implicit::conv2d_nhwc`].
+/// [`kiln_kernels::implicit::conv2d_nhwc`].
 #[derive(Debug)]
 struct NhwcConv {
     weights: ConvWeights,
@@ -147,7 +150,7 @@ impl NhwcConv {
     }
 
     /// The kernel's shape for a `[batch, cin, h, w]` input.
-    fn shape(&self, [batch, _, h, w]: [usize; 4]) -> crate::kernels::conv::ConvShape {
+    fn shape(&self, [batch, _, h, w]: [usize; 4]) -> kiln_kernels::base::shape::ConvShape {
         let dims = self.weights.dims();
         nhwc_shape(dims, &self.geometry, [batch, dims[1], h, w])
     }
@@ -157,9 +160,9 @@ fn nhwc_shape(
     [cout, cin, kh, kw]: [usize; 4],
     g: &ConvGeometry,
     [batch, _, h, w]: [usize; 4],
-) -> crate::kernels::conv::ConvShape {
+) -> kiln_kernels::base::shape::ConvShape {
     let [top, left, bottom, right] = g.pads;
-    crate::kernels::conv::ConvShape {
+    kiln_kernels::base::shape::ConvShape {
         batch,
         cin,
         h,
@@ -699,183 +702,6 @@ fn attention(
     Ok(context.swap_dims(1, 2).reshape([b, t, d]))
 }
 
-/// The value on the host with its dims.
-fn host(v: Value) -> (Vec<f32>, Vec<usize>) {
-    match v {
-        Value::Host(data, dims) => (data, dims),
-        Value::Image(t) => {
-            let dims = t.dims().to_vec();
-            (host_values(t), dims)
-        }
-        Value::Flat(t) => {
-            let dims = t.dims().to_vec();
-            (host_values(t), dims)
-        }
-        Value::Seq(t) => {
-            let dims = t.dims().to_vec();
-            (host_values(t), dims)
-        }
-        Value::Nhwc {
-            data, dims, flat, ..
-        } => {
-            let [b, h, w, c] = dims;
-            let nchw = nhwc_to_nchw(&data, dims);
-            if flat {
-                (nchw, vec![b, c * h * w])
-            } else {
-                (nchw, vec![b, c, h, w])
-            }
-        }
-    }
-}
-
-/// Max pooling without padding on host values `[B, C, H, W]` (Kiln's pooling kernel).
-fn host_max_pool(
-    x: &[f32],
-    dims: &[usize],
-    kernel: [usize; 2],
-    stride: [usize; 2],
-) -> (Vec<f32>, Vec<usize>) {
-    let s = PoolShape::nchw([dims[0], dims[1], dims[2], dims[3]], kernel, stride);
-    let mut y = vec![0f32; s.planes * s.out_h() * s.out_w()];
-    max_pool2d_forward(&s, x, &mut y, None);
-    (y, vec![dims[0], dims[1], s.out_h(), s.out_w()])
-}
-
-/// `x [m × k] → [m × n]`: quantize x per batch (over `range` when known), integer matmul,
-/// dequantize, add the bias.
-fn quantized_matmul(
-    x: &[f32],
-    range: Option<(f32, f32)>,
-    k: usize,
-    weight: &PackedWeights,
-    bias: Option<&[f32]>,
-    relu: bool,
-) -> Vec<f32> {
-    let quant = ActivationQuant::for_range(range.unwrap_or_else(|| range_of(x)));
-    let a = QuantizedActivations::new(x, k, quant, weight.kernel());
-    matmul_dequantized(
-        &a,
-        weight,
-        bias,
-        relu.then_some(crate::kernels::activation::Activation::Relu),
-    )
-    .0
-}
-
-/// For each position of a flattened channels-last `[h, w, c]` image, the position the same
-/// value has in the model's NCHW-flatten order (channel, y, x): the order a weight written
-/// for NCHW inputs needs to read channels-last ones.
-fn channels_last_order([h, w, c]: [usize; 3]) -> impl Iterator<Item = usize> {
-    let plane = h * w;
-    (0..plane).flat_map(move |p| (0..c).map(move |ch| ch * plane + p))
-}
-
-/// A linear weight `[C·H·W, out]` (rows in NCHW-flatten order) with its rows reordered to
-/// channels-last `(h, w, c)` order, packed for Kiln's host kernel with its bias.
-fn nhwc_rows(weight: &Tensor<2>, bias: Option<&Tensor<1>>, hwc: [usize; 3]) -> ConvWeights {
-    let [inputs, outputs] = weight.dims();
-    let values = host_values(weight.clone());
-    let mut rows = Vec::with_capacity(values.len());
-    for from in channels_last_order(hwc) {
-        rows.extend_from_slice(&values[from * outputs..][..outputs]);
-    }
-    let bias = bias.map(|b| host_values(b.clone()));
-    ConvWeights::linear(inputs, outputs, &rows, bias.as_deref())
-}
-
-/// The int8 linear weights with their columns reordered from the model's flatten order
-/// (channel, y, x) to channels-last (y, x, channel) for an input of `[h, w, c]` images.
-fn nhwc_columns(w: &QuantWeight, hwc: [usize; 3]) -> PackedWeights {
-    let order: Vec<usize> = channels_last_order(hwc).collect();
-    let mut values = vec![0i8; w.values.len()];
-    for (src, dst) in w
-        .values
-        .chunks_exact(w.cols)
-        .zip(values.chunks_exact_mut(w.cols))
-    {
-        for (d, &from) in dst.iter_mut().zip(&order) {
-            *d = src[from];
-        }
-    }
-    let reordered = QuantWeight {
-        values,
-        ..w.clone()
-    };
-    PackedWeights::new(&reordered, Kernel::detect())
-}
-
-/// The weights `cell` holds for channels-last inputs of `[h, w, c]` images, made by `make` on
-/// first use. A different image size than the first call's cannot happen for a model with a
-/// fixed input; the weights are made afresh for it rather than misread.
-fn for_image<'a, T: Clone>(
-    cell: &'a std::sync::OnceLock<([usize; 3], T)>,
-    hwc: [usize; 3],
-    make: impl Fn([usize; 3]) -> T,
-) -> std::borrow::Cow<'a, T> {
-    let (made_for, made) = cell.get_or_init(|| (hwc, make(hwc)));
-    if *made_for == hwc {
-        std::borrow::Cow::Borrowed(made)
-    } else {
-        std::borrow::Cow::Owned(make(hwc))
-    }
-}
-
-/// An int8 convolution's input: `[B, C, H, W]` images stored in `layout`, with their range
-/// when known.
-struct ConvInput<'a> {
-    values: &'a [f32],
-    dims: [usize; 4],
-    layout: ImageLayout,
-    range: Option<(f32, f32)>,
-}
-
-/// Int8 convolution as an implicit GEMM: the input (`[B, C, H, W]` images stored in `layout`)
-/// is quantized once into a padded NHWC u8 image and the kernel reads each output pixel's taps
-/// from it in place (no patch matrix); the result is dequantized straight into a channels-last
-/// [`Value::Nhwc`] `[B, H', W', C']` (the GEMM's own row order) with its measured range.
-fn quantized_conv(
-    x: ConvInput,
-    weight: &PackedWeights,
-    bias: Option<&[f32]>,
-    g: &ConvGeometry,
-    relu: bool,
-) -> std::result::Result<Value, String> {
-    let dims = x.dims;
-    if g.groups != 1 {
-        return Err("grouped int8 convolution is not supported".into());
-    }
-    let [b, _, h, w] = dims;
-    let [kh, kw] = g.kernel;
-    let [top, left, bottom, right] = g.pads;
-    if h + top + bottom < g.dilation[0] * (kh - 1) + 1
-        || w + left + right < g.dilation[1] * (kw - 1) + 1
-    {
-        return Err(format!("input {h}×{w} is smaller than the kernel"));
-    }
-    let quant = ActivationQuant::for_range(x.range.unwrap_or_else(|| range_of(x.values)));
-    let (a, ho, wo) =
-        QuantizedActivations::for_conv(x.values, dims, x.layout, g, quant, weight.kernel());
-    if a.cols != weight.cols {
-        return Err(format!(
-            "input has {} channels per tap group, the weights {}",
-            a.cols, weight.cols
-        ));
-    }
-    let (data, range) = matmul_dequantized(
-        &a,
-        weight,
-        bias,
-        relu.then_some(crate::kernels::activation::Activation::Relu),
-    );
-    Ok(Value::Nhwc {
-        data,
-        dims: [b, ho, wo, weight.rows],
-        flat: false,
-        range: Some(range),
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -883,10 +709,47 @@ mod tests {
     /// W3 (conv → ReLU → conv → ReLU → 2×2 pool → linear → ReLU → linear): both ReLUs after
     /// the convolutions and the one after fc1 fold into their ops, and the pool into conv2,
     /// so `lowered_graphs_match_the_zoo_forward` (tests/inference.rs) checks the fused path.
+    use burn::nn::conv::{Conv2d, Conv2dConfig};
+    use burn::nn::{Linear, LinearConfig};
+
+    use crate::infer::{GraphBuilder, Lower};
+
+    /// W3's layers, described to the graph as the zoo's CNN describes itself.
+    struct W3 {
+        conv1: Conv2d,
+        conv2: Conv2d,
+        fc1: Linear,
+        fc2: Linear,
+    }
+
+    impl Lower for W3 {
+        fn lower_into(&self, b: &mut GraphBuilder) -> crate::error::Result<()> {
+            let x = b.conv("conv1", &self.conv1, Graph::INPUT);
+            let x = b.op("conv1.relu", Op::Relu, vec![x]);
+            let x = b.conv("conv2", &self.conv2, x);
+            let x = b.op("conv2.relu", Op::Relu, vec![x]);
+            let pool = Op::MaxPool2d {
+                kernel: [2, 2],
+                stride: [2, 2],
+            };
+            let x = b.op("pool", pool, vec![x]);
+            let x = b.op("flatten", Op::Flatten, vec![x]);
+            let x = b.linear("fc1", &self.fc1, x);
+            let x = b.op("fc1.relu", Op::Relu, vec![x]);
+            b.linear("fc2", &self.fc2, x);
+            Ok(())
+        }
+    }
+
     #[test]
     fn w3_folds_its_relus_and_its_pool() {
         let device = Device::flex();
-        let model = crate::zoo::ModelKind::Cnn.init(&device);
+        let model = W3 {
+            conv1: Conv2dConfig::new([1, 32], [3, 3]).init(&device),
+            conv2: Conv2dConfig::new([32, 64], [3, 3]).init(&device),
+            fc1: LinearConfig::new(9216, 128).init(&device),
+            fc2: LinearConfig::new(128, 10).init(&device),
+        };
         let graph = crate::infer::lower(&model, "cnn", [1, 28, 28]).unwrap();
         let exec = Executor::new(graph, &device).unwrap();
         let count = |f: fn(&Prepared) -> bool| exec.ops.iter().filter(|op| f(op)).count();

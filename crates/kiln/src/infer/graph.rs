@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use crate::precision::Precision;
 
 // The int8 kernels' weight and geometry types are part of the graph (and its file format).
-pub use crate::kernels::int8::{ConvGeometry, QuantWeight};
+pub use kiln_kernels::int8::{ConvGeometry, QuantWeight};
 
 /// A constant tensor on the host (weights, statistics).
 ///
@@ -279,29 +279,7 @@ pub enum Op {
     },
 }
 
-/// Inference BatchNorm as a per-channel affine map `y = x·scale + shift`, with
-/// `scale = γ / sqrt(var + ε)` and `shift = β − mean·scale` (used by the executor and by the
-/// folding pass, so both agree to the bit).
-pub fn batch_norm_affine(
-    gamma: &[f32],
-    beta: &[f32],
-    mean: &[f32],
-    var: &[f32],
-    eps: f64,
-) -> (Vec<f32>, Vec<f32>) {
-    let scale: Vec<f32> = gamma
-        .iter()
-        .zip(var)
-        .map(|(g, v)| g / (v + eps as f32).sqrt())
-        .collect();
-    let shift = beta
-        .iter()
-        .zip(mean)
-        .zip(&scale)
-        .map(|((b, m), s)| b - m * s)
-        .collect();
-    (scale, shift)
-}
+pub use kiln_kernels::norm::batch_norm_affine;
 
 impl Op {
     /// The op's name in reports and errors (ONNX's where one exists).

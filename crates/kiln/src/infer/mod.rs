@@ -1,10 +1,14 @@
-//! Inference: a trained zoo model lowered to a graph, rewritten by passes (strip train-only
-//! layers, fold BatchNorm, int8 dynamic quantization), run on a device, exported to ONNX.
+//! Inference: a trained model lowered to a graph (any model that implements [`Lower`]: the
+//! zoo's do), rewritten by passes (strip train-only layers, fold BatchNorm, int8 dynamic
+//! quantization), run on a device, exported to ONNX.
 //!
 //! ```text
-//! ZooModel ──lower──▶ Graph ──passes──▶ Graph ──▶ Executor (Burn f32 ops + int8 kernel)
-//!                                          └────▶ ONNX file
+//! impl Lower ──lower──▶ Graph ──passes──▶ Graph ──▶ Executor (Burn f32 ops + int8 kernel)
+//!                                            └────▶ ONNX file
 //! ```
+//!
+//! Inference imports neither the trainer, the zoo nor Kiln's `nn` layers: models describe
+//! themselves through [`Lower`], and the reference forward takes any [`Classifier`].
 
 mod exec;
 mod graph;
@@ -14,27 +18,21 @@ pub mod onnx;
 mod passes;
 mod store;
 
-use std::path::Path;
-
-use burn::module::Module;
-use burn::store::ModuleRecord;
-use burn::tensor::{Bytes, Device, Tensor};
+use burn::tensor::{Device, Tensor};
 use serde::Serialize;
 
 pub use exec::Executor;
-pub(crate) use graph::batch_norm_affine;
 pub use graph::{ConvGeometry, Graph, Node, Op, QuantWeight, ValueId, Weight};
-pub use lower::lower;
+pub use lower::{GraphBuilder, Lower, lower, weight_of};
 pub use passes::{
     Pass, PassReport, fold_batch_norm, quantize_int8, run_passes, strip_train_only,
     to_half_precision,
 };
 pub use store::{graph_to_bytes, load_graph, save_graph};
 
+use crate::classifier::Classifier;
 use crate::data::{Dataset, collate};
 use crate::error::{KilnError, Result};
-use crate::train::Checkpoint;
-use crate::zoo::{Classifier, ModelKind, ZooModel};
 
 /// A model ready for inference: its graph after the passes, on a device.
 #[derive(Debug)]
@@ -47,7 +45,7 @@ impl InferenceSession {
     /// Lowers `model` (samples `[C, H, W]`), applies `passes` in order and prepares the result
     /// on `device`.
     pub fn new(
-        model: &ZooModel,
+        model: &dyn Lower,
         name: &str,
         input_shape: [usize; 3],
         passes: &[Pass],
@@ -230,41 +228,9 @@ impl LogitDelta {
     }
 }
 
-/// Loads a trained zoo model of `kind` (input channels `channels`) from a Kiln checkpoint.
-/// A checkpoint of another model, or weights that do not fit, are errors that say which.
-pub fn load_model(
-    kind: ModelKind,
-    channels: usize,
-    checkpoint: &Path,
-    device: &Device,
-) -> Result<ZooModel> {
-    let ckpt = Checkpoint::load(checkpoint)?;
-    let bad = |problem: String| KilnError::BadCheckpoint {
-        path: checkpoint.to_path_buf(),
-        problem,
-    };
-    if ckpt.state.model != kind.name() {
-        return Err(bad(format!(
-            "it holds model `{}`, not `{}`; pass --model {}",
-            ckpt.state.model,
-            kind.name(),
-            ckpt.state.model
-        )));
-    }
-    let model = kind.init_for_channels(channels, device);
-    let record = ModuleRecord::from_bytes(Bytes::from_bytes_vec(ckpt.model))
-        .map_err(|e| bad(format!("unreadable model weights: {e}")))?;
-    model.try_load_record(record).map_err(|e| {
-        bad(format!(
-            "its weights do not fit `{}` with {channels} input channel(s): {e}",
-            kind.name()
-        ))
-    })
-}
-
-/// The zoo model's own forward pass, as the reference the passes are checked against.
+/// The model's own forward pass, as the reference the passes are checked against.
 pub fn reference_logits(
-    model: &ZooModel,
+    model: &impl Classifier,
     data: &dyn Dataset,
     batch: usize,
     device: &Device,

@@ -1,72 +1,19 @@
-//! Kiln's own CPU kernels for the ops where Burn's `flex` backend was measured slow, exposed
-//! as a Burn backend extension so models keep using ordinary `Tensor`s and autodiff.
+//! The Burn glue of Kiln's CPU kernels: the slice-level kernels live in the `kiln-kernels`
+//! crate (no Burn there); here they become a Burn backend extension so models keep using
+//! ordinary `Tensor`s and autodiff, and here is decided *when* they serve.
 //!
-//! - [`conv`]: f32 convolution (forward, input and weight gradients) as one GEMM per image.
-//! - [`linear`](mod@linear): f32 fully connected layer and its gradients, transposes read through strides.
-//! - [`pool`]: f32 max pooling with arg-max indices and its backward scatter.
-//! - [`int8`]: int8 dynamic quantization and the integer GEMM (AVX-512 VNNI, AVX2 and
-//!   portable kernels, one file each) the inference passes use.
-//! - [`norm`]: f32 BatchNorm in training mode (statistics, normalization with fused ReLU,
-//!   backward) in two passes each way.
-//! - [`conv2d`], [`linear`](fn@linear), [`max_pool2d`], [`batch_norm_train`]: the entry points models call; they run Kiln's kernel on the
-//!   `flex` device (with or without autodiff) and Burn's own op on every other device.
-
-/// Defines `fn $name(args)` whose body is compiled three times, for AVX-512, for AVX2 + FMA
-/// and for the baseline, and run as [`implicit::F32Kernel::detect`] picks
-/// (`KILN_F32_KERNEL`): the same Rust, so LLVM vectorizes each copy to its instruction set's
-/// width. Used by the element-wise kernels of [`nhwc`] and [`activation`].
-macro_rules! multiversion {
-    ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $body:block) => {
-        $(#[$meta])*
-        $vis fn $name($($arg: $ty),*) {
-            #[inline(always)]
-            fn portable($($arg: $ty),*) $body
-            #[cfg(target_arch = "x86_64")]
-            {
-                #[target_feature(enable = "avx512f,avx2,fma")]
-                unsafe fn avx512($($arg: $ty),*) {
-                    portable($($arg),*)
-                }
-                #[target_feature(enable = "avx2,fma")]
-                unsafe fn avx2($($arg: $ty),*) {
-                    portable($($arg),*)
-                }
-                match $crate::kernels::implicit::F32Kernel::detect() {
-                    // SAFETY: `detect` picks an instruction set only where the CPU has it.
-                    $crate::kernels::implicit::F32Kernel::Avx512 => unsafe { avx512($($arg),*) },
-                    // SAFETY: as above.
-                    $crate::kernels::implicit::F32Kernel::Avx2 => unsafe { avx2($($arg),*) },
-                    $crate::kernels::implicit::F32Kernel::Portable => portable($($arg),*),
-                }
-            }
-            #[cfg(not(target_arch = "x86_64"))]
-            portable($($arg),*)
-        }
-    };
-}
+//! - [`conv2d`], [`linear`], [`max_pool2d`], [`batch_norm_train`], [`adam_step`]: the entry
+//!   points models and optimizers call; they run Kiln's kernel on the `flex` device (with or
+//!   without autodiff) and Burn's own op on every other device.
+//! - [`Scope`] / [`enabled`]: the per-thread switch (`device.kiln_kernels`), [`serves`]: the
+//!   one test of whether a tensor's device runs Kiln's kernels.
+//! - [`activation`]: Kiln's vectorized sigmoid, erf and GELU on Burn tensors.
+//! - [`stats_sync`]: SyncBatchNorm's scope (the summing hook the BatchNorm kernels call, and
+//!   the bookkeeping of which layers synchronized).
 
 pub mod activation;
-pub mod adam;
-mod aligned;
-pub mod conv;
-mod depthwise_strip;
-mod direct;
-pub mod expand_depthwise;
 mod extension;
-pub mod implicit;
-pub mod int8;
-pub mod layer_norm;
-pub mod linear;
-pub mod nhwc;
-pub mod norm;
-pub mod pool;
-pub mod softmax;
-pub mod spin;
 pub mod stats_sync;
-pub mod strided;
-#[cfg(test)]
-mod testing;
-mod winograd;
 
 use std::cell::Cell;
 use std::marker::PhantomData;
@@ -81,96 +28,6 @@ use burn::tensor::ops::{ConvOptions, MaxPoolOptions};
 use burn::tensor::{DType, Device, Tensor};
 
 pub use extension::KilnKernels;
-
-/// A vector of `len` values, each written by `fill`, which must write all of them (why:
-/// a kernel that writes every output value once need not pay a zero fill first).
-pub(crate) fn filled(len: usize, fill: impl FnOnce(&mut [std::mem::MaybeUninit<f32>])) -> Vec<f32> {
-    let mut out = Vec::with_capacity(len);
-    fill(&mut out.spare_capacity_mut()[..len]);
-    // SAFETY: `fill` initialized the first `len` values (its callers' contract: each asserts
-    // the output's length and writes every value of it).
-    unsafe { out.set_len(len) };
-    out
-}
-
-/// A vector of `len` values computed row by row (`row(index, values)`, rows of `row_len`),
-/// over the pool when `parallel`. Each row is zeroed in its own task just before `row` runs,
-/// so `row` may accumulate into it: the zeros are written while the row is in cache, by the
-/// thread that computes it, instead of in a serial pass over the whole output first (a
-/// depthwise layer's 4.8 MB output at batch 1 in MobileNet v2: BENCHMARKS.md run 40).
-fn rows_from_zero(
-    len: usize,
-    row_len: usize,
-    parallel: bool,
-    row: impl Fn(usize, &mut [f32]) + Sync,
-) -> Vec<f32> {
-    use rayon::prelude::*;
-    assert!(row_len > 0 && len.is_multiple_of(row_len), "whole rows");
-    let task = |(i, values): (usize, &mut [std::mem::MaybeUninit<f32>])| {
-        values.fill(std::mem::MaybeUninit::new(0.0));
-        // SAFETY: every value of the row was just written.
-        row(i, unsafe { assume_init(values) });
-    };
-    filled(len, |out| {
-        if parallel {
-            out.par_chunks_exact_mut(row_len).enumerate().for_each(task);
-        } else {
-            out.chunks_exact_mut(row_len).enumerate().for_each(task);
-        }
-    })
-}
-
-/// An initialized slice viewed as one the kernels only write to.
-fn as_uninit(values: &mut [f32]) -> &mut [std::mem::MaybeUninit<f32>] {
-    // SAFETY: `MaybeUninit<f32>` has `f32`'s layout, and the kernels store only initialized
-    // f32 values through the view, so the slice stays initialized.
-    unsafe { std::slice::from_raw_parts_mut(values.as_mut_ptr().cast(), values.len()) }
-}
-
-/// A slice whose every value has been written, as initialized values.
-///
-/// # Safety
-/// Every value of `values` is initialized.
-unsafe fn assume_init(values: &mut [std::mem::MaybeUninit<f32>]) -> &mut [f32] {
-    // SAFETY: the caller's contract; the layouts are the same.
-    unsafe { std::slice::from_raw_parts_mut(values.as_mut_ptr().cast(), values.len()) }
-}
-
-/// The kernel a family of SIMD kernels runs: `best` (what this CPU supports), or the one the
-/// environment variable `var` names when this CPU runs it, so a lesser path (AVX2 on an
-/// AVX-512 machine) can be measured. `all` is ordered best first; a named kernel before
-/// `best` or an unknown name falls back to `best` with a warning that says why.
-fn kernel_from_env<K: Copy + PartialEq>(
-    var: &str,
-    all: &[K],
-    best: K,
-    name: fn(K) -> &'static str,
-) -> K {
-    let Ok(wanted) = std::env::var(var) else {
-        return best;
-    };
-    let rank = |k: K| all.iter().position(|a| *a == k);
-    match all.iter().copied().find(|k| name(*k) == wanted) {
-        Some(k) if rank(k) >= rank(best) => k,
-        Some(k) => {
-            tracing::warn!(
-                "{var}={wanted}: this CPU lacks {}; using {}",
-                name(k),
-                name(best)
-            );
-            best
-        }
-        None => {
-            let names: Vec<&str> = all.iter().map(|k| name(*k)).collect();
-            tracing::warn!(
-                "{var}={wanted} is not a kernel ({}); using {}",
-                names.join(", "),
-                name(best)
-            );
-            best
-        }
-    }
-}
 
 thread_local! {
     // The switch in force on this thread (`device.kiln_kernels`): set by a [`Scope`], on
@@ -275,7 +132,7 @@ pub fn conv2d(
 /// Multiply-adds ×2 of a convolution of `input` `[N, C, H, W]` by `weight` `[O, C/g, KH, KW]`.
 fn conv2d_flops(input: [usize; 4], weight: [usize; 4], options: &ConvOptions<2>) -> u64 {
     let out = |i: usize| {
-        conv::out_len(
+        kiln_kernels::base::shape::out_len(
             input[2 + i],
             weight[2 + i],
             options.stride[i].max(1),
@@ -342,7 +199,7 @@ pub fn adam_serves<const D: usize>(param: &Tensor<D>, grad: &Tensor<D>) -> bool 
         && serves(&param.device())
 }
 
-/// One Adam update in one pass ([`adam::adam_update`]): the new parameter and moments, from
+/// One Adam update in one pass ([`kiln_kernels::adam::adam_update`]): the new parameter and moments, from
 /// the parameter, its gradient, the previous moments (zeros before the first step) and the
 /// step's device scalars (`[1]` each): `time`, this step's number if it is applied; `apply`,
 /// 0 to leave everything unchanged (a skipped step); `grad_factor`, the gradient's
@@ -352,7 +209,7 @@ pub fn adam_step<const D: usize>(
     grad: Tensor<D>,
     (m, v): (Tensor<D>, Tensor<D>),
     (time, apply, grad_factor): (Tensor<1>, Tensor<1>, Option<Tensor<1>>),
-    config: adam::AdamConfigScalars,
+    config: kiln_kernels::adam::AdamConfigScalars,
 ) -> (Tensor<D>, Tensor<D>, Tensor<D>) {
     // An applied step's factor of 1 is `apply` itself (a skipped step never reads it): no
     // tensor to make.

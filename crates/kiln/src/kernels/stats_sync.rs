@@ -60,6 +60,8 @@ pub struct StatsSync {
 impl StatsSync {
     /// Sums the BatchNorm kernels' statistics with `sum` on this thread while the scope lives.
     pub fn enter(sum: SumOverRanks) -> StatsSync {
+        // The kernels call one process-wide hook, which reads this thread's state.
+        kiln_kernels::norm::set_rank_sum(sum_over_ranks);
         let state = State {
             sum,
             calls: Vec::new(),
@@ -92,7 +94,7 @@ impl Drop for StatsSync {
 /// Sums `buf` over the ranks when a scope is open (`true`), else leaves it (`false`). After a
 /// failed sum the rest of the micro-batch runs on local values; the failure is returned by
 /// [`end_micro_batch`].
-pub(crate) fn sum_over_ranks(buf: &mut [f64]) -> bool {
+fn sum_over_ranks(buf: &mut [f64]) -> bool {
     STATE.with_borrow_mut(|s| {
         let Some(st) = s else { return false };
         st.calls.push(Call {
@@ -205,7 +207,7 @@ mod tests {
     use std::cell::Cell;
 
     use super::*;
-    use crate::kernels::norm::{NormShape, batch_norm_stats};
+    use kiln_kernels::norm::{NormShape, batch_norm_stats};
 
     /// One channel of 4 values on this rank.
     fn shape() -> NormShape {

@@ -103,7 +103,7 @@ impl BatchNorm {
             let (running_mean, running_var) = (self.running_mean.clone(), self.running_var.clone());
             let (momentum, device) = (self.momentum, device.clone());
             stats_sync::on_replay(Rc::new(move |summed: &[f64]| {
-                let (mean, var) = crate::kernels::norm::stats_from_summed(summed);
+                let (mean, var) = kiln_kernels::norm::stats_from_summed(summed);
                 let c = mean.len();
                 let batch = |v: Vec<f32>| Tensor::<1>::from_data(TensorData::new(v, [c]), &device);
                 update_running(&running_mean, batch(mean), momentum, &device);

@@ -5,7 +5,7 @@
 //! Why: the division and the addition are each a pass over the widest tensor of the layer
 //! (`[batch, heads, tokens, tokens]`) and a new temporary; on the host the fused step computes
 //! `scores · (1/d) + mask` while it takes each row's maximum, inside the softmax kernel
-//! ([`crate::kernels::softmax::softmax_rows_scaled`]). Elsewhere (another backend, a divisor
+//! ([`kiln_kernels::softmax::softmax_rows_scaled`]). Elsewhere (another backend, a divisor
 //! that is not one value, a mask that does not broadcast along the rows) it runs the three
 //! operators as exported.
 
@@ -15,7 +15,7 @@ use super::ops::Inputs;
 use super::ops::math::{Binary, binary, softmax};
 use super::value::{Value, ValueKind};
 use super::{OnnxError, OnnxModel, StepOp};
-use crate::kernels::softmax::{RowMask, softmax_rows_scaled};
+use kiln_kernels::softmax::{RowMask, softmax_rows_scaled};
 
 /// The fused step: inputs `[scores, divisor]` or `[scores, divisor, mask]`.
 #[derive(Debug, Clone, Copy)]

@@ -1,6 +1,6 @@
 //! Fuses a channel `Concat` whose every input is a convolution's output (read by nothing
 //! else) with those convolutions: on the host each writes its channels of the concatenated
-//! image in place ([`crate::kernels::implicit::conv2d_nhwc_into_channels`]), so the
+//! image in place ([`kiln_kernels::implicit::conv2d_nhwc_into_channels`]), so the
 //! concatenation is no copy of its own (SqueezeNet's fire modules, Inception's branches).
 //!
 //! The step keeps the layers as they were: passes take it apart first and fuse again after,

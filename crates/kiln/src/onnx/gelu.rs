@@ -1,7 +1,7 @@
 //! The exact GELU as one step: PyTorch (opset < 20) exports `gelu(x)` as five nodes,
 //! `Div(x, √2) → Erf → Add(·, 1) → Mul(x, ·) → Mul(·, 0.5)` (the dynamo exporter takes the
 //! product by 0.5 first, older Hugging Face code `x · 0.5`), fused at load into one
-//! [`Activation::Gelu`](crate::kernels::activation::Activation::Gelu) step.
+//! [`Activation::Gelu`](kiln_kernels::activation::Activation::Gelu) step.
 //!
 //! Why: the five nodes are four passes over the MLP's widest tensor and three temporaries
 //! (ConvNeXt-tiny at batch 1: Erf, Div, Mul and Add took 19% of the run, BENCHMARKS.md run
@@ -11,7 +11,7 @@
 use onnx_ir::Node;
 
 use super::{OnnxModel, StepOp};
-use crate::kernels::activation::Activation;
+use kiln_kernels::activation::Activation;
 
 /// A GELU chain found in the steps: its input, the step that computes its output (the
 /// chain's last `Mul`), and the other four steps.

@@ -34,8 +34,8 @@ use std::path::Path;
 use burn::tensor::{Device, TensorData};
 use onnx_ir::Node;
 
-use crate::kernels::activation::Activation;
 use host::Slot;
+use kiln_kernels::activation::Activation;
 pub use passes::{OnnxPass, OnnxPassReport};
 pub use value::{Value, ValueKind};
 
@@ -63,6 +63,12 @@ pub enum OnnxError {
     /// Inputs that do not match the model's.
     #[error("bad input: {0}")]
     Input(String),
+}
+
+impl From<OnnxError> for crate::error::KilnError {
+    fn from(e: OnnxError) -> Self {
+        crate::error::KilnError::Onnx(Box::new(e))
+    }
 }
 
 fn unsupported_message(ops: &[(String, usize)]) -> String {
@@ -249,7 +255,7 @@ pub struct OnnxModel {
     /// Shape arithmetic recorded for the last input shapes ([`shape_cache`]).
     shape_cache: shape_cache::ShapeCache,
     /// Where runs execute (on the pool or the calling thread).
-    placement: crate::kernels::spin::RunPlacement,
+    placement: kiln_kernels::base::spin::RunPlacement,
 }
 
 impl OnnxModel {

@@ -321,7 +321,7 @@ impl Value {
             .iter()
             .map(|&s| usize::try_from(s).ok())
             .collect::<Option<_>>()?;
-        crate::kernels::strided::contiguous(
+        kiln_kernels::strided::contiguous(
             t.storage::<f32>(),
             layout.start_offset(),
             layout.shape(),

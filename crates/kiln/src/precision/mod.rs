@@ -32,7 +32,7 @@ pub enum Precision {
     F16,
 }
 
-crate::config::config_names!(Precision { F32 => "f32", Bf16 => "bf16", F16 => "f16" });
+crate::names::config_names!(Precision { F32 => "f32", Bf16 => "bf16", F16 => "f16" });
 
 impl Precision {
     /// Every policy.
@@ -68,7 +68,7 @@ pub enum ScalingMode {
     Off,
 }
 
-crate::config::config_names!(ScalingMode { Auto => "auto", Dynamic => "dynamic", Off => "off" });
+crate::names::config_names!(ScalingMode { Auto => "auto", Dynamic => "dynamic", Off => "off" });
 
 /// Loss-scaling settings of a run.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]

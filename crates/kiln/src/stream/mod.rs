@@ -27,9 +27,9 @@ pub mod video;
 use burn::tensor::{Int, Tensor, TensorData};
 use serde::Serialize;
 
+use crate::classifier::Classifier;
 use crate::error::{KilnError, Result};
 use crate::infer::InferenceSession;
-use crate::zoo::Classifier;
 
 pub use cascade::{Cascade, OnnxClassifier, Stage};
 pub use early_exit::{EarlyExit, FullDepth, MultiExit};

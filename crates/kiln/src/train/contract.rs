@@ -10,6 +10,9 @@ use burn::module::Module;
 use burn::nn::loss::{CrossEntropyLossConfig, MseLoss, Reduction};
 use burn::tensor::{Int, Tensor};
 
+use crate::classifier::Classifier;
+use crate::data::Batch;
+
 /// What a model does with one batch `B`. Implement it on your Burn module and hand the module
 /// to [`super::Trainer::fit_source`]; every training feature of Kiln applies unchanged.
 ///
@@ -124,5 +127,19 @@ impl StepOutput {
         self.output = Some(predictions);
         self.targets = Some(Targets::Values(targets));
         self
+    }
+}
+
+/// Every classifier (the zoo's and a user's) trains through the same contract a user's
+/// own `TrainStep` does: images in,
+/// logits out, cross-entropy against the labels.
+impl<M: Classifier> TrainStep<Batch> for M {
+    fn step(&self, batch: Batch) -> StepOutput {
+        StepOutput::classification(self.forward(batch.images), batch.labels)
+    }
+
+    fn check_batch(&self, batch: &Batch) -> std::result::Result<(), String> {
+        let [_, c, h, w] = batch.images.dims();
+        self.check_input([c, h, w])
     }
 }

@@ -10,7 +10,6 @@ mod contract;
 mod eval;
 mod metrics;
 mod optimizer;
-mod params;
 mod restore;
 mod run;
 mod schedule;
@@ -21,6 +20,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::distributed::flatten_params;
 pub use checkpoint::{
     Checkpoint, CheckpointState, checkpoints_in, latest_checkpoint, prune_checkpoints,
 };
@@ -29,7 +29,6 @@ pub use contract::{StepOutput, Targets, TrainStep};
 pub use eval::{Evaluation, evaluate, evaluate_source};
 pub use metrics::{Accuracy, LossMetric, Metric, Mse, default_metrics};
 pub use optimizer::build_optimizer;
-pub use params::flatten_params;
 pub use schedule::learning_rate;
 pub use step::host_read::host_reads;
 pub use trainer::{TrainOutcome, Trainer, backend_rng_guard, seeded_init};
@@ -53,7 +52,7 @@ pub enum OptimizerKind {
     Sgd,
 }
 
-crate::config::config_names!(OptimizerKind { Adam => "adam", AdamW => "adamw", Sgd => "sgd" });
+crate::names::config_names!(OptimizerKind { Adam => "adam", AdamW => "adamw", Sgd => "sgd" });
 
 /// Learning-rate schedule after warm-up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -64,7 +63,7 @@ pub enum Schedule {
     Cosine,
 }
 
-crate::config::config_names!(Schedule { Constant => "constant", Cosine => "cosine" });
+crate::names::config_names!(Schedule { Constant => "constant", Cosine => "cosine" });
 
 /// Everything the training loop needs to know; usually built by [`crate::plan::resolve`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

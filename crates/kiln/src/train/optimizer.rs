@@ -18,7 +18,9 @@ use burn_pack::Scalar;
 
 use super::step::context::{self, StepContext};
 use super::{OptimizerKind, TrainOptions};
-use crate::kernels::{self, adam::AdamConfigScalars};
+use kiln_kernels::adam::AdamConfigScalars;
+
+use crate::kernels;
 
 /// torch's default epsilon, so trajectories are comparable with the PyTorch peer.
 const ADAM_EPSILON: f32 = 1e-8;

@@ -13,14 +13,19 @@
 //! head) and [`CoarseCnn`] (the half-resolution model of a multi-scale cascade).
 
 mod cnn;
+mod lower;
 mod mlp;
 mod multi_exit;
 mod resnet;
 mod transformer;
 
-use burn::module::Module;
-use burn::tensor::{Device, Tensor};
+use std::path::Path;
 
+use burn::module::Module;
+use burn::store::ModuleRecord;
+use burn::tensor::{Bytes, Device, Tensor};
+
+pub use crate::classifier::Classifier;
 pub use cnn::Cnn;
 pub use mlp::Mlp;
 pub use multi_exit::{
@@ -29,37 +34,11 @@ pub use multi_exit::{
 pub use resnet::{ResNet, ResNetConfig};
 pub use transformer::EncoderClassifier;
 
-use crate::data::Batch;
 use crate::error::{KilnError, Result};
-use crate::train::{StepOutput, TrainStep};
+use crate::train::Checkpoint;
 
 /// Number of classes every zoo classifier predicts.
 pub const NUM_CLASSES: usize = 10;
-
-/// A model that maps a batch of images `[B, C, H, W]` to logits `[B, classes]`.
-pub trait Classifier: Module {
-    /// Forward pass.
-    fn forward(&self, images: Tensor<4>) -> Tensor<2>;
-
-    /// Checks that samples of shape `[C, H, W]` fit this model; the error says what does.
-    fn check_input(&self, shape: [usize; 3]) -> std::result::Result<(), String> {
-        let _ = shape;
-        Ok(())
-    }
-}
-
-/// Every zoo classifier trains through the same contract a user's model does: images in,
-/// logits out, cross-entropy against the labels.
-impl<M: Classifier> TrainStep<Batch> for M {
-    fn step(&self, batch: Batch) -> StepOutput {
-        StepOutput::classification(self.forward(batch.images), batch.labels)
-    }
-
-    fn check_batch(&self, batch: &Batch) -> std::result::Result<(), String> {
-        let [_, c, h, w] = batch.images.dims();
-        self.check_input([c, h, w])
-    }
-}
 
 /// Which zoo model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -182,4 +161,36 @@ impl Classifier for ZooModel {
             "samples have shape {shape:?} but this model expects {expected}"
         ))
     }
+}
+
+/// Loads a trained zoo model of `kind` (input channels `channels`) from a Kiln checkpoint.
+/// A checkpoint of another model, or weights that do not fit, are errors that say which.
+pub fn load_model(
+    kind: ModelKind,
+    channels: usize,
+    checkpoint: &Path,
+    device: &Device,
+) -> Result<ZooModel> {
+    let ckpt = Checkpoint::load(checkpoint)?;
+    let bad = |problem: String| KilnError::BadCheckpoint {
+        path: checkpoint.to_path_buf(),
+        problem,
+    };
+    if ckpt.state.model != kind.name() {
+        return Err(bad(format!(
+            "it holds model `{}`, not `{}`; pass --model {}",
+            ckpt.state.model,
+            kind.name(),
+            ckpt.state.model
+        )));
+    }
+    let model = kind.init_for_channels(channels, device);
+    let record = ModuleRecord::from_bytes(Bytes::from_bytes_vec(ckpt.model))
+        .map_err(|e| bad(format!("unreadable model weights: {e}")))?;
+    model.try_load_record(record).map_err(|e| {
+        bad(format!(
+            "its weights do not fit `{}` with {channels} input channel(s): {e}",
+            kind.name()
+        ))
+    })
 }

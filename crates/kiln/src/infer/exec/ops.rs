@@ -4,11 +4,11 @@
 //! Half-precision ops take their input cast down and give their result back in f32, so every
 //! other op sees f32 (the autocast policy of mixed-precision training).
 
-use crate::kernels::implicit::ConvWeights;
 use burn::nn::pool::MaxPool2d;
 use burn::tensor::module::adaptive_avg_pool2d;
 use burn::tensor::ops::ConvOptions;
 use burn::tensor::{Device, FloatDType, Tensor};
+use kiln_kernels::implicit::ConvWeights;
 use rayon::prelude::*;
 
 use super::{
@@ -17,9 +17,9 @@ use super::{
     quantized_matmul, seq, to_compute, to_f32, value_dims,
 };
 use crate::infer::graph::{ConvGeometry, QuantWeight};
-use crate::kernels::int8::{ImageLayout, PackedWeights};
-use crate::kernels::nhwc::nchw_to_nhwc;
-use crate::kernels::pool::{PoolShape, max_pool2d_nhwc};
+use kiln_kernels::base::layout::nchw_to_nhwc;
+use kiln_kernels::int8::{ImageLayout, PackedWeights};
+use kiln_kernels::pool::{PoolShape, max_pool2d_nhwc};
 
 /// An operation's result, or what was wrong with its inputs.
 pub(super) type OpResult = std::result::Result<Value, String>;
@@ -153,12 +153,12 @@ fn conv_nhwc(x: Value, conv: &NhwcConv, relu: bool, relu_pool2: bool) -> OpResul
     let (out, dims) = if relu_pool2 {
         let _op = tracing::trace_span!("kiln.conv2d_nhwc_relu_pool2", input = ?[b, h, w, c], cout = s.cout)
             .entered();
-        let out = crate::kernels::implicit::conv2d_nhwc_relu_pool2_new(&s, &data, &conv.weights);
+        let out = kiln_kernels::implicit::conv2d_nhwc_relu_pool2_new(&s, &data, &conv.weights);
         (out, [b, s.out_h() / 2, s.out_w() / 2, s.cout])
     } else {
         let _op = tracing::trace_span!("kiln.conv2d_nhwc", input = ?[b, h, w, c], cout = s.cout)
             .entered();
-        let out = crate::kernels::implicit::conv2d_nhwc_new(&s, &data, &conv.weights, relu);
+        let out = kiln_kernels::implicit::conv2d_nhwc_new(&s, &data, &conv.weights, relu);
         (out, [b, s.out_h(), s.out_w(), s.cout])
     };
     Ok(Value::Nhwc {
@@ -194,7 +194,7 @@ fn linear(
             let _op =
                 tracing::trace_span!("kiln.linear_nhwc", rows = b, inputs = h * w * c, outputs)
                     .entered();
-            crate::kernels::implicit::linear_rows(b, &data, &packed, relu, &mut out);
+            kiln_kernels::implicit::linear_rows(b, &data, &packed, relu, &mut out);
             Ok(Value::Flat(host_tensor(out, [b, outputs], device)))
         }
         x => match linear_rows(x, weight, bias, device, compute)? {

@@ -2,7 +2,7 @@
 
 use crate::error::{KilnError, Result};
 use crate::infer::graph::{Graph, Op};
-use crate::kernels::int8::quantize_rows;
+use kiln_kernels::int8::quantize_rows;
 
 /// Replaces each Linear with a QLinear and each ungrouped Conv2d with a QConv2d (per-channel
 /// symmetric int8 weights; activations are quantized per batch when the graph runs).

@@ -274,7 +274,7 @@ pub(super) fn concat_channels(ins: &mut [Option<Slot>]) -> Option<Result<Vec<Slo
     };
     // Split by pixels over the pool when large: DenseNet concatenates every earlier feature
     // map at each layer, 10% of its run on one thread (BENCHMARKS.md run 40).
-    let out = crate::kernels::filled(pixels * c, |out| {
+    let out = kiln_kernels::base::buffers::filled(pixels * c, |out| {
         if out.len() < CONCAT_PARALLEL_MIN {
             copy(0, out);
         } else {

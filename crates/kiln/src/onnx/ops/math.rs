@@ -338,7 +338,7 @@ pub fn softmax(x: Value, axis: usize, log: bool) -> Result<Value, OnnxError> {
         let row = dims[axis];
         let _op = tracing::trace_span!("kiln.softmax", shape = ?dims).entered();
         if row > 0
-            && let Some(y) = x.with_f32_view(|v| crate::kernels::softmax::softmax_rows(v, row))
+            && let Some(y) = x.with_f32_view(|v| kiln_kernels::softmax::softmax_rows(v, row))
         {
             let scalar = x.is_scalar();
             let y = Value::from_data(burn::tensor::TensorData::new(y, dims), &x.device())?;

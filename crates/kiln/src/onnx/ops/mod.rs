@@ -236,8 +236,8 @@ pub fn constant_clip(n: &onnx_ir::node::clip::ClipNode) -> Option<[f32; 2]> {
 /// The Kiln activation an ONNX node computes: ReLU, Sigmoid, HardSwish, HardSigmoid, exact
 /// GELU, or a Clip with constant bounds (the host runs these on images and rows; a
 /// convolution or a linear layer takes them into its store).
-pub fn activation_of(node: &onnx_ir::Node) -> Option<crate::kernels::activation::Activation> {
-    use crate::kernels::activation::Activation;
+pub fn activation_of(node: &onnx_ir::Node) -> Option<kiln_kernels::activation::Activation> {
+    use kiln_kernels::activation::Activation;
     use onnx_ir::Node;
     match node {
         Node::Relu(_) => Some(Activation::Relu),
