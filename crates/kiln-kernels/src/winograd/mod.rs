@@ -26,6 +26,10 @@
 //! rounding error (checked against an f64 direct convolution in the tests, within 1e-5 of
 //! the output's largest magnitude). Larger tiles (F(4×4, 3×3): 4× fewer
 //! multiply-adds) need coefficients up to 8 and lose about two more digits; not used.
+//!
+//! Why one file of ~820 lines: the transforms, the block walk and the epilogue dispatch
+//! share the tile layout's constants and the `on_isa!` dispatch; the per-instruction-set
+//! bodies (avx512.rs, avx2.rs), the weight gradient and the tests are already apart.
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
@@ -38,7 +42,6 @@ mod weight_grad;
 pub(crate) use weight_grad::{applies as applies_weight_grad, weight_grad_nchw};
 
 use std::cell::RefCell;
-use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
@@ -118,13 +121,6 @@ const SPLIT_MACS: usize = crate::base::threads::SPLIT_MACS;
 /// Tasks per thread when a call splits (small ones even out an uneven last share).
 const TASKS_PER_THREAD: usize = 16;
 
-/// Whether `KILN_WINOGRAD=off` turned the Winograd path off for this process (to measure
-/// against the implicit GEMM; any other value, or none, leaves it on).
-fn enabled() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("KILN_WINOGRAD").map_or(true, |v| v != "off"))
-}
-
 /// Whether a convolution of shape `s` on `kernel` runs as Winograd F(2×2, 3×3): a 3×3
 /// kernel with stride and dilation 1, enough input channels and output tiles, and a SIMD
 /// kernel (the portable path keeps the `gemm` crate). Grouped layers are the caller's to
@@ -137,7 +133,7 @@ pub(crate) fn applies(s: &ConvShape, kernel: F32Kernel, pool: bool) -> bool {
         || s.cin < MIN_CHANNELS
         || s.cout == 0
         || kernel.panel_width().is_none()
-        || !enabled()
+        || !crate::base::isa::winograd_enabled()
     {
         return false;
     }
