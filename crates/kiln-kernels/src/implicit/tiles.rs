@@ -3,7 +3,6 @@
 //! of a tile over rows × panels with the weight panel prefetched ahead (the per-instruction
 //! set kernels in [`super::avx512`] and [`super::avx2`] run the tile itself).
 
-#[allow(clippy::wildcard_imports)]
 use super::*;
 
 /// K steps ahead of the current one whose weight panel lines the SIMD kernels prefetch into

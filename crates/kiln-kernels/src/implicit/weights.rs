@@ -2,7 +2,6 @@
 //! column panels as wide as the instruction set's register tile, the bias padded to whole
 //! panels; the portable path keeps the `gemm` layout.
 
-#[allow(clippy::wildcard_imports)]
 use super::*;
 
 impl F32Kernel {

@@ -2,7 +2,6 @@
 //! the K-groups × output-channel blocks the integer kernels read (VNNI's and AMX's byte
 //! layout, or the AVX2 kernel's i16 pairs), and a convolution's geometry and image layout.
 
-#[allow(clippy::wildcard_imports)]
 use super::*;
 
 /// 2-D convolution geometry.

@@ -2,7 +2,6 @@
 //! (asymmetric u8, or i16 for the AVX2 kernel), laid out for the instruction set that reads
 //! them, with a convolution's implicit operand over a channels-last image.
 
-#[allow(clippy::wildcard_imports)]
 use super::*;
 
 mod i8_bytes {

@@ -2,7 +2,6 @@
 //! on Kiln's slice kernels (channels-last convolutions, max pooling, the int8 GEMM and
 //! convolution), with the layout arithmetic between NCHW tensors and channels-last rows.
 
-#[allow(clippy::wildcard_imports)]
 use super::*;
 
 /// The value on the host with its dims.

@@ -2,7 +2,6 @@
 //! bias, BatchNorm, max pool, linear) whose gradients are Kiln's kernels too, checkpointed
 //! like Burn's own operations.
 
-#[allow(clippy::wildcard_imports)]
 use super::*;
 
 /// Backward of [`KilnKernels::kiln_conv2d`]: parents x, weight, bias.

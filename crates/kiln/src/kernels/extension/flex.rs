@@ -1,7 +1,6 @@
 //! The kernels on Burn's `flex` backend: each operation of [`super::KilnKernels`] reads its
 //! operands' host values, runs the slice kernel from `kiln-kernels` and wraps the result.
 
-#[allow(clippy::wildcard_imports)]
 use super::*;
 
 impl KilnKernels for Flex {

@@ -3,7 +3,6 @@
 //! pair, channel Concat written in place, int8 convolutions, and the 2×2 pool fused into a
 //! convolution's output.
 
-#[allow(clippy::wildcard_imports)]
 use super::*;
 
 /// A 1×1 convolution `pw` and the depthwise convolution `dw` that alone reads its output

@@ -1,7 +1,6 @@
 //! Element-wise and per-channel steps on host values: activations, residual adds, binary
 //! arithmetic with broadcasting along channels or rows.
 
-#[allow(clippy::wildcard_imports)]
 use super::*;
 
 /// `out + r`, then `act`, for a residual that was not summed in a kernel's

@@ -1,7 +1,6 @@
 //! Values on the host between image layers: a channels-last [`Image`], a batch of [`Rows`]
 //! (a linear layer's input and output), and the [`Slot`] a step reads and writes.
 
-#[allow(clippy::wildcard_imports)]
 use super::*;
 
 /// A float image `[n, h, w, c]` on the host, channels-last. Shared (`Arc`) so a value read

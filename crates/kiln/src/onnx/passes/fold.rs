@@ -1,7 +1,6 @@
 //! The fold pass: a BatchNorm after a convolution folded into its weights and bias, any
 //! other constant BatchNorm turned into a per-channel affine step.
 
-#[allow(clippy::wildcard_imports)]
 use super::*;
 
 /// `x · scale + shift` with `scale`/`shift` `[1, C, 1, 1]` and `x` `[N, C, ...]`.

@@ -2,7 +2,6 @@
 //! that feed them, ReLU + 2×2 max pool, residual adds into the layer that computes one
 //! operand, and SiLU as one step.
 
-#[allow(clippy::wildcard_imports)]
 use super::*;
 
 impl OnnxModel {

@@ -2,7 +2,6 @@
 //! output channel (activations per call), the ReLU after them fused into the integer
 //! kernel's epilogue.
 
-#[allow(clippy::wildcard_imports)]
 use super::*;
 
 /// An int8 linear layer with its packed weights.
