@@ -851,3 +851,78 @@ fn batch_inference_halves_its_batch_at_the_memory_watermark() {
         .fold(0f32, f32::max);
     assert!(worst < 1e-4, "batch size changed the logits by {worst}");
 }
+
+/// A user's own model, outside the zoo: Burn's layers, its own forward, and its own
+/// description to inference (`infer::Lower`). Lowered, folded and run by the executor, it
+/// computes what its forward computes — the contract that keeps inference free of the zoo.
+#[derive(Module, Debug)]
+struct UserNet {
+    conv: burn::nn::conv::Conv2d,
+    bn: burn::nn::BatchNorm,
+    pool: burn::nn::pool::MaxPool2d,
+    fc: burn::nn::Linear,
+}
+
+impl Classifier for UserNet {
+    fn forward(&self, images: Tensor<4>) -> Tensor<2> {
+        let x = burn::tensor::activation::relu(self.bn.forward(self.conv.forward(images)));
+        self.fc.forward(self.pool.forward(x).flatten(1, 3))
+    }
+}
+
+impl infer::Lower for UserNet {
+    fn lower_into(&self, b: &mut infer::GraphBuilder) -> kiln::Result<()> {
+        let x = b.conv("conv", &self.conv, Graph::INPUT);
+        let bn = [
+            self.bn.gamma.val(),
+            self.bn.beta.val(),
+            self.bn.running_mean.value(),
+            self.bn.running_var.value(),
+        ];
+        let x = b.batch_norm("bn", bn, self.bn.epsilon, x);
+        let x = b.op("relu", Op::Relu, vec![x]);
+        let pool = Op::MaxPool2d {
+            kernel: [2, 2],
+            stride: [2, 2],
+        };
+        let x = b.op("pool", pool, vec![x]);
+        let x = b.op("flatten", Op::Flatten, vec![x]);
+        b.linear("fc", &self.fc, x);
+        Ok(())
+    }
+}
+
+#[test]
+fn a_users_own_model_lowers_through_the_contract_and_matches_its_forward() {
+    let device = Device::flex();
+    let model = UserNet {
+        conv: burn::nn::conv::Conv2dConfig::new([3, 8], [3, 3])
+            .with_padding(burn::nn::PaddingConfig2d::Same)
+            .init(&device),
+        bn: burn::nn::BatchNormConfig::new(8).init(&device),
+        pool: burn::nn::pool::MaxPool2dConfig::new([2, 2])
+            .with_strides([2, 2])
+            .init(),
+        fc: burn::nn::LinearConfig::new(8 * 5 * 5, 4).init(&device),
+    }
+    .map(&mut Randomize);
+    let images = random_images([3, 10, 10], 6, &device);
+    let want = values(model.forward(images.clone()));
+    for passes in [vec![], vec![Pass::Strip, Pass::Fold]] {
+        let session = InferenceSession::new(&model, "user", [3, 10, 10], &passes, &device).unwrap();
+        let got = values(session.forward(images.clone()).unwrap());
+        assert_eq!(got.len(), want.len());
+        let err = rel(&got, &want);
+        assert!(err < 1e-4, "passes {passes:?}: relative error {err}");
+    }
+    // The fold pass found the BatchNorm behind the convolution.
+    let mut graph = infer::lower(&model, "user", [3, 10, 10]).unwrap();
+    let reports = infer::run_passes(&mut graph, &[Pass::Fold]).unwrap();
+    assert!(
+        graph
+            .nodes
+            .iter()
+            .all(|n| !matches!(n.op, Op::BatchNorm { .. })),
+        "{reports:?}"
+    );
+}
