@@ -4,7 +4,7 @@
 use anyhow::{Context, Result};
 use kiln::data::{Dataset, collate};
 use kiln::datasets::{self, Split};
-use kiln::infer::{self, InferenceSession, LogitDelta, Pass, onnx};
+use kiln::infer::{self, InferenceSession, LogitDelta, Pass, onnx_export};
 use kiln::observe::timing::measure;
 use kiln::plan::Plan;
 use kiln::zoo::{self, ModelKind};
@@ -129,7 +129,7 @@ pub fn run(args: OptimizeArgs) -> Result<()> {
         .with_context(|| format!("creating {}", args.out.display()))?;
     let graph_path = args.out.join("model.kgraph");
     infer::save_graph(session.graph(), &graph_path)?;
-    let onnx_note = match onnx::export(session.graph(), &args.out.join("model.onnx")) {
+    let onnx_note = match onnx_export::export(session.graph(), &args.out.join("model.onnx")) {
         Ok(()) => "model.onnx (opset 17)".to_string(),
         Err(e) => format!("no ONNX file: {e}"),
     };

@@ -479,7 +479,7 @@ fn onnx_files_serve_the_same_answers_as_the_graph_they_were_exported_from() {
         "w3_onnx",
         "backend = \"onnx\"\nfile = \"model.onnx\"\n",
     );
-    kiln::infer::onnx::export(&graph, &onnx_dir.join("model.onnx")).unwrap();
+    kiln::infer::onnx_export::export(&graph, &onnx_dir.join("model.onnx")).unwrap();
     let bad_dir = write_model(
         &repo,
         "bad_onnx",

@@ -9,7 +9,7 @@ use burn::tensor::{Device, Distribution, Tensor};
 use kiln::data::Dataset;
 use kiln::datasets::{Split, bundled};
 use kiln::infer::{
-    self, Graph, InferenceSession, LogitDelta, Op, Pass, Weight, onnx, reference_logits,
+    self, Graph, InferenceSession, LogitDelta, Op, Pass, Weight, onnx_export, reference_logits,
 };
 use kiln::observe::NullSink;
 use kiln::train::TrainOptions;
@@ -341,16 +341,16 @@ fn onnx_export_round_trips_structurally() {
     let device = Device::flex();
     let model = resnet_with_real_statistics(&device);
     let session = InferenceSession::new(&model, "resnet", [3, 16, 16], &[], &device).unwrap();
-    let bytes = onnx::to_bytes(session.graph()).unwrap();
-    let parsed = onnx::parse(&bytes).unwrap();
+    let bytes = onnx_export::to_bytes(session.graph()).unwrap();
+    let parsed = onnx_export::parse(&bytes).unwrap();
     assert_eq!(parsed.opset_import[0].version, 17);
     let graph = parsed.graph.as_ref().unwrap();
     assert_eq!(graph.node.len(), session.graph().nodes.len());
     // 20 convs (weights only), 20 BNs × 4, head weight + bias.
     assert_eq!(graph.initializer.len(), 20 + 80 + 2);
-    assert_eq!(graph.input[0].name, onnx::INPUT_NAME);
-    assert_eq!(graph.output[0].name, onnx::OUTPUT_NAME);
-    assert!(onnx::parse(b"not onnx at all").is_err());
+    assert_eq!(graph.input[0].name, onnx_export::INPUT_NAME);
+    assert_eq!(graph.output[0].name, onnx_export::OUTPUT_NAME);
+    assert!(onnx_export::parse(b"not onnx at all").is_err());
 }
 
 /// Kiln's own exports come back through the one import path (onnx-ir, `kiln::onnx`): W1, W2,
@@ -383,10 +383,10 @@ fn onnx_import_reproduces_exported_models() {
     ];
     for (name, model, shape) in cases {
         let original = InferenceSession::new(&model, name, shape, &[], &device).unwrap();
-        let bytes = onnx::to_bytes(original.graph()).unwrap();
+        let bytes = onnx_export::to_bytes(original.graph()).unwrap();
         let imported = OnnxModel::from_bytes(&bytes, name, &device).unwrap();
-        assert_eq!(imported.inputs()[0].name, onnx::INPUT_NAME);
-        assert_eq!(imported.outputs()[0].name, onnx::OUTPUT_NAME);
+        assert_eq!(imported.inputs()[0].name, onnx_export::INPUT_NAME);
+        assert_eq!(imported.outputs()[0].name, onnx_export::OUTPUT_NAME);
         let x = random_images(shape, 3, &device);
         let a = values(original.forward(x.clone()).unwrap());
         let b = run(&imported, x);
@@ -397,7 +397,7 @@ fn onnx_import_reproduces_exported_models() {
     // transB = 1: transpose every Gemm weight in the file and mark it.
     let mlp = ModelKind::Mlp.init(&device);
     let mlp = InferenceSession::new(&mlp, "mlp", [1, 28, 28], &[], &device).unwrap();
-    let mut proto = onnx::parse(&onnx::to_bytes(mlp.graph()).unwrap()).unwrap();
+    let mut proto = onnx_export::parse(&onnx_export::to_bytes(mlp.graph()).unwrap()).unwrap();
     let graph = proto.graph.as_mut().unwrap();
     let gemm_weights: Vec<String> = graph
         .node
@@ -444,7 +444,7 @@ fn onnx_import_reproduces_exported_models() {
     // Operators Kiln does not run: every one is named with its count, in one error.
     let resnet = resnet_with_real_statistics(&device);
     let resnet = InferenceSession::new(&resnet, "resnet", [3, 16, 16], &[], &device).unwrap();
-    let mut proto = onnx::parse(&onnx::to_bytes(resnet.graph()).unwrap()).unwrap();
+    let mut proto = onnx_export::parse(&onnx_export::to_bytes(resnet.graph()).unwrap()).unwrap();
     let nodes = &mut proto.graph.as_mut().unwrap().node;
     let relus: Vec<usize> = (0..nodes.len())
         .filter(|&i| nodes[i].op_type == "Relu")
@@ -515,7 +515,7 @@ fn onnx_runtime_reproduces_kiln_outputs() {
     for (model, name, shape, passes) in cases {
         let session = InferenceSession::new(&model, name, shape, &passes, &device).unwrap();
         let path = dir.join(format!("{name}.onnx"));
-        onnx::export(session.graph(), &path).unwrap();
+        onnx_export::export(session.graph(), &path).unwrap();
         // Real MNIST for the MNIST-shaped models, random inputs for the others.
         let input = if shape == [1, 28, 28] {
             kiln::data::collate(&real, &(0..real.len()).collect::<Vec<_>>(), &device)
@@ -645,7 +645,7 @@ fn unsupported_layers_and_mismatched_checkpoints_are_clear_errors() {
     // An int8 graph cannot be exported: names the node and the pass.
     let mlp = ModelKind::Mlp.init(&device);
     let q = InferenceSession::new(&mlp, "mlp", [1, 28, 28], &[Pass::Int8], &device).unwrap();
-    let msg = onnx::to_bytes(q.graph()).unwrap_err().to_string();
+    let msg = onnx_export::to_bytes(q.graph()).unwrap_err().to_string();
     assert!(msg.contains("onnx export") && msg.contains("fc1"), "{msg}");
 
     // Wrong input shape at run time.
@@ -763,7 +763,7 @@ fn half_precision_weights_stay_within_tolerance_of_f32() {
             infer::save_graph(graph, &path).unwrap();
             assert_eq!(&infer::load_graph(&path).unwrap(), graph);
 
-            let msg = onnx::to_bytes(graph).unwrap_err().to_string();
+            let msg = onnx_export::to_bytes(graph).unwrap_err().to_string();
             assert!(
                 msg.contains("onnx export") && msg.contains(precision.name()),
                 "{msg}"

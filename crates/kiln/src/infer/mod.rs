@@ -14,7 +14,7 @@ mod exec;
 mod graph;
 
 mod lower;
-pub mod onnx;
+pub mod onnx_export;
 mod passes;
 mod store;
 
