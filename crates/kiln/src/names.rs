@@ -4,9 +4,9 @@
 //! neither side imports the other for it.
 
 /// Gives an enum its config names in one place: `NAMES` (the values the schema's
-/// [`crate::config::schema::Kind::Enum`] accepts, in the order help lists them), `name()` and `from_name()`. Because
-/// the schema takes its list from `NAMES`, a value that validates always parses: the plan
-/// needs no silent fallback.
+/// [`crate::config::schema::Kind::Enum`] accepts, in the order help lists them), `name()`
+/// and `from_name()`. Because the schema takes its list from `NAMES`, a value that
+/// validates always parses: the plan needs no silent fallback.
 macro_rules! config_names {
     ($ty:ty { $($variant:ident => $text:literal),+ $(,)? }) => {
         impl $ty {

@@ -25,8 +25,8 @@ pub use exec::Executor;
 pub use graph::{ConvGeometry, Graph, Node, Op, QuantWeight, ValueId, Weight};
 pub use lower::{GraphBuilder, Lower, lower, weight_of};
 pub use passes::{
-    Pass, PassReport, fold_batch_norm, quantize_int8, run_passes, strip_train_only,
-    to_half_precision,
+    Pass, PassReport, fold_batch_norm, fold_into_outer_channels, quantize_int8, run_passes,
+    strip_train_only, to_half_precision,
 };
 pub use store::{graph_to_bytes, load_graph, save_graph};
 

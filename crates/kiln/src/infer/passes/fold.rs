@@ -34,11 +34,12 @@ pub fn fold_batch_norm(graph: &mut Graph) -> Vec<String> {
         let folded = match &mut graph.nodes[p].op {
             Op::Conv2d { weight, bias, .. } if weight.shape[0] == channels => {
                 // [Co, Ci/g, kh, kw]: output channel is the outer axis.
-                let per = weight.len() / channels;
-                for (c, chunk) in weight.values.chunks_exact_mut(per).enumerate() {
-                    chunk.iter_mut().for_each(|w| *w *= scale[c]);
-                }
-                *bias = Some(new_bias(bias.take(), &scale, &shift));
+                scale_outer_channels(&mut weight.values, &scale);
+                let old = bias.take().map(|b| b.values);
+                *bias = Some(Weight::new(
+                    vec![channels],
+                    folded_bias(old.as_deref(), &scale, &shift),
+                ));
                 true
             }
             Op::Linear { weight, bias } if weight.shape[1] == channels => {
@@ -46,7 +47,11 @@ pub fn fold_batch_norm(graph: &mut Graph) -> Vec<String> {
                 for row in weight.values.chunks_exact_mut(channels) {
                     row.iter_mut().zip(&scale).for_each(|(w, s)| *w *= s);
                 }
-                *bias = Some(new_bias(bias.take(), &scale, &shift));
+                let old = bias.take().map(|b| b.values);
+                *bias = Some(Weight::new(
+                    vec![channels],
+                    folded_bias(old.as_deref(), &scale, &shift),
+                ));
                 true
             }
             _ => false,
@@ -65,13 +70,37 @@ pub fn fold_batch_norm(graph: &mut Graph) -> Vec<String> {
     changes
 }
 
-fn new_bias(bias: Option<Weight>, scale: &[f32], shift: &[f32]) -> Weight {
-    let old = bias.map_or_else(|| vec![0.0; scale.len()], |b| b.values);
-    let values = old
+/// A BatchNorm folded into the layer before it, whose weight has the output channel on its
+/// outer axis (a convolution's `[co, ci/g, kh, kw]`): each channel's weights scaled in place,
+/// the folded bias returned. The one fold arithmetic of both inference roads — this graph's
+/// pass and the ONNX importer's — so a model folds to the same weights either way.
+pub fn fold_into_outer_channels(
+    weight: &mut [f32],
+    bias: Option<&[f32]>,
+    [gamma, beta, mean, var]: [&[f32]; 4],
+    eps: f64,
+) -> Vec<f32> {
+    let (scale, shift) = batch_norm_affine(gamma, beta, mean, var, eps);
+    scale_outer_channels(weight, &scale);
+    folded_bias(bias, &scale, &shift)
+}
+
+/// Each output channel's weights (the outer axis) times its scale.
+fn scale_outer_channels(weight: &mut [f32], scale: &[f32]) {
+    let per = weight.len() / scale.len().max(1);
+    if per > 0 {
+        for (c, chunk) in weight.chunks_exact_mut(per).enumerate() {
+            chunk.iter_mut().for_each(|w| *w *= scale[c]);
+        }
+    }
+}
+
+/// The bias after the fold: `b·s + t` per channel (`b` = 0 without a bias).
+fn folded_bias(bias: Option<&[f32]>, scale: &[f32], shift: &[f32]) -> Vec<f32> {
+    scale
         .iter()
-        .zip(scale)
         .zip(shift)
-        .map(|((b, s), t)| b * s + t)
-        .collect();
-    Weight::new(vec![scale.len()], values)
+        .enumerate()
+        .map(|(c, (s, t))| bias.map_or(0.0, |b| b[c]) * s + t)
+        .collect()
 }

@@ -11,7 +11,7 @@ use super::graph::Graph;
 use crate::error::{KilnError, Result};
 use crate::precision::Precision;
 
-pub use fold::fold_batch_norm;
+pub use fold::{fold_batch_norm, fold_into_outer_channels};
 pub use half::to_half_precision;
 pub use quantize::quantize_int8;
 pub use strip::strip_train_only;

@@ -125,8 +125,9 @@ impl OnnxModel {
         (params_constant && weight_constant && conv_step.plain_output()).then_some(conv)
     }
 
-    /// Folds BatchNormalization step `bn` into convolution step `conv`: `W' = W·a`,
-    /// `b' = (b − mean)·a + beta` with `a = scale / √(var + ε)` per output channel.
+    /// Folds BatchNormalization step `bn` into convolution step `conv`: `W' = W·s`,
+    /// `b' = b·s + (beta − mean·s)` with `s = scale / √(var + ε)` per output channel
+    /// ([`crate::infer::fold_into_outer_channels`], the graph pass's arithmetic).
     pub(in crate::onnx) fn fold_into(&mut self, conv: usize, bn: usize) -> Result<(), OnnxError> {
         let eps = match self.steps[bn].op.node() {
             Some(Node::BatchNormalization(n)) => crate::onnx::ops::batch_norm_epsilon(n),
@@ -154,18 +155,14 @@ impl OnnxModel {
             .constant_f32s(self.steps[conv].inputs.get(2).copied().flatten())
             .map(|(b, _)| b)
             .unwrap_or_else(|| vec![0.0; co]);
-        let a: Vec<f32> = (0..co)
-            .map(|c| (scale[c] as f64 / (var[c] as f64 + eps).sqrt()) as f32)
-            .collect();
-        let per = weight.len() / co.max(1);
-        let new_weight: Vec<f32> = weight
-            .iter()
-            .enumerate()
-            .map(|(i, w)| w * a[i / per])
-            .collect();
-        let new_bias: Vec<f32> = (0..co)
-            .map(|c| (bias[c] - mean[c]) * a[c] + beta[c])
-            .collect();
+        // The graph pass's arithmetic (one fold for both inference roads).
+        let mut new_weight = weight;
+        let new_bias = crate::infer::fold_into_outer_channels(
+            &mut new_weight,
+            Some(&bias),
+            [&scale, &beta, &mean, &var],
+            eps,
+        );
         let w_slot = self.add_constant(new_weight, &wdims)?;
         let b_slot = self.add_constant(new_bias, &[co])?;
         self.rewire(conv, 1, w_slot);
