@@ -13,9 +13,10 @@ mod support;
 use support::time;
 
 use kiln_kernels::activation::Activation;
+use kiln_kernels::base::isa::Int8Kernel;
 use kiln_kernels::int8::{
-    ActivationQuant, Kernel, PackedWeights, QuantizedActivations, matmul_dequantized,
-    quantize_rows, range_of,
+    ActivationQuant, PackedWeights, QuantizedActivations, matmul_dequantized, quantize_rows,
+    range_of,
 };
 
 fn main() {
@@ -40,7 +41,7 @@ fn main() {
             Some(Activation::Gelu),
         ),
     ];
-    let kernel = Kernel::detect();
+    let kernel = Int8Kernel::detect();
     println!(
         "{threads} thread(s), {} kernel; ms per call (G multiply-adds/s)",
         kernel.name()

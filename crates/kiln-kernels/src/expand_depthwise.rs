@@ -116,7 +116,7 @@ pub(crate) fn expand_depthwise_banded(
     }
     let band = Band::new(win, scratch_bytes);
     // Chunks of output rows per image, each a task that works down its rows in order.
-    let threads = rayon::current_num_threads().max(1);
+    let threads = crate::base::threads::pool_threads();
     let work = len * (cin + win.kernel[0] * win.kernel[1]);
     let parallel = threads > 1 && work >= crate::base::threads::SPLIT_MACS;
     let per_image = if parallel {

@@ -135,9 +135,8 @@ fn edges(src: &Path, modules: &BTreeSet<String>) -> Vec<(PathBuf, String, String
                 if before.ends_with("super::") {
                     continue; // counted from the chain's first `super::`
                 }
-                let mut depth = path.len();
+                let mut depth = path.len().saturating_sub(1);
                 let mut rest = rest;
-                depth = depth.saturating_sub(1);
                 while let Some(r) = rest.strip_prefix("super::") {
                     depth = depth.saturating_sub(1);
                     rest = r;

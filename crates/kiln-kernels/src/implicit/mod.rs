@@ -465,7 +465,7 @@ unsafe fn conv_simd(
     if rows == 0 || cout == 0 {
         return;
     }
-    let threads = rayon::current_num_threads().max(1);
+    let threads = crate::base::threads::pool_threads();
     // A large weight splits even over few rows: reading it is the cost (a linear layer at
     // batch 1), and two cores read it faster than one.
     let parallel =

@@ -24,7 +24,7 @@ use std::mem::MaybeUninit;
 use rayon::prelude::*;
 
 use crate::activation::{Activation, activate_slice};
-pub use crate::base::isa::Int8Kernel as Kernel;
+use crate::base::isa::Int8Kernel;
 
 use serde::{Deserialize, Serialize};
 
@@ -46,16 +46,16 @@ use crate::base::threads::SharedOut;
 pub use pack::*;
 pub use quantize::*;
 
-impl Kernel {
+impl Int8Kernel {
     /// Multiply-adds below which [`gemm_with`] runs its tasks on the calling thread: about
     /// 50 µs of this kernel's work. Waking the pool's workers and waiting for them costs
     /// tens of microseconds; W3 at batch 1 ran 0.19 → 0.12 ms on one thread with VNNI.
     fn sequential_macs(self) -> usize {
         match self {
             // ~220 G multiply-adds/s per core: W3's batch-1 conv2 (10.6 M) stays on one thread.
-            Kernel::Amx | Kernel::Vnni512 => 12 << 20,
+            Int8Kernel::Amx | Int8Kernel::Vnni512 => 12 << 20,
             // A quarter of the products per instruction.
-            Kernel::Avx2 | Kernel::Scalar => 3 << 20,
+            Int8Kernel::Avx2 | Int8Kernel::Scalar => 3 << 20,
         }
     }
 
@@ -72,12 +72,12 @@ impl Kernel {
     /// Whether operands are packed as bytes (u8 activations, i8 weights: VNNI's and AMX's
     /// layout) rather than widened to i16.
     fn packs_bytes(self) -> bool {
-        matches!(self, Kernel::Amx | Kernel::Vnni512)
+        matches!(self, Int8Kernel::Amx | Int8Kernel::Vnni512)
     }
 
     /// K-groups a weight panel is padded to a multiple of: a whole AMX tile's 16.
     fn group_multiple(self) -> usize {
-        if self == Kernel::Amx { 16 } else { 1 }
+        if self == Int8Kernel::Amx { 16 } else { 1 }
     }
 }
 
@@ -397,18 +397,18 @@ unsafe fn rectangle(
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `available` checked the CPU and the OS's grant (once; a cached flag), so
         // operands packed for AMX by hand on another CPU take the VNNI path below instead.
-        Kernel::Amx if crate::base::isa::amx_available() && amx::takes(a, w) => unsafe {
+        Int8Kernel::Amx if crate::base::isa::amx_available() && amx::takes(a, w) => unsafe {
             amx::rectangle(a, w, rows, blocks, out, n_pad)
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: AMX CPUs have AVX-512 VNNI (checked with AMX), and the packing is the same.
-        Kernel::Amx => unsafe { vnni::rectangle(a, w, rows, blocks, out, n_pad) },
+        Int8Kernel::Amx => unsafe { vnni::rectangle(a, w, rows, blocks, out, n_pad) },
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: VNNI packing is only produced when `Kernel::detect` found the features.
-        Kernel::Vnni512 => unsafe { vnni::rectangle(a, w, rows, blocks, out, n_pad) },
+        // SAFETY: VNNI packing is only produced when `Int8Kernel::detect` found the features.
+        Int8Kernel::Vnni512 => unsafe { vnni::rectangle(a, w, rows, blocks, out, n_pad) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above, for AVX2.
-        Kernel::Avx2 => unsafe { avx2::rectangle(a, w, rows, blocks, out, n_pad) },
+        Int8Kernel::Avx2 => unsafe { avx2::rectangle(a, w, rows, blocks, out, n_pad) },
         _ => {
             // SAFETY: the caller's contract, unchanged.
             unsafe { portable::rectangle(a, w, rows, blocks, out, n_pad) }

@@ -44,7 +44,7 @@ pub struct PackedWeights {
     pub scales: Vec<f32>,
     /// `Σ_k q_w` per channel, for the zero-point correction.
     pub row_sums: Vec<i32>,
-    pub(super) kernel: Kernel,
+    pub(super) kernel: Int8Kernel,
     pub(super) groups: usize,
     pub(super) blocks: usize,
     pub(super) bytes: Vec<u8>,
@@ -53,7 +53,7 @@ pub struct PackedWeights {
 
 impl PackedWeights {
     /// Packs `w` for `kernel`.
-    pub fn new(w: &QuantWeight, kernel: Kernel) -> Self {
+    pub fn new(w: &QuantWeight, kernel: Int8Kernel) -> Self {
         let (g, l) = (kernel.group(), kernel.lanes());
         let groups = w
             .cols
@@ -98,7 +98,7 @@ impl PackedWeights {
     }
 
     /// The kernel these weights are packed for.
-    pub fn kernel(&self) -> Kernel {
+    pub fn kernel(&self) -> Int8Kernel {
         self.kernel
     }
 }
@@ -120,7 +120,7 @@ pub(super) struct ConvLayout {
 }
 
 impl ConvLayout {
-    pub(super) fn new(ci: usize, geometry: &ConvGeometry, kernel: Kernel) -> Self {
+    pub(super) fn new(ci: usize, geometry: &ConvGeometry, kernel: Int8Kernel) -> Self {
         let g = kernel.group();
         let [kh, kw] = geometry.kernel;
         let row_runs = geometry.dilation[1] == 1;
@@ -147,7 +147,7 @@ pub fn pack_conv_weights(
     w: &QuantWeight,
     ci: usize,
     geometry: &ConvGeometry,
-    kernel: Kernel,
+    kernel: Int8Kernel,
 ) -> PackedWeights {
     let [kh, kw] = geometry.kernel;
     let layout = ConvLayout::new(ci, geometry, kernel);

@@ -174,7 +174,7 @@ pub struct QuantizedActivations {
     pub cols: usize,
     /// Quantization parameters.
     pub quant: ActivationQuant,
-    pub(super) kernel: Kernel,
+    pub(super) kernel: Int8Kernel,
     pub(super) bases: Vec<usize>,
     pub(super) k_offsets: Vec<usize>,
     pub(super) bytes: Vec<u8>,
@@ -191,7 +191,7 @@ impl QuantizedActivations {
     /// Rows go over the pool in tasks of at least [`PARALLEL_SCAN`] values (one task per row
     /// was a thousand tasks for BERT-base at batch 8), each row quantized by a vectorized loop
     /// and its padding written beside it, with no zero-point fill of the whole matrix first.
-    pub fn new(x: &[f32], cols: usize, quant: ActivationQuant, kernel: Kernel) -> Self {
+    pub fn new(x: &[f32], cols: usize, quant: ActivationQuant, kernel: Int8Kernel) -> Self {
         let rows = x.len() / cols.max(1);
         let g = kernel.group();
         let stride = cols
@@ -200,7 +200,7 @@ impl QuantizedActivations {
             .next_multiple_of(kernel.group_multiple())
             * g;
         // AMX loads 16 rows at a time: the rows past the last are zero-point padding.
-        let padded_rows = if kernel == Kernel::Amx {
+        let padded_rows = if kernel == Int8Kernel::Amx {
             rows.next_multiple_of(16)
         } else {
             rows
@@ -238,7 +238,7 @@ impl QuantizedActivations {
             (0..stride / g).map(|q| q * g).collect(),
             bytes,
         );
-        if kernel == Kernel::Amx {
+        if kernel == Int8Kernel::Amx {
             op.amx_stride = Some(stride);
         }
         op
@@ -255,7 +255,7 @@ impl QuantizedActivations {
         stored: ImageLayout,
         geometry: &ConvGeometry,
         quant: ActivationQuant,
-        kernel: Kernel,
+        kernel: Int8Kernel,
     ) -> (Self, usize, usize) {
         let g = kernel.group();
         let layout = ConvLayout::new(ci, geometry, kernel);
@@ -359,7 +359,7 @@ impl QuantizedActivations {
         rows: usize,
         cols: usize,
         quant: ActivationQuant,
-        kernel: Kernel,
+        kernel: Int8Kernel,
         bases: Vec<usize>,
         k_offsets: Vec<usize>,
         mut bytes: Vec<u8>,

@@ -7,18 +7,18 @@ fn lcg(seed: &mut u64) -> f32 {
     ((*seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
 }
 
-/// The kernels this CPU runs (of those `Kernel::detect` may pick).
-fn supported_kernels() -> Vec<Kernel> {
-    let mut kernels = vec![Kernel::Scalar];
-    let best = Kernel::detect();
-    if best != Kernel::Scalar {
-        kernels.push(Kernel::Avx2);
+/// The kernels this CPU runs (of those `Int8Kernel::detect` may pick).
+fn supported_kernels() -> Vec<Int8Kernel> {
+    let mut kernels = vec![Int8Kernel::Scalar];
+    let best = Int8Kernel::detect();
+    if best != Int8Kernel::Scalar {
+        kernels.push(Int8Kernel::Avx2);
     }
-    if matches!(best, Kernel::Vnni512 | Kernel::Amx) {
-        kernels.push(Kernel::Vnni512);
+    if matches!(best, Int8Kernel::Vnni512 | Int8Kernel::Amx) {
+        kernels.push(Int8Kernel::Vnni512);
     }
-    if best == Kernel::Amx {
-        kernels.push(Kernel::Amx);
+    if best == Int8Kernel::Amx {
+        kernels.push(Int8Kernel::Amx);
     }
     kernels
 }
@@ -73,7 +73,7 @@ fn dequantized_product_is_close_to_f32() {
     let xv: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed).max(0.0)).collect(); // ReLU-like
     let wv: Vec<f32> = (0..n * k).map(|_| lcg(&mut seed) * 0.1).collect();
     let quant = ActivationQuant::for_values(&xv);
-    let kernel = Kernel::detect();
+    let kernel = Int8Kernel::detect();
     let a = QuantizedActivations::new(&xv, k, quant, kernel);
     let w = PackedWeights::new(&quantize_rows(&wv, n, k), kernel);
     let (y, range) = matmul_dequantized(&a, &w, None, None);
@@ -159,15 +159,15 @@ fn quantization_round_trips_within_half_a_step() {
 /// channel counts, asymmetric padding, stride and dilation.
 #[test]
 fn implicit_gemm_conv_matches_direct_integer_convolution() {
-    let mut kernels = vec![Kernel::Scalar];
-    if Kernel::detect() != Kernel::Scalar {
-        kernels.push(Kernel::Avx2);
+    let mut kernels = vec![Int8Kernel::Scalar];
+    if Int8Kernel::detect() != Int8Kernel::Scalar {
+        kernels.push(Int8Kernel::Avx2);
     }
-    if matches!(Kernel::detect(), Kernel::Vnni512 | Kernel::Amx) {
-        kernels.push(Kernel::Vnni512);
+    if matches!(Int8Kernel::detect(), Int8Kernel::Vnni512 | Int8Kernel::Amx) {
+        kernels.push(Int8Kernel::Vnni512);
     }
-    if Kernel::detect() == Kernel::Amx {
-        kernels.push(Kernel::Amx);
+    if Int8Kernel::detect() == Int8Kernel::Amx {
+        kernels.push(Int8Kernel::Amx);
     }
     let mut seed = 11;
     // Per-tap runs (dilation 2 along x) with 3 channels, and kernel-row runs (dilation 1)

@@ -381,7 +381,7 @@ pub(crate) unsafe fn conv(
     }
     let blocks = tiles.div_ceil(BLOCK);
     let panels = s.cout.div_ceil(w.width);
-    let threads = rayon::current_num_threads().max(1);
+    let threads = crate::base::threads::pool_threads();
     let macs = tiles * POINTS * s.cin * s.cout;
     let parallel = !store.serial && threads > 1 && macs >= SPLIT_MACS;
     // Few blocks (deep layers, small images) split the panels too: each part transforms its

@@ -70,7 +70,7 @@ pub(super) fn weight_grad_in_parts(
     };
     let (oh, ow) = (s.out_h(), s.out_w());
     let (image_in, image_out) = (s.cin * s.h * s.w, s.cout * oh * ow);
-    let threads = rayon::current_num_threads().max(1);
+    let threads = crate::base::threads::pool_threads();
     let mut sums: Vec<Vec<f32>> = vec![vec![0f32; POINTS * g.c_pad * g.qs]; threads];
     if image_in > 0 && image_out > 0 {
         let per_chunk = images_per_part(chunk_values, image_in + image_out);

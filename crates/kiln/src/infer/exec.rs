@@ -14,8 +14,9 @@ use kiln_kernels::implicit::ConvWeights;
 
 use super::graph::{ConvGeometry, Graph, Op, QuantWeight, ValueId, Weight, batch_norm_affine};
 use crate::error::{KilnError, Result};
+use kiln_kernels::base::isa::Int8Kernel;
 use kiln_kernels::int8::{
-    ActivationQuant, ImageLayout, Kernel, PackedWeights, QuantizedActivations, matmul_dequantized,
+    ActivationQuant, ImageLayout, PackedWeights, QuantizedActivations, matmul_dequantized,
     pack_conv_weights, range_of,
 };
 use kiln_kernels::pool::{PoolShape, max_pool2d_forward};
@@ -365,7 +366,7 @@ impl Executor {
                 },
                 Op::TokenMean => Prepared::TokenMean,
                 Op::QLinear { weight, bias, relu } => Prepared::QLinear {
-                    weight: PackedWeights::new(weight, Kernel::detect()),
+                    weight: PackedWeights::new(weight, Int8Kernel::detect()),
                     source: weight.clone(),
                     nhwc: std::sync::OnceLock::new(),
                     bias: bias.clone(),
@@ -381,7 +382,7 @@ impl Executor {
                         weight,
                         weight.cols / (geometry.kernel[0] * geometry.kernel[1]).max(1),
                         geometry,
-                        Kernel::detect(),
+                        Int8Kernel::detect(),
                     ),
                     bias: bias.clone(),
                     geometry: *geometry,

@@ -1,11 +1,10 @@
 //! Activations on Burn tensors: Kiln's vectorized slice kernels ([`kiln_kernels::activation`])
 //! where Kiln's kernels serve an f32 tensor without an autodiff graph, Burn's operator
-//! elsewhere. The slice-level kernels and [`Activation`] are re-exported from the kernels
-//! crate.
+//! elsewhere.
 
 use burn::tensor::{DType, Tensor, TensorData, activation};
 
-pub use kiln_kernels::activation::*;
+use kiln_kernels::activation::{erf_in_place, gelu_in_place, sigmoid_in_place};
 
 use super::serves;
 

@@ -1,7 +1,7 @@
 //! Fuses a 1×1 convolution with the depthwise convolution that alone reads its output (an
 //! inverted-residual block's expand and depthwise layers: MobileNet v2/v3, EfficientNet,
 //! ShuffleNet's branches) into one step, which the host runs band by band
-//! ([`crate::kernels::expand_depthwise`]) so the expanded image is never written out.
+//! ([`kiln_kernels::expand_depthwise`]) so the expanded image is never written out.
 //!
 //! The step keeps both layers as they were: passes that rewrite layers (the BatchNorm fold,
 //! int8) take the pair apart first and fuse again after, and a run that cannot use the

@@ -302,7 +302,7 @@ impl Value {
 
     /// The values of an f32 view on `flex` that is strided with a contiguous last axis, of at
     /// least [`STRIDED_COPY_MIN`] values, copied into row-major order over the pool
-    /// ([`kernels::strided`](crate::kernels::strided)); `None` for anything else (a
+    /// ([`kiln_kernels::strided`]); `None` for anything else (a
     /// contiguous tensor needs no copy, a small one is not worth the pool).
     fn contiguous_copy(&self) -> Option<Vec<f32>> {
         if self.kind != ValueKind::Float || self.len() < STRIDED_COPY_MIN {

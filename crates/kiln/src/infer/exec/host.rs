@@ -111,7 +111,7 @@ pub(super) fn nhwc_columns(w: &QuantWeight, hwc: [usize; 3]) -> PackedWeights {
         values,
         ..w.clone()
     };
-    PackedWeights::new(&reordered, Kernel::detect())
+    PackedWeights::new(&reordered, Int8Kernel::detect())
 }
 
 /// The weights `cell` holds for channels-last inputs of `[h, w, c]` images, made by `make` on

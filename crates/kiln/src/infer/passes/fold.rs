@@ -31,35 +31,30 @@ pub fn fold_batch_norm(graph: &mut Graph) -> Vec<String> {
         };
         let (scale, shift) = batch_norm_affine(gamma, beta, mean, var, *eps);
         let channels = scale.len();
-        let folded = match &mut graph.nodes[p].op {
+        // The layer's weights scaled per output channel; its bias, replaced below.
+        let bias = match &mut graph.nodes[p].op {
             Op::Conv2d { weight, bias, .. } if weight.shape[0] == channels => {
                 // [Co, Ci/g, kh, kw]: output channel is the outer axis.
                 scale_outer_channels(&mut weight.values, &scale);
-                let old = bias.take().map(|b| b.values);
-                *bias = Some(Weight::new(
-                    vec![channels],
-                    folded_bias(old.as_deref(), &scale, &shift),
-                ));
-                true
+                bias
             }
             Op::Linear { weight, bias } if weight.shape[1] == channels => {
                 // [in, out]: output channel is the inner axis.
                 for row in weight.values.chunks_exact_mut(channels) {
                     row.iter_mut().zip(&scale).for_each(|(w, s)| *w *= s);
                 }
-                let old = bias.take().map(|b| b.values);
-                *bias = Some(Weight::new(
-                    vec![channels],
-                    folded_bias(old.as_deref(), &scale, &shift),
-                ));
-                true
+                bias
             }
-            _ => false,
+            _ => {
+                i += 1;
+                continue;
+            }
         };
-        if !folded {
-            i += 1;
-            continue;
-        }
+        let old = bias.take().map(|b| b.values);
+        *bias = Some(Weight::new(
+            vec![channels],
+            folded_bias(old.as_deref(), &scale, &shift),
+        ));
         let bn = graph.nodes.remove(i);
         graph.rename_uses(bn.output, input);
         changes.push(format!(

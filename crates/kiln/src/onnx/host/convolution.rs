@@ -7,7 +7,7 @@ use super::*;
 
 /// A 1×1 convolution `pw` and the depthwise convolution `dw` that alone reads its output
 /// (fused at load, `fuse_expand_depthwises`), in one pass over bands of rows
-/// ([`crate::kernels::expand_depthwise`]): the expanded image never reaches memory. `split`:
+/// ([`kiln_kernels::expand_depthwise`]): the expanded image never reaches memory. `split`:
 /// how many of `ins` are `pw`'s (the rest are `dw`'s after its first). `None` (inputs
 /// untouched) where that kernel does not take them: the caller runs the two layers apart.
 pub(in crate::onnx) fn expand_depthwise(

@@ -278,7 +278,7 @@ pub(super) fn concat_channels(ins: &mut [Option<Slot>]) -> Option<Result<Vec<Slo
         if out.len() < CONCAT_PARALLEL_MIN {
             copy(0, out);
         } else {
-            let per_task = pixels.div_ceil(rayon::current_num_threads().max(1) * 8);
+            let per_task = pixels.div_ceil(kiln_kernels::base::threads::pool_threads() * 8);
             out.par_chunks_mut(per_task * c)
                 .enumerate()
                 .for_each(|(t, out)| copy(t * per_task, out));

@@ -1,7 +1,7 @@
 //! Channels-last execution of an imported model's image layers on the host.
 //!
 //! When Kiln's CPU kernels serve the model's device, a convolution with constant weights
-//! runs on [`crate::kernels::implicit`] (dense and grouped) or [`crate::kernels::nhwc`]
+//! runs on [`kiln_kernels::implicit`] (dense and grouped) or [`kiln_kernels::depthwise`]
 //! (depthwise) with its weights packed once, on first use, and its output stays a
 //! channels-last host [`Image`] for the layers after it: activations, BatchNorm, element-wise
 //! arithmetic (residual adds, squeeze-excitation gates), pooling, channel concatenation and

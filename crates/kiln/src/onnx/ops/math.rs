@@ -330,7 +330,7 @@ pub fn where_(cond: Value, x: Value, y: Value) -> Result<Value, OnnxError> {
 }
 
 /// Softmax (or its log) over `axis`: over the last axis of an f32 value on the host, Kiln's
-/// kernel reading the value in place ([`crate::kernels::softmax`]); Burn's otherwise.
+/// kernel reading the value in place ([`kiln_kernels::softmax`]); Burn's otherwise.
 pub fn softmax(x: Value, axis: usize, log: bool) -> Result<Value, OnnxError> {
     let x = x.to_kind(ValueKind::Float)?;
     let dims = x.dims();

@@ -141,7 +141,7 @@ impl OnnxModel {
                 })
         };
         let (scale, beta, mean, var) = (param(1)?, param(2)?, param(3)?, param(4)?);
-        let (weight, wdims) = self
+        let (mut weight, wdims) = self
             .constant_f32s(self.steps[conv].inputs[1])
             .ok_or_else(|| OnnxError::Graph("fold: the Conv weight is not constant".into()))?;
         let co = wdims[0];
@@ -156,14 +156,13 @@ impl OnnxModel {
             .map(|(b, _)| b)
             .unwrap_or_else(|| vec![0.0; co]);
         // The graph pass's arithmetic (one fold for both inference roads).
-        let mut new_weight = weight;
         let new_bias = crate::infer::fold_into_outer_channels(
-            &mut new_weight,
+            &mut weight,
             Some(&bias),
             [&scale, &beta, &mean, &var],
             eps,
         );
-        let w_slot = self.add_constant(new_weight, &wdims)?;
+        let w_slot = self.add_constant(weight, &wdims)?;
         let b_slot = self.add_constant(new_bias, &[co])?;
         self.rewire(conv, 1, w_slot);
         self.rewire(conv, 2, b_slot);

@@ -146,7 +146,7 @@ impl QConv {
 
 impl OnnxModel {
     pub(in crate::onnx) fn quantize_int8(&mut self) -> Result<Vec<String>, OnnxError> {
-        let kernel = Kernel::detect();
+        let kernel = Int8Kernel::detect();
         let (mut linear, mut conv, mut relu, mut kept) = (0, 0, 0, 0);
         for at in 0..self.steps.len() {
             let replaced = match self.steps[at].op.node() {
@@ -228,7 +228,7 @@ impl OnnxModel {
         &mut self,
         at: usize,
         out_major: bool,
-        kernel: Kernel,
+        kernel: Int8Kernel,
     ) -> Result<Option<bool>, OnnxError> {
         let step = &self.steps[at];
         let Some((w, dims)) = self.constant_f32s(step.inputs.get(1).copied().flatten()) else {
@@ -285,7 +285,7 @@ impl OnnxModel {
     pub(in crate::onnx) fn int8_conv(
         &mut self,
         at: usize,
-        kernel: Kernel,
+        kernel: Int8Kernel,
     ) -> Result<Option<bool>, OnnxError> {
         let step = &self.steps[at];
         let Some(Node::Conv2d(n)) = step.op.node() else {

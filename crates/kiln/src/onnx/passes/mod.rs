@@ -2,7 +2,7 @@
 //! it, and int8 dynamic quantization of linear layers and convolutions with constant weights
 //! onto Kiln's integer kernels (a following ReLU fused into their epilogue).
 //!
-//! The int8 scheme is the one Kiln's own graphs use (`crate::kernels::int8`): weights per
+//! The int8 scheme is the one Kiln's own graphs use (`kiln_kernels::int8`): weights per
 //! output channel, symmetric i8; activations per call, asymmetric u8 over their measured range.
 
 mod fold;
@@ -22,8 +22,9 @@ use super::value::{Value, ValueKind};
 use super::{OnnxError, OnnxModel, StepOp};
 use crate::infer::ConvGeometry;
 use kiln_kernels::activation::Activation;
+use kiln_kernels::base::isa::Int8Kernel;
 use kiln_kernels::int8::{
-    ActivationQuant, ImageLayout, Kernel, PackedWeights, QuantizedActivations, matmul_dequantized,
+    ActivationQuant, ImageLayout, PackedWeights, QuantizedActivations, matmul_dequantized,
     matmul_dequantized_residual, pack_conv_weights, quantize_rows, range_of,
 };
 
