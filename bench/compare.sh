@@ -2,7 +2,9 @@
 # Kiln vs the PyTorch and ONNX Runtime peers, back to back in one invocation, same shapes,
 # same thread count, same timing protocol (5 warm-up, 3 repeats of N steps, median).
 #
-# usage: bench/compare.sh [--workload W1..W5|all] [--threads N] [--steps N]
+# usage: bench/compare.sh [--workload W1..W5|U1|U2|all] [--threads N] [--steps N]
+# (U1, U2: the user-shaped models of crates/kiln-cli/src/user_shaped.rs, beside their PyTorch
+# twins in bench/peers/torch_user_models.py)
 # Peers are optional: without their venv this prints how to install them and still reports
 # Kiln's numbers. Output: a ratio table (peer ms / Kiln ms: above 1.0 means Kiln is faster)
 # and, with KILN_COMPARE_JSON=path, every raw result as JSON lines.
@@ -33,9 +35,16 @@ echo "== kiln bench --workload $workload --threads $threads" >&2
 ./target/release/kiln bench --workload "$workload" --threads "$threads" --json "${steps_arg[@]}" >>"$raw"
 
 if [ -x "$py" ] && "$py" -c "import torch" 2>/dev/null; then
-  if [ "$workload" = all ]; then wls="W1 W2 W3 W4 W5"; else wls=$workload; fi
+  if [ "$workload" = all ]; then wls="W1 W2 W3 W4 W5 U1 U2"; else wls=$workload; fi
   for w in $wls; do
-    if [ "$w" = W3 ]; then
+    if [ "$w" = U1 ] || [ "$w" = U2 ]; then
+      # The user-shaped models' PyTorch twins (bench/peers); U1 also channels-last.
+      echo "== pytorch $w train" >&2
+      KILN_PEERS_DIR="$peers_dir" "$py" bench/peers/torch_user_models.py --workload "$w" --threads "$threads" --json "${steps_arg[@]}" >>"$raw"
+      if [ "$w" = U1 ]; then
+        KILN_PEERS_DIR="$peers_dir" "$py" bench/peers/torch_user_models.py --workload "$w" --channels-last --threads "$threads" --json "${steps_arg[@]}" >>"$raw"
+      fi
+    elif [ "$w" = W3 ]; then
       for b in 1 64; do
         echo "== pytorch $w infer b$b" >&2
         (cd "$peers_dir" && "$py" torch_bench.py --workload "$w" --mode infer --batch "$b" --threads "$threads" --json "${steps_arg[@]}") >>"$raw"

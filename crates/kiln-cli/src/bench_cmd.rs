@@ -19,11 +19,13 @@ use kiln::observe::timing::{Timing, measure, summarize};
 use kiln::observe::{MemorySink, memory};
 use kiln::plan::{Backend, Hardware, resolve};
 use kiln::precision::{Precision, autocast};
+use kiln::train::TrainStep;
 use kiln::zoo::{Classifier, ModelKind};
 use kiln::{KilnConfig, Trainer};
 use serde::{Deserialize, Serialize};
 
 use crate::BenchArgs;
+use crate::user_shaped::{MobileNetish, PreLnEncoder, USER_WORKLOADS, UserWorkload};
 
 const WARMUP: usize = 5;
 const REPEATS: usize = 3;
@@ -90,7 +92,9 @@ const WORKLOADS: [Workload; 5] = [
 /// the kernels' part and the allocator's part). For inference, plain
 /// Burn's forward vs Kiln's inference session on the CPU: `kiln` (the lowered f32 graph;
 /// `kiln-system` the same on the system allocator),
-/// `kiln-fold` (+ strip and BatchNorm folding), `kiln-int8` (+ int8 dynamic quantization);
+/// `kiln-fold` (+ strip and BatchNorm folding), `kiln-int8` (+ int8 dynamic quantization of
+/// every layer), `kiln-optimized` (what `kiln optimize` keeps: int8 only on the layers where
+/// it measured faster on this machine, at batch 1 and 64);
 /// where a GPU is present (the `cuda` feature and a driver) also the folded graph on it in
 /// f32, f16 and bf16 (`gpu-f32`, `gpu-f16`, `gpu-bf16`). Those three run on the CPU when
 /// asked for by name without a GPU (f16/bf16 are then emulated: numerics, not speed).
@@ -108,7 +112,14 @@ fn cases(mode: &str) -> Vec<&'static str> {
         ],
         "precision" => vec!["f32", "bf16", "f16"],
         _ => {
-            let mut cases = vec!["burn", "kiln-system", "kiln", "kiln-fold", "kiln-int8"];
+            let mut cases = vec![
+                "burn",
+                "kiln-system",
+                "kiln",
+                "kiln-fold",
+                "kiln-int8",
+                "kiln-optimized",
+            ];
             if Hardware::probe().best_backend() == Backend::Cuda {
                 cases.extend(["gpu-f32", "gpu-f16", "gpu-bf16"]);
             }
@@ -148,6 +159,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     if let Some(case) = &args.case {
         // Child mode: measure one case and print one JSON line.
+        if let Some(user) = find_user(&args.workload) {
+            kiln::plan::set_cpu_threads(threads);
+            let result = measure_user_case(user, case, args.batch, args.steps, threads)?;
+            println!("{}", serde_json::to_string(&result)?);
+            return Ok(());
+        }
         let workload = find(&args.workload)?;
         let mode = args.mode.clone().unwrap_or_else(|| default_mode(workload));
         kiln::plan::set_cpu_threads(threads);
@@ -155,13 +172,49 @@ pub fn run(args: BenchArgs) -> Result<()> {
         println!("{}", serde_json::to_string(&result)?);
         return Ok(());
     }
-    let selected: Vec<Workload> = if args.workload.eq_ignore_ascii_case("all") {
-        WORKLOADS.to_vec()
+    let all = args.workload.eq_ignore_ascii_case("all");
+    let user_selected: Vec<&UserWorkload> = if all {
+        USER_WORKLOADS.iter().collect()
     } else {
-        vec![find(&args.workload)?]
+        find_user(&args.workload).into_iter().collect()
     };
+    let selected: Vec<Workload> = if all {
+        WORKLOADS.to_vec()
+    } else if user_selected.is_empty() {
+        vec![find(&args.workload)?]
+    } else {
+        Vec::new()
+    };
+    if args.mode.as_deref().is_some_and(|m| m != "train") && !user_selected.is_empty() && !all {
+        bail!("U1 and U2 are training workloads: drop --mode or use --mode train");
+    }
     let exe = std::env::current_exe().context("locating the kiln binary")?;
     let mut results = Vec::new();
+    let user_runs = user_selected
+        .iter()
+        .filter(|_| args.mode.as_deref().is_none_or(|m| m == "train"));
+    for u in user_runs {
+        for case in cases("train") {
+            let system = case == "burn" || case.ends_with("-system");
+            let allocator = ("KILN_ALLOCATOR", system.then_some("system"));
+            if !args.json {
+                eprintln!("kiln bench: {} ({}) train {case} ...", u.id, u.name);
+            }
+            let child = Case {
+                workload: u.id,
+                mode: "train",
+                case,
+                threads,
+                batch: args.batch,
+                steps: args.steps,
+            };
+            let r = child.run(&exe, &[allocator])?;
+            if args.json {
+                println!("{}", serde_json::to_string(&r)?);
+            }
+            results.push(r);
+        }
+    }
     for w in selected {
         let modes: Vec<String> = match &args.mode {
             Some(m) => vec![m.clone()],
@@ -272,7 +325,61 @@ fn find(id: &str) -> Result<Workload> {
         .iter()
         .copied()
         .find(|w| w.id.eq_ignore_ascii_case(id))
-        .with_context(|| format!("unknown workload `{id}`: expected W1, W2, W3, W4, W5 or all"))
+        .with_context(|| {
+            format!("unknown workload `{id}`: expected W1, W2, W3, W4, W5, U1, U2 or all")
+        })
+}
+
+/// The user-shaped workload `id` names (U1, U2), if any.
+fn find_user(id: &str) -> Option<&'static UserWorkload> {
+    USER_WORKLOADS
+        .iter()
+        .find(|u| u.id.eq_ignore_ascii_case(id))
+}
+
+/// A user-shaped model's training case: `burn` (plain Burn's loop, Burn's ops) or a Kiln
+/// level (`kiln-basic`, …; `-system` only changes the allocator, which the parent chose).
+fn time_user<M: Classifier + 'static>(
+    id: &str,
+    init: fn(&Device) -> M,
+    case: &str,
+    batch: usize,
+    shape: [usize; 3],
+    steps: usize,
+) -> Result<Timing> {
+    match case {
+        "burn" => {
+            let _burn_ops = kiln::kernels::Scope::enter(false);
+            Ok(plain_train(init, batch, shape, steps))
+        }
+        level if level.starts_with("kiln-") => {
+            let level: Level = level
+                .trim_start_matches("kiln-")
+                .trim_end_matches("-system")
+                .parse()?;
+            trainer_train(id, init, level, Precision::F32, batch, shape, steps)
+        }
+        _ => bail!("unknown bench case `{case}` for {id}"),
+    }
+}
+
+/// One training case of a user-shaped workload: plain Burn's loop or Kiln's trainer at a
+/// level, on the model as the user wrote it.
+fn measure_user_case(
+    u: &UserWorkload,
+    case: &str,
+    batch: Option<usize>,
+    steps: Option<usize>,
+    threads: usize,
+) -> Result<CaseResult> {
+    let (batch, steps, shape) = (batch.unwrap_or(u.batch), steps.unwrap_or(u.steps), u.shape);
+    let timing = match u.id {
+        "U1" => time_user(u.id, MobileNetish::new, case, batch, shape, steps)?,
+        _ => time_user(u.id, PreLnEncoder::new, case, batch, shape, steps)?,
+    };
+    Ok(case_result(
+        u.id, "train", case, batch, threads, steps, &timing,
+    ))
 }
 
 fn measure_case(
@@ -302,6 +409,7 @@ fn measure_case(
             session_infer(w.model, &[Pass::Strip, Pass::Fold], batch, shape, steps)?
         }
         ("infer", "kiln-int8") => session_infer(w.model, &Pass::ALL, batch, shape, steps)?,
+        ("infer", "kiln-optimized") => optimized_infer(w.model, batch, shape, steps)?,
         ("infer", gpu) if gpu.starts_with("gpu-") => {
             let half = match gpu {
                 "gpu-f32" => None,
@@ -333,8 +441,23 @@ fn measure_case(
         }
         _ => bail!("unknown bench case `{case}` for mode `{mode}`"),
     };
-    Ok(CaseResult {
-        workload: w.id.to_string(),
+    Ok(case_result(
+        w.id, mode, case, batch, threads, steps, &timing,
+    ))
+}
+
+/// A case's JSON row.
+fn case_result(
+    workload: &str,
+    mode: &str,
+    case: &str,
+    batch: usize,
+    threads: usize,
+    steps: usize,
+    timing: &Timing,
+) -> CaseResult {
+    CaseResult {
+        workload: workload.to_string(),
         mode: mode.to_string(),
         case: case.to_string(),
         batch,
@@ -347,7 +470,7 @@ fn measure_case(
         samples_per_s: batch as f64 / (timing.median_ms / 1e3),
         peak_rss_bytes: memory::peak_rss_bytes(),
         allocator: crate::alloc::name().to_string(),
-    })
+    }
 }
 
 fn random_batches(
@@ -371,9 +494,24 @@ fn random_batches(
 
 /// The loop a Burn user writes from the book: Burn's default Adam, no Kiln.
 fn plain_burn_train(model: ModelKind, batch: usize, shape: [usize; 3], steps: usize) -> Timing {
+    plain_train(
+        |d| model.init_for_channels(shape[0], d),
+        batch,
+        shape,
+        steps,
+    )
+}
+
+/// [`plain_burn_train`] for any model (a user-shaped one).
+fn plain_train<M: Classifier>(
+    init: impl FnOnce(&Device) -> M,
+    batch: usize,
+    shape: [usize; 3],
+    steps: usize,
+) -> Timing {
     let device = Device::flex().autodiff();
     device.seed(0);
-    let mut net = model.init_for_channels(shape[0], &device);
+    let mut net = init(&device);
     let mut optim = AdamConfig::new().init();
     let loss_fn = CrossEntropyLossConfig::new().init(&device);
     let data = random_batches(&device, batch, shape);
@@ -436,7 +574,55 @@ fn session_infer_on(
     device.seed(0);
     let net = model.init_for_channels(shape[0], &device);
     let session = InferenceSession::new(&net, model.name(), shape, passes, &device)?;
-    let data = random_batches(&device, batch, shape);
+    time_session(&session, batch, shape, steps, &device)
+}
+
+/// `kiln optimize`'s result as a user deploys it: strip and fold, then int8 where it measured
+/// faster than f32 on this machine at batch 1 and 64 (layer by layer); one model for every
+/// batch timed.
+fn optimized_infer(
+    model: ModelKind,
+    batch: usize,
+    shape: [usize; 3],
+    steps: usize,
+) -> Result<Timing> {
+    let device = Device::flex();
+    device.seed(0);
+    let net = model.init_for_channels(shape[0], &device);
+    let mut graph = kiln::infer::lower(&net, model.name(), shape)?;
+    kiln::infer::run_passes(&mut graph, &[Pass::Strip, Pass::Fold])?;
+    let images: Vec<Tensor<4>> = [1, 64]
+        .into_iter()
+        .map(|b| random_batches(&device, b, shape).swap_remove(0).0)
+        .collect();
+    let probe = kiln::infer::Probe {
+        device: &device,
+        kiln_kernels: true,
+        images: &images,
+        steps: 5,
+    };
+    let choice = kiln::infer::choose_int8(&graph, &probe)?;
+    choice.apply(&mut graph)?;
+    tracing::info!(
+        "{}: int8 on {} of {} layers: {}",
+        model.name(),
+        choice.quantized().len(),
+        choice.layers.len(),
+        choice.reason
+    );
+    let session = InferenceSession::from_graph(graph, &device)?;
+    time_session(&session, batch, shape, steps, &device)
+}
+
+/// Median forward time of `session` on random batches of `batch`.
+fn time_session(
+    session: &InferenceSession,
+    batch: usize,
+    shape: [usize; 3],
+    steps: usize,
+    device: &Device,
+) -> Result<Timing> {
+    let data = random_batches(device, batch, shape);
     let mut i = 0;
     let mut failure = None;
     let timing = measure(
@@ -470,12 +656,58 @@ fn kiln_train(
     shape: [usize; 3],
     steps: usize,
 ) -> Result<Timing> {
+    let plan = bench_plan(Some(model.name()), level, precision, batch)?;
+    trainer_timing(
+        &plan,
+        model.name(),
+        |d| model.init_for_channels(shape[0], d),
+        batch,
+        shape,
+        steps,
+    )
+}
+
+/// Kiln's trainer at `level` in `precision` on any model (a user-shaped one).
+fn trainer_train<M: TrainStep<kiln::data::Batch> + 'static>(
+    name: &str,
+    init: impl FnOnce(&Device) -> M,
+    level: Level,
+    precision: Precision,
+    batch: usize,
+    shape: [usize; 3],
+    steps: usize,
+) -> Result<Timing> {
+    let plan = bench_plan(None, level, precision, batch)?;
+    trainer_timing(&plan, name, init, batch, shape, steps)
+}
+
+/// The plan a training case runs under: `level`, `precision`, `batch` and, for a zoo model,
+/// its name (`train.model`).
+fn bench_plan(
+    zoo_model: Option<&str>,
+    level: Level,
+    precision: Precision,
+    batch: usize,
+) -> Result<kiln::plan::Plan> {
     let mut config = KilnConfig::default();
     config.set_level(level);
-    config.set("train.model", model.name())?;
+    if let Some(name) = zoo_model {
+        config.set("train.model", name)?;
+    }
     config.set("train.batch_size", &batch.to_string())?;
     config.set("precision.policy", precision.name())?;
-    let plan = resolve(&config, &Hardware::probe())?;
+    Ok(resolve(&config, &Hardware::probe())?)
+}
+
+/// Median step time of the trainer under `plan` on synthetic data of `shape`.
+fn trainer_timing<M: TrainStep<kiln::data::Batch> + 'static>(
+    plan: &kiln::plan::Plan,
+    name: &str,
+    init: impl FnOnce(&Device) -> M,
+    batch: usize,
+    shape: [usize; 3],
+    steps: usize,
+) -> Result<Timing> {
     // A sync point ends each timed repeat (and the warm-up): between sync points a step's
     // time is the host's, and an asynchronous device (CUDA) runs behind it, so only a
     // repeat that ends by waiting for the device measures the device.
@@ -490,12 +722,7 @@ fn kiln_train(
     options.checkpoint_dir = None;
     let data = SyntheticDataset::new(total * batch * options.grad_accum_steps, shape, 10, 1);
     let mut sink = MemorySink::default();
-    Trainer::new(options, plan.backend.device(), &mut sink).fit(
-        model.name(),
-        |d| model.init_for_channels(shape[0], d),
-        &data,
-        None,
-    )?;
+    Trainer::new(options, plan.backend.device(), &mut sink).fit(name, init, &data, None)?;
     let durations: Vec<f64> = sink.steps().map(|s| s.step_ms).skip(warmup).collect();
     summarize(&durations, steps, REPEATS).context("too few steps were measured")
 }

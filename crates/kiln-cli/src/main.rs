@@ -6,6 +6,7 @@ mod check_cmd;
 mod data_bench;
 mod launch;
 mod onnx_bench;
+mod onnx_int8_choice;
 mod onnx_optimize;
 mod optimize_cmd;
 mod profile_cmd;
@@ -15,6 +16,7 @@ mod stream_bench;
 mod train_cmd;
 mod tune_auto_cmd;
 mod tune_cmd;
+mod user_shaped;
 mod work_dir;
 
 use std::path::PathBuf;
@@ -326,6 +328,18 @@ struct OptimizeArgs {
     /// Timed forwards per repeat (3 repeats after 5 warm-up).
     #[arg(long, default_value_t = 20)]
     steps: usize,
+    /// The batch the model will serve at: a pass that can make it slower (int8, f16, bf16)
+    /// is kept only where it measures faster at batch 1 and at this batch, on this machine
+    /// (int8 layer by layer).
+    #[arg(long, default_value_t = 64)]
+    batch: usize,
+    /// Largest accuracy drop, in points of top-1 on the test split, a pass may cost; one
+    /// that costs more is dropped.
+    #[arg(long, default_value_t = 1.0)]
+    max_accuracy_drop: f64,
+    /// Apply every pass as asked, without measuring whether it pays.
+    #[arg(long)]
+    keep_all: bool,
     /// Print the summary as JSON on stdout.
     #[arg(long)]
     json: bool,
@@ -333,7 +347,8 @@ struct OptimizeArgs {
 
 #[derive(Args, Debug)]
 struct BenchArgs {
-    /// W1..W5 or all.
+    /// W1..W5, U1 (a MobileNet-style depthwise-separable CNN) or U2 (a pre-LN transformer
+    /// encoder) — the user-shaped models, written with `kiln::nn` as a user would — or all.
     #[arg(long, default_value = "all")]
     workload: String,
     /// train, infer, precision (f32 vs bf16 vs f16), data (the loader alone for 0..2x
@@ -615,6 +630,7 @@ fn run_onnx_optimize(args: OptimizeArgs) -> anyhow::Result<()> {
         input_dims: parse_input_dims(&args.input_dims)?,
         steps: args.steps,
         json: args.json,
+        keep_all: args.keep_all,
     })
 }
 

@@ -172,6 +172,17 @@ pub(crate) fn make_inputs(
 
 /// Kiln's median per run, outputs read back to the host (as ONNX Runtime returns them).
 pub(crate) fn time_kiln(model: &OnnxModel, inputs: &[Value], steps: usize) -> Result<Timing> {
+    time_runs(model, inputs, 5, steps, 3)
+}
+
+/// [`time_kiln`] with the protocol's counts given: `warmup` runs, then `repeats` of `steps`.
+pub(crate) fn time_runs(
+    model: &OnnxModel,
+    inputs: &[Value],
+    warmup: usize,
+    steps: usize,
+    repeats: usize,
+) -> Result<Timing> {
     // One checked run first, so a failure is an error rather than a panic in the loop.
     for out in model.run(inputs.to_vec())? {
         out.data()?;
@@ -186,9 +197,9 @@ pub(crate) fn time_kiln(model: &OnnxModel, inputs: &[Value], steps: usize) -> Re
             }
             Err(e) => failure = Some(e),
         },
-        5,
+        warmup,
         steps,
-        3,
+        repeats,
     );
     match failure {
         Some(e) => Err(e.into()),

@@ -14,6 +14,7 @@ use kiln::onnx::{OnnxModel, OnnxPass, Value};
 use serde::Serialize;
 
 use crate::onnx_bench::{input_shapes, make_inputs, time_kiln};
+use crate::onnx_int8_choice;
 
 /// What `kiln optimize --onnx` does.
 pub struct OnnxOptimize {
@@ -33,6 +34,8 @@ pub struct OnnxOptimize {
     pub steps: usize,
     /// JSON on stdout instead of the table.
     pub json: bool,
+    /// Apply every pass without measuring whether it pays (`--keep-all`).
+    pub keep_all: bool,
 }
 
 /// One stage: the model after the passes so far.
@@ -48,6 +51,9 @@ struct Stage {
     /// Rows of output 0 whose arg-max over the last axis agrees with the f32 model's.
     top1_agreement_vs_f32: f64,
     changes: Vec<String>,
+    /// For a measured pass: kept or dropped, and the times that decided it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    decision: Option<onnx_int8_choice::Decision>,
 }
 
 /// Runs the passes stage by stage, measures each, writes the model directory.
@@ -66,15 +72,61 @@ pub fn run(job: &OnnxOptimize) -> Result<()> {
     let reference = outputs(&model, &probe)?;
     let mut stages = Vec::new();
     let mut changes = Vec::new();
+    let mut kept: Vec<OnnxPass> = Vec::new();
+    let mut names: Vec<String> = Vec::new();
+    // The int8 layers when only some are kept (the serving config names them).
+    let mut int8_only: Option<Vec<String>> = None;
     for upto in 0..=job.passes.len() {
+        let mut decision = None;
         if upto > 0 {
-            let report = model.apply(job.passes[upto - 1])?;
-            changes = report.changes;
+            let pass = job.passes[upto - 1];
+            if pass == OnnxPass::Int8 && !job.keep_all {
+                // Measured: int8 stays only on the layers, and in the form, that ran faster
+                // than the model without it at batch 1 and 8 (crate::onnx_int8_choice).
+                let base = std::mem::replace(&mut model, load()?);
+                let fresh_load = || load();
+                let choice = onnx_int8_choice::choose(
+                    &fresh_load,
+                    &kept,
+                    base,
+                    [one.as_slice(), probe.as_slice()],
+                    job.steps,
+                )?;
+                changes = choice.changes;
+                let kept_int8 = choice.decision.kept;
+                decision = Some(choice.decision);
+                match choice.model {
+                    Some(m) => {
+                        model = m;
+                        kept.push(pass);
+                        int8_only = choice.only;
+                        names.push(pass.name().to_string());
+                    }
+                    None => {
+                        // The model without int8, as it was before this stage.
+                        model = load()?;
+                        for &p in &kept {
+                            model.apply(p)?;
+                        }
+                        names.push(format!("({} dropped)", pass.name()));
+                    }
+                }
+                debug_assert_eq!(kept_int8, kept.contains(&pass));
+            } else {
+                let report = model.apply(pass)?;
+                changes = report.changes;
+                kept.push(pass);
+                names.push(pass.name().to_string());
+            }
         }
         let ours = outputs(&model, &probe)?;
         let (diff, agree) = compare(&ours, &reference);
         let stage = Stage {
-            passes: stage_name(&job.passes[..upto]),
+            passes: if names.is_empty() {
+                "f32".into()
+            } else {
+                names.join("+")
+            },
             nodes: model.node_count(),
             latency_b1_ms: time_kiln(&model, &one, job.steps)?.median_ms,
             latency_b8_ms: time_kiln(&model, &probe, job.steps)?.median_ms,
@@ -82,13 +134,14 @@ pub fn run(job: &OnnxOptimize) -> Result<()> {
             max_rel_diff_vs_f32: diff,
             top1_agreement_vs_f32: agree,
             changes: std::mem::take(&mut changes),
+            decision,
         };
         if !job.json {
             eprintln!("kiln optimize: {} measured", stage.passes);
         }
         stages.push(stage);
     }
-    write_model_dir(job, &stages)?;
+    write_model_dir(job, &kept, int8_only.as_deref(), &stages)?;
     if job.json {
         println!("{}", serde_json::to_string(&stages)?);
     } else {
@@ -96,18 +149,6 @@ pub fn run(job: &OnnxOptimize) -> Result<()> {
         println!("wrote {}", job.out.display());
     }
     Ok(())
-}
-
-fn stage_name(passes: &[OnnxPass]) -> String {
-    if passes.is_empty() {
-        "f32".into()
-    } else {
-        passes
-            .iter()
-            .map(|p| p.name())
-            .collect::<Vec<_>>()
-            .join("+")
-    }
 }
 
 /// Every output's values and dims on the host.
@@ -152,7 +193,12 @@ fn compare(ours: &[(Vec<f32>, Vec<usize>)], reference: &[(Vec<f32>, Vec<usize>)]
 }
 
 /// The model directory: the file, a serving config with the passes, the summary.
-fn write_model_dir(job: &OnnxOptimize, stages: &[Stage]) -> Result<()> {
+fn write_model_dir(
+    job: &OnnxOptimize,
+    kept: &[OnnxPass],
+    int8_only: Option<&[String]>,
+    stages: &[Stage],
+) -> Result<()> {
     std::fs::create_dir_all(&job.out).with_context(|| format!("creating {}", job.out.display()))?;
     let file = job.out.join("model.onnx");
     if job.path.canonicalize().ok() != file.canonicalize().ok() {
@@ -174,11 +220,17 @@ fn write_model_dir(job: &OnnxOptimize, stages: &[Stage]) -> Result<()> {
         } else {
             format!("input_dims = {{ {} }}\n", dims.join(", "))
         };
-        let passes: Vec<&str> = job.passes.iter().map(|p| p.name()).collect();
+        // The passes that were kept (a measured pass that lost is not applied at load).
+        let passes: Vec<&str> = kept.iter().map(|p| p.name()).collect();
+        // Int8 on some layers only: the ones measured faster (a TOML array of node names).
+        let layers_line = int8_only.map_or(String::new(), |names| {
+            let quoted: Vec<String> = names.iter().map(|n| format!("{n:?}")).collect();
+            format!("int8_layers = [{}]\n", quoted.join(", "))
+        });
         let text = format!(
             "# kiln-serve model configuration (written by `kiln optimize --onnx`).\n\
              # Serve every model directory under the parent: kiln serve --models <parent>\n\
-             backend = \"onnx\"\nfile = \"model.onnx\"\npasses = \"{}\"\n{dims_line}\
+             backend = \"onnx\"\nfile = \"model.onnx\"\npasses = \"{}\"\n{layers_line}{dims_line}\
              max_batch_size = 16\ninstances = 1\nmax_queue_size = 1024\n\n\
              [dynamic_batching]\nmax_queue_delay_microseconds = 500\n",
             passes.join(",")

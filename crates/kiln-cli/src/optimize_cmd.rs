@@ -4,7 +4,10 @@
 use anyhow::{Context, Result};
 use kiln::data::{Dataset, collate};
 use kiln::datasets::{self, Split};
-use kiln::infer::{self, InferenceSession, LogitDelta, Pass, onnx_export};
+use kiln::infer::{
+    self, CandidateTiming, InferenceSession, LayerTiming, LogitDelta, Pass, Probe, choose_int8,
+    onnx_export, pass_pays,
+};
 use kiln::observe::timing::measure;
 use kiln::plan::Plan;
 use kiln::zoo::{self, ModelKind};
@@ -29,6 +32,30 @@ struct Stage {
     logits_vs_f32: LogitDelta,
     /// What the newest pass changed.
     changes: Vec<String>,
+    /// Whether the newest pass was kept, and the measurements that decided it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    decision: Option<Decision>,
+}
+
+/// A pass that can lose, measured and kept or dropped.
+#[derive(Debug, Clone, Serialize)]
+struct Decision {
+    pass: &'static str,
+    kept: bool,
+    reason: String,
+    /// Int8: each candidate layer's time in f32 and int8.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    layers: Vec<LayerTiming>,
+    /// Int8: the whole-model forms timed.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    candidates: Vec<CandidateTiming>,
+}
+
+/// Passes that can make a model slower on some machine, so are measured before they are
+/// kept: int8 (AVX2's integer kernel is no faster than f32 on large convolutions) and the
+/// half-precision passes (emulated on a CPU). Strip and fold only remove work.
+fn can_lose(pass: Pass) -> bool {
+    matches!(pass, Pass::Int8 | Pass::F16 | Pass::Bf16)
 }
 
 /// The plan for `kiln optimize`: the same road as `kiln train` (config file, level, flags;
@@ -82,36 +109,129 @@ pub fn run(args: OptimizeArgs) -> Result<()> {
     };
     let device = plan.backend.device();
     let model = zoo::load_model(kind, shape[0], &checkpoint, &device)?;
+    let kiln_kernels = plan.train.kiln_kernels;
 
+    // Real test images at batch 1 and the serving batch: what the keep/drop measurements run.
+    let mut batches = vec![1, args.batch.max(1)];
+    batches.dedup();
+    let images = batches
+        .iter()
+        .map(|&b| {
+            let indices: Vec<usize> = (0..b).map(|i| i % test.len()).collect();
+            collate(test, &indices, &device).map(|c| c.images)
+        })
+        .collect::<kiln::Result<Vec<_>>>()?;
+    let probe = Probe {
+        device: &device,
+        kiln_kernels,
+        images: &images,
+        steps: args.steps.clamp(1, 10),
+    };
+
+    let mut graph = infer::lower(&model, kind.name(), shape)?;
     let mut stages = Vec::new();
-    let mut reference: Option<Vec<f32>> = None;
+    let mut decisions = Vec::new();
+    let mut names: Vec<String> = Vec::new();
+    let mut reference: Option<(Vec<f32>, f64)> = None;
     let mut last = None;
     for upto in 0..=passes.len() {
-        let applied = &passes[..upto];
-        let session = InferenceSession::new(&model, kind.name(), shape, applied, &device)?
-            .with_kiln_kernels(plan.train.kiln_kernels);
-        let predictions = session.evaluate(test, 250)?;
-        let reference = reference.get_or_insert_with(|| predictions.logits.clone());
+        let mut changes = Vec::new();
+        let mut decision = None;
+        let before = graph.clone();
+        if upto > 0 {
+            let pass = passes[upto - 1];
+            let measured = !args.keep_all && can_lose(pass);
+            let (kept, why) = match pass {
+                _ if !measured => {
+                    changes = pass.apply(&mut graph)?;
+                    (true, String::new())
+                }
+                Pass::Int8 => {
+                    let choice = choose_int8(&graph, &probe)?;
+                    changes = choice.apply(&mut graph)?;
+                    let kept = !choice.quantized().is_empty();
+                    let why = choice.reason.clone();
+                    decision = Some(choice);
+                    (kept, why)
+                }
+                _ => {
+                    let mut after = graph.clone();
+                    let rewritten = pass.apply(&mut after)?;
+                    let (b, a, pays) = pass_pays(&graph, &after, &probe)?;
+                    let why = format!(
+                        "{} at batch {:?}: {:.3?} ms vs {:.3?} ms before",
+                        if pays { "faster" } else { "not faster" },
+                        batches,
+                        a,
+                        b
+                    );
+                    if pays {
+                        graph = after;
+                        changes = rewritten;
+                    }
+                    (pays, why)
+                }
+            };
+            names.push(if kept {
+                pass.name().to_string()
+            } else {
+                format!("({} dropped)", pass.name())
+            });
+            if measured {
+                decisions.push(Decision {
+                    pass: pass.name(),
+                    kept,
+                    reason: why,
+                    layers: decision
+                        .as_ref()
+                        .map(|c| c.layers.clone())
+                        .unwrap_or_default(),
+                    candidates: decision.map(|c| c.candidates).unwrap_or_default(),
+                });
+            }
+        }
+        let mut session =
+            InferenceSession::from_graph(graph.clone(), &device)?.with_kiln_kernels(kiln_kernels);
+        let mut predictions = session.evaluate(test, 250)?;
+        let (reference_logits, reference_accuracy) =
+            reference.get_or_insert_with(|| (predictions.logits.clone(), predictions.accuracy));
+        let drop_points = (*reference_accuracy - predictions.accuracy) * 100.0;
+        let measured = upto > 0 && !args.keep_all && can_lose(passes[upto - 1]);
+        if measured && drop_points > args.max_accuracy_drop && graph != before {
+            // The pass costs more accuracy than the budget: the model stays as it was.
+            graph = before;
+            changes = vec![format!(
+                "dropped: {drop_points:.2} points of accuracy lost, more than --max-accuracy-drop {}",
+                args.max_accuracy_drop
+            )];
+            if let Some(d) = decisions.last_mut() {
+                d.kept = false;
+                d.reason = changes[0].clone();
+            }
+            if let Some(name) = names.last_mut() {
+                *name = format!("({} dropped)", passes[upto - 1].name());
+            }
+            session = InferenceSession::from_graph(graph.clone(), &device)?
+                .with_kiln_kernels(kiln_kernels);
+            predictions = session.evaluate(test, 250)?;
+        }
         let stage = Stage {
-            passes: if applied.is_empty() {
+            passes: if names.is_empty() {
                 "f32".into()
             } else {
-                applied
-                    .iter()
-                    .map(|p| p.name())
-                    .collect::<Vec<_>>()
-                    .join("+")
+                names.join("+")
             },
             latency_b1_ms: time_batch(&session, test, 1, args.steps)?,
             throughput_b64: 64.0 / (time_batch(&session, test, 64, args.steps)? / 1e3),
             size_bytes: infer::graph_to_bytes(session.graph())?.len(),
             accuracy: predictions.accuracy,
-            logits_vs_f32: LogitDelta::between(&predictions.logits, reference),
-            changes: session
-                .reports()
-                .last()
-                .map(|r| r.changes.clone())
-                .unwrap_or_default(),
+            logits_vs_f32: LogitDelta::between(&predictions.logits, reference_logits),
+            changes,
+            decision: if measured {
+                decisions.last().cloned()
+            } else {
+                None
+            },
         };
         if !args.json {
             eprintln!(
@@ -214,10 +334,53 @@ fn render(kind: ModelKind, stages: &[Stage], onnx_note: &str) -> String {
         ));
     }
     s.push_str(&format!("\nExport: {onnx_note}\n"));
+    for d in stages.iter().filter_map(|st| st.decision.as_ref()) {
+        s.push_str(&render_decision(d));
+    }
     for st in stages.iter().filter(|st| !st.changes.is_empty()) {
         s.push_str(&format!("\n{}:\n", st.passes));
         for c in &st.changes {
             s.push_str(&format!("- {c}\n"));
+        }
+    }
+    s
+}
+
+/// A measured pass: kept or dropped and why; for int8 the per-layer and whole-model times.
+fn render_decision(d: &Decision) -> String {
+    let mut s = format!(
+        "\n## {}: {}\n\n{}\n",
+        d.pass,
+        if d.kept { "kept" } else { "dropped" },
+        d.reason
+    );
+    let ms = |v: &[f64]| {
+        v.iter()
+            .map(|m| format!("{m:.3}"))
+            .collect::<Vec<_>>()
+            .join(" / ")
+    };
+    if !d.layers.is_empty() {
+        s.push_str("\n| layer | kind | f32 ms | int8 ms | int8 |\n|---|---|---:|---:|---|\n");
+        for l in &d.layers {
+            s.push_str(&format!(
+                "| {} | {} | {} | {} | {} |\n",
+                l.name,
+                l.kind,
+                ms(&l.f32_ms),
+                ms(&l.int8_ms),
+                if l.int8_faster {
+                    "faster"
+                } else {
+                    "slower: stays f32"
+                }
+            ));
+        }
+    }
+    if !d.candidates.is_empty() {
+        s.push_str("\n| whole model | ms (batch 1 / serving batch) |\n|---|---:|\n");
+        for c in &d.candidates {
+            s.push_str(&format!("| {} | {} |\n", c.label, ms(&c.ms)));
         }
     }
     s

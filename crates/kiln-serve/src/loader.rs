@@ -2,7 +2,7 @@
 //! read, lowered and optimized once, one [`Backend`] per instance, and the signature the
 //! server reports.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
 use burn::tensor::Device;
@@ -130,7 +130,18 @@ fn classifier_backends(
             path,
             passes,
             input_dims,
-        } => return onnx_backends(name, path, passes, input_dims, config, device),
+            int8_layers,
+        } => {
+            let int8_only: Option<BTreeSet<String>> =
+                int8_layers.as_ref().map(|l| l.iter().cloned().collect());
+            let onnx = OnnxLoad {
+                path,
+                passes,
+                input_dims,
+                int8_only: int8_only.as_ref(),
+            };
+            return onnx_backends(name, &onnx, config, device);
+        }
         BackendConfig::Graph { path } => load_graph(path).map_err(fail)?,
     };
     let mut backends = Vec::with_capacity(instances);
@@ -194,14 +205,22 @@ fn classifier(
 /// with `passes` applied and `config.kiln_kernels`. The signature comes from the file: inputs
 /// as declared (their non-batch dynamic axes fixed by `input_dims`), outputs measured by one
 /// warm-up batch of zeros.
+/// What an ONNX model directory's config asks the loader for.
+struct OnnxLoad<'a> {
+    path: &'a Path,
+    passes: &'a str,
+    input_dims: &'a BTreeMap<String, Vec<usize>>,
+    /// The `int8_layers` key: the int8 pass on these layers only.
+    int8_only: Option<&'a BTreeSet<String>>,
+}
+
 fn onnx_backends(
     name: &str,
-    path: &Path,
-    passes: &str,
-    input_dims: &BTreeMap<String, Vec<usize>>,
+    onnx: &OnnxLoad,
     config: &ModelConfig,
     device: &Device,
 ) -> Result<(Vec<Box<dyn Backend>>, ModelSpec)> {
+    let (path, passes, input_dims) = (onnx.path, onnx.passes, onnx.input_dims);
     let (instances, kiln_kernels) = (config.instances, config.kiln_kernels);
     let load_error = |message: String| ServeError::Load {
         model: name.to_string(),
@@ -217,7 +236,9 @@ fn onnx_backends(
             .map_err(|e| load_error(e.to_string()))?
             .with_kiln_kernels(kiln_kernels);
         for &pass in &passes {
-            let report = model.apply(pass).map_err(|e| load_error(e.to_string()))?;
+            let report = model
+                .apply_to(pass, onnx.int8_only)
+                .map_err(|e| load_error(e.to_string()))?;
             tracing::info!(model = name, pass = pass.name(), changes = ?report.changes, "pass applied");
         }
         let (inputs, fixed_batch) = onnx_inputs(model.inputs(), input_dims).map_err(load_error)?;

@@ -14,7 +14,7 @@ use kiln::infer::{
 use kiln::observe::NullSink;
 use kiln::train::TrainOptions;
 use kiln::zoo::{self, Classifier, ModelKind, ZooModel};
-use kiln::{KilnError, Trainer, burn};
+use kiln::{Trainer, burn};
 
 fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
     t.into_data().try_into_vec_as::<f32>().unwrap()
@@ -230,9 +230,11 @@ fn int8_and_half_precision_keep_accuracy_on_real_data() {
             delta.max_rel
         );
         assert!(a.accuracy > floor, "{kind:?} f32 model did not train");
+        // "Within 0.5 points" includes 0.5 (5 of the 1,000 images): 0.827 − 0.832 is
+        // −0.50000000000000004 in f64, so the bound carries a rounding allowance.
         assert!(
-            points.abs() <= 0.5,
-            "{kind:?}: int8 lost {points:.2} points"
+            points.abs() <= 0.5 + 1e-9,
+            "{kind:?}: int8 moved top-1 by {points:.2} points"
         );
         assert!(delta.max_rel < 0.05, "{kind:?}: {delta:?}");
         assert!(delta.mean_abs < 0.05, "{kind:?}: {delta:?}");
@@ -560,7 +562,8 @@ fn onnx_runtime_reproduces_kiln_outputs() {
 #[test]
 fn unsupported_layers_and_mismatched_checkpoints_are_clear_errors() {
     let device = Device::flex();
-    // A grouped convolution has no int8 kernel: the error names the layer and the pass.
+    // A grouped convolution has no int8 kernel: the pass leaves it f32 and says so (a
+    // depthwise-separable model keeps its other layers' int8 instead of being refused).
     let mut grouped = Graph::new("grouped", [2, 4, 4]);
     grouped.push(
         "features.conv",
@@ -577,11 +580,11 @@ fn unsupported_layers_and_mismatched_checkpoints_are_clear_errors() {
         },
         vec![Graph::INPUT],
     );
-    let err = infer::run_passes(&mut grouped, &[Pass::Int8]).unwrap_err();
-    assert!(matches!(err, KilnError::Unsupported { .. }), "{err}");
-    let msg = err.to_string();
+    let reports = infer::run_passes(&mut grouped, &[Pass::Int8]).unwrap();
+    assert!(matches!(grouped.nodes[0].op, Op::Conv2d { .. }));
+    let msg = reports[0].changes.join("\n");
     assert!(
-        msg.contains("int8") && msg.contains("features.conv") && msg.contains("groups = 2"),
+        msg.contains("features.conv") && msg.contains("groups = 2") && msg.contains("f32"),
         "{msg}"
     );
 

@@ -153,9 +153,10 @@ pub enum Int8Kernel {
     Amx,
     /// AVX-512 VNNI `vpdpbusd`.
     Vnni512,
-    /// AVX2 `vpmaddwd` on i16 operands.
+    /// AVX2 `vpmaddubsw` + `vpmaddwd` on u8 × i8 bytes (ONNX Runtime's MLAS approach), with
+    /// 7-bit activations so the i16 pair sums never saturate.
     Avx2,
-    /// Portable loops (over the AVX2 packing).
+    /// Portable loops over i16 operands.
     Scalar,
 }
 

@@ -1,5 +1,10 @@
-//! The AVX2 kernel: i16 operands and `vpmaddwd` (2 products per i32 lane, 16 per
-//! instruction, exact), and the AVX2 epilogue and range scan.
+//! The AVX2 kernel: u8 × i8 bytes through `vpmaddubsw` (pairs summed into i16) and
+//! `vpmaddwd` by ones (pairs of those into i32), 32 products per pair of instructions, on
+//! the VNNI kernel's byte operands with 8 channels per register; and the AVX2 epilogue and
+//! range scan.
+//!
+//! Exact because the activations are 7-bit here (`Int8Kernel::max_activation`): an i16
+//! lane sums two products of at most 127 · 127, below `vpmaddubsw`'s saturation.
 use std::arch::x86_64::*;
 
 use super::blocks::{run_block, walk_blocks};
@@ -7,33 +12,36 @@ use super::{
     Columns, PackedWeights, QuantizedActivations, dequantize_row_from, min_max_portable, widest,
 };
 
-/// `R` rows × `C` channel blocks of 8 (≤ 4 × 2: 8 accumulators + 2 weights + 1 broadcast
-/// of the 16 ymm registers); per K-pair, R·C `vpmaddwd` + add.
+/// `R` rows × `C` channel blocks of 8 (≤ 4 × 2: 8 accumulators + 2 weights + the broadcast,
+/// the ones and a product of the 16 ymm registers); per K-group of 4 bytes, R·C
+/// `vpmaddubsw` + `vpmaddwd` + add.
 #[inline]
 #[target_feature(enable = "avx2")]
 unsafe fn block<const R: usize, const C: usize>(
-    a: *const i16,
+    a: *const u8,
     bases: &[usize],
     k_offsets: &[usize],
-    w: *const i16,
+    w: *const u8,
     groups: usize,
     out: *mut i32,
     n_pad: usize,
 ) {
+    let ones = _mm256_set1_epi16(1);
     let mut acc = [[_mm256_setzero_si256(); C]; R];
-    let rows: [*const i16; R] = std::array::from_fn(|r| a.wrapping_add(bases[r]));
+    let rows: [*const u8; R] = std::array::from_fn(|r| a.wrapping_add(bases[r]));
     for (q, &off) in k_offsets.iter().enumerate() {
         let mut wv = [_mm256_setzero_si256(); C];
         for (c, v) in wv.iter_mut().enumerate() {
-            // SAFETY: block c holds `groups` × 16 i16.
-            *v = unsafe { _mm256_loadu_si256(w.add((c * groups + q) * 16) as *const __m256i) };
+            // SAFETY: block c holds `groups` × 32 bytes (8 channels × 4).
+            *v = unsafe { _mm256_loadu_si256(w.add((c * groups + q) * 32) as *const __m256i) };
         }
         for (r, acc_r) in acc.iter_mut().enumerate() {
-            // SAFETY: bases + k_offsets address the operand's own K-pairs.
-            let pair = unsafe { (rows[r].add(off) as *const i32).read_unaligned() };
-            let av = _mm256_set1_epi32(pair);
+            // SAFETY: bases + k_offsets address the operand's own K-groups (4 bytes each).
+            let quad = unsafe { (rows[r].add(off) as *const i32).read_unaligned() };
+            let av = _mm256_set1_epi32(quad);
             for (acc, v) in acc_r.iter_mut().zip(&wv) {
-                *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(av, *v));
+                let pairs = _mm256_maddubs_epi16(av, *v);
+                *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(pairs, ones));
             }
         }
     }
@@ -56,10 +64,10 @@ pub(super) unsafe fn rectangle(
 ) {
     let g = w.groups;
     let (i0, b0) = (rows.start, blocks.start);
-    let (ap, ks) = (a.wide.as_ptr(), &a.k_offsets[..]);
+    let (ap, ks) = (a.bytes.as_ptr(), &a.k_offsets[..]);
     walk_blocks(rows, blocks, 4, |i, b, r, two| {
-        let (wp, bs) = (w.wide[b * g * 16..].as_ptr(), &a.bases[i..]);
-        // SAFETY: as in the VNNI kernel, for AVX2.
+        let (wp, bs) = (w.bytes[b * g * 32..].as_ptr(), &a.bases[i..]);
+        // SAFETY: as in the VNNI kernel, for AVX2 (detected before packing for it).
         unsafe {
             let o = out.add((i - i0) * n_pad + (b - b0) * 8);
             run_block!(block, r, two, (ap, bs, ks, wp, g, o, n_pad), [1 2 3 4])

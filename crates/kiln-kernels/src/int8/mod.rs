@@ -16,8 +16,15 @@
 //! K of small convolutions (W3's first layer has K = 9).
 //! - AVX-512 VNNI: `vpdpbusd`, 4 u8×i8 products per lane added into i32, 64 per instruction,
 //!   without the i16 saturation of AVX2's `vpmaddubsw`;
-//! - AVX2: i16 operands, `vpmaddwd` (2 products per lane, 16 per instruction, exact);
-//! - portable loops otherwise. All three compute the same integers (tested).
+//! - AVX2: `vpmaddubsw` (u8 × i8, 2 products summed per i16 lane, 32 per instruction) then
+//!   `vpmaddwd` by ones into i32 lanes — ONNX Runtime's (MLAS) and FBGEMM's AVX2 form, on the
+//!   same byte operands as VNNI (half the memory traffic of widening both to i16, which is
+//!   what bounds a batch-1 linear layer). An i16 pair sum of u8 × i8 can overflow
+//!   (2 · 255 · 127 > 32767) and `vpmaddubsw` saturates, so this kernel's activations are
+//!   quantized to 7 bits (0..=127, FBGEMM's `reduce_range`): 2 · 127 · 127 fits, every
+//!   product is exact, and the weights stay the 8-bit ones every kernel reads;
+//! - portable loops over i16 operands otherwise. All compute the exact integers of the
+//!   quantized operands they are given (tested).
 
 use std::mem::MaybeUninit;
 
@@ -59,20 +66,31 @@ impl Int8Kernel {
         }
     }
 
-    /// K values one lane multiplies per instruction (4 u8 for VNNI and AMX, 2 i16 otherwise).
+    /// K values one lane multiplies per step (4 bytes for VNNI, AMX and AVX2, 2 i16 for the
+    /// portable loops).
     fn group(self) -> usize {
         if self.packs_bytes() { 4 } else { 2 }
     }
 
-    /// Output channels per vector register (16 i32 lanes, or 8).
+    /// Output channels per vector register (16 i32 lanes of a zmm, or 8 of a ymm).
     fn lanes(self) -> usize {
-        if self.packs_bytes() { 16 } else { 8 }
+        if matches!(self, Int8Kernel::Amx | Int8Kernel::Vnni512) {
+            16
+        } else {
+            8
+        }
     }
 
-    /// Whether operands are packed as bytes (u8 activations, i8 weights: VNNI's and AMX's
-    /// layout) rather than widened to i16.
+    /// Whether operands are packed as bytes (u8 activations, i8 weights) rather than
+    /// widened to i16 (the portable loops).
     fn packs_bytes(self) -> bool {
-        matches!(self, Int8Kernel::Amx | Int8Kernel::Vnni512)
+        !matches!(self, Int8Kernel::Scalar)
+    }
+
+    /// The largest quantized activation this kernel multiplies exactly: 127 for AVX2, whose
+    /// `vpmaddubsw` saturates an i16 pair sum above 32767 (see the module documentation).
+    pub fn max_activation(self) -> u8 {
+        if self == Int8Kernel::Avx2 { 127 } else { 255 }
     }
 
     /// K-groups a weight panel is padded to a multiple of: a whole AMX tile's 16.
@@ -84,12 +102,12 @@ impl Int8Kernel {
 multiversion! {
     /// `dst[i] = quantize(src[i])` with [`ActivationQuant::quantizer`]'s arithmetic (the same
     /// bits), vectorized for the instruction set the CPU has.
-    fn quantize_into(src: &[f32], dst: &mut [MaybeUninit<u8>], inv: f32, zero_point: u8) {
+    fn quantize_into(src: &[f32], dst: &mut [MaybeUninit<u8>], inv: f32, zero_point: u8, top: f32) {
         let zp = zero_point as f32;
         for (o, v) in dst.iter_mut().zip(src) {
             // Not `clamp`: clamp keeps NaN, and NaN must not reach the bit trick.
             #[allow(clippy::manual_clamp)]
-            let y = (v * inv + zp).max(0.0).min(255.0);
+            let y = (v * inv + zp).max(0.0).min(top);
             *o = MaybeUninit::new(((y + 12_582_912.0).to_bits() & 0xFF) as u8);
         }
     }

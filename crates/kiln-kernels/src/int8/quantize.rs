@@ -106,13 +106,17 @@ pub(super) fn widest(a: (f32, f32), b: (f32, f32)) -> (f32, f32) {
     (a.0.min(b.0), a.1.max(b.1))
 }
 
-/// Per-batch activation quantization parameters: `x ≈ (q − zero_point) · scale`.
+/// Per-batch activation quantization parameters: `x ≈ (q − zero_point) · scale`,
+/// `q ∈ [0, max_level]`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ActivationQuant {
     /// Step size.
     pub scale: f32,
     /// The quantized value of 0.0 (so padding is exact).
     pub zero_point: u8,
+    /// The largest quantized value: 255, or 127 for a kernel that multiplies 7-bit
+    /// activations (see [`Int8Kernel::max_activation`]).
+    pub max_level: u8,
 }
 
 impl ActivationQuant {
@@ -123,18 +127,41 @@ impl ActivationQuant {
 
     /// Parameters covering `(lo, hi)` = `(min(x, 0), max(x, 0))` with 256 levels, for values
     /// whose range is already known (see [`matmul_dequantized`]).
-    pub fn for_range((lo, hi): (f32, f32)) -> Self {
+    pub fn for_range(range: (f32, f32)) -> Self {
+        Self::for_range_levels(range, 255)
+    }
+
+    /// [`ActivationQuant::for_range`] with `max_level + 1` levels.
+    pub fn for_range_levels((lo, hi): (f32, f32), max_level: u8) -> Self {
         let (lo, hi) = (lo.min(0.0), hi.max(0.0));
         let range = hi - lo;
+        let top = max_level.max(1) as f32;
         if !(range > 0.0 && range.is_finite()) {
             return ActivationQuant {
                 scale: 1.0,
                 zero_point: 0,
+                max_level: max_level.max(1),
             };
         }
-        let scale = range / 255.0;
-        let zero_point = round(-lo / scale).clamp(0.0, 255.0) as u8;
-        ActivationQuant { scale, zero_point }
+        let scale = range / top;
+        let zero_point = round(-lo / scale).clamp(0.0, top) as u8;
+        ActivationQuant {
+            scale,
+            zero_point,
+            max_level: max_level.max(1),
+        }
+    }
+
+    /// These parameters as `kernel` multiplies them: the same range over the kernel's
+    /// levels (AVX2's 128), unchanged for a kernel that takes all 256.
+    pub fn for_kernel(self, kernel: Int8Kernel) -> Self {
+        let top = kernel.max_activation();
+        if self.max_level <= top {
+            return self;
+        }
+        let lo = -(self.zero_point as f32) * self.scale;
+        let hi = lo + self.max_level as f32 * self.scale;
+        Self::for_range_levels((lo, hi), top)
     }
 
     /// Quantizes one value.
@@ -151,10 +178,11 @@ impl ActivationQuant {
     pub fn quantizer(&self) -> impl Fn(f32) -> u8 + Copy {
         let inv = 1.0 / self.scale;
         let zp = self.zero_point as f32;
+        let top = self.max_level as f32;
         move |v: f32| {
             // Not `clamp`: clamp keeps NaN, and NaN must not reach the bit trick.
             #[allow(clippy::manual_clamp)]
-            let y = (v * inv + zp).max(0.0).min(255.0);
+            let y = (v * inv + zp).max(0.0).min(top);
             ((y + 12_582_912.0).to_bits() & 0xFF) as u8
         }
     }
@@ -192,6 +220,7 @@ impl QuantizedActivations {
     /// was a thousand tasks for BERT-base at batch 8), each row quantized by a vectorized loop
     /// and its padding written beside it, with no zero-point fill of the whole matrix first.
     pub fn new(x: &[f32], cols: usize, quant: ActivationQuant, kernel: Int8Kernel) -> Self {
+        let quant = quant.for_kernel(kernel);
         let rows = x.len() / cols.max(1);
         let g = kernel.group();
         let stride = cols
@@ -206,7 +235,7 @@ impl QuantizedActivations {
             rows
         };
         let total = padded_rows * stride;
-        let (inv, zp) = (1.0 / quant.scale, quant.zero_point);
+        let (inv, zp, top) = (1.0 / quant.scale, quant.zero_point, quant.max_level as f32);
         let mut bytes: Vec<u8> = Vec::with_capacity(total);
         let out = &mut bytes.spare_capacity_mut()[..total];
         let (body, tail) = out.split_at_mut(rows * stride);
@@ -215,7 +244,7 @@ impl QuantizedActivations {
             for (i, row) in chunk.chunks_mut(stride).enumerate() {
                 let r = t * rows_per_task + i;
                 let (values, pad) = row.split_at_mut(cols);
-                quantize_into(&x[r * cols..(r + 1) * cols], values, inv, zp);
+                quantize_into(&x[r * cols..(r + 1) * cols], values, inv, zp, top);
                 pad.fill(MaybeUninit::new(zp));
             }
         };
@@ -257,6 +286,7 @@ impl QuantizedActivations {
         quant: ActivationQuant,
         kernel: Int8Kernel,
     ) -> (Self, usize, usize) {
+        let quant = quant.for_kernel(kernel);
         let g = kernel.group();
         let layout = ConvLayout::new(ci, geometry, kernel);
         // Row runs read kw·ci contiguous bytes, so channels need no padding; per-tap runs

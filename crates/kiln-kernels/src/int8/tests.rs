@@ -45,9 +45,11 @@ fn every_kernel_computes_the_exact_integers() {
         let wv: Vec<f32> = (0..n * k).map(|_| lcg(&mut seed)).collect();
         let quant = ActivationQuant::for_values(&xv);
         let qw = quantize_rows(&wv, n, k);
-        let qx: Vec<u8> = xv.iter().map(|v| quant.quantize(*v)).collect();
         for &kernel in &kernels {
             let a = QuantizedActivations::new(&xv, k, quant, kernel);
+            // The operand's own quantization (AVX2's has 7-bit levels).
+            assert_eq!(a.quant, quant.for_kernel(kernel));
+            let qx: Vec<u8> = xv.iter().map(|v| a.quant.quantize(*v)).collect();
             let w = PackedWeights::new(&qw, kernel);
             let got = gemm(&a, &w);
             for i in 0..m {
@@ -186,14 +188,15 @@ fn implicit_gemm_conv_matches_direct_integer_convolution() {
         let wv: Vec<f32> = (0..co * ci * 6).map(|_| lcg(&mut seed)).collect();
         let qw = quantize_rows(&wv, co, ci * 6);
         let quant = ActivationQuant::for_values(&x);
-        let qx = |n: usize, c: usize, y: isize, xx: isize| -> i32 {
-            if y < 0 || xx < 0 || y >= h as isize || xx >= w as isize {
-                quant.zero_point as i32
-            } else {
-                quant.quantize(x[((n * ci + c) * h + y as usize) * w + xx as usize]) as i32
-            }
-        };
         for &kernel in &kernels {
+            let kq = quant.for_kernel(kernel);
+            let qx = |n: usize, c: usize, y: isize, xx: isize| -> i32 {
+                if y < 0 || xx < 0 || y >= h as isize || xx >= w as isize {
+                    kq.zero_point as i32
+                } else {
+                    kq.quantize(x[((n * ci + c) * h + y as usize) * w + xx as usize]) as i32
+                }
+            };
             let (a, ho, wo) = QuantizedActivations::for_conv(
                 &x,
                 [b, ci, h, w],
@@ -325,5 +328,43 @@ fn dequantizing_epilogue_is_exact_and_measures_its_range() {
         );
         assert_eq!(range, range_of(&written), "floor {floor}");
         assert!(floor < 0.0 || range.0 == 0.0);
+    }
+}
+
+/// The worst case for AVX2's `vpmaddubsw`: every activation at the top of its range and
+/// every weight ±127 with the sign of its neighbour, so each i16 pair sum is as large as it
+/// gets. 7-bit activations keep it exact (8-bit ones would saturate at 32767), and the
+/// 7-bit operand covers the same range as the 8-bit one within one of its steps.
+#[test]
+fn avx2_pairs_never_saturate() {
+    let (m, n, k) = (3, 9, 64);
+    let xv: Vec<f32> = (0..m * k)
+        .map(|i| if i % 7 == 0 { -0.5 } else { 4.0 })
+        .collect();
+    let wv: Vec<f32> = (0..n * k)
+        .map(|i| if (i / k) % 2 == 0 { 1.0 } else { -1.0 })
+        .collect();
+    let quant = ActivationQuant::for_values(&xv);
+    let qw = quantize_rows(&wv, n, k);
+    for kernel in supported_kernels() {
+        let a = QuantizedActivations::new(&xv, k, quant, kernel);
+        assert!(a.quant.max_level <= kernel.max_activation());
+        let got = gemm(&a, &PackedWeights::new(&qw, kernel));
+        for i in 0..m {
+            for j in 0..n {
+                let want: i32 = (0..k)
+                    .map(|t| a.quant.quantize(xv[i * k + t]) as i32 * qw.values[j * k + t] as i32)
+                    .sum();
+                assert_eq!(got[i * n + j], want, "{kernel:?} at ({i},{j})");
+            }
+        }
+        // Dequantized, the 7-bit operand still represents the inputs within half a step.
+        for v in &xv {
+            let back = (a.quant.quantize(*v) as f32 - a.quant.zero_point as f32) * a.quant.scale;
+            assert!(
+                (back - v).abs() <= a.quant.scale * 0.5 + 1e-6,
+                "{kernel:?}: {v} → {back}"
+            );
+        }
     }
 }

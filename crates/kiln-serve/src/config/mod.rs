@@ -7,7 +7,9 @@
 //! passes = "strip,fold,int8"      # zoo: inference passes applied at load
 //! input_shape = [1, 28, 28]       # zoo: per-sample [C, H, W] (default: MNIST's)
 //! # backend = "onnx": file = "model.onnx"; input_dims = { input_ids = [128] } fixes the
-//! # non-batch dynamic axes of an input (the server batches fixed-shape samples)
+//! # non-batch dynamic axes of an input (the server batches fixed-shape samples);
+//! # int8_layers = ["/fc1/Gemm"] limits passes' int8 to those nodes (kiln optimize --onnx
+//! # writes it when only some layers measured faster in int8)
 //! max_batch_size = 64
 //! instances = 2                   # model copies running batches in parallel
 //! kind = "KIND_AUTO"              # where they run (Triton's instance kinds): KIND_CPU,
@@ -77,6 +79,9 @@ pub enum BackendConfig {
         /// Per-sample dims (batch left out) for inputs whose ONNX shape has dynamic axes
         /// besides the batch (`input_ids = [128]`): the server batches fixed-shape samples.
         input_dims: BTreeMap<String, Vec<usize>>,
+        /// With the `int8` pass: the layers (node names) it quantizes, when not all — what
+        /// `kiln optimize --onnx` measured faster in int8 on its machine.
+        int8_layers: Option<Vec<String>>,
     },
     /// Returns its input unchanged (Triton's identity backend): measures the server itself.
     Identity {
@@ -447,6 +452,7 @@ struct RawConfig {
     file: Option<PathBuf>,
     dims: Option<Vec<usize>>,
     input_dims: Option<BTreeMap<String, Vec<usize>>>,
+    int8_layers: Option<Vec<String>>,
     datatype: Option<String>,
     execute_delay_microseconds: Option<u64>,
     kiln_kernels: Option<bool>,
@@ -530,6 +536,7 @@ impl ModelConfig {
                 ),
                 passes: raw.passes.clone().unwrap_or_default(),
                 input_dims: raw.input_dims.clone().unwrap_or_default(),
+                int8_layers: raw.int8_layers.clone(),
             },
             "identity" => {
                 let datatype = raw.datatype.clone().unwrap_or_else(|| "FP32".into());
@@ -567,6 +574,7 @@ impl ModelConfig {
             ("file", raw.file.is_some()),
             ("dims", raw.dims.is_some()),
             ("input_dims", raw.input_dims.is_some()),
+            ("int8_layers", raw.int8_layers.is_some()),
             ("datatype", raw.datatype.is_some()),
             (
                 "execute_delay_microseconds",
@@ -583,7 +591,13 @@ impl ModelConfig {
                 "kiln_kernels",
             ],
             BackendConfig::Graph { .. } => &["graph", "kiln_kernels"],
-            BackendConfig::Onnx { .. } => &["file", "passes", "input_dims", "kiln_kernels"],
+            BackendConfig::Onnx { .. } => &[
+                "file",
+                "passes",
+                "input_dims",
+                "int8_layers",
+                "kiln_kernels",
+            ],
             BackendConfig::Identity { .. } => &["dims", "datatype", "execute_delay_microseconds"],
         };
         let stray: Vec<&str> = set

@@ -215,3 +215,34 @@ fn bad_configs_name_the_problem() {
         );
     }
 }
+
+/// `int8_layers` (written by `kiln optimize --onnx` when only some layers measured faster in
+/// int8) parses for the onnx backend and is refused, by name, for any other.
+#[test]
+fn int8_layers_belongs_to_onnx_models() {
+    let c = parse(
+        r#"
+backend = "onnx"
+file = "model.onnx"
+passes = "fold,int8"
+int8_layers = ["/fc1/Gemm", "/fc2/Gemm"]
+"#,
+    )
+    .unwrap();
+    match c.backend {
+        BackendConfig::Onnx { int8_layers, .. } => assert_eq!(
+            int8_layers,
+            Some(vec!["/fc1/Gemm".to_string(), "/fc2/Gemm".to_string()])
+        ),
+        other => panic!("{other:?}"),
+    }
+    let err = parse(
+        r#"
+backend = "graph"
+graph = "model.kgraph"
+int8_layers = ["fc1"]
+"#,
+    )
+    .unwrap_err();
+    assert!(err.contains("int8_layers"), "{err}");
+}

@@ -442,7 +442,43 @@ impl Executor {
             .run(nodes, Some(batch), || self.forward_here(images))
     }
 
+    /// Per node, the median wall time of running it, in ms, over `repeats` forwards of
+    /// `images` after one warm-up, on the thread a forward would run on: what
+    /// [`crate::infer::choose_int8`] compares layer by layer. A node's time includes reading
+    /// its inputs in the layout it needs (an int8 layer's channels-last output read by an f32
+    /// layer pays the transpose there). CPU only: on an asynchronous device a node's time
+    /// is the time to queue it.
+    pub fn node_times(&self, images: Tensor<4>, repeats: usize) -> Result<Vec<f64>> {
+        let (nodes, batch) = (self.graph.nodes.len(), images.dims()[0]);
+        self.placement.run(nodes, Some(batch), || {
+            let mut samples = vec![Vec::with_capacity(repeats); nodes];
+            for round in 0..=repeats.max(1) {
+                let mut clock = Vec::with_capacity(nodes);
+                self.forward_timed(images.clone(), Some(&mut clock))?;
+                // Round 0 warms caches and lazily prepared kernels up.
+                if round > 0 {
+                    for (s, t) in samples.iter_mut().zip(clock) {
+                        s.push(t);
+                    }
+                }
+            }
+            Ok(samples
+                .into_iter()
+                .map(crate::observe::timing::median)
+                .collect())
+        })
+    }
+
     fn forward_here(&self, images: Tensor<4>) -> Result<Tensor<2>> {
+        self.forward_timed(images, None)
+    }
+
+    /// The forward, pushing each node's wall time (ms) onto `clock` when given.
+    fn forward_timed(
+        &self,
+        images: Tensor<4>,
+        mut clock: Option<&mut Vec<f64>>,
+    ) -> Result<Tensor<2>> {
         // Entered here, on the thread that runs the ops (the forward may have hopped to the
         // pool).
         let _kernels = crate::kernels::Scope::enter(self.kiln_kernels);
@@ -463,8 +499,12 @@ impl Executor {
                 let value = take_or_clone(&mut values, &mut remaining, v, &node.name)?;
                 inputs.push(value);
             }
+            let started = clock.as_ref().map(|_| std::time::Instant::now());
             let out = ops::run(op, inputs, &self.device, self.compute)
                 .map_err(|e| KilnError::Inference(format!("node `{}`: {e}", node.name)))?;
+            if let (Some(clock), Some(t)) = (clock.as_mut(), started) {
+                clock.push(t.elapsed().as_secs_f64() * 1e3);
+            }
             values[node.output] = Some(out);
         }
         let out = take_or_clone(&mut values, &mut remaining, self.graph.output, "output")?;

@@ -16,6 +16,7 @@ mod graph;
 mod lower;
 pub mod onnx_export;
 mod passes;
+mod select;
 mod store;
 
 use burn::tensor::{Device, Tensor};
@@ -25,9 +26,10 @@ pub use exec::Executor;
 pub use graph::{ConvGeometry, Graph, Node, Op, QuantWeight, ValueId, Weight};
 pub use lower::{GraphBuilder, Lower, lower, weight_of};
 pub use passes::{
-    Pass, PassReport, fold_batch_norm, fold_into_outer_channels, quantize_int8, run_passes,
-    strip_train_only, to_half_precision,
+    Pass, PassReport, fold_batch_norm, fold_into_outer_channels, int8_candidate, quantize_int8,
+    quantize_int8_layers, run_passes, strip_train_only, to_half_precision,
 };
+pub use select::{CandidateTiming, Int8Choice, LayerTiming, Probe, choose_int8, pass_pays};
 pub use store::{graph_to_bytes, load_graph, save_graph};
 
 use crate::classifier::Classifier;

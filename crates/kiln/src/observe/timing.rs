@@ -59,6 +59,16 @@ pub fn measure(mut f: impl FnMut(), warmup: usize, steps: usize, repeats: usize)
     })
 }
 
+/// The median of `values` (NaN when empty): what turn-taking measurements report per form
+/// (`infer::choose_int8`, per-node and per-step times).
+pub fn median(mut values: Vec<f64>) -> f64 {
+    if values.is_empty() {
+        return f64::NAN;
+    }
+    values.sort_by(f64::total_cmp);
+    median_sorted(&values)
+}
+
 fn median_sorted(v: &[f64]) -> f64 {
     let n = v.len();
     if n % 2 == 1 {

@@ -363,7 +363,60 @@ impl OnnxModel {
             .run(self.steps.len(), batch, || self.run_here(inputs))
     }
 
+    /// Per step, its node name and the median wall time of running it, in ms, over
+    /// `repeats` runs of `inputs` after one warm-up run, on the thread a run would use: what
+    /// `kiln optimize --onnx` compares layer by layer to keep int8 only where it is faster.
+    /// A step the shape cache skips counts 0. CPU only (on an asynchronous device a step's
+    /// time is the time to queue it).
+    pub fn step_times(
+        &self,
+        inputs: &[Value],
+        repeats: usize,
+    ) -> Result<Vec<(String, f64)>, OnnxError> {
+        self.check_inputs(inputs)?;
+        let batch = inputs.first().and_then(|v| v.dims().first().copied());
+        let mut samples = vec![Vec::with_capacity(repeats); self.steps.len()];
+        self.placement.run(self.steps.len(), batch, || {
+            for round in 0..=repeats.max(1) {
+                let mut clock = Vec::with_capacity(self.steps.len());
+                for out in self.run_timed(inputs.to_vec(), Some(&mut clock))? {
+                    out.data()?;
+                }
+                if round > 0 {
+                    for (s, t) in samples.iter_mut().zip(clock) {
+                        s.push(t);
+                    }
+                }
+            }
+            Ok::<(), OnnxError>(())
+        })?;
+        Ok(self
+            .steps
+            .iter()
+            .zip(samples)
+            .map(|(step, v)| (step.name.clone(), crate::observe::timing::median(v)))
+            .collect())
+    }
+
+    /// The names of the steps that run on the int8 kernels (after [`OnnxPass::Int8`]).
+    pub fn int8_layers(&self) -> Vec<String> {
+        self.steps
+            .iter()
+            .filter(|s| matches!(s.op, StepOp::QLinear(_) | StepOp::QConv(_)))
+            .map(|s| s.name.clone())
+            .collect()
+    }
+
     fn run_here(&self, inputs: Vec<Value>) -> Result<Vec<Value>, OnnxError> {
+        self.run_timed(inputs, None)
+    }
+
+    /// The run, pushing each step's wall time (ms) onto `clock` when given.
+    fn run_timed(
+        &self,
+        inputs: Vec<Value>,
+        mut clock: Option<&mut Vec<f64>>,
+    ) -> Result<Vec<Value>, OnnxError> {
         // Entered here, on the thread that runs the ops (the run may have hopped to the pool).
         let _kernels = crate::kernels::Scope::enter(self.kiln_kernels);
         // Image layers run channels-last on the host where Kiln's CPU kernels serve.
@@ -394,8 +447,12 @@ impl OnnxModel {
         for (at, step) in self.steps.iter().enumerate() {
             let derived = plan.is_some_and(|p| p.derived[at]);
             if derived && cached.is_some() {
+                if let Some(clock) = clock.as_mut() {
+                    clock.push(0.0);
+                }
                 continue;
             }
+            let started = clock.as_ref().map(|_| std::time::Instant::now());
             // A value's last reader takes it, so its buffer may be reused in place.
             let mut ins: Vec<Option<Slot>> = step
                 .inputs
@@ -425,6 +482,9 @@ impl OnnxModel {
                 .map_err(|e| {
                     OnnxError::Shape(format!("node `{}` ({}): {e}", step.name, step.op_name))
                 })?;
+            if let (Some(clock), Some(t)) = (clock.as_mut(), started) {
+                clock.push(t.elapsed().as_secs_f64() * 1e3);
+            }
             if outs.len() < step.outputs.len() {
                 return Err(OnnxError::Unsupported(format!(
                     "node `{}` ({}) has {} outputs; Kiln computes {}",

@@ -230,8 +230,47 @@ impl fmt::Display for Plan {
             self.backend.name(),
             self.graph_compilation.why
         )?;
-        writeln!(f, "data parallel: {}", self.data_parallel.why)
+        writeln!(f, "data parallel: {}", self.data_parallel.why)?;
+        writeln!(f, "{}", measured_passes_rule(&self.infer_passes))
     }
+}
+
+/// How `kiln optimize` treats the plan's inference passes on this machine: the passes that
+/// can make a model slower are kept only where they measure faster.
+pub fn measured_passes_rule(passes: &[crate::infer::Pass]) -> String {
+    use crate::infer::Pass;
+    let names: Vec<&str> = passes.iter().map(|p| p.name()).collect();
+    let kernel = kiln_kernels::base::isa::Int8Kernel::detect();
+    let can_lose: Vec<&str> = passes
+        .iter()
+        .filter(|p| matches!(p, Pass::Int8 | Pass::F16 | Pass::Bf16))
+        .map(|p| p.name())
+        .collect();
+    let rule = if can_lose.is_empty() {
+        "each only removes work and is applied as is".to_string()
+    } else {
+        format!(
+            "kiln optimize keeps {} only where the model measures faster than without it on \
+             this machine, at batch 1 and at --batch (int8 layer by layer: a layer stays f32 \
+             where its int8 form timed slower), and within --max-accuracy-drop; --keep-all \
+             applies them unmeasured",
+            can_lose.join(", ")
+        )
+    };
+    format!(
+        "inference passes: {} — {rule}. Int8 kernel on this CPU: {}{}",
+        if names.is_empty() {
+            "none".to_string()
+        } else {
+            names.join(",")
+        },
+        kernel.name(),
+        if kernel.max_activation() < 255 {
+            " (7-bit activations)"
+        } else {
+            ""
+        }
+    )
 }
 
 /// Resolves a config against the probed hardware.

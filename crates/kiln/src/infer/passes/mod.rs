@@ -13,7 +13,7 @@ use crate::precision::Precision;
 
 pub use fold::{fold_batch_norm, fold_into_outer_channels};
 pub use half::to_half_precision;
-pub use quantize::quantize_int8;
+pub use quantize::{int8_candidate, quantize_int8, quantize_int8_layers};
 pub use strip::strip_train_only;
 
 /// A graph pass.

@@ -1,14 +1,39 @@
 //! Int8 dynamic quantization of linear and convolution layers.
 
-use crate::error::{KilnError, Result};
-use crate::infer::graph::{Graph, Op};
+use std::collections::BTreeSet;
+
+use crate::error::Result;
+use crate::infer::graph::{Graph, Node, Op};
 use kiln_kernels::int8::quantize_rows;
 
 /// Replaces each Linear with a QLinear and each ungrouped Conv2d with a QConv2d (per-channel
 /// symmetric int8 weights; activations are quantized per batch when the graph runs).
+/// Grouped and depthwise convolutions stay f32 (the integer kernel multiplies whole
+/// channels; a change line says which).
 pub fn quantize_int8(graph: &mut Graph) -> Result<Vec<String>> {
+    quantize_int8_layers(graph, None)
+}
+
+/// Whether the int8 pass can quantize `node` (a linear layer or an ungrouped convolution).
+pub fn int8_candidate(node: &Node) -> bool {
+    match &node.op {
+        Op::Linear { .. } => true,
+        Op::Conv2d { geometry, .. } => geometry.groups == 1,
+        _ => false,
+    }
+}
+
+/// [`quantize_int8`] on the layers named in `only` (every candidate when `None`): what
+/// [`crate::infer::choose_int8`] applies after measuring which layers int8 speeds up.
+pub fn quantize_int8_layers(
+    graph: &mut Graph,
+    only: Option<&BTreeSet<String>>,
+) -> Result<Vec<String>> {
     let mut changes = Vec::new();
     for node in &mut graph.nodes {
+        if only.is_some_and(|names| !names.contains(&node.name)) {
+            continue;
+        }
         let replacement = match &node.op {
             Op::Linear { weight, bias } => {
                 let (k, n) = (weight.shape[0], weight.shape[1]);
@@ -31,11 +56,11 @@ pub fn quantize_int8(graph: &mut Graph) -> Result<Vec<String>> {
                 geometry,
             } => {
                 if geometry.groups != 1 {
-                    return Err(KilnError::Unsupported {
-                        pass: "int8".into(),
-                        layer: format!("{} (Conv with groups = {})", node.name, geometry.groups),
-                        fix: "leave this model in f32 (drop int8 from --passes)".into(),
-                    });
+                    changes.push(format!(
+                        "{}: Conv2d with groups = {} stays f32",
+                        node.name, geometry.groups
+                    ));
+                    continue;
                 }
                 let co = weight.shape[0];
                 let cols = weight.len() / co;

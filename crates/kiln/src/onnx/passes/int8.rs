@@ -145,10 +145,16 @@ impl QConv {
 }
 
 impl OnnxModel {
-    pub(in crate::onnx) fn quantize_int8(&mut self) -> Result<Vec<String>, OnnxError> {
+    pub(in crate::onnx) fn quantize_int8(
+        &mut self,
+        only: Option<&BTreeSet<String>>,
+    ) -> Result<Vec<String>, OnnxError> {
         let kernel = Int8Kernel::detect();
         let (mut linear, mut conv, mut relu, mut kept) = (0, 0, 0, 0);
         for at in 0..self.steps.len() {
+            if only.is_some_and(|names| !names.contains(&self.steps[at].name)) {
+                continue;
+            }
             let replaced = match self.steps[at].op.node() {
                 Some(Node::Linear(n)) => self.int8_linear(at, n.config.transpose_weight, kernel)?,
                 Some(Node::MatMul(_)) => self.int8_linear(at, false, kernel)?,

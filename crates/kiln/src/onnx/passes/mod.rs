@@ -12,6 +12,8 @@ mod int8;
 pub(in crate::onnx) use fold::affine;
 pub(in crate::onnx) use int8::{QConv, QLinear};
 
+use std::collections::BTreeSet;
+
 use burn::tensor::TensorData;
 use onnx_ir::Node;
 use onnx_ir::node::padding::{AutoPad, PaddingConfig2d};
@@ -117,6 +119,16 @@ pub(super) fn activate(act: Activation, x: Value) -> Result<Value, OnnxError> {
 impl OnnxModel {
     /// Applies `pass` and reports what it changed.
     pub fn apply(&mut self, pass: OnnxPass) -> Result<OnnxPassReport, OnnxError> {
+        self.apply_to(pass, None)
+    }
+
+    /// [`OnnxModel::apply`] with the int8 pass limited to the layers (node names) in `only`
+    /// — the layers `kiln optimize --onnx` measured faster in int8; other passes ignore it.
+    pub fn apply_to(
+        &mut self,
+        pass: OnnxPass,
+        only: Option<&BTreeSet<String>>,
+    ) -> Result<OnnxPassReport, OnnxError> {
         let nodes_before = self.steps.len();
         // The passes rewrite single layers: fused pairs are taken apart first (and fused
         // again below where both layers still fit).
@@ -124,7 +136,7 @@ impl OnnxModel {
         self.unfuse_concat_convs();
         let mut changes = match pass {
             OnnxPass::Fold => self.fold_batch_norm()?,
-            OnnxPass::Int8 => self.quantize_int8()?,
+            OnnxPass::Int8 => self.quantize_int8(only)?,
         };
         // Weights packed by earlier runs may be stale now (a fold rewires a convolution to
         // new constants): every layer packs again on its next run.
