@@ -107,6 +107,58 @@ fn grouped_and_low_precision_convolutions_fall_back_to_burn() {
     assert!(max_relative(got, want) <= 2e-2);
 }
 
+/// Depthwise convolutions (one filter per channel: MobileNet's 3×3 and 5×5, strides 1 and 2)
+/// run Kiln's kernel and match Burn's op forward and in all three gradients under autodiff.
+#[test]
+fn kiln_depthwise_conv_matches_burn_forward_and_gradients_under_autodiff() {
+    let device = Device::flex().autodiff();
+    for (k, stride, pad) in [(3, 1, 1), (3, 2, 1), (5, 1, 2), (5, 2, 2)] {
+        let channels = 6;
+        let options = ConvOptions::new([stride, stride], [pad, pad], [1, 1], channels);
+        let x = Tensor::<4>::random(
+            [2, channels, 9, 10],
+            Distribution::Normal(0.0, 1.0),
+            &device,
+        );
+        let w = Tensor::<4>::random([channels, 1, k, k], Distribution::Normal(0.0, 0.3), &device);
+        let b = Tensor::<1>::random([channels], Distribution::Normal(0.0, 0.3), &device);
+        let out_dims = burn_conv2d(x.clone(), w.clone(), Some(b.clone()), options.clone()).dims();
+        let g = Tensor::<4>::random(out_dims, Distribution::Normal(0.0, 1.0), &device);
+        let grads_of = |conv: &dyn Fn(Tensor<4>, Tensor<4>, Tensor<1>) -> Tensor<4>| {
+            let (x, w, b) = (
+                x.clone().require_grad(),
+                w.clone().require_grad(),
+                b.clone().require_grad(),
+            );
+            let out = conv(x.clone(), w.clone(), b.clone());
+            let grads = (out.clone() * g.clone()).sum().backward();
+            (
+                out.detach(),
+                x.grad(&grads).expect("x gradient"),
+                w.grad(&grads).expect("weight gradient"),
+                b.grad(&grads).expect("bias gradient"),
+            )
+        };
+        let want = grads_of(&|x, w, b| burn_conv2d(x, w, Some(b), options.clone()));
+        let got = grads_of(&|x, w, b| kernels::conv2d(x, w, Some(b), options.clone()));
+        let case = format!("{k}×{k} stride {stride}");
+        assert!(max_relative(got.0, want.0) <= 1e-5, "{case}: forward");
+        assert!(
+            max_relative(got.1, want.1) <= 1e-5,
+            "{case}: input gradient"
+        );
+        assert!(
+            max_relative(got.2, want.2) <= 1e-5,
+            "{case}: weight gradient"
+        );
+        let as4 = |t: Tensor<1>| t.reshape([1, channels, 1, 1]);
+        assert!(
+            max_relative(as4(got.3), as4(want.3)) <= 1e-5,
+            "{case}: bias gradient"
+        );
+    }
+}
+
 #[test]
 fn kiln_max_pool_matches_burn_forward_and_gradient_under_autodiff() {
     use burn::tensor::module::max_pool2d;

@@ -7,6 +7,7 @@
 //! convolution to the global pool, with no transpose per layer (ONNX Runtime keeps its NCHWc
 //! blocked layout for the same reason). The inner loops run along the channels.
 
+pub mod planar;
 pub(crate) mod strip;
 
 use crate::activation::{Activation, activate_slice};

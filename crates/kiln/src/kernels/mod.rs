@@ -98,8 +98,9 @@ fn all_f32(dtypes: [DType; 2], bias: &Option<Tensor<1>>) -> bool {
         .all(|d| d == DType::F32)
 }
 
-/// 2-D convolution (NCHW): Kiln's GEMM kernel on `flex` for f32 without groups, Burn's
-/// `conv2d` otherwise. Differentiable either way.
+/// 2-D convolution (NCHW): Kiln's kernels on `flex` for f32 — the GEMM kernel without
+/// groups, the depthwise kernel with one filter per channel — Burn's `conv2d` otherwise
+/// (other groupings, half precision, other devices). Differentiable either way.
 pub fn conv2d(
     x: Tensor<4>,
     weight: Tensor<4>,
@@ -107,7 +108,10 @@ pub fn conv2d(
     options: ConvOptions<2>,
 ) -> Tensor<4> {
     let f32_only = all_f32([x.dtype(), weight.dtype()], &bias);
-    if options.groups != 1 || !f32_only || !serves(&x.device()) {
+    let [_, channels, _, _] = x.dims();
+    let [out, per_group, _, _] = weight.dims();
+    let ours = options.groups == 1 || extension::is_depthwise(channels, out, per_group, &options);
+    if !ours || !f32_only || !serves(&x.device()) {
         return burn_conv2d(x, weight, bias, options);
     }
     let _op = tracing::trace_span!(

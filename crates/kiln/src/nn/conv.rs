@@ -60,8 +60,9 @@ pub struct Conv2d {
 }
 
 impl Conv2d {
-    /// The forward pass: Kiln's GEMM kernel in f32 on the CPU (ungrouped), the autocast
-    /// precision inside a bf16/f16 scope, Burn's op elsewhere.
+    /// The forward pass: Kiln's kernels in f32 on the CPU (the GEMM kernel ungrouped, the
+    /// depthwise kernel with one filter per channel), the autocast precision inside a
+    /// bf16/f16 scope, Burn's op elsewhere (other groupings, other devices).
     ///
     /// # Panics
     /// Like Burn's layer, if `x` does not have the layer's input channels.

@@ -2,6 +2,7 @@
 //! operands' host values, runs the slice kernel from `kiln-kernels` and wraps the result.
 
 use super::*;
+use kiln_kernels::depthwise::planar;
 
 impl KilnKernels for Flex {
     fn kiln_conv2d(
@@ -14,7 +15,12 @@ impl KilnKernels for Flex {
         else {
             return Flex::conv2d(x, weight, Some(bias), options);
         };
-        let out = conv2d_forward_new(&s, &values(&x), &values(&weight), Some(&values(&bias)));
+        let out = if options.groups > 1 {
+            // Depthwise (`conv_shape` admits no other grouping).
+            planar::forward(&s, &values(&x), &values(&weight), Some(&values(&bias)))
+        } else {
+            conv2d_forward_new(&s, &values(&x), &values(&weight), Some(&values(&bias)))
+        };
         flex_tensor(out, [s.batch, s.cout, s.out_h(), s.out_w()])
     }
 
@@ -36,7 +42,11 @@ impl KilnKernels for Flex {
             cout = s.cout
         )
         .entered();
-        let dx = conv2d_input_grad_new(&s, &values(&output_grad), &values(&weight));
+        let dx = if options.groups > 1 {
+            planar::input_grad(&s, &values(&output_grad), &values(&weight))
+        } else {
+            conv2d_input_grad_new(&s, &values(&output_grad), &values(&weight))
+        };
         flex_tensor(dx, [s.batch, s.cin, s.h, s.w])
     }
 
@@ -58,6 +68,10 @@ impl KilnKernels for Flex {
             cout = s.cout
         )
         .entered();
+        if options.groups > 1 {
+            let dw = planar::weight_grad(&s, &values(&x), &values(&output_grad));
+            return flex_tensor(dw, [s.cout, 1, s.kh, s.kw]);
+        }
         let mut dw = vec![0f32; s.weight_len()];
         conv2d_weight_grad(&s, &values(&x), &values(&output_grad), &mut dw);
         flex_tensor(dw, [s.cout, s.cin, s.kh, s.kw])

@@ -181,10 +181,9 @@ fn conv_shape(
     let (xs, ws) = (x.shape(), weight.shape());
     if x.dtype() != DType::F32
         || weight.dtype() != DType::F32
-        || options.groups != 1
         || xs.num_dims() != 4
         || ws.num_dims() != 4
-        || xs[1] != ws[1]
+        || !(xs[1] == ws[1] && options.groups == 1 || is_depthwise(xs[1], ws[0], ws[1], options))
     {
         return None;
     }
@@ -208,6 +207,18 @@ fn conv_shape(
         padding: options.padding,
         dilation: options.dilation,
     })
+}
+
+/// Whether a convolution of `channels` inputs by a weight `[out, per_group, ..]` is
+/// depthwise — one filter per channel (`groups = channels = out`, `per_group = 1`) — which
+/// `kiln_kernels::depthwise::planar` computes (other grouped convolutions stay Burn's).
+pub(crate) fn is_depthwise(
+    channels: usize,
+    out: usize,
+    per_group: usize,
+    options: &ConvOptions<2>,
+) -> bool {
+    options.groups > 1 && options.groups == channels && out == channels && per_group == 1
 }
 
 /// The kernel's shape for pooling `x`, or `None` when it does not apply (not f32 or not 4-D).
