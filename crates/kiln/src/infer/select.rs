@@ -1,19 +1,20 @@
 //! Measured keep/drop: which layers int8 quantization makes faster on this CPU, and whether
 //! a pass that can lose (int8, f16, bf16) makes the whole model faster at the batches asked.
 //!
-//! Int8 is not a win everywhere. On an AVX2-only CPU the integer kernel multiplies 16 pairs
-//! per instruction, as many as f32's two FMA pipes, and adds a quantization pass and an
-//! epilogue: a convolution with a large spatial output can be slower in int8 while a linear
-//! layer at batch 1 (bound by reading its weights) is several times faster. So the choice is
-//! measured, on the user's machine, with the user's model:
+//! Int8 is not a win everywhere. On an AVX2-only Zen 2 the integer multiplies issue on one
+//! pipe, no more products per cycle than f32's two FMA pipes, and int8 adds a quantization
+//! pass and an epilogue, while f32 3×3 convolutions run as Winograd: W2's convolutions are
+//! slower in int8 there while its first linear layer at batch 1 (bound by reading its
+//! weights) is 3× faster (BENCHMARKS.md run 52). So the choice is measured, on the user's
+//! machine, with the user's model, the forms taking turns (see [`Probe::models_ms`]):
 //!
 //! 1. **Per layer**: every candidate layer's time in the all-f32 graph (plus the ReLU the int8
 //!    layer would absorb) against its time in the all-int8 graph ([`Executor::node_times`]),
 //!    at each batch asked for; a layer is quantized only where int8 is faster at every one.
 //! 2. **Per model**: the f32 graph, the per-layer choice and the all-int8 graph each run
-//!    whole ([`measure`]); the one with the smallest geometric-mean time ratio to f32 among
-//!    those not slower than f32 at any batch wins, f32 when none is — so the result is never
-//!    slower than the f32 model on the CPU it was measured on (up to the timing's noise).
+//!    whole; the one with the smallest geometric-mean time ratio to f32 among those faster
+//!    than f32 at every batch wins, f32 when none is — so the result is never slower than
+//!    the f32 model on the CPU it was measured on (up to the timing's noise).
 
 use std::collections::BTreeSet;
 
