@@ -596,7 +596,7 @@ fn optimize_reports_each_pass_and_writes_the_model() {
     let quantized: Vec<&str> = graph
         .nodes
         .iter()
-        .filter(|n| n.op.kind() == "QLinear")
+        .filter(|n| matches!(n.op, kiln::infer::Op::QLinear { .. }))
         .map(|n| n.name.as_str())
         .collect();
     if decision["kept"].as_bool().unwrap() {
