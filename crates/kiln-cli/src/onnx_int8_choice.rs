@@ -6,6 +6,7 @@
 use std::collections::BTreeSet;
 
 use anyhow::Result;
+use kiln::infer::{fastest_form, mean_ratio};
 use kiln::observe::timing::median;
 use kiln::onnx::{OnnxModel, OnnxPass, Value};
 use serde::Serialize;
@@ -57,11 +58,12 @@ pub(crate) struct Choice {
     pub(crate) decision: Decision,
 }
 
-/// Measures int8 on `base` (the model with `kept` applied; `load` reads the file again).
+/// Measures int8 on `base` (the model with `kept` applied; `load` reads the file again for
+/// each int8 form). `Choice::model` is the int8 form kept, `None` when `base` stays.
 pub(crate) fn choose(
     load: &dyn Fn() -> Result<OnnxModel>,
     kept: &[OnnxPass],
-    base: OnnxModel,
+    base: &OnnxModel,
     inputs: [&[Value]; 2],
     steps: usize,
 ) -> Result<Choice> {
@@ -94,14 +96,14 @@ pub(crate) fn choose(
             decision,
         });
     }
-    let layers = layer_timings(&base, &all, &names, inputs, steps)?;
+    let layers = layer_timings(base, &all, &names, inputs, steps)?;
     let faster: Vec<String> = layers
         .iter()
         .filter(|l| l.int8_faster)
         .map(|l| l.name.clone())
         .collect();
-    let mut forms: Vec<(String, OnnxModel, Vec<String>, Vec<String>)> =
-        vec![("without int8".into(), base, Vec::new(), Vec::new())];
+    // The int8 forms; `base` is measured beside them as form 0.
+    let mut forms: Vec<(String, OnnxModel, Vec<String>, Vec<String>)> = Vec::new();
     if !faster.is_empty() && faster.len() < names.len() {
         let only: BTreeSet<String> = faster.iter().cloned().collect();
         let (some, changes) = with_passes(Some(&only))?;
@@ -114,41 +116,38 @@ pub(crate) fn choose(
         names.clone(),
         all_changes,
     ));
-    let models: Vec<&OnnxModel> = forms.iter().map(|f| &f.1).collect();
+    let models: Vec<&OnnxModel> = std::iter::once(base)
+        .chain(forms.iter().map(|f| &f.1))
+        .collect();
     let times = models_ms(&models, inputs, steps)?;
-    let base_ms = times[0].clone();
-    let ratio = |ms: &[f64]| {
-        let logs: f64 = ms.iter().zip(&base_ms).map(|(a, b)| (a / b).ln()).sum();
-        (logs / ms.len().max(1) as f64).exp()
-    };
-    let best = (1..forms.len())
-        .filter(|&i| times[i].iter().zip(&base_ms).all(|(a, b)| a < b))
-        .min_by(|&a, &b| ratio(&times[a]).total_cmp(&ratio(&times[b])));
+    let base_ms = &times[0];
+    let best = fastest_form(&times);
+    let label = |i: usize| forms[i - 1].0.as_str();
     let show = |ms: &[f64]| format!("b1 {:.3} ms, b8 {:.3} ms", ms[0], ms[1]);
     let reason = match best {
         Some(i) => format!(
             "{} measured {:.2}× the time without int8 ({} vs {})",
-            forms[i].0,
-            ratio(&times[i]),
+            label(i),
+            mean_ratio(&times[i], base_ms),
             show(&times[i]),
-            show(&base_ms)
+            show(base_ms)
         ),
         None => format!(
             "no int8 form measured faster at batch 1 and 8 (without int8 {}; {})",
-            show(&base_ms),
-            (1..forms.len())
-                .map(|i| format!("{} {}", forms[i].0, show(&times[i])))
+            show(base_ms),
+            (1..times.len())
+                .map(|i| format!("{} {}", label(i), show(&times[i])))
                 .collect::<Vec<_>>()
                 .join("; ")
         ),
     };
-    let candidates: Vec<Candidate> = forms
-        .iter()
+    let candidates: Vec<Candidate> = std::iter::once(("without int8", &Vec::new()))
+        .chain(forms.iter().map(|f| (f.0.as_str(), &f.2)))
         .zip(&times)
-        .map(|(f, ms)| Candidate {
-            label: f.0.clone(),
+        .map(|((label, layers), ms)| Candidate {
+            label: label.to_string(),
             ms: ms.clone(),
-            int8_layers: f.2.clone(),
+            int8_layers: layers.clone(),
         })
         .collect();
     let decision = Decision {
@@ -161,7 +160,7 @@ pub(crate) fn choose(
     };
     Ok(match best {
         Some(i) => {
-            let (_, model, layers, mut changes) = forms.swap_remove(i);
+            let (_, model, layers, mut changes) = forms.swap_remove(i - 1);
             changes.push(format!("int8 kept: {reason}"));
             Choice {
                 model: Some(model),

@@ -35,10 +35,48 @@ pub fn fits(s: &ConvShape) -> bool {
     s.cin == s.cout && s.cin > 0 && s.kh > 0 && s.kw > 0 && s.out_h() > 0 && s.out_w() > 0
 }
 
+/// One tap's reach over one output row: tap `t` (`ky·kw + kx`) of output row `oy` reads input
+/// row `iy`, output columns `cols` from input column `first` on, `stride[1]` apart.
+struct TapRow {
+    t: usize,
+    oy: usize,
+    iy: usize,
+    cols: std::ops::Range<usize>,
+    first: usize,
+}
+
+/// Calls `f` for every (tap, output row) pair that reads inside the image, taps in order
+/// and rows in order within a tap: the index arithmetic all three kernels share, so padding
+/// is settled here once per row and never inside their inner loops.
+fn for_each_tap_row(s: &ConvShape, mut f: impl FnMut(TapRow)) {
+    let (oh, ow) = (s.out_h(), s.out_w());
+    for ky in 0..s.kh {
+        let dy = ky * s.dilation[0];
+        let (oy0, oy1) = covered(oh, s.stride[0], dy, s.padding[0].0, s.h);
+        for kx in 0..s.kw {
+            let dx = kx * s.dilation[1];
+            let (ox0, ox1) = covered(ow, s.stride[1], dx, s.padding[1].0, s.w);
+            if ox0 == ox1 {
+                // The tap falls on the padding for every output column.
+                continue;
+            }
+            for oy in oy0..oy1 {
+                f(TapRow {
+                    t: ky * s.kw + kx,
+                    oy,
+                    iy: oy * s.stride[0] + dy - s.padding[0].0,
+                    cols: ox0..ox1,
+                    first: ox0 * s.stride[1] + dx - s.padding[1].0,
+                });
+            }
+        }
+    }
+}
+
 /// `y[n][c] = bias[c] + x[n][c] ⋆ w[c]`: `x` `[batch, channels, h, w]`, `w`
 /// `[channels, 1, kh, kw]`, result `[batch, channels, out_h, out_w]`.
 pub fn forward(s: &ConvShape, x: &[f32], w: &[f32], bias: Option<&[f32]>) -> Vec<f32> {
-    let (oh, ow, taps) = (s.out_h(), s.out_w(), s.kh * s.kw);
+    let (oh, ow, taps, sw) = (s.out_h(), s.out_w(), s.kh * s.kw, s.stride[1]);
     let mut y = vec![0f32; s.batch * s.cout * oh * ow];
     y.par_chunks_mut(oh * ow)
         .enumerate()
@@ -47,37 +85,28 @@ pub fn forward(s: &ConvShape, x: &[f32], w: &[f32], bias: Option<&[f32]>) -> Vec
             out.fill(bias.map_or(0.0, |b| b[c]));
             let input = &x[plane * s.h * s.w..][..s.h * s.w];
             let filter = &w[c * taps..][..taps];
-            for ky in 0..s.kh {
-                let (oy0, oy1) = covered(oh, s.stride[0], ky * s.dilation[0], s.padding[0].0, s.h);
-                for kx in 0..s.kw {
-                    let (tap, dx) = (filter[ky * s.kw + kx], kx * s.dilation[1]);
-                    let (ox0, ox1) = covered(ow, s.stride[1], dx, s.padding[1].0, s.w);
-                    for oy in oy0..oy1 {
-                        let iy = oy * s.stride[0] + ky * s.dilation[0] - s.padding[0].0;
-                        let row = &input[iy * s.w..][..s.w];
-                        let dst = &mut out[oy * ow + ox0..oy * ow + ox1];
-                        let first = ox0 * s.stride[1] + dx - s.padding[1].0;
-                        if s.stride[1] == 1 {
-                            for (o, v) in dst.iter_mut().zip(&row[first..]) {
-                                *o += tap * v;
-                            }
-                        } else {
-                            for (o, v) in
-                                dst.iter_mut().zip(row[first..].iter().step_by(s.stride[1]))
-                            {
-                                *o += tap * v;
-                            }
-                        }
+            for_each_tap_row(s, |r| {
+                let tap = filter[r.t];
+                let row = &input[r.iy * s.w + r.first..(r.iy + 1) * s.w];
+                let dst = &mut out[r.oy * ow..][r.cols];
+                // Stride 1 apart: contiguous, so the loop vectorizes.
+                if sw == 1 {
+                    for (o, v) in dst.iter_mut().zip(row) {
+                        *o += tap * v;
+                    }
+                } else {
+                    for (o, v) in dst.iter_mut().zip(row.iter().step_by(sw)) {
+                        *o += tap * v;
                     }
                 }
-            }
+            });
         });
     y
 }
 
 /// The gradient of [`forward`] with respect to `x`, from the output's gradient `dy`.
 pub fn input_grad(s: &ConvShape, dy: &[f32], w: &[f32]) -> Vec<f32> {
-    let (oh, ow, taps) = (s.out_h(), s.out_w(), s.kh * s.kw);
+    let (oh, ow, taps, sw) = (s.out_h(), s.out_w(), s.kh * s.kw, s.stride[1]);
     let mut dx = vec![0f32; s.batch * s.cin * s.h * s.w];
     dx.par_chunks_mut(s.h * s.w)
         .enumerate()
@@ -85,28 +114,20 @@ pub fn input_grad(s: &ConvShape, dy: &[f32], w: &[f32]) -> Vec<f32> {
             let c = plane % s.cin;
             let upstream = &dy[plane * oh * ow..][..oh * ow];
             let filter = &w[c * taps..][..taps];
-            for ky in 0..s.kh {
-                let (oy0, oy1) = covered(oh, s.stride[0], ky * s.dilation[0], s.padding[0].0, s.h);
-                for kx in 0..s.kw {
-                    let (tap, dxo) = (filter[ky * s.kw + kx], kx * s.dilation[1]);
-                    let (ox0, ox1) = covered(ow, s.stride[1], dxo, s.padding[1].0, s.w);
-                    for oy in oy0..oy1 {
-                        let iy = oy * s.stride[0] + ky * s.dilation[0] - s.padding[0].0;
-                        let src = &upstream[oy * ow + ox0..oy * ow + ox1];
-                        let first = ox0 * s.stride[1] + dxo - s.padding[1].0;
-                        let row = &mut grad[iy * s.w..][..s.w];
-                        if s.stride[1] == 1 {
-                            for (g, v) in row[first..].iter_mut().zip(src) {
-                                *g += tap * v;
-                            }
-                        } else {
-                            for (g, v) in row[first..].iter_mut().step_by(s.stride[1]).zip(src) {
-                                *g += tap * v;
-                            }
-                        }
+            for_each_tap_row(s, |r| {
+                let tap = filter[r.t];
+                let src = &upstream[r.oy * ow..][r.cols];
+                let row = &mut grad[r.iy * s.w + r.first..(r.iy + 1) * s.w];
+                if sw == 1 {
+                    for (g, v) in row.iter_mut().zip(src) {
+                        *g += tap * v;
+                    }
+                } else {
+                    for (g, v) in row.iter_mut().step_by(sw).zip(src) {
+                        *g += tap * v;
                     }
                 }
-            }
+            });
         });
     dx
 }
@@ -114,39 +135,25 @@ pub fn input_grad(s: &ConvShape, dy: &[f32], w: &[f32]) -> Vec<f32> {
 /// The gradient of [`forward`] with respect to `w` (`[channels, 1, kh, kw]`), from `x` and
 /// the output's gradient `dy`: per channel, each tap's correlation of the two over the batch.
 pub fn weight_grad(s: &ConvShape, x: &[f32], dy: &[f32]) -> Vec<f32> {
-    let (oh, ow, taps) = (s.out_h(), s.out_w(), s.kh * s.kw);
+    let (oh, ow, taps, sw) = (s.out_h(), s.out_w(), s.kh * s.kw, s.stride[1]);
     let mut dw = vec![0f32; s.cout * taps];
     dw.par_chunks_mut(taps).enumerate().for_each(|(c, grad)| {
         for n in 0..s.batch {
             let plane = n * s.cin + c;
             let input = &x[plane * s.h * s.w..][..s.h * s.w];
             let upstream = &dy[plane * oh * ow..][..oh * ow];
-            for ky in 0..s.kh {
-                let (oy0, oy1) = covered(oh, s.stride[0], ky * s.dilation[0], s.padding[0].0, s.h);
-                for kx in 0..s.kw {
-                    let dxo = kx * s.dilation[1];
-                    let (ox0, ox1) = covered(ow, s.stride[1], dxo, s.padding[1].0, s.w);
-                    let mut sum = 0f32;
-                    for oy in oy0..oy1 {
-                        let iy = oy * s.stride[0] + ky * s.dilation[0] - s.padding[0].0;
-                        let row = &input[iy * s.w..][..s.w];
-                        let src = &upstream[oy * ow + ox0..oy * ow + ox1];
-                        let first = ox0 * s.stride[1] + dxo - s.padding[1].0;
-                        sum += if s.stride[1] == 1 {
-                            src.iter()
-                                .zip(&row[first..])
-                                .map(|(a, b)| a * b)
-                                .sum::<f32>()
-                        } else {
-                            src.iter()
-                                .zip(row[first..].iter().step_by(s.stride[1]))
-                                .map(|(a, b)| a * b)
-                                .sum::<f32>()
-                        };
-                    }
-                    grad[ky * s.kw + kx] += sum;
-                }
-            }
+            for_each_tap_row(s, |r| {
+                let src = &upstream[r.oy * ow..][r.cols];
+                let row = &input[r.iy * s.w + r.first..(r.iy + 1) * s.w];
+                grad[r.t] += if sw == 1 {
+                    src.iter().zip(row).map(|(a, b)| a * b).sum::<f32>()
+                } else {
+                    src.iter()
+                        .zip(row.iter().step_by(sw))
+                        .map(|(a, b)| a * b)
+                        .sum::<f32>()
+                };
+            });
         }
     });
     dw

@@ -135,20 +135,21 @@ impl ActivationQuant {
     pub fn for_range_levels((lo, hi): (f32, f32), max_level: u8) -> Self {
         let (lo, hi) = (lo.min(0.0), hi.max(0.0));
         let range = hi - lo;
-        let top = max_level.max(1) as f32;
+        let max_level = max_level.max(1);
         if !(range > 0.0 && range.is_finite()) {
             return ActivationQuant {
                 scale: 1.0,
                 zero_point: 0,
-                max_level: max_level.max(1),
+                max_level,
             };
         }
+        let top = max_level as f32;
         let scale = range / top;
         let zero_point = round(-lo / scale).clamp(0.0, top) as u8;
         ActivationQuant {
             scale,
             zero_point,
-            max_level: max_level.max(1),
+            max_level,
         }
     }
 

@@ -29,7 +29,10 @@ pub use passes::{
     Pass, PassReport, fold_batch_norm, fold_into_outer_channels, int8_candidate, quantize_int8,
     quantize_int8_layers, run_passes, strip_train_only, to_half_precision,
 };
-pub use select::{CandidateTiming, Int8Choice, LayerTiming, Probe, choose_int8, pass_pays};
+pub use select::{
+    CandidateTiming, Int8Choice, LayerTiming, Probe, choose_int8, fastest_form, mean_ratio,
+    pass_pays,
+};
 pub use store::{graph_to_bytes, load_graph, save_graph};
 
 use crate::classifier::Classifier;

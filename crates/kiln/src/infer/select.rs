@@ -56,8 +56,6 @@ pub struct CandidateTiming {
 /// The measured int8 decision for a graph.
 #[derive(Debug, Clone, Serialize)]
 pub struct Int8Choice {
-    /// The batch sizes measured.
-    pub batches: Vec<usize>,
     /// Per candidate layer, in graph order.
     pub layers: Vec<LayerTiming>,
     /// The whole-model candidates (f32 first).
@@ -191,10 +189,21 @@ fn faster_everywhere(ms: &[f64], base: &[f64]) -> bool {
     ms.iter().zip(base).all(|(a, b)| a < b)
 }
 
-/// Geometric mean of `ms[i] / base[i]`.
-fn mean_ratio(ms: &[f64], base: &[f64]) -> f64 {
+/// Geometric mean of `ms[i] / base[i]`: a form's time relative to the base over the
+/// batches measured.
+pub fn mean_ratio(ms: &[f64], base: &[f64]) -> f64 {
     let logs: f64 = ms.iter().zip(base).map(|(a, b)| (a / b).ln()).sum();
     (logs / ms.len().max(1) as f64).exp()
+}
+
+/// The rule both `kiln optimize` roads keep a form by: `times[f][batch]` for each form, the
+/// base (the model without the pass) first; the index of the form faster than the base at
+/// every batch with the smallest [`mean_ratio`], `None` when no form is faster everywhere.
+pub fn fastest_form(times: &[Vec<f64>]) -> Option<usize> {
+    let base = times.first()?;
+    (1..times.len())
+        .filter(|&i| faster_everywhere(&times[i], base))
+        .min_by(|&a, &b| mean_ratio(&times[a], base).total_cmp(&mean_ratio(&times[b], base)))
 }
 
 /// Measures where int8 pays on `graph` (already stripped and folded) and returns the choice;
@@ -209,7 +218,6 @@ pub fn choose_int8(graph: &Graph, probe: &Probe) -> Result<Int8Choice> {
         .collect();
     if names.is_empty() {
         return Ok(Int8Choice {
-            batches,
             layers: Vec::new(),
             candidates: vec![CandidateTiming {
                 label: "f32".into(),
@@ -248,12 +256,8 @@ pub fn choose_int8(graph: &Graph, probe: &Probe) -> Result<Int8Choice> {
         })
         .collect();
     let f32_ms = candidates[0].ms.clone();
-    let best = candidates
-        .iter()
-        .enumerate()
-        .skip(1)
-        .filter(|(_, c)| faster_everywhere(&c.ms, &f32_ms))
-        .min_by(|a, b| mean_ratio(&a.1.ms, &f32_ms).total_cmp(&mean_ratio(&b.1.ms, &f32_ms)));
+    let times: Vec<Vec<f64>> = candidates.iter().map(|c| c.ms.clone()).collect();
+    let best = fastest_form(&times).map(|i| (i, &candidates[i]));
     let show = |ms: &[f64]| {
         batches
             .iter()
@@ -287,7 +291,6 @@ pub fn choose_int8(graph: &Graph, probe: &Probe) -> Result<Int8Choice> {
         ),
     };
     Ok(Int8Choice {
-        batches,
         layers,
         candidates,
         chosen,
