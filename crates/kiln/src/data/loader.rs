@@ -322,6 +322,12 @@ impl<'s, T: Send> DataLoader<'s, T> {
         self.shard = shard;
     }
 
+    /// Samples the source left out of their batches since the last call (unreadable files
+    /// under a skip policy), drained.
+    pub fn take_skipped(&self) -> Vec<crate::observe::SkippedSample> {
+        self.shared.source.take_skipped()
+    }
+
     /// What the loader did so far.
     pub fn stats(&self) -> LoaderStats {
         let mut s = self.stats;
@@ -334,7 +340,13 @@ impl<'s, T: Send> DataLoader<'s, T> {
     pub fn epoch(&mut self, epoch: usize, start: usize) -> EpochBatches<'_, 's, T> {
         let opts = &self.shared.options;
         let n = self.shared.source.len();
-        let order = epoch_order(n, opts.seed, epoch, opts.shuffle);
+        let own = opts
+            .shuffle
+            .then(|| self.shared.source.epoch_order(opts.seed, epoch));
+        let order = match own.flatten() {
+            Some(order) if order.len() == n => order,
+            _ => epoch_order(n, opts.seed, epoch, opts.shuffle),
+        };
         let order = Arc::new(opts.last_batch().apply(order, self.global_batch()));
         let end = self.batches_per_epoch();
         let batch_size = self.batch_size;

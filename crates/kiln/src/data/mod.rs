@@ -22,6 +22,7 @@ mod shard;
 mod source;
 mod synthetic;
 mod transform;
+pub mod vision;
 mod workers;
 
 pub use cache::{CacheStats, CachedDataset, DiskCache};
@@ -47,6 +48,7 @@ use rand::SeedableRng;
 use rand::seq::SliceRandom;
 
 use crate::error::{KilnError, Result};
+use crate::observe::SkippedSample;
 
 /// A finite, indexable set of labelled samples. Implementations are shared by the loader's
 /// worker threads, hence `Send + Sync`; `fill` takes `&self` and may be called concurrently.
@@ -66,6 +68,33 @@ pub trait Dataset: Send + Sync {
     /// [`Dataset::item_shape`]) and returns its class label. An item that cannot be produced
     /// (unreadable file, corrupt record) is an error naming the index, not a panic.
     fn fill(&self, index: usize, out: &mut [f32]) -> Result<usize>;
+
+    /// [`Dataset::fill`] for the loader: `rng` is the sample's stream, seeded by
+    /// `(seed, epoch, index)`, for datasets whose sampling is itself random (a random crop
+    /// planned on the file before decoding). `Ok(None)`: the sample could not be produced
+    /// and the dataset's policy leaves it out of its batch (recorded for
+    /// [`Dataset::take_skipped`]).
+    fn fill_sample(
+        &self,
+        index: usize,
+        rng: &mut SampleRng,
+        out: &mut [f32],
+    ) -> Result<Option<usize>> {
+        let _ = rng;
+        self.fill(index, out).map(Some)
+    }
+
+    /// The order of `epoch`'s samples when the dataset has its own (sharded archives, read
+    /// shard by shard through a shuffle buffer); `None`: the loader's seeded permutation.
+    fn epoch_order(&self, seed: u64, epoch: usize) -> Option<Vec<usize>> {
+        let _ = (seed, epoch);
+        None
+    }
+
+    /// The samples left out since the last call (see [`Dataset::fill_sample`]), drained.
+    fn take_skipped(&self) -> Vec<SkippedSample> {
+        Vec::new()
+    }
 }
 
 /// A borrowed dataset is a dataset, so adaptors that own their inner dataset (a cache, a
@@ -82,6 +111,23 @@ impl<D: Dataset + ?Sized> Dataset for &D {
     fn fill(&self, index: usize, out: &mut [f32]) -> Result<usize> {
         (**self).fill(index, out)
     }
+
+    fn fill_sample(
+        &self,
+        index: usize,
+        rng: &mut SampleRng,
+        out: &mut [f32],
+    ) -> Result<Option<usize>> {
+        (**self).fill_sample(index, rng, out)
+    }
+
+    fn epoch_order(&self, seed: u64, epoch: usize) -> Option<Vec<usize>> {
+        (**self).epoch_order(seed, epoch)
+    }
+
+    fn take_skipped(&self) -> Vec<SkippedSample> {
+        (**self).take_skipped()
+    }
 }
 
 /// A batch on a device.
@@ -97,27 +143,44 @@ pub struct Batch {
 
 /// Gathers the samples at `indices` into one batch on `device`.
 pub fn collate(dataset: &dyn Dataset, indices: &[usize], device: &Device) -> Result<Batch> {
-    collate_with(dataset, indices, device, |i, slot| dataset.fill(i, slot))
+    collate_with(dataset, indices, device, |i, slot| {
+        dataset.fill(i, slot).map(Some)
+    })
 }
 
 /// Gathers the samples at `indices`, producing each with `sample(index, slot)` (the loader's
-/// hook: fill, augment, catch panics), and uploads the batch.
+/// hook: fill, augment, catch panics; `None` leaves the sample out), and uploads the batch.
 pub(crate) fn collate_with(
     dataset: &dyn Dataset,
     indices: &[usize],
     device: &Device,
-    mut sample: impl FnMut(usize, &mut [f32]) -> Result<usize>,
+    mut sample: impl FnMut(usize, &mut [f32]) -> Result<Option<usize>>,
 ) -> Result<Batch> {
     let [c, h, w] = dataset.item_shape();
     let item = c * h * w;
     let mut pixels = vec![0f32; indices.len() * item];
     let mut labels = Vec::with_capacity(indices.len());
-    for (slot, &i) in pixels.chunks_exact_mut(item).zip(indices) {
+    for &i in indices {
         check_index(i, dataset.len())?;
-        let label = sample(i, slot)?;
-        labels.push(label as i64);
+        let n = labels.len();
+        // A left-out sample's slot is taken by the next one: the batch stays dense.
+        if let Some(label) = sample(i, &mut pixels[n * item..(n + 1) * item])? {
+            labels.push(label as i64);
+        }
     }
-    let n = indices.len();
+    let n = labels.len();
+    if n == 0 && !indices.is_empty() {
+        return Err(KilnError::DataItem {
+            index: indices[0],
+            problem: format!(
+                "every sample of this batch ({} from index {}) was left out as unreadable; \
+                 check the data (the skipped files are in the run's events)",
+                indices.len(),
+                indices[0]
+            ),
+        });
+    }
+    pixels.truncate(n * item);
     // `from_data` takes the vector: on the CPU backend the batch is not copied again, on CUDA
     // this is the host→device upload, done on the thread that collated (a loader worker), so
     // it overlaps the consumer's compute.

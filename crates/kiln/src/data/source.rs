@@ -15,6 +15,7 @@ use burn::tensor::Device;
 use super::transform::{SampleRng, Transform};
 use super::{Batch, Dataset, check_index, collate_with};
 use crate::error::{KilnError, Result};
+use crate::observe::SkippedSample;
 
 /// Where a batch sits in the run: what seeded per-sample work (augmentation) depends on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,6 +44,19 @@ pub trait BatchSource: Send + Sync {
     /// cannot be produced is an error naming its index, not a panic (the loader turns a panic
     /// into an error too).
     fn batch(&self, indices: &[usize], ctx: BatchContext, device: &Device) -> Result<Self::Batch>;
+
+    /// The order of `epoch`'s samples when the source has its own (see
+    /// [`Dataset::epoch_order`]); `None`: the loader's seeded permutation.
+    fn epoch_order(&self, seed: u64, epoch: usize) -> Option<Vec<usize>> {
+        let _ = (seed, epoch);
+        None
+    }
+
+    /// Samples left out of their batches since the last call (unreadable files under a skip
+    /// policy), drained; the trainer reports them at each epoch's end.
+    fn take_skipped(&self) -> Vec<SkippedSample> {
+        Vec::new()
+    }
 }
 
 /// Kiln's labelled image datasets as a [`BatchSource`] of [`Batch`]es, with an optional
@@ -78,11 +92,12 @@ impl BatchSource for ImageBatches<'_> {
 
     fn batch(&self, indices: &[usize], ctx: BatchContext, device: &Device) -> Result<Batch> {
         let shape = self.dataset.item_shape();
-        let sample = |i: usize, slot: &mut [f32]| -> Result<usize> {
+        let sample = |i: usize, slot: &mut [f32]| -> Result<Option<usize>> {
             let run = catch_unwind(AssertUnwindSafe(|| {
-                let label = self.dataset.fill(i, slot)?;
-                if let Some(t) = self.transform {
-                    t.apply(slot, shape, &mut SampleRng::new(ctx.seed, ctx.epoch, i));
+                let mut rng = SampleRng::new(ctx.seed, ctx.epoch, i);
+                let label = self.dataset.fill_sample(i, &mut rng, slot)?;
+                if let (Some(t), Some(_)) = (self.transform, label) {
+                    t.apply(slot, shape, &mut rng);
                 }
                 Ok(label)
             }));
@@ -100,6 +115,14 @@ impl BatchSource for ImageBatches<'_> {
             }
         };
         collate_with(self.dataset, indices, device, sample)
+    }
+
+    fn epoch_order(&self, seed: u64, epoch: usize) -> Option<Vec<usize>> {
+        self.dataset.epoch_order(seed, epoch)
+    }
+
+    fn take_skipped(&self) -> Vec<SkippedSample> {
+        self.dataset.take_skipped()
     }
 }
 

@@ -165,6 +165,10 @@ pub struct RunSummary {
     /// cold kernel cache) or without (a warm one). `None` when no step ran.
     #[serde(default)]
     pub first_step_ms: Option<f64>,
+    /// Samples left out of their batches over the whole run (`data.on_bad_sample =
+    /// "skip"`), counted once per epoch that met them.
+    #[serde(default)]
+    pub skipped_samples: u64,
 }
 
 /// Everything a run reports.
@@ -204,6 +208,25 @@ pub enum Event {
     MemoryWatermark(WatermarkEvent),
     /// OOM-adaptive batching changed the micro-batch (effective batch kept).
     BatchAdapted(BatchAdaptedEvent),
+    /// Samples that could not be read or decoded were left out of their batches
+    /// (`data.on_bad_sample = "skip"`); reported at the end of the epoch that met them.
+    SamplesSkipped {
+        /// The epoch.
+        epoch: usize,
+        /// Each sample left out, in the order the loader met them.
+        samples: Vec<SkippedSample>,
+    },
     /// The run finished.
     RunFinished(RunSummary),
+}
+
+/// A sample the loader left out of its batch because it could not be produced.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SkippedSample {
+    /// Its index in the dataset.
+    pub index: usize,
+    /// Its file (or shard member) name.
+    pub name: String,
+    /// Why: the decoder's or the file system's words.
+    pub reason: String,
 }

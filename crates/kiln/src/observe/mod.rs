@@ -14,8 +14,8 @@ mod timer;
 pub mod timing;
 
 pub use events::{
-    BatchAdaptedEvent, EpochSummary, Event, GuardAction, GuardEvent, RunSummary, StepEvent,
-    Trouble, WatermarkEvent,
+    BatchAdaptedEvent, EpochSummary, Event, GuardAction, GuardEvent, RunSummary, SkippedSample,
+    StepEvent, Trouble, WatermarkEvent,
 };
 pub use memory::Watermark;
 pub use profile::{PhaseStats, Profiler, SpanRecord, phase_table, render_table};

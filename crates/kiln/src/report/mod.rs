@@ -77,6 +77,13 @@ pub fn load_run(dir: &Path) -> Result<RunData> {
                 "step {}: micro-batch halved to {} x {} accumulation (effective {})",
                 b.step, b.micro_batch, b.grad_accum_steps, b.effective_batch
             )),
+            Event::SamplesSkipped { epoch, samples } => run.notes.push(format!(
+                "epoch {epoch}: {} unreadable samples left out (first: {})",
+                samples.len(),
+                samples
+                    .first()
+                    .map_or(String::new(), |s| format!("{}: {}", s.name, s.reason))
+            )),
             Event::Checkpoint { .. } => {}
         }
     }

@@ -280,6 +280,7 @@ impl<'s> Trainer<'s> {
             last_checkpoint: None,
             last_eval: None,
             last_train_loss: 0.0,
+            skipped_samples: 0,
             batch_norms,
         };
         let device = run.device();

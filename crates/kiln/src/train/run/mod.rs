@@ -107,6 +107,8 @@ pub(super) struct Run<'t, 's, 'd, B, M> {
     pub last_checkpoint: Option<PathBuf>,
     pub last_eval: Option<Evaluation>,
     pub last_train_loss: f32,
+    /// Samples the loader left out as unreadable, over the run.
+    pub skipped_samples: u64,
     /// Under data parallelism, the model's BatchNorm layers, checked to have synchronized
     /// their statistics after this rank's first micro-batch (then emptied).
     pub batch_norms: Vec<crate::distributed::batch_norm::BatchNormLayer>,
@@ -140,6 +142,14 @@ impl<'t, 's, 'd, B: Send, M: TrainStep<B> + 'static> Run<'t, 's, 'd, B, M> {
             (model, optim, flow) = self.epoch(loader, epoch, model, optim)?;
             // The epoch's last steps: read before its summary, evaluation and checkpoint.
             (model, optim) = self.sync(model, optim)?;
+            let skipped = loader.take_skipped();
+            if !skipped.is_empty() {
+                self.skipped_samples += skipped.len() as u64;
+                self.trainer.emit(&Event::SamplesSkipped {
+                    epoch,
+                    samples: skipped,
+                });
+            }
             if let EpochFlow::Stopped = flow {
                 // Stopped early by max_steps: leave a checkpoint to continue from.
                 self.last_train_loss = self.pos.epoch_mean_loss();
@@ -242,6 +252,7 @@ impl<'t, 's, 'd, B: Send, M: TrainStep<B> + 'static> Run<'t, 's, 'd, B, M> {
                 .map(|p| p.display().to_string()),
             guard_events: self.guard.events.clone(),
             first_step_ms: self.first_step_ms,
+            skipped_samples: self.skipped_samples,
         };
         self.trainer.emit(&Event::RunFinished(summary.clone()));
         Ok(summary)
