@@ -138,11 +138,32 @@ fn default_steps(model: ModelKind, mode: &str) -> usize {
 }
 
 pub fn run(args: BenchArgs) -> Result<()> {
+    if args.data.is_some() && args.mode.as_deref() != Some("data") {
+        anyhow::bail!("--data belongs to --mode data (the loader benchmark)");
+    }
     let threads = if args.threads == 0 {
         Hardware::probe().cores
     } else {
         args.threads
     };
+    if let (Some("data"), Some(spec)) = (args.mode.as_deref(), args.data.as_deref()) {
+        kiln::plan::set_cpu_threads(threads);
+        crate::image_bench::check_spec(spec)?;
+        if let Some(w) = args.case.as_deref().and_then(|c| c.strip_prefix("kiln:")) {
+            let rate =
+                crate::image_bench::kiln_case(spec, w.parse()?, args.images, args.image_size)?;
+            println!("{}", serde_json::to_string(&rate)?);
+            return Ok(());
+        }
+        return crate::image_bench::run(&crate::image_bench::ImageBench {
+            spec,
+            peer_root: args.peer_root.clone(),
+            threads,
+            images: args.images,
+            size: args.image_size,
+            json: args.json,
+        });
+    }
     if args.mode.as_deref() == Some("data") {
         kiln::plan::set_cpu_threads(threads);
         return crate::data_bench::run(threads, args.steps, args.json);

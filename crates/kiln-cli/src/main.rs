@@ -4,6 +4,8 @@ mod alloc;
 mod bench_cmd;
 mod check_cmd;
 mod data_bench;
+mod data_cmd;
+mod image_bench;
 mod launch;
 mod onnx_bench;
 mod onnx_int8_choice;
@@ -55,6 +57,9 @@ Examples:
   kiln train --checkpoint-dir runs/cnn --max-steps 100
   kiln train --checkpoint-dir runs/cnn --resume latest
   kiln train --data ~/mnist --model mlp      full MNIST / Fashion-MNIST IDX files
+  kiln train --model resnet --data imagefolder:~/imagenet --set data.image_size=128
+                                             JPEG/PNG/WebP files (DIR/<class>/*.jpg or DIR/{train,val})
+  kiln train --model resnet --data shards:'train-{000..099}.tar'   WebDataset shards
   kiln train --tensorboard runs/tb           also write TensorBoard event files
   kiln train --run-dir runs/cnn              events + plots for `kiln report runs/cnn`
   kiln train --model mlp --processes 2       data parallel over 2 processes (mpi build)
@@ -126,6 +131,12 @@ A model directory holds config.toml, e.g. for an exported ONNX file:
   max_queue_delay_microseconds = 500
 Clients: tritonclient (HTTP/gRPC), perf_analyzer -m NAME -u localhost:8000 -i http.";
 
+const DATA_EXAMPLES: &str = "\
+Examples:
+  kiln data pack imagefolder:~/imagenet runs/packed          raw RGB, shorter side 256
+  kiln data pack imagefolder:~/imagenet runs/packed --format jpeg --quality 90
+  kiln train --model resnet --data packed:runs/packed        later epochs skip the decode";
+
 const TUNE_EXAMPLES: &str = "\
 Examples:
   kiln tune batch --model cnn --memory-budget 2GiB   largest and fastest batch under a budget
@@ -183,6 +194,10 @@ enum Command {
     /// batching; Triton's clients (tritonclient, perf_analyzer) work unmodified.
     #[command(after_help = SERVE_EXAMPLES)]
     Serve(serve_cmd::ServeArgs),
+    /// Work on image datasets: `pack` writes the preprocessed cache (decoded and resized
+    /// once, read by offset later).
+    #[command(subcommand, after_help = DATA_EXAMPLES)]
+    Data(data_cmd::DataCommand),
     /// Check that a device computes what the CPU computes and trains as Kiln means it to
     /// (gpu: CUDA against the CPU; cpu: Kiln's kernels against Burn's ops). Fails when a
     /// check does.
@@ -396,6 +411,21 @@ struct BenchArgs {
     /// as an SVG file.
     #[arg(long, value_name = "FILE")]
     svg: Option<PathBuf>,
+    /// With --mode data: image files to load instead of the MNIST arrays —
+    /// imagefolder:DIR, shards:PATTERN, manifest:FILE or packed:DIR — timed beside the
+    /// PyTorch DataLoader (PIL, decode_jpeg) and DALI's CPU pipeline.
+    #[arg(long, value_name = "SPEC")]
+    data: Option<String>,
+    /// With --mode data --data: the image folder the peers read (default: the source's own
+    /// folder; set it when --data is a pack or shards made from a folder).
+    #[arg(long, value_name = "DIR")]
+    peer_root: Option<PathBuf>,
+    /// With --mode data --data: images per timed repeat (default 1024).
+    #[arg(long, default_value_t = 1024)]
+    images: usize,
+    /// With --mode data --data: the output side (RandomResizedCrop size).
+    #[arg(long, default_value_t = 224)]
+    image_size: usize,
     /// Internal: measure one case in this process (`burn`, `kiln-basic`, ...).
     #[arg(long, hide = true)]
     case: Option<String>,
@@ -581,6 +611,7 @@ fn main() {
             .map_err(Into::into),
         Command::Serve(args) => serve_cmd::run(args),
         Command::Check(args) => check_cmd::run(args),
+        Command::Data(cmd) => data_cmd::run(cmd),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -49,7 +49,13 @@ fn train_rank(
     // Rank 0 reports for all (events, files, the summary); the other ranks train quietly.
     let leader = collective.as_ref().is_none_or(|c| c.rank() == 0);
     let (train, test): datasets::DatasetPair = match &plan.data_dir {
-        Some(dir) => datasets::open_dir(dir)?,
+        Some(dir) => {
+            let (pair, classes) = datasets::open_data(dir, &plan.images)?;
+            if let Some(classes) = classes {
+                check_image_model(plan, &classes)?;
+            }
+            pair
+        }
         None => (
             Box::new(datasets::bundled(Split::Train)?),
             Box::new(datasets::bundled(Split::Test)?),
@@ -149,6 +155,28 @@ fn train_rank(
     Ok(())
 }
 
+/// Image files reach a zoo model only where it fits them: the ResNet (W5) takes any channel
+/// count and size; every zoo model predicts 10 classes.
+fn check_image_model(plan: &Plan, classes: &[String]) -> Result<()> {
+    if plan.model != kiln::zoo::ModelKind::ResNet {
+        bail!(
+            "image files are 3×{s}×{s} images; of the zoo's models only --model resnet (W5) \
+             takes them (the others are defined on 1×28×28 MNIST). Your own model trains on \
+             them through the library: docs/data.md",
+            s = plan.images.size
+        );
+    }
+    if classes.len() > kiln::zoo::NUM_CLASSES {
+        bail!(
+            "the data has {} classes but the zoo's models predict {}: train your own model on \
+             it through the library (docs/own-model.md)",
+            classes.len(),
+            kiln::zoo::NUM_CLASSES
+        );
+    }
+    Ok(())
+}
+
 /// What every rank of this run trains with: the plan, the checkpoint to resume from, the data.
 struct Rank<'a> {
     plan: &'a Plan,
@@ -175,7 +203,13 @@ impl Rank<'_> {
         if let Some(c) = collective {
             trainer = trainer.with_collective(c);
         }
-        trainer.fit(model.name(), |d| model.init(d), self.train, Some(self.test))
+        let channels = self.train.item_shape()[0];
+        trainer.fit(
+            model.name(),
+            |d| model.init_for_channels(channels, d),
+            self.train,
+            Some(self.test),
+        )
     }
 }
 

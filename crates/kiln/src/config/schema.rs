@@ -416,8 +416,38 @@ pub static SETTINGS: &[SettingSpec] = &[
         kind: Kind::Text,
         default: S(""),
         levels: &[],
-        doc: "data directory: train/test .safetensors or *-images.npy + *-labels.npy \
-              (memory-mapped), or MNIST-format IDX files (empty = the bundled 5k subset)",
+        doc: "the data: a directory of train/test .safetensors or *-images.npy + \
+              *-labels.npy (memory-mapped) or MNIST-format IDX files; or image files: \
+              imagefolder:DIR (DIR/<class>/*.jpg, or DIR/train + DIR/val), \
+              manifest:FILE.csv|.jsonl, shards:'train-{000..099}.tar' (WebDataset), \
+              packed:DIR (kiln data pack); empty = the bundled 5k MNIST subset",
+    },
+    SettingSpec {
+        key: "data.image_size",
+        kind: Kind::Int { min: 8, max: 4096 },
+        default: I(224),
+        levels: &[],
+        doc: "side of the square model input image files are cropped and resized to \
+              (training: RandomResizedCrop; evaluation: resize to size*256/224, center crop)",
+    },
+    SettingSpec {
+        key: "data.on_bad_sample",
+        kind: Kind::Enum(crate::data::vision::BadSamplePolicy::NAMES),
+        default: S("error"),
+        levels: &[],
+        doc: "an image file that cannot be read or decoded: error (stop, naming the file and \
+              why) or skip (leave it out of its batch, reported per epoch and in the summary)",
+    },
+    SettingSpec {
+        key: "data.max_image_pixels",
+        kind: Kind::Int {
+            min: 1,
+            max: 1 << 40,
+        },
+        default: I(178_956_970),
+        levels: &[],
+        doc: "image files whose header claims more pixels are refused before decoding \
+              (decompression bombs; Pillow's limit)",
     },
     SettingSpec {
         key: "data.shuffle",

@@ -74,6 +74,21 @@ pub fn open_dir(dir: &Path) -> Result<DatasetPair> {
     ))
 }
 
+/// What `data.dir` names, opened: an image source (`imagefolder:`, `manifest:`, `shards:`,
+/// `packed:`; then also its class names) or a directory of arrays ([`open_dir`]).
+pub fn open_data(
+    value: &Path,
+    images: &super::ImageOptions,
+) -> Result<(DatasetPair, Option<Vec<String>>)> {
+    match value.to_str().and_then(super::ImageSpec::parse) {
+        Some(spec) => {
+            let (pair, classes) = super::open_images(&spec, images)?;
+            Ok((pair, Some(classes)))
+        }
+        None => Ok((open_dir(value)?, None)),
+    }
+}
+
 /// Mean and standard deviation of the (scaled, unnormalized) values of the first samples.
 fn pixel_stats(data: &MappedImages) -> Result<(f32, f32)> {
     let [c, h, w] = data.item_shape();

@@ -79,8 +79,12 @@ pub struct Plan {
     pub threads: usize,
     /// The memory a run may use, in bytes (`device.memory_budget_mib`; `None` = the machine's).
     pub memory_budget: Option<u64>,
-    /// IDX data directory, or `None` for the bundled subset.
+    /// The data (`data.dir`: a directory, or an image source `imagefolder:DIR`, ...), or
+    /// `None` for the bundled subset.
     pub data_dir: Option<PathBuf>,
+    /// How image files are read (`data.image_size`, `data.on_bad_sample`,
+    /// `data.max_image_pixels`).
+    pub images: crate::datasets::ImageOptions,
     /// The inference passes (`infer.passes`), in order.
     pub infer_passes: Vec<crate::infer::Pass>,
     /// The hardware the plan was resolved against.
@@ -543,6 +547,11 @@ fn build(config: &KilnConfig, settings: Vec<ResolvedSetting>, hw: &Hardware) -> 
         threads: int("device.threads") as usize,
         memory_budget: memory_budget(&settings, hw, backend)?,
         data_dir: dir("data.dir"),
+        images: crate::datasets::ImageOptions {
+            size: int("data.image_size") as usize,
+            on_bad_sample: named("data.on_bad_sample", &text)?,
+            max_pixels: int("data.max_image_pixels") as u64,
+        },
         infer_passes,
         hardware: hw.clone(),
         graph_compilation: GraphCompilation::for_backend(backend),

@@ -71,6 +71,26 @@ pub(crate) enum Order {
     },
 }
 
+impl Order {
+    /// The order of a split holding the entries `subset` (ascending), in the split's own
+    /// indices: a stream's shards keep their samples together.
+    fn restricted_to(&self, subset: &[usize]) -> Order {
+        match self {
+            Order::Permuted => Order::Permuted,
+            Order::Stream { shards, buffer } => Order::Stream {
+                shards: shards
+                    .iter()
+                    .map(|r| {
+                        subset.partition_point(|&i| i < r.start)
+                            ..subset.partition_point(|&i| i < r.end)
+                    })
+                    .collect(),
+                buffer: *buffer,
+            },
+        }
+    }
+}
+
 /// A labelled set of image files; see the module docs. Built by
 /// [`ImageFiles::folder`], [`ImageFiles::manifest`] or [`ImageFiles::shards`].
 #[derive(Debug)]
@@ -179,21 +199,14 @@ impl ImageFiles {
             entries: self.entries.clone(),
             classes: self.classes.clone(),
             shard_files: self.shard_files.clone(),
+            order: self.order.restricted_to(&subset),
             subset: Some(Arc::new(subset)),
-            // A held-out split of a stream would cut its shards: it is read permuted.
-            order: Order::Permuted,
             transform,
             policy: self.policy,
             skipped: SkipLog::default(),
             origin: self.origin.clone(),
         };
-        let train_order = self.order.clone();
-        let mut train = part(train, self.transform.clone());
-        train.order = match train_order {
-            Order::Stream { .. } => Order::Permuted,
-            o => o,
-        };
-        (train, part(test, eval))
+        (part(train, self.transform.clone()), part(test, eval))
     }
 
     /// A printable name of sample `index` (its path or shard member).

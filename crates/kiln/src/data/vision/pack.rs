@@ -324,8 +324,10 @@ fn file_name(p: &Path) -> String {
 #[derive(Debug)]
 pub struct PackedImages {
     dir: PathBuf,
-    index: PackIndex,
-    files: Vec<File>,
+    index: std::sync::Arc<PackIndex>,
+    files: std::sync::Arc<Vec<File>>,
+    /// The records of this split (all unless held out).
+    subset: Option<std::sync::Arc<Vec<usize>>>,
     transform: ImageTransform,
 }
 
@@ -376,10 +378,41 @@ impl PackedImages {
         }
         Ok(PackedImages {
             dir,
-            index,
-            files,
+            index: std::sync::Arc::new(index),
+            files: std::sync::Arc::new(files),
+            subset: None,
             transform: ImageTransform::train(224),
         })
+    }
+
+    /// Splits off every `every`-th record of each class as a held-out set with `eval` as its
+    /// transform (as [`ImageFiles::hold_out`]).
+    pub fn hold_out(self, every: usize, eval: ImageTransform) -> (PackedImages, PackedImages) {
+        let every = every.max(2);
+        let classes = self.index.classes.len().max(1);
+        let mut seen = vec![0usize; classes];
+        let (mut train, mut test) = (Vec::new(), Vec::new());
+        for (i, r) in self.index.records.iter().enumerate() {
+            let k = &mut seen[r.label.min(classes - 1)];
+            *k += 1;
+            if (*k).is_multiple_of(every) {
+                test.push(i);
+            } else {
+                train.push(i);
+            }
+        }
+        let part = |subset: Vec<usize>, transform: ImageTransform| PackedImages {
+            dir: self.dir.clone(),
+            index: self.index.clone(),
+            files: self.files.clone(),
+            subset: Some(std::sync::Arc::new(subset)),
+            transform,
+        };
+        (part(train, self.transform.clone()), part(test, eval))
+    }
+
+    fn record_index(&self, i: usize) -> usize {
+        self.subset.as_ref().map_or(i, |s| s[i])
     }
 
     /// The same pack through another transform.
@@ -393,9 +426,9 @@ impl PackedImages {
         &self.index
     }
 
-    /// Stored image `i`, checksum verified.
+    /// Stored image `i` of this split, checksum verified.
     pub fn image(&self, i: usize) -> Result<Rgb8> {
-        let r = &self.index.records[i];
+        let r = &self.index.records[self.record_index(i)];
         let mut buf = vec![0u8; r.len as usize];
         self.files[r.shard]
             .read_exact_at(&mut buf, r.offset)
@@ -441,7 +474,9 @@ impl PackedImages {
 
 impl Dataset for PackedImages {
     fn len(&self) -> usize {
-        self.index.records.len()
+        self.subset
+            .as_ref()
+            .map_or(self.index.records.len(), |s| s.len())
     }
 
     fn item_shape(&self) -> [usize; 3] {
@@ -461,6 +496,6 @@ impl Dataset for PackedImages {
     ) -> Result<Option<usize>> {
         let img = self.image(index)?;
         self.transform.apply_image(&img, rng, out);
-        Ok(Some(self.index.records[index].label))
+        Ok(Some(self.index.records[self.record_index(index)].label))
     }
 }
