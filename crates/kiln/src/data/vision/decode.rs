@@ -179,7 +179,15 @@ pub fn probe(bytes: &[u8], max_pixels: u64) -> Result<Header, ImageError> {
     let (w, h, orientation) = match format {
         Format::Jpeg => {
             check_jpeg_complete(bytes)?;
-            let mut d = zune_jpeg::JpegDecoder::new(zune_core::bytestream::ZCursor::new(bytes));
+            // The decoder's own size limit (16384) would answer first; the pixel limit below
+            // is the one that says what to do.
+            let options = zune_core::options::DecoderOptions::default()
+                .set_max_width(usize::from(u16::MAX))
+                .set_max_height(usize::from(u16::MAX));
+            let mut d = zune_jpeg::JpegDecoder::new_with_options(
+                zune_core::bytestream::ZCursor::new(bytes),
+                options,
+            );
             d.decode_headers().map_err(corrupt)?;
             let info = d.info().ok_or_else(|| corrupt("no frame header"))?;
             let orientation = d

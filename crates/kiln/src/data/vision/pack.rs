@@ -343,7 +343,7 @@ impl PackedImages {
         let text = std::fs::read(&index_path).map_err(|e| {
             bad(format!(
                 "no readable index.json ({e}): not a pack, or one whose packing did not finish; \
-                 run `kiln data pack` again"
+                 pack again (`kiln data pack`)"
             ))
         })?;
         let index: PackIndex = serde_json::from_slice(&text)
