@@ -127,10 +127,11 @@ pub fn kiln_case(spec: &str, workers: usize, images: usize, size: usize) -> Resu
     })
 }
 
-fn peer_python() -> Option<PathBuf> {
-    let venv = std::env::var_os("PEERS_VENV")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/kiln-peers")))?;
+/// The peers' Python: `$var`'s venv, else `~/.cache/<default>`, if it has torch and PIL.
+fn venv_python(var: &str, default: &str) -> Option<PathBuf> {
+    let venv = std::env::var_os(var).map(PathBuf::from).or_else(|| {
+        std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache").join(default))
+    })?;
     let py = venv.join("bin/python");
     let ok = Command::new(&py)
         .args(["-c", "import torch, torchvision, PIL"])
@@ -192,7 +193,9 @@ struct PeerLine {
 /// Runs the benchmark (see the module docs) and prints the table.
 pub fn run(bench: &ImageBench<'_>) -> Result<()> {
     let exe = std::env::current_exe()?;
-    let python = peer_python();
+    let python = venv_python("PEERS_VENV", "kiln-peers");
+    // pillow-simd replaces Pillow, so it lives in a venv of its own (docs/data.md).
+    let simd = venv_python("PILLOW_SIMD_VENV", "kiln-peers-simd");
     let root = peer_root(bench);
     let mut results: Vec<Rate> = Vec::new();
     let workers: Vec<usize> = (0..=bench.threads.min(2)).collect();
@@ -216,7 +219,11 @@ pub fn run(bench: &ImageBench<'_>) -> Result<()> {
         let (Some(py), Some(root)) = (&python, &root) else {
             continue;
         };
-        for variant in ["pil", "decode_jpeg", "dali"] {
+        let mut peers = vec![(py, "pil"), (py, "decode_jpeg"), (py, "dali")];
+        if let Some(simd) = &simd {
+            peers.push((simd, "pil"));
+        }
+        for (py, variant) in peers {
             let line: PeerLine = run_json(
                 Command::new(py)
                     .arg(peer_script())
