@@ -30,7 +30,7 @@ fn scene(label: usize, seed: u64, w: u32, h: u32) -> image::RgbImage {
         state ^= state >> 7;
         state ^= state << 17;
         let n = (state % 40) as u32;
-        let ramp = (x * 40 / w + y * 30 / h) as u32;
+        let ramp = x * 40 / w + y * 30 / h;
         image::Rgb(std::array::from_fn(|c| {
             (tint[c] * 3 / 4 + ramp + n).min(255) as u8
         }))
@@ -376,11 +376,15 @@ fn every_bad_file_is_an_error_naming_it() {
     // Through the trainer: the run stops with that error, not a panic.
     let mut sink = MemorySink::default();
     let files = files.with_transform(ImageTransform::train(16));
-    let err = kiln::Trainer::new(options(1), Device::flex(), &mut sink)
-        .fit("tiny", |d| Tiny::new(2, d), &files, None)
-        .err()
-        .expect("a bad file stops the run")
-        .to_string();
+    let err = match kiln::Trainer::new(options(1), Device::flex(), &mut sink).fit(
+        "tiny",
+        |d| Tiny::new(2, d),
+        &files,
+        None,
+    ) {
+        Ok(_) => panic!("a bad file stops the run"),
+        Err(e) => e.to_string(),
+    };
     assert!(
         err.contains("bad_") && err.contains("on_bad_sample"),
         "{err}"

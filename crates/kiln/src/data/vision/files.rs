@@ -180,20 +180,13 @@ impl ImageFiles {
     /// as a held-out set with `eval` as its transform: a folder with no `val/` of its own
     /// still gets a test split, the same one on every run.
     pub fn hold_out(self, every: usize, eval: ImageTransform) -> (ImageFiles, ImageFiles) {
-        let every = every.max(2);
-        let classes = self.classes.len().max(1);
-        let mut seen = vec![0usize; classes];
+        let globals: Vec<usize> = (0..self.len())
+            .map(|i| self.subset.as_ref().map_or(i, |s| s[i]))
+            .collect();
+        let labels = globals.iter().map(|&g| self.entries[g].label);
         let (mut train, mut test) = (Vec::new(), Vec::new());
-        for i in 0..self.len() {
-            let global = self.subset.as_ref().map_or(i, |s| s[i]);
-            let label = self.entries[global].label;
-            let k = &mut seen[label.min(classes - 1)];
-            *k += 1;
-            if (*k).is_multiple_of(every) {
-                test.push(global);
-            } else {
-                train.push(global);
-            }
+        for (g, held) in globals.iter().zip(held_out(labels, every)) {
+            if held { test.push(*g) } else { train.push(*g) }
         }
         let part = |subset: Vec<usize>, transform: ImageTransform| ImageFiles {
             entries: self.entries.clone(),
@@ -269,6 +262,30 @@ impl ImageFiles {
             ),
         }
     }
+}
+
+/// Which samples of a split with these `labels` are held out: every `every`-th of each
+/// class, and a class too small to reach one (but of two or more samples) gives its last.
+pub(crate) fn held_out(labels: impl Iterator<Item = usize>, every: usize) -> Vec<bool> {
+    let every = every.max(2);
+    let labels: Vec<usize> = labels.collect();
+    let mut seen: std::collections::HashMap<usize, (usize, usize)> = Default::default();
+    let mut held: Vec<bool> = labels
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| {
+            let (count, last) = seen.entry(l).or_insert((0, i));
+            *count += 1;
+            *last = i;
+            (*count).is_multiple_of(every)
+        })
+        .collect();
+    for &(count, last) in seen.values() {
+        if (2..every).contains(&count) {
+            held[last] = true;
+        }
+    }
+    held
 }
 
 /// The order of one epoch of a stream: shards shuffled, each read in order through a

@@ -38,12 +38,16 @@ fn csv_fields(line: &str) -> Vec<String> {
         match c {
             '"' if quoted && chars.peek() == Some(&'"') => {
                 chars.next();
-                fields.last_mut().map(|f| f.push('"'));
+                if let Some(f) = fields.last_mut() {
+                    f.push('"');
+                }
             }
             '"' => quoted = !quoted,
             ',' if !quoted => fields.push(String::new()),
             c => {
-                fields.last_mut().map(|f| f.push(c));
+                if let Some(f) = fields.last_mut() {
+                    f.push(c);
+                }
             }
         }
     }

@@ -388,18 +388,13 @@ impl PackedImages {
     /// Splits off every `every`-th record of each class as a held-out set with `eval` as its
     /// transform (as [`ImageFiles::hold_out`]).
     pub fn hold_out(self, every: usize, eval: ImageTransform) -> (PackedImages, PackedImages) {
-        let every = every.max(2);
-        let classes = self.index.classes.len().max(1);
-        let mut seen = vec![0usize; classes];
+        let labels = self.index.records.iter().map(|r| r.label);
         let (mut train, mut test) = (Vec::new(), Vec::new());
-        for (i, r) in self.index.records.iter().enumerate() {
-            let k = &mut seen[r.label.min(classes - 1)];
-            *k += 1;
-            if (*k).is_multiple_of(every) {
-                test.push(i);
-            } else {
-                train.push(i);
-            }
+        for (i, held) in super::files::held_out(labels, every)
+            .into_iter()
+            .enumerate()
+        {
+            if held { test.push(i) } else { train.push(i) }
         }
         let part = |subset: Vec<usize>, transform: ImageTransform| PackedImages {
             dir: self.dir.clone(),
