@@ -133,15 +133,7 @@ fn train_wait(data: &dyn Dataset, workers: usize, steps: usize) -> Result<TrainW
 }
 
 fn peer_python() -> Option<PathBuf> {
-    let venv = std::env::var_os("PEERS_VENV")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/kiln-peers")))?;
-    let py = venv.join("bin/python");
-    let ok = Command::new(&py)
-        .args(["-c", "import torch, numpy"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    ok.then_some(py)
+    crate::image_bench::venv_python("PEERS_VENV", "kiln-peers", "torch, numpy")
 }
 
 fn peer_script() -> PathBuf {

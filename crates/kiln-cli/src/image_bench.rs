@@ -127,14 +127,15 @@ pub fn kiln_case(spec: &str, workers: usize, images: usize, size: usize) -> Resu
     })
 }
 
-/// The peers' Python: `$var`'s venv, else `~/.cache/<default>`, if it has torch and PIL.
-fn venv_python(var: &str, default: &str) -> Option<PathBuf> {
+/// The peers' Python: `$var`'s venv, else `~/.cache/<default>`, if it can import `imports`
+/// (`"torch, PIL"`).
+pub fn venv_python(var: &str, default: &str, imports: &str) -> Option<PathBuf> {
     let venv = std::env::var_os(var).map(PathBuf::from).or_else(|| {
         std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache").join(default))
     })?;
     let py = venv.join("bin/python");
     let ok = Command::new(&py)
-        .args(["-c", "import torch, torchvision, PIL"])
+        .args(["-c", &format!("import {imports}")])
         .output()
         .is_ok_and(|o| o.status.success());
     ok.then_some(py)
@@ -193,9 +194,10 @@ struct PeerLine {
 /// Runs the benchmark (see the module docs) and prints the table.
 pub fn run(bench: &ImageBench<'_>) -> Result<()> {
     let exe = std::env::current_exe()?;
-    let python = venv_python("PEERS_VENV", "kiln-peers");
+    let imports = "torch, torchvision, PIL";
+    let python = venv_python("PEERS_VENV", "kiln-peers", imports);
     // pillow-simd replaces Pillow, so it lives in a venv of its own (docs/data.md).
-    let simd = venv_python("PILLOW_SIMD_VENV", "kiln-peers-simd");
+    let simd = venv_python("PILLOW_SIMD_VENV", "kiln-peers-simd", imports);
     let root = peer_root(bench);
     let mut results: Vec<Rate> = Vec::new();
     let workers: Vec<usize> = (0..=bench.threads.min(2)).collect();
