@@ -1,5 +1,6 @@
 //! Mutation fuzzing (`kiln::fuzz`) of every library parser of outside input: config TOML,
-//! checkpoints, `.kgraph` graphs, ONNX files, IDX, `.npy` and safetensors. Each target starts
+//! checkpoints, `.kgraph` graphs, ONNX files, IDX, `.npy` and safetensors, image files (JPEG
+//! at full and reduced scale, PNG, WebP), image manifests and WebDataset tar shards. Each target starts
 //! from a real, valid input and requires a clear error or a valid result for every mutated
 //! case: never a panic. Crashers found are kept in `tests/fuzz_regressions/` and replayed
 //! first. Longer runs: `KILN_FUZZ_CASES=20000 cargo test --release -p kiln --test fuzz_inputs`.
@@ -35,6 +36,13 @@ const ONNX: HeapLimit = HeapLimit::new(4, 32);
 const IDX: HeapLimit = HeapLimit::new(1, 4);
 const NPY: HeapLimit = HeapLimit::new(1, 4);
 const SAFETENSORS: HeapLimit = HeapLimit::new(1, 4);
+// A decoded image is its header's claim, not its file's size: the fuzz targets cap the
+// claim at FUZZ_IMAGE_PIXELS (data.max_image_pixels in a run), so the fixed term covers the
+// RGB image, the decoder's planes and the resize at that size.
+const IMAGE: HeapLimit = HeapLimit::new(48, 16);
+const FUZZ_IMAGE_PIXELS: u64 = 1 << 20;
+const MANIFEST: HeapLimit = HeapLimit::new(1, 32);
+const SHARDS: HeapLimit = HeapLimit::new(2, 16);
 
 /// Runs `target` and prints what it saw (`--nocapture` shows it).
 fn fuzz<E: std::fmt::Display>(
@@ -183,6 +191,98 @@ fn safetensors_files() {
         |bytes| {
             std::fs::write(&path, bytes).unwrap();
             read_rows(&MmapArray::open_safetensors(&path, "b1.in.input")?)
+        },
+    );
+}
+
+/// An image file through the training transform (header, the decode at the scale the crop
+/// allows, crop + resize, normalize), as a loader worker runs it.
+fn transform_image(bytes: &[u8], crop_scale: f64) -> Result<(), kiln::data::vision::ImageError> {
+    use kiln::data::vision::{CropMode, ImageTransform};
+    let t = ImageTransform {
+        max_pixels: FUZZ_IMAGE_PIXELS,
+        crop: CropMode::RandomResized {
+            scale: (crop_scale, crop_scale),
+            ratio: (1.0, 1.0),
+        },
+        ..ImageTransform::train(16)
+    };
+    let mut out = vec![0f32; t.sample_len()];
+    t.apply_bytes(bytes, &mut kiln::data::SampleRng::new(0, 0, 0), &mut out)
+}
+
+#[test]
+fn image_files() {
+    let img = image::RgbImage::from_fn(96, 72, |x, y| {
+        image::Rgb([(x * 2) as u8, (y * 3) as u8, (x ^ y) as u8])
+    });
+    let mut jpeg = Vec::new();
+    image::codecs::jpeg::JpegEncoder::new_with_quality(&mut jpeg, 85)
+        .encode_image(&img)
+        .unwrap();
+    let mut png = std::io::Cursor::new(Vec::new());
+    img.write_to(&mut png, image::ImageFormat::Png).unwrap();
+    // Full-size JPEG (zune-jpeg), the 1/4 scale (jpeg-decoder: a crop of the whole 96×72
+    // image into 16×16 allows it), PNG.
+    fuzz(&target("jpeg", &jpeg, false, cases(), IMAGE), |b| {
+        transform_image(b, 0.05)
+    });
+    fuzz(&target("jpeg-scaled", &jpeg, false, cases(), IMAGE), |b| {
+        transform_image(b, 1.0)
+    });
+    fuzz(&target("png", png.get_ref(), false, cases(), IMAGE), |b| {
+        transform_image(b, 1.0)
+    });
+}
+
+#[test]
+fn image_manifests_and_shards() {
+    use kiln::data::Dataset;
+    use kiln::data::vision::ImageFiles;
+    let dir = common::tempdir("fuzz", "manifest");
+    let csv = b"path,label,box\na/x.jpg,dog,1 2 30 20\n\"b, c.png\",cat,\nd.jpg,7,\n";
+    let path = dir.join("case.csv");
+    fuzz(
+        &target("manifest-csv", csv, false, cases(), MANIFEST),
+        |bytes| {
+            std::fs::write(&path, bytes).unwrap();
+            ImageFiles::manifest(&path).map(drop)
+        },
+    );
+    let jsonl = b"{\"path\": \"a.jpg\", \"label\": 3, \"box\": [1, 2, 3, 4]}\n{\"path\": \"b.jpg\", \"label\": 0, \"mask\": \"m.png\"}\n";
+    let path = dir.join("case.jsonl");
+    fuzz(
+        &target("manifest-jsonl", jsonl, false, cases(), MANIFEST),
+        |bytes| {
+            std::fs::write(&path, bytes).unwrap();
+            ImageFiles::manifest(&path).map(drop)
+        },
+    );
+    let mut shard = tar::Builder::new(Vec::new());
+    for (name, data) in [
+        ("s/k1.jpg", &b"\xFF\xD8\xFFjpeg"[..]),
+        ("s/k1.cls", b"3"),
+        ("s/k2.png", b"png"),
+        ("s/k2.cls", b"1"),
+    ] {
+        let mut h = tar::Header::new_gnu();
+        h.set_size(data.len() as u64);
+        h.set_mode(0o644);
+        h.set_cksum();
+        shard.append_data(&mut h, name, data).unwrap();
+    }
+    let seed = shard.into_inner().unwrap();
+    let path = dir.join("case.tar");
+    let pattern = path.display().to_string();
+    fuzz(
+        &target("tar-shard", &seed, false, cases(), SHARDS),
+        |bytes| {
+            std::fs::write(&path, bytes).unwrap();
+            let files = ImageFiles::shards(&pattern, 8)?;
+            for i in 0..files.len() {
+                let _ = files.read(i);
+            }
+            Ok::<(), kiln::KilnError>(())
         },
     );
 }

@@ -93,6 +93,13 @@ fn index_shard(path: &Path, shard: usize) -> Result<(File, Vec<Entry>)> {
                 .into(),
         ));
     }
+    let file_len = file
+        .metadata()
+        .map_err(|source| KilnError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?
+        .len();
     let mut archive = tar::Archive::new(File::open(path).map_err(|source| KilnError::Io {
         path: path.to_path_buf(),
         source,
@@ -122,7 +129,16 @@ fn index_shard(path: &Path, shard: usize) -> Result<(File, Vec<Entry>)> {
         }
         let sample = samples.entry(key).or_default();
         if IMAGE_EXTENSIONS.contains(&ext.as_str()) {
-            sample.image = Some((member.raw_file_position(), member.size(), name));
+            let (offset, len) = (member.raw_file_position(), member.size());
+            // Samples are read by offset later: a size the header merely claims must lie
+            // inside the file, or a read would allocate it.
+            if offset.saturating_add(len) > file_len {
+                return Err(bad(format!(
+                    "member {name} claims {len} bytes at offset {offset}, past the shard's \
+                     end ({file_len} bytes): the shard is truncated or damaged"
+                )));
+            }
+            sample.image = Some((offset, len, name));
         } else if ext == "cls" {
             let mut text = String::new();
             member
