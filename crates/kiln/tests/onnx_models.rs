@@ -4,42 +4,16 @@
 
 use std::path::{Path, PathBuf};
 
-use burn::tensor::{DType, Device, TensorData};
+use burn::tensor::{Device, TensorData};
 use kiln::onnx::{OnnxError, OnnxModel};
 use safetensors::SafeTensors;
 
-/// Largest allowed `max |kiln - ort| / max |ort|` per output (f32).
-const TOLERANCE: f32 = 1e-4;
+#[path = "common/onnx_ref.rs"]
+mod onnx_ref;
+use onnx_ref::{TOLERANCE, compare, relative_error, tensor};
 
 fn models_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/onnx")
-}
-
-fn tensor(st: &SafeTensors, name: &str) -> Option<TensorData> {
-    let view = st.tensor(name).ok()?;
-    let dtype = match view.dtype() {
-        safetensors::Dtype::F32 => DType::F32,
-        safetensors::Dtype::I64 => DType::I64,
-        other => panic!("reference tensor {name} has dtype {other:?}"),
-    };
-    Some(TensorData::from_bytes_vec(
-        view.data().to_vec(),
-        view.shape().to_vec(),
-        dtype,
-    ))
-}
-
-/// Largest difference relative to the reference's largest magnitude.
-fn relative_error(ours: &[f32], reference: &[f32]) -> f32 {
-    let scale = reference
-        .iter()
-        .fold(0f32, |m, v| m.max(v.abs()))
-        .max(1e-12);
-    let diff = ours
-        .iter()
-        .zip(reference)
-        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-    diff / scale
 }
 
 /// Runs `name` at batch 1 and 3 on its reference inputs, with Kiln's CPU kernels on (image
@@ -67,39 +41,12 @@ fn check_with(name: &str, kiln_kernels: bool) -> usize {
     let st = SafeTensors::deserialize(&bytes).unwrap();
     // Each batch twice in a row: the second run reuses the shape arithmetic the first
     // recorded; a change of batch records anew.
-    for batch in [1, 1, 3, 3, 1] {
-        let inputs: Vec<TensorData> = model
-            .inputs()
-            .iter()
-            .map(|p| {
-                tensor(&st, &format!("b{batch}.in.{}", p.name))
-                    .unwrap_or_else(|| panic!("{name}: no reference input {}", p.name))
-            })
-            .collect();
-        let outputs = model
-            .run_data(inputs)
-            .unwrap_or_else(|e| panic!("{name} b{batch}: {e}"));
-        assert_eq!(outputs.len(), model.outputs().len());
-        for (i, out) in outputs.into_iter().enumerate() {
-            let reference = tensor(&st, &format!("b{batch}.out.{i}")).unwrap();
-            assert_eq!(
-                out.shape(),
-                reference.shape(),
-                "{name} b{batch} output {i}: shape"
-            );
-            let ours = out.convert::<f32>().try_to_vec::<f32>().unwrap();
-            let theirs = reference.convert::<f32>().try_to_vec::<f32>().unwrap();
-            let err = relative_error(&ours, &theirs);
-            eprintln!(
-                "{name} b{batch} output {i} (Kiln kernels {kiln_kernels}): relative error {err:.2e}"
-            );
-            assert!(
-                err <= TOLERANCE,
-                "{name} b{batch} output {i} (Kiln kernels {kiln_kernels}): relative error \
-                 {err:.2e} > {TOLERANCE:.0e}"
-            );
-        }
-    }
+    let what = format!("{name} (Kiln kernels {kiln_kernels})");
+    let err = compare(&model, &st, &[1, 1, 3, 3, 1], &what).unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        err <= TOLERANCE,
+        "{what}: relative error {err:.2e} > {TOLERANCE:.0e}"
+    );
     model.packed_layers()
 }
 

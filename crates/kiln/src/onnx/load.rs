@@ -24,7 +24,7 @@ pub fn load(bytes: &[u8], name: &str, device: &Device) -> Result<OnnxModel, Onnx
         )));
     }
     // onnx-ir renames values; the ports keep the names written in the file.
-    let proto = ModelProto::parse_from_bytes(bytes)
+    let mut proto = ModelProto::parse_from_bytes(bytes)
         .map_err(|e| OnnxError::Parse(format!("{e}; is the file complete and an ONNX model?")))?;
     let graph_proto = proto
         .graph
@@ -42,6 +42,16 @@ pub fn load(bytes: &[u8], name: &str, device: &Device) -> Result<OnnxModel, Onnx
         .map(|i| i.name.clone())
         .collect();
     let output_names: Vec<String> = graph_proto.output.iter().map(|o| o.name.clone()).collect();
+    // Reshape ranks onnx-ir cannot infer, declared from the graph's structure.
+    let patched;
+    let bytes = if super::declare::declare_reshape_ranks(&mut proto) > 0 {
+        patched = proto
+            .write_to_bytes()
+            .map_err(|e| OnnxError::Parse(format!("re-encoding the model: {e}")))?;
+        patched.as_slice()
+    } else {
+        bytes
+    };
 
     let graph = catch_unwind(AssertUnwindSafe(|| {
         OnnxGraphBuilder::new().parse_bytes(bytes)

@@ -17,6 +17,7 @@
 
 mod attention;
 mod concat_convs;
+mod declare;
 mod expand_depthwise;
 mod gelu;
 mod host;

@@ -138,8 +138,8 @@ impl OnnxModel {
 
 /// How an operator's output dimensions depend on its operands' values.
 enum Role {
-    /// On data (an operator Kiln cannot run, which a model is refused for at load; listed
-    /// here so that adding one such as NonZero cannot silently make the cache wrong).
+    /// On data (NonZero; and any operator Kiln cannot run, which a model is refused for at
+    /// load, so that adding one cannot silently make the cache wrong).
     DataDependent,
     /// On the values of the operands from this index on (a Reshape's shape, a Slice's
     /// bounds, a Range's limits).
@@ -158,7 +158,11 @@ fn shape_role(node: &Node) -> Role {
         | Node::Resize(_)
         | Node::Split(_)
         | Node::Squeeze(_)
-        | Node::Unsqueeze(_) => Role::SetsDims { from: 1 },
+        | Node::Unsqueeze(_)
+        | Node::TopK(_)
+        | Node::OneHot(_)
+        | Node::Tile(_) => Role::SetsDims { from: 1 },
+        Node::NonZero(_) => Role::DataDependent,
         _ if is_reduction(node) => Role::SetsDims { from: 1 },
         _ if unsupported(node).is_some() => Role::DataDependent,
         _ => Role::Other,

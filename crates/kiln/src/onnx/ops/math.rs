@@ -224,6 +224,31 @@ pub enum Unary {
     Softplus,
     /// Clamp to `[min, max]` (either side optional).
     Clip(Option<f32>, Option<f32>),
+    /// `x` where `x > 0`, `alpha·(eˣ − 1)` elsewhere.
+    Elu(f32),
+    /// `gamma·x` where `x > 0`, `gamma·alpha·(eˣ − 1)` elsewhere.
+    Selu(f32, f32),
+    /// `max(0, x) + min(0, alpha·(e^(x/alpha) − 1))`.
+    Celu(f32),
+    /// `x · tanh(softplus(x))`.
+    Mish,
+    /// `x / (1 + |x|)`.
+    Softsign,
+    /// `x` where `x > alpha`, 0 elsewhere.
+    ThresholdedRelu(f32),
+    /// `x · sigmoid(alpha·x)`.
+    Swish(f32),
+    /// −1, 0 or 1.
+    Sign,
+    Tan,
+    Asin,
+    Acos,
+    Atan,
+    Sinh,
+    Cosh,
+    Asinh,
+    Acosh,
+    Atanh,
 }
 
 /// `op(x)`. Integer inputs of sign-preserving operators stay integers; others compute in
@@ -231,7 +256,10 @@ pub enum Unary {
 pub fn unary(op: Unary, x: Value) -> Result<Value, OnnxError> {
     let scalar = x.is_scalar();
     if x.kind() == ValueKind::Int
-        && matches!(op, Unary::Neg | Unary::Abs | Unary::Relu | Unary::Clip(..))
+        && matches!(
+            op,
+            Unary::Neg | Unary::Abs | Unary::Relu | Unary::Clip(..) | Unary::Sign
+        )
     {
         let out = with_rank!(x.rank(), D => {
             let t = x.i::<D>();
@@ -239,6 +267,7 @@ pub fn unary(op: Unary, x: Value) -> Result<Value, OnnxError> {
                 Unary::Neg => t.neg(),
                 Unary::Abs => t.abs(),
                 Unary::Relu => t.clamp_min(0),
+                Unary::Sign => t.sign(),
                 Unary::Clip(lo, hi) => {
                     let t = match lo { Some(lo) => t.clamp_min(lo as i64), None => t };
                     match hi { Some(hi) => t.clamp_max(hi as i64), None => t }
@@ -290,7 +319,47 @@ fn float_unary<const D: usize>(op: Unary, x: Tensor<D>) -> Tensor<D> {
                 None => x,
             }
         }
+        Unary::Elu(alpha) => {
+            let neg = (x.clone().clamp_max(0.0).exp() - 1.0) * alpha;
+            x.clamp_min(0.0) + neg
+        }
+        Unary::Selu(alpha, gamma) => {
+            let neg = (x.clone().clamp_max(0.0).exp() - 1.0) * alpha;
+            (x.clamp_min(0.0) + neg) * gamma
+        }
+        Unary::Celu(alpha) => {
+            let neg = ((x.clone().clamp_max(0.0) / alpha).exp() - 1.0) * alpha;
+            x.clamp_min(0.0) + neg
+        }
+        Unary::Mish => x.clone() * activation::softplus(x, 1.0).tanh(),
+        Unary::Softsign => x.clone() / (x.abs() + 1.0),
+        Unary::ThresholdedRelu(alpha) => {
+            let keep = x.clone().greater_elem(alpha);
+            x.clone().zeros_like().mask_where(keep, x)
+        }
+        Unary::Swish(alpha) => x.clone() * crate::kernels::activation::sigmoid(x * alpha),
+        Unary::Sign => x.sign(),
+        Unary::Tan => x.tan(),
+        Unary::Asin => x.asin(),
+        Unary::Acos => x.acos(),
+        Unary::Atan => x.atan(),
+        Unary::Sinh => x.sinh(),
+        Unary::Cosh => x.cosh(),
+        Unary::Asinh => x.asinh(),
+        Unary::Acosh => x.acosh(),
+        Unary::Atanh => x.atanh(),
     }
+}
+
+/// `PRelu`: `x` where `x ≥ 0`, `slope·x` elsewhere, `slope` broadcast to `x`.
+pub fn prelu(x: Value, slope: Value) -> Result<Value, OnnxError> {
+    let x = x.to_kind(ValueKind::Float)?;
+    let neg = binary(
+        Binary::Mul,
+        unary(Unary::Clip(None, Some(0.0)), x.clone())?,
+        slope,
+    )?;
+    binary(Binary::Add, unary(Unary::Relu, x)?, neg)
 }
 
 /// Logical `Not`.

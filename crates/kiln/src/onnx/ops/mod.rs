@@ -4,8 +4,13 @@
 //! negative axes resolved; inputs it could read at load time arrive as `Static` config values,
 //! the others as `Runtime` references to the node's inputs, read here when the node runs.
 
+pub mod conv_nd;
+pub mod einsum;
+pub mod index;
 pub mod math;
 pub mod nn;
+pub mod norm;
+pub mod recurrent;
 pub mod shape;
 
 use burn::tensor::Device;
@@ -88,7 +93,66 @@ pub fn unsupported(node: &Node) -> Option<String> {
                 None
             }
         }
-        Node::Conv2d(_)
+        Node::Lstm(n) => {
+            use onnx_ir::node::lstm::LstmActivationFunction as A;
+            let c = &n.config;
+            (c.gate_activation != A::Sigmoid
+                || c.cell_activation != A::Tanh
+                || c.hidden_activation != A::Tanh)
+                .then(|| "activations other than Sigmoid, Tanh, Tanh".into())
+        }
+        Node::Gru(n) => {
+            use onnx_ir::node::gru::GruActivationFunction as A;
+            let c = &n.config;
+            (c.gate_activation != A::Sigmoid || c.hidden_activation != A::Tanh)
+                .then(|| "activations other than Sigmoid, Tanh".into())
+        }
+        Node::Rnn(n) => rnn_activation(n.config.hidden_activation)
+            .is_none()
+            .then(|| format!("activation {:?}", n.config.hidden_activation)),
+        Node::AveragePool1d(n) if n.config.dilation != 1 => Some("dilation".into()),
+        Node::Conv1d(_)
+        | Node::Conv3d(_)
+        | Node::ConvTranspose1d(_)
+        | Node::ConvTranspose3d(_)
+        | Node::MaxPool1d(_)
+        | Node::MaxPool3d(_)
+        | Node::AveragePool1d(_)
+        | Node::AveragePool3d(_)
+        | Node::InstanceNormalization(_)
+        | Node::GroupNormalization(_)
+        | Node::Trilu(_)
+        | Node::DepthToSpace(_)
+        | Node::SpaceToDepth(_)
+        | Node::Einsum(_)
+        | Node::ScatterND(_)
+        | Node::ScatterElements(_)
+        | Node::GatherElements(_)
+        | Node::GatherND(_)
+        | Node::TopK(_)
+        | Node::CumSum(_)
+        | Node::OneHot(_)
+        | Node::NonZero(_)
+        | Node::Tile(_)
+        | Node::PRelu(_)
+        | Node::Elu(_)
+        | Node::Selu(_)
+        | Node::Celu(_)
+        | Node::Mish(_)
+        | Node::Softsign(_)
+        | Node::ThresholdedRelu(_)
+        | Node::Swish(_)
+        | Node::Sign(_)
+        | Node::Tan(_)
+        | Node::Asin(_)
+        | Node::Acos(_)
+        | Node::Atan(_)
+        | Node::Sinh(_)
+        | Node::Cosh(_)
+        | Node::Asinh(_)
+        | Node::Acosh(_)
+        | Node::Atanh(_)
+        | Node::Conv2d(_)
         | Node::ConvTranspose2d(_)
         | Node::MaxPool2d(_)
         | Node::AveragePool2d(_)
@@ -169,6 +233,18 @@ pub fn unsupported(node: &Node) -> Option<String> {
         _ => return Some(op),
     };
     reason.map(|r| format!("{op} ({r})"))
+}
+
+fn rnn_activation(
+    a: onnx_ir::node::rnn::RnnActivationFunction,
+) -> Option<recurrent::RnnActivation> {
+    use onnx_ir::node::rnn::RnnActivationFunction as A;
+    match a {
+        A::Tanh => Some(recurrent::RnnActivation::Tanh),
+        A::Relu => Some(recurrent::RnnActivation::Relu),
+        A::Sigmoid => Some(recurrent::RnnActivation::Sigmoid),
+        _ => None,
+    }
 }
 
 /// The `Reduce*` operators Kiln runs (axes from an attribute or a second operand).
@@ -694,10 +770,379 @@ pub fn run(node: &Node, ins: Inputs, device: &Device) -> Result<Vec<Value>, Onnx
             n.config.keepdims,
             false,
         )?),
+        _ => run_more(node, ins),
+    }
+}
+
+macro_rules! scatter_reduction {
+    ($r:expr, $E:ident) => {
+        match $r {
+            $E::None => index::Reduction::None,
+            $E::Add => index::Reduction::Add,
+            $E::Mul => index::Reduction::Mul,
+            $E::Max => index::Reduction::Max,
+            $E::Min => index::Reduction::Min,
+        }
+    };
+}
+
+/// The operators beyond the image families': other ranks of convolution and pooling,
+/// per-sample normalizations, recurrent layers, Einsum, indexing, more activations.
+fn run_more(node: &Node, ins: Inputs) -> Result<Vec<Value>, OnnxError> {
+    use conv_nd::{PoolKind, Window3d};
+    let x = || input(ins, 0, node);
+    let one = |v: Value| Ok(vec![v]);
+    let window3 = |kernel,
+                   stride,
+                   dilation,
+                   padding: &onnx_ir::node::padding::PaddingConfig3d,
+                   auto_pad: &onnx_ir::node::padding::AutoPad| Window3d {
+        kernel,
+        stride,
+        dilation,
+        padding: padding.clone(),
+        auto_pad: auto_pad.clone(),
+    };
+    match node {
+        Node::Conv1d(n) => {
+            let c = &n.config;
+            let w =
+                conv_nd::window_1d(c.kernel_size, c.stride, c.dilation, &c.padding, &c.auto_pad);
+            one(conv_nd::conv1d(
+                x()?,
+                input(ins, 1, node)?,
+                optional(ins, 2),
+                &w,
+                c.groups,
+            )?)
+        }
+        Node::Conv3d(n) => {
+            let c = &n.config;
+            let w = window3(c.kernel_size, c.stride, c.dilation, &c.padding, &c.auto_pad);
+            one(conv_nd::conv3d_op(
+                x()?,
+                input(ins, 1, node)?,
+                optional(ins, 2),
+                &w,
+                c.groups,
+            )?)
+        }
+        Node::ConvTranspose1d(n) => {
+            let c = &n.config;
+            one(conv_nd::conv_transpose1d(
+                x()?,
+                input(ins, 1, node)?,
+                optional(ins, 2),
+                c.stride,
+                c.padding,
+                c.padding_out,
+                c.dilation,
+                c.groups,
+            )?)
+        }
+        Node::ConvTranspose3d(n) => {
+            let c = &n.config;
+            one(conv_nd::conv_transpose3d_op(
+                x()?,
+                input(ins, 1, node)?,
+                optional(ins, 2),
+                c.stride,
+                c.padding,
+                c.padding_out,
+                c.dilation,
+                c.groups,
+            )?)
+        }
+        Node::MaxPool1d(n) => {
+            let c = &n.config;
+            let w =
+                conv_nd::window_1d(c.kernel_size, c.stride, c.dilation, &c.padding, &c.auto_pad);
+            one(conv_nd::max_pool1d(x()?, &w, c.ceil_mode)?)
+        }
+        Node::AveragePool1d(n) => {
+            let c = &n.config;
+            let w =
+                conv_nd::window_1d(c.kernel_size, c.stride, c.dilation, &c.padding, &c.auto_pad);
+            one(conv_nd::avg_pool1d(
+                x()?,
+                &w,
+                c.ceil_mode,
+                c.count_include_pad,
+            )?)
+        }
+        Node::MaxPool3d(n) => {
+            let c = &n.config;
+            let w = window3(
+                c.kernel_size,
+                c.strides,
+                c.dilation,
+                &c.padding,
+                &c.auto_pad,
+            );
+            one(conv_nd::pool3d(x()?, &w, c.ceil_mode, PoolKind::Max)?)
+        }
+        Node::AveragePool3d(n) => {
+            let c = &n.config;
+            let w = window3(
+                c.kernel_size,
+                c.strides,
+                c.dilation,
+                &c.padding,
+                &c.auto_pad,
+            );
+            let kind = PoolKind::Average {
+                count_include_pad: c.count_include_pad,
+            };
+            one(conv_nd::pool3d(x()?, &w, c.ceil_mode, kind)?)
+        }
+        Node::InstanceNormalization(n) => one(norm::instance_norm(
+            x()?,
+            input(ins, 1, node)?,
+            input(ins, 2, node)?,
+            n.config.epsilon,
+        )?),
+        Node::GroupNormalization(n) => one(norm::group_norm(
+            x()?,
+            input(ins, 1, node)?,
+            input(ins, 2, node)?,
+            n.config.num_groups,
+            n.config.epsilon,
+        )?),
+        Node::Trilu(n) => {
+            use onnx_ir::node::trilu::TriluDiagonal;
+            let k = match &n.config.diagonal {
+                TriluDiagonal::Static(k) => *k,
+                TriluDiagonal::Runtime(r) => {
+                    runtime_ints(ins, r, node)?.first().copied().unwrap_or(0)
+                }
+            };
+            one(index::trilu(x()?, n.config.upper, k)?)
+        }
+        Node::DepthToSpace(n) => one(index::depth_to_space(
+            x()?,
+            n.config.block_size,
+            n.config.mode.clone(),
+        )?),
+        Node::SpaceToDepth(n) => one(index::space_to_depth(x()?, n.config.block_size)?),
+        Node::Einsum(n) => {
+            let operands: Vec<Value> = ins.iter().flatten().cloned().collect();
+            one(einsum::einsum(&n.config.equation, operands)?)
+        }
+        Node::Lstm(n) => {
+            use onnx_ir::node::lstm::LstmDirection as D;
+            let c = &n.config;
+            let spec = recurrent::Recurrent {
+                cell: recurrent::Cell::Lstm {
+                    coupled: c.input_forget,
+                },
+                direction: match c.direction {
+                    D::Forward => recurrent::Direction::Forward,
+                    D::Reverse => recurrent::Direction::Reverse,
+                    D::Bidirectional => recurrent::Direction::Bidirectional,
+                },
+                hidden: c.hidden_size,
+                batch_first: c.batch_first,
+                clip: c.clip,
+            };
+            recurrent_outputs(node, &spec, ins, optional(ins, 6))
+        }
+        Node::Gru(n) => {
+            use onnx_ir::node::gru::GruDirection as D;
+            let c = &n.config;
+            let spec = recurrent::Recurrent {
+                cell: recurrent::Cell::Gru {
+                    linear_before_reset: c.linear_before_reset,
+                },
+                direction: match c.direction {
+                    D::Forward => recurrent::Direction::Forward,
+                    D::Reverse => recurrent::Direction::Reverse,
+                    D::Bidirectional => recurrent::Direction::Bidirectional,
+                },
+                hidden: c.hidden_size,
+                batch_first: c.batch_first,
+                clip: c.clip,
+            };
+            recurrent_outputs(node, &spec, ins, None)
+        }
+        Node::Rnn(n) => {
+            use onnx_ir::node::rnn::RnnDirection as D;
+            let c = &n.config;
+            let act = rnn_activation(c.hidden_activation).ok_or_else(|| {
+                OnnxError::Unsupported(format!("RNN activation {:?}", c.hidden_activation))
+            })?;
+            let spec = recurrent::Recurrent {
+                cell: recurrent::Cell::Rnn(act),
+                direction: match c.direction {
+                    D::Forward => recurrent::Direction::Forward,
+                    D::Reverse => recurrent::Direction::Reverse,
+                    D::Bidirectional => recurrent::Direction::Bidirectional,
+                },
+                hidden: c.hidden_size,
+                batch_first: c.batch_first,
+                clip: c.clip,
+            };
+            recurrent_outputs(node, &spec, ins, None)
+        }
+        Node::ScatterND(n) => {
+            use onnx_ir::node::scatter_nd::ScatterNDReduction as R;
+            let r = scatter_reduction!(n.config.reduction, R);
+            one(index::scatter_nd(
+                x()?,
+                input(ins, 1, node)?,
+                input(ins, 2, node)?,
+                r,
+            )?)
+        }
+        Node::ScatterElements(n) => {
+            use onnx_ir::node::scatter_elements::ScatterElementsReduction as R;
+            let r = scatter_reduction!(n.config.reduction, R);
+            one(index::scatter_elements(
+                x()?,
+                input(ins, 1, node)?,
+                input(ins, 2, node)?,
+                n.config.axis,
+                r,
+            )?)
+        }
+        Node::GatherElements(n) => one(index::gather_elements(
+            x()?,
+            input(ins, 1, node)?,
+            n.config.axis,
+        )?),
+        Node::GatherND(n) => one(index::gather_nd(
+            x()?,
+            input(ins, 1, node)?,
+            n.config.batch_dims,
+        )?),
+        Node::TopK(n) => {
+            use onnx_ir::node::topk::TopKInput;
+            let k = match &n.config.k {
+                TopKInput::Static(k) => *k,
+                TopKInput::Runtime(r) => runtime_ints(ins, r, node)?
+                    .first()
+                    .copied()
+                    .unwrap_or(0)
+                    .max(0) as usize,
+            };
+            index::top_k(x()?, k, n.config.axis, n.config.largest)
+        }
+        Node::CumSum(n) => {
+            use onnx_ir::node::cumsum::CumSumAxis;
+            let v = x()?;
+            let axis = match &n.config.axis {
+                CumSumAxis::Static(a) => *a,
+                CumSumAxis::Runtime(r) => {
+                    let a = runtime_ints(ins, r, node)?.first().copied().unwrap_or(0);
+                    shape::axis_index(a, v.onnx_dims().len())?
+                }
+            };
+            one(index::cum_sum(
+                v,
+                axis,
+                n.config.exclusive,
+                n.config.reverse,
+            )?)
+        }
+        Node::OneHot(n) => {
+            use onnx_ir::node::one_hot::{OneHotDepthInput, OneHotValuesInput};
+            let depth = match &n.config.depth {
+                OneHotDepthInput::Static(d) => *d,
+                OneHotDepthInput::Runtime(r) => {
+                    let v = input(ins, r.input_index, node)?
+                        .to_kind(ValueKind::Float)?
+                        .to_f32s()?;
+                    v.first().copied().unwrap_or(0.0).max(0.0) as usize
+                }
+            };
+            let values = match &n.config.values {
+                OneHotValuesInput::Static(v) => *v,
+                OneHotValuesInput::Runtime(r) => {
+                    let v = input(ins, r.input_index, node)?
+                        .to_kind(ValueKind::Float)?
+                        .to_f32s()?;
+                    match v.as_slice() {
+                        [off, on] => [*off, *on],
+                        _ => {
+                            return Err(OnnxError::Shape(format!(
+                                "OneHot values of {} elements",
+                                v.len()
+                            )));
+                        }
+                    }
+                }
+            };
+            let kind = n
+                .outputs
+                .first()
+                .and_then(|o| declared_kind(&o.ty))
+                .unwrap_or(ValueKind::Float);
+            one(index::one_hot(x()?, depth, values, n.config.axis, kind)?)
+        }
+        Node::NonZero(_) => one(index::non_zero(x()?)?),
+        Node::Tile(n) => {
+            use onnx_ir::node::tile::TileInput;
+            let repeats: Vec<usize> = match &n.config.repeats {
+                TileInput::Static(r) => r.clone(),
+                TileInput::Runtime(r) => runtime_ints(ins, r, node)?
+                    .into_iter()
+                    .map(|v| v.max(0) as usize)
+                    .collect(),
+            };
+            one(index::tile(x()?, &repeats)?)
+        }
+        Node::PRelu(_) => one(math::prelu(x()?, input(ins, 1, node)?)?),
+        Node::Elu(n) => unary(Unary::Elu(n.config.alpha as f32), ins, node),
+        Node::Selu(n) => unary(
+            Unary::Selu(n.config.alpha as f32, n.config.gamma as f32),
+            ins,
+            node,
+        ),
+        Node::Celu(n) => unary(Unary::Celu(n.config.alpha as f32), ins, node),
+        Node::Mish(_) => unary(Unary::Mish, ins, node),
+        Node::Softsign(_) => unary(Unary::Softsign, ins, node),
+        Node::ThresholdedRelu(n) => unary(Unary::ThresholdedRelu(n.config.alpha as f32), ins, node),
+        Node::Swish(n) => unary(Unary::Swish(n.config.alpha as f32), ins, node),
+        Node::Sign(_) => unary(Unary::Sign, ins, node),
+        Node::Tan(_) => unary(Unary::Tan, ins, node),
+        Node::Asin(_) => unary(Unary::Asin, ins, node),
+        Node::Acos(_) => unary(Unary::Acos, ins, node),
+        Node::Atan(_) => unary(Unary::Atan, ins, node),
+        Node::Sinh(_) => unary(Unary::Sinh, ins, node),
+        Node::Cosh(_) => unary(Unary::Cosh, ins, node),
+        Node::Asinh(_) => unary(Unary::Asinh, ins, node),
+        Node::Acosh(_) => unary(Unary::Acosh, ins, node),
+        Node::Atanh(_) => unary(Unary::Atanh, ins, node),
         other => Err(OnnxError::Unsupported(
             unsupported(other).unwrap_or_else(|| other.node_type().to_string()),
         )),
     }
+}
+
+/// Runs a recurrent node (inputs X, W, R, B, sequence_lens, initial_h, initial_c), keeping
+/// as many outputs as the node declares.
+fn recurrent_outputs(
+    node: &Node,
+    spec: &recurrent::Recurrent,
+    ins: Inputs,
+    initial_c: Option<Value>,
+) -> Result<Vec<Value>, OnnxError> {
+    if optional(ins, 4).is_some() {
+        return Err(OnnxError::Unsupported(format!(
+            "{} with sequence_lens",
+            node.node_type()
+        )));
+    }
+    let mut out = recurrent::run(
+        spec,
+        input(ins, 0, node)?,
+        input(ins, 1, node)?,
+        input(ins, 2, node)?,
+        optional(ins, 3),
+        optional(ins, 5),
+        initial_c,
+    )?;
+    out.truncate(node.outputs().len().max(1));
+    Ok(out)
 }
 
 fn reduce(
