@@ -297,10 +297,10 @@ impl<'a> Facts<'a> {
                 let len = len_of(0)? as i64;
                 let starts = self.ints(input(1)?)?;
                 let ends = self.ints(input(2)?)?;
-                if let Some(axes) = input(3) {
-                    if self.ints(axes)? != [0] {
-                        return None;
-                    }
+                if let Some(axes) = input(3)
+                    && self.ints(axes)? != [0]
+                {
+                    return None;
                 }
                 let step = match input(4) {
                     Some(s) => *self.ints(s)?.first()?,

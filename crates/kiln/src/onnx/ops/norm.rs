@@ -23,7 +23,7 @@ fn normalize_rows(
     }
     let (n, c) = (dims[0], dims[1]);
     let total: usize = dims.iter().product();
-    if rows == 0 || total % rows != 0 {
+    if rows == 0 || !total.is_multiple_of(rows) {
         return Err(OnnxError::Shape(format!("{what}: {dims:?} in {rows} rows")));
     }
     let x2 = x
