@@ -52,12 +52,7 @@ fn check_model(path: &Path, kiln_kernels: bool) -> Result<f32, String> {
 #[test]
 fn every_corpus_model_loads_and_matches_onnx_runtime() {
     let (dir, outside) = corpus_dir();
-    let mut models: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "onnx"))
-        .collect();
-    models.sort();
+    let models = onnx_ref::onnx_files(&dir);
     assert!(!models.is_empty(), "no .onnx files in {}", dir.display());
     let mut report = Vec::new();
     let mut failures = Vec::new();

@@ -105,9 +105,12 @@ multiversion! {
     fn quantize_into(src: &[f32], dst: &mut [MaybeUninit<u8>], inv: f32, zero_point: u8, top: f32) {
         let zp = zero_point as f32;
         for (o, v) in dst.iter_mut().zip(src) {
+            // Rounded before the zero point is added, as ONNX's QuantizeLinear defines it:
+            // adding it first drops low bits, and a value just below a half then rounds up.
+            let r = (v * inv + 12_582_912.0) - 12_582_912.0;
             // Not `clamp`: clamp keeps NaN, and NaN must not reach the bit trick.
             #[allow(clippy::manual_clamp)]
-            let y = (v * inv + zp).max(0.0).min(top);
+            let y = (r + zp).max(0.0).min(top);
             *o = MaybeUninit::new(((y + 12_582_912.0).to_bits() & 0xFF) as u8);
         }
     }

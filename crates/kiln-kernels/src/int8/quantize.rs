@@ -181,9 +181,12 @@ impl ActivationQuant {
         let zp = self.zero_point as f32;
         let top = self.max_level as f32;
         move |v: f32| {
+            // Rounded before the zero point is added (ONNX's QuantizeLinear): adding it
+            // first drops low bits, and a value just below a half would round up.
+            let r = round(v * inv);
             // Not `clamp`: clamp keeps NaN, and NaN must not reach the bit trick.
             #[allow(clippy::manual_clamp)]
-            let y = (v * inv + zp).max(0.0).min(top);
+            let y = (r + zp).max(0.0).min(top);
             ((y + 12_582_912.0).to_bits() & 0xFF) as u8
         }
     }

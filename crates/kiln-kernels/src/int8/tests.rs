@@ -368,3 +368,25 @@ fn avx2_pairs_never_saturate() {
         }
     }
 }
+
+/// A value just below a half rounds down whatever the zero point: ONNX's QuantizeLinear
+/// rounds `x / scale` and then adds the zero point. Adding it first (`1.4999999 + 132` is
+/// `133.5` in f32) rounded such values up, one step off ONNX Runtime on a QDQ model's input.
+#[test]
+fn quantization_rounds_before_adding_the_zero_point() {
+    let quant = ActivationQuant {
+        scale: 1.0,
+        zero_point: 132,
+        max_level: 255,
+    };
+    let below_half = 1.499_999_9_f32;
+    assert_eq!(quant.quantize(below_half), 133);
+    assert_eq!(quant.quantize(-below_half), 131);
+    let src = [below_half, -below_half, 2.5, -2.5];
+    let mut dst = [std::mem::MaybeUninit::new(0u8); 4];
+    quantize_into(&src, &mut dst, 1.0, 132, 255.0);
+    // SAFETY: every element was written above.
+    let got: Vec<u8> = dst.iter().map(|v| unsafe { v.assume_init() }).collect();
+    // Ties go to even, as ONNX's round does: 2.5 → 2, −2.5 → −2.
+    assert_eq!(got, vec![133, 131, 134, 130]);
+}

@@ -43,8 +43,10 @@ pub fn load(bytes: &[u8], name: &str, device: &Device) -> Result<OnnxModel, Onnx
         .collect();
     let output_names: Vec<String> = graph_proto.output.iter().map(|o| o.name.clone()).collect();
     // Reshape ranks onnx-ir cannot infer, declared from the graph's structure.
+    // Quantized operators onnx-ir cannot type, in the QDQ form it can.
+    let lowered = super::lower_quant::lower_quantized_ops(&mut proto);
     let patched;
-    let bytes = if super::declare::declare_reshape_ranks(&mut proto) > 0 {
+    let bytes = if super::declare::declare_reshape_ranks(&mut proto) + lowered > 0 {
         patched = proto
             .write_to_bytes()
             .map_err(|e| OnnxError::Parse(format!("re-encoding the model: {e}")))?;
@@ -167,6 +169,11 @@ pub fn load(bytes: &[u8], name: &str, device: &Device) -> Result<OnnxModel, Onnx
         shape_cache: Default::default(),
         placement: Default::default(),
     };
+    // A quantized model's layers onto the integer kernels with its own scales (nothing
+    // changes in a float model).
+    for change in model.lower_qdq()? {
+        tracing::debug!(model = name, "{change}");
+    }
     // SiLU and GELU first: their exported nodes become one step that a convolution or a
     // linear layer then takes.
     model.fuse_silus();

@@ -22,6 +22,7 @@ mod expand_depthwise;
 mod gelu;
 mod host;
 mod load;
+mod lower_quant;
 mod ops;
 mod passes;
 mod shape_cache;

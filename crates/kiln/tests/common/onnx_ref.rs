@@ -10,6 +10,17 @@ use safetensors::SafeTensors;
 /// Largest allowed `max |kiln - ort| / max |ort|` per output (f32).
 pub const TOLERANCE: f32 = 1e-4;
 
+/// The `.onnx` files of `dir`, sorted.
+pub fn onnx_files(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut models: Vec<_> = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "onnx"))
+        .collect();
+    models.sort();
+    models
+}
+
 /// The tensor `name` of a reference file, when it holds one.
 pub fn tensor(st: &SafeTensors, name: &str) -> Option<TensorData> {
     let view = st.tensor(name).ok()?;

@@ -10,6 +10,7 @@ pub mod index;
 pub mod math;
 pub mod nn;
 pub mod norm;
+pub mod quant;
 pub mod recurrent;
 pub mod shape;
 
@@ -226,7 +227,9 @@ pub fn unsupported(node: &Node) -> Option<String> {
         | Node::Pad(_)
         | Node::Range(_)
         | Node::ArgMax(_)
-        | Node::ArgMin(_) => None,
+        | Node::ArgMin(_)
+        | Node::QuantizeLinear(_)
+        | Node::DequantizeLinear(_) => None,
         // A new operator whose output dimensions depend on its operands' values must also
         // be named in `shape_cache::shape_role`.
         _ if is_reduction(node) => None,
@@ -804,6 +807,27 @@ fn run_more(node: &Node, ins: Inputs) -> Result<Vec<Value>, OnnxError> {
         auto_pad: auto_pad.clone(),
     };
     match node {
+        Node::QuantizeLinear(n) => {
+            let x = x()?;
+            one(quant::quantize_linear(
+                &x,
+                &input(ins, 1, node)?,
+                optional(ins, 2).as_ref(),
+                n.config.axis.unwrap_or(1),
+                n.outputs[0].ty.elem_type(),
+                &x.device(),
+            )?)
+        }
+        Node::DequantizeLinear(n) => {
+            let x = x()?;
+            one(quant::dequantize_linear(
+                &x,
+                &input(ins, 1, node)?,
+                optional(ins, 2).as_ref(),
+                n.config.axis.unwrap_or(1),
+                &x.device(),
+            )?)
+        }
         Node::Conv1d(n) => {
             let c = &n.config;
             let w =

@@ -11,6 +11,9 @@ pub struct QLinear {
     pub(super) bias: Option<Vec<f32>>,
     /// The activation fused into the layer, run in the integer kernel's epilogue.
     pub(super) act: Option<Activation>,
+    /// The input's quantization grid when the model fixes it (a QDQ model's scale and zero
+    /// point); `None`: measured per call.
+    pub(super) input_quant: Option<ActivationQuant>,
 }
 
 /// An int8 convolution with its packed weights.
@@ -20,6 +23,8 @@ pub struct QConv {
     pub(super) bias: Option<Vec<f32>>,
     pub(super) geometry: ConvGeometry,
     pub(super) relu: bool,
+    /// As [`QLinear`]'s: the model's grid for the input, or `None` to measure it per call.
+    pub(super) input_quant: Option<ActivationQuant>,
 }
 
 impl QLinear {
@@ -82,7 +87,9 @@ impl QLinear {
         residual: Option<&[f32]>,
     ) -> (Vec<f32>, (f32, f32)) {
         let k = self.weight.cols;
-        let quant = ActivationQuant::for_range(range.unwrap_or_else(|| range_of(x)));
+        let quant = self
+            .input_quant
+            .unwrap_or_else(|| ActivationQuant::for_range(range.unwrap_or_else(|| range_of(x))));
         let a = QuantizedActivations::new(x, k, quant, self.weight.kernel());
         let bias = self.bias.as_deref();
         matmul_dequantized_residual(&a, &self.weight, bias, residual, self.act)
@@ -129,7 +136,9 @@ impl QConv {
         let [top, left, bottom, right] = g.pads;
         let pads = [(top, bottom), (left, right)];
         crate::onnx::host::kernel_fits([h, w], pads, g.kernel, g.dilation)?;
-        let quant = ActivationQuant::for_range(range_of(host));
+        let quant = self
+            .input_quant
+            .unwrap_or_else(|| ActivationQuant::for_range(range_of(host)));
         let (a, ho, wo) =
             QuantizedActivations::for_conv(host, dims, layout, g, quant, self.weight.kernel());
         if a.cols != self.weight.cols {
@@ -282,7 +291,15 @@ impl OnnxModel {
         } else {
             None
         };
-        self.replace(at, StepOp::QLinear(QLinear { weight, bias, act }));
+        self.replace(
+            at,
+            StepOp::QLinear(QLinear {
+                weight,
+                bias,
+                act,
+                input_quant: None,
+            }),
+        );
         Ok(Some(true))
     }
 
@@ -342,6 +359,7 @@ impl OnnxModel {
                 bias,
                 geometry,
                 relu,
+                input_quant: None,
             }),
         );
         Ok(Some(false))

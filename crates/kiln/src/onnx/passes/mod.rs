@@ -8,6 +8,7 @@
 mod fold;
 mod fuse;
 mod int8;
+mod static_int8;
 
 pub(in crate::onnx) use fold::affine;
 pub(in crate::onnx) use int8::{QConv, QLinear};
