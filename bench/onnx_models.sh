@@ -21,7 +21,7 @@ for model in "$dir"/*.onnx; do
   name="$(basename "$model" .onnx)"
   extra=()
   case "$name" in
-    bert) extra=(--input-dims input_ids=16 --input-dims attention_mask=16) ;;
+    bert | bert.*) extra=(--input-dims input_ids=16 --input-dims attention_mask=16) ;;
     bert_base) extra=(--input-dims input_ids=128 --input-dims attention_mask=128) ;;
   esac
   echo "kiln bench --onnx $model ..." >&2

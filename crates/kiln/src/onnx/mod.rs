@@ -123,6 +123,9 @@ enum StepOp {
     /// A channel Concat of convolutions' outputs with those convolutions, fused at load
     /// (`fuse_concat_convs`): the step's inputs are the convolutions' in turn.
     ConcatConvs(Box<concat_convs::ConcatConvs>),
+    /// A QuantizeLinear → DequantizeLinear pair of one per-tensor grid, fused at load
+    /// (`passes/static_int8.rs`): f32 in, f32 out.
+    QuantizeDequantize(ops::quant::QuantizeDequantize),
 }
 
 impl Step {
@@ -569,6 +572,7 @@ impl OnnxModel {
                 })
             }
             StepOp::Activation(act) => host::unary(ins, *act),
+            StepOp::QuantizeDequantize(fq) => host::quantize_dequantize(ins, fq),
             StepOp::ChannelShuffle(shuffle) => host::channel_shuffle(shuffle, ins),
             StepOp::QLinear(q) => host::int8_linear(
                 q,
@@ -699,6 +703,12 @@ impl OnnxModel {
             StepOp::Activation(act) => passes::activation(&ins, *act),
             StepOp::ChannelShuffle(shuffle) => shuffle.run(&ins),
             StepOp::ScaledSoftmax(softmax) => softmax.run(&ins),
+            StepOp::QuantizeDequantize(fq) => match ins.first().cloned().flatten() {
+                Some(x) => fq.run(&x).map(|y| vec![y]),
+                None => Err(OnnxError::Graph(
+                    "a quantize-dequantize step has no input".into(),
+                )),
+            },
             StepOp::ExpandDepthwise(_) | StepOp::ConcatConvs(_) => {
                 Err(OnnxError::Graph("a fused step runs as its layers".into()))
             }

@@ -69,6 +69,27 @@ pub(in crate::onnx) fn unary(
     }
 }
 
+/// A fused QuantizeLinear → DequantizeLinear on a host image or rows, in place when this was
+/// their last reader (a value is left to the value path).
+pub(in crate::onnx) fn quantize_dequantize(
+    ins: &mut [Option<Slot>],
+    fq: &crate::onnx::ops::quant::QuantizeDequantize,
+) -> Option<Result<Vec<Slot>, OnnxError>> {
+    if let Slot::Value(_) = ins.first()?.as_ref()? {
+        return None;
+    }
+    match take(ins, 0)? {
+        Slot::Image(image) => {
+            let dims = image.dims;
+            let mut data = image.into_vec();
+            fq.apply(&mut data);
+            Some(Ok(vec![Slot::Image(Image::new(data, dims))]))
+        }
+        Slot::Rows(rows) => Some(Ok(vec![Slot::Rows(rows.apply(|x| fq.apply(x)))])),
+        Slot::Value(_) => None,
+    }
+}
+
 /// `act` of every value of `rows` (in place when this was their last reader).
 pub(super) fn activated_rows(rows: Rows, act: Activation) -> Slot {
     Slot::Rows(rows.apply(|x| activate(x, act)))

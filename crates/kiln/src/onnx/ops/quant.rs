@@ -126,6 +126,53 @@ pub fn dequantize_linear(
     Value::from_data(TensorData::new(f, dims), device)
 }
 
+/// A `QuantizeLinear` whose only reader is a `DequantizeLinear` of the same per-tensor grid,
+/// fused at load: the value rounded to the grid in f32, in one pass, in whatever layout the
+/// host holds it (the pair's int8 tensor between them is never made).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct QuantizeDequantize {
+    /// The grid's step.
+    pub scale: f32,
+    /// The zero point.
+    pub zero: f32,
+    /// The quantized type's range.
+    pub lo: f32,
+    /// The quantized type's range.
+    pub hi: f32,
+}
+
+impl QuantizeDequantize {
+    /// Each value to `(saturate(round_half_even(x / scale) + zero) − zero) · scale`: what the
+    /// two nodes compute (`x / scale` divided, as ONNX Runtime does, so the grid point is the
+    /// same one).
+    pub fn apply(&self, x: &mut [f32]) {
+        const MAGIC: f32 = 12_582_912.0; // 1.5 · 2²³: rounds half to even below 2²²
+        let Self {
+            scale,
+            zero,
+            lo,
+            hi,
+        } = *self;
+        let (below, above) = (lo - zero, hi - zero);
+        for v in x.iter_mut() {
+            // Saturated before rounding (the bounds are integers, so it is the same), which
+            // keeps the magic add exact and the loop branch-free; `max`/`min`, not `clamp`:
+            // a NaN goes to the range's low end.
+            #[allow(clippy::manual_clamp)]
+            let q = (*v / scale).max(below).min(above);
+            let y = (q + MAGIC) - MAGIC;
+            *v = y * scale;
+        }
+    }
+
+    /// The pair on a value (off the host path).
+    pub fn run(&self, x: &Value) -> Result<Value, OnnxError> {
+        let mut values = x.to_f32s()?;
+        self.apply(&mut values);
+        Value::from_data(TensorData::new(values, x.onnx_dims()), &x.device())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -149,6 +196,28 @@ mod tests {
         assert_eq!(q.to_i64s().unwrap(), vec![10, 12, 4, 255, 12, 10]);
         let q = quantize_linear(&x, &s, None, 1, DType::I8, &d).unwrap();
         assert_eq!(q.to_i64s().unwrap(), vec![0, 2, -6, 127, 2, 0]);
+    }
+
+    #[test]
+    fn the_fused_pair_equals_quantize_then_dequantize() {
+        let d = Device::default();
+        let values: Vec<f32> = (0..400)
+            .map(|i| (i as f32 - 200.0) * 0.0173 + 0.25)
+            .collect();
+        let x = floats(values.clone(), &[4, 100]);
+        let s = floats(vec![0.05], &[]);
+        let z = ints(vec![-7], &[]);
+        let q = quantize_linear(&x, &s, Some(&z), 1, DType::I8, &d).unwrap();
+        let want = dequantize_linear(&q, &s, Some(&z), 1, &d).unwrap();
+        let fused = QuantizeDequantize {
+            scale: 0.05,
+            zero: -7.0,
+            lo: -128.0,
+            hi: 127.0,
+        };
+        let got = fused.run(&x).unwrap();
+        assert_eq!(got.to_f32s().unwrap(), want.to_f32s().unwrap());
+        assert_eq!(got.dims(), vec![4, 100]);
     }
 
     #[test]

@@ -197,7 +197,8 @@ impl OnnxModel {
                     | StepOp::ChannelShuffle(_)
                     | StepOp::ScaledSoftmax(_)
                     | StepOp::ExpandDepthwise(_)
-                    | StepOp::ConcatConvs(_) => {
+                    | StepOp::ConcatConvs(_)
+                    | StepOp::QuantizeDequantize(_) => {
                         unreachable!("fusable_relu returns int8 layers")
                     }
                 }

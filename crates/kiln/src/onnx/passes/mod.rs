@@ -189,7 +189,8 @@ impl OnnxModel {
                 | StepOp::ChannelShuffle(_)
                 | StepOp::ScaledSoftmax(_)
                 | StepOp::ExpandDepthwise(_)
-                | StepOp::ConcatConvs(_) => 0,
+                | StepOp::ConcatConvs(_)
+                | StepOp::QuantizeDequantize(_) => 0,
             })
             .sum();
         constants + packed
@@ -293,6 +294,7 @@ impl OnnxModel {
             StepOp::ScaledSoftmax(_) => "ScaledSoftmax".into(),
             StepOp::ExpandDepthwise(_) => "ExpandDepthwise".into(),
             StepOp::ConcatConvs(_) => "ConcatConvs".into(),
+            StepOp::QuantizeDequantize(_) => "QuantizeDequantize".into(),
             StepOp::Onnx(ref n) => n.node_type().to_string(),
         };
         step.op = op;

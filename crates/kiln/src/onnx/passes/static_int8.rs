@@ -81,6 +81,7 @@ impl OnnxModel {
                 None => {}
             }
         }
+        let pairs = self.fuse_quantize_dequantize();
         let removed = self.remove_dead_quantize_steps();
         let folded = self.fold_constant_dequantizes()?;
         let mut changes = Vec::new();
@@ -88,6 +89,11 @@ impl OnnxModel {
             changes.push(format!(
                 "static int8: {convs} convolution(s), {linears} linear layer(s) on the integer \
                  kernels with the model's scales; {removed} Q/DQ node(s) absorbed"
+            ));
+        }
+        if pairs > 0 {
+            changes.push(format!(
+                "{pairs} Q/DQ pair(s) fused into one f32 rounding step each"
             ));
         }
         if kept > 0 {
@@ -112,6 +118,12 @@ impl OnnxModel {
     /// and the grid.
     fn quantized_input(&self, at: usize) -> Option<(usize, Grid)> {
         let dq_out = self.steps[at].inputs.first().copied().flatten()?;
+        self.qdq_pair(dq_out).map(|(_, _, x, grid)| (x, grid))
+    }
+
+    /// When `dq_out` is written by `DQ(Q(x))` of one per-tensor grid (equal parameters on
+    /// both nodes): the Q and DQ steps, `x`'s slot and the grid.
+    fn qdq_pair(&self, dq_out: usize) -> Option<(usize, usize, usize, Grid)> {
         let (dq_at, Node::DequantizeLinear(_)) = self.producer_node(dq_out)? else {
             return None;
         };
@@ -161,6 +173,8 @@ impl OnnxModel {
             return None;
         }
         Some((
+            q_at,
+            dq_at,
             x,
             Grid {
                 scale: qs,
@@ -169,6 +183,44 @@ impl OnnxModel {
                 hi,
             },
         ))
+    }
+
+    /// Every Q → DQ pair whose int8 tensor only the DQ reads becomes one f32 step (the
+    /// Q/DQ chains the integer layers did not absorb: around residual sums, depthwise
+    /// layers, pooling). Returns how many.
+    fn fuse_quantize_dequantize(&mut self) -> usize {
+        let mut fused = 0;
+        let mut at = 0;
+        while at < self.steps.len() {
+            let pair = match self.steps[at].op.node() {
+                Some(Node::DequantizeLinear(_)) => self.steps[at]
+                    .outputs
+                    .first()
+                    .and_then(|&out| self.qdq_pair(out)),
+                _ => None,
+            };
+            let Some((q_at, dq_at, x, grid)) = pair else {
+                at += 1;
+                continue;
+            };
+            let q_out = self.steps[q_at].outputs[0];
+            if self.uses[q_out] != 1 || self.output_slots.contains(&q_out) {
+                at += 1;
+                continue;
+            }
+            let op = ops::quant::QuantizeDequantize {
+                scale: grid.scale,
+                zero: grid.zero as f32,
+                lo: grid.lo as f32,
+                hi: grid.hi as f32,
+            };
+            self.replace(dq_at, StepOp::QuantizeDequantize(op));
+            self.rewire(dq_at, 0, x);
+            // The Q step now has no reader; it is removed with the other dead ones.
+            fused += 1;
+            at += 1;
+        }
+        fused
     }
 
     /// The constant integers behind `slot` when it is `DequantizeLinear` of constants.
