@@ -44,7 +44,8 @@ pub fn load(bytes: &[u8], name: &str, device: &Device) -> Result<OnnxModel, Onnx
     let output_names: Vec<String> = graph_proto.output.iter().map(|o| o.name.clone()).collect();
     // Reshape ranks onnx-ir cannot infer, declared from the graph's structure.
     // Quantized operators onnx-ir cannot type, in the QDQ form it can.
-    let lowered = super::lower_quant::lower_quantized_ops(&mut proto);
+    let lowered = super::lower_quant::lower_quantized_ops(&mut proto)
+        + super::ceil_pool::rewrite_ceil_average_pools(&mut proto);
     let patched;
     let bytes = if super::declare::declare_reshape_ranks(&mut proto) + lowered > 0 {
         patched = proto

@@ -16,6 +16,7 @@
 //! such operator and how often it occurs.
 
 mod attention;
+mod ceil_pool;
 mod concat_convs;
 mod declare;
 mod expand_depthwise;
