@@ -23,6 +23,8 @@ for model in "$dir"/*.onnx; do
   case "$name" in
     bert | bert.*) extra=(--input-dims input_ids=16 --input-dims attention_mask=16) ;;
     bert_base) extra=(--input-dims input_ids=128 --input-dims attention_mask=128) ;;
+    # tools/onnx_corpus.py's transformers models: token ids with a dynamic length.
+    hf_gpt2 | hf_bert | hf_t5_encoder | hf_llama) extra=(--input-dims input_ids=12) ;;
   esac
   echo "kiln bench --onnx $model ..." >&2
   "$kiln" bench --onnx "$model" --threads "$threads" --steps "$steps" --json "${extra[@]}" "${int8[@]}" | tee -a "$out" \
