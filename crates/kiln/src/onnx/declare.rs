@@ -24,7 +24,7 @@ pub fn declare_reshape_ranks(model: &mut ModelProto) -> usize {
     let Some(graph) = model.graph.as_mut() else {
         return 0;
     };
-    let declared: Vec<(String, usize, i32)> = {
+    let declared: Vec<(String, Vec<Option<i64>>, i32)> = {
         let facts = Facts::new(graph);
         graph
             .node
@@ -34,19 +34,26 @@ pub fn declare_reshape_ranks(model: &mut ModelProto) -> usize {
             .filter_map(|n| {
                 let len = facts.length(&n.input[1], 0)?;
                 let elem = facts.elem_type(&n.input[0], 0).unwrap_or(0);
-                Some((n.output[0].clone(), len, elem))
+                Some((
+                    n.output[0].clone(),
+                    facts.target_dims(&n.input[1], len),
+                    elem,
+                ))
             })
             .collect()
     };
-    for (name, rank, elem) in &declared {
+    for (name, dims, elem) in &declared {
         let mut t = TypeProto::new();
         let tensor = t.mut_tensor_type();
         tensor.elem_type = *elem;
         let mut shape = TensorShapeProto::new();
-        for i in 0..*rank {
+        for (i, dim) in dims.iter().enumerate() {
             shape.dim.push(Default::default());
             if let Some(d) = shape.dim.last_mut() {
-                d.set_dim_param(format!("{name}_{i}"));
+                match dim {
+                    Some(v) => d.set_dim_value(*v),
+                    None => d.set_dim_param(format!("{name}_{i}")),
+                }
             }
         }
         tensor.shape = Some(shape).into();
@@ -231,6 +238,41 @@ impl<'a> Facts<'a> {
     }
 
     /// The length of the 1-D value `name`, when provable.
+    /// The dimensions a Reshape target `name` of `len` entries sets, where a piece of it is
+    /// a constant (positive: a `0` copies the input's dimension, a `-1` is inferred): the
+    /// output's static shape then says them. Declaring every dimension unknown would give
+    /// onnx-ir an output shape equal to an input's that is unknown too, and it removes such
+    /// a Reshape as a no-op (timm's TNT, MobileViT, CoaT and EfficientViT lost their
+    /// reshapes that way).
+    fn target_dims(&self, name: &str, len: usize) -> Vec<Option<i64>> {
+        let known = |v: Vec<i64>| -> Vec<Option<i64>> {
+            v.into_iter().map(|d| (d > 0).then_some(d)).collect()
+        };
+        if let Some(v) = self.ints(name).filter(|v| v.len() == len) {
+            return known(v);
+        }
+        let pieces = self
+            .producers
+            .get(name)
+            .filter(|n| n.op_type == "Concat")
+            .map(|n| {
+                n.input
+                    .iter()
+                    .map(|i| {
+                        let l = self.length(i, 1)?;
+                        Some(match self.ints(i).filter(|v| v.len() == l) {
+                            Some(v) => known(v),
+                            None => vec![None; l],
+                        })
+                    })
+                    .collect::<Option<Vec<_>>>()
+            });
+        match pieces.flatten().map(|p| p.concat()) {
+            Some(dims) if dims.len() == len => dims,
+            _ => vec![None; len],
+        }
+    }
+
     fn length(&self, name: &str, depth: usize) -> Option<usize> {
         if depth > MAX_DEPTH {
             return None;
@@ -371,5 +413,61 @@ mod tests {
         assert_eq!(slice_len(4, -1, i64::MIN, -1), Some(4));
         assert_eq!(slice_len(4, 3, 3, 1), Some(0));
         assert_eq!(slice_len(4, 0, 1, 0), None);
+    }
+
+    /// A Reshape to `Concat(Unsqueeze(Gather(Shape(x), 0)), [196], [384])` (TNT's) is
+    /// declared `[?, 196, 384]`: known pieces as values, so onnx-ir does not see an output
+    /// shape of unknowns equal to its input's and drop the Reshape as a no-op.
+    #[test]
+    fn constant_pieces_of_a_reshape_target_are_declared_as_values() {
+        fn node(op: &str, inputs: &[&str], output: &str) -> NodeProto {
+            let mut n = NodeProto::new();
+            n.op_type = op.into();
+            n.input = inputs.iter().map(|s| s.to_string()).collect();
+            n.output = vec![output.into()];
+            n
+        }
+        fn ints(name: &str, v: &[i64]) -> TensorProto {
+            let mut t = TensorProto::new();
+            t.name = name.into();
+            t.data_type = 7;
+            t.dims = vec![v.len() as i64];
+            t.int64_data = v.to_vec();
+            t
+        }
+        let mut model = ModelProto::new();
+        let g = model.graph.mut_or_insert_default();
+        let mut scalar = ints("zero", &[0]);
+        scalar.dims.clear();
+        g.initializer.extend([
+            scalar,
+            ints("axes", &[0]),
+            ints("a", &[196]),
+            ints("b", &[384]),
+        ]);
+        g.node.push(node("Shape", &["x"], "shape"));
+        let mut gather = node("Gather", &["shape", "zero"], "batch");
+        let mut axis = AttributeProto::new();
+        axis.name = "axis".into();
+        gather.attribute.push(axis);
+        g.node.push(gather);
+        g.node.push(node("Unsqueeze", &["batch", "axes"], "b1"));
+        let mut concat = node("Concat", &["b1", "a", "b"], "target");
+        let mut axis = AttributeProto::new();
+        axis.name = "axis".into();
+        concat.attribute.push(axis);
+        g.node.push(concat);
+        g.node.push(node("Reshape", &["y", "target"], "out"));
+        assert_eq!(declare_reshape_ranks(&mut model), 1);
+        let v = &model.graph.as_ref().unwrap().value_info[0];
+        let dims: Vec<Option<i64>> = v
+            .type_
+            .tensor_type()
+            .shape
+            .dim
+            .iter()
+            .map(|d| d.has_dim_value().then(|| d.dim_value()))
+            .collect();
+        assert_eq!(dims, vec![None, Some(196), Some(384)]);
     }
 }
