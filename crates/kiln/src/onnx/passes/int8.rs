@@ -153,6 +153,25 @@ impl QConv {
     }
 }
 
+/// The geometry of a Conv the integer implicit GEMM takes: one group, explicit or valid
+/// padding (`None` for grouped or auto-padded convolutions).
+pub(super) fn int8_conv_geometry(c: &onnx_ir::node::conv2d::Conv2dConfig) -> Option<ConvGeometry> {
+    if c.groups != 1 || !matches!(c.auto_pad, AutoPad::NotSet | AutoPad::Valid) {
+        return None;
+    }
+    let pads = match (&c.auto_pad, &c.padding) {
+        (AutoPad::Valid, _) | (_, PaddingConfig2d::Valid) => [0; 4],
+        (_, PaddingConfig2d::Explicit(top, left, bottom, right)) => [*top, *left, *bottom, *right],
+    };
+    Some(ConvGeometry {
+        stride: c.stride,
+        pads,
+        dilation: c.dilation,
+        groups: 1,
+        kernel: c.kernel_size,
+    })
+}
+
 impl OnnxModel {
     pub(in crate::onnx) fn quantize_int8(
         &mut self,
@@ -315,24 +334,8 @@ impl OnnxModel {
         let Some(Node::Conv2d(n)) = step.op.node() else {
             return Ok(None);
         };
-        let c = &n.config;
-        if c.groups != 1 || !matches!(c.auto_pad, AutoPad::NotSet | AutoPad::Valid) {
+        let Some(geometry) = int8_conv_geometry(&n.config) else {
             return Ok(None);
-        }
-        let pads = match c.padding {
-            PaddingConfig2d::Valid => [0; 4],
-            PaddingConfig2d::Explicit(top, left, bottom, right) => [top, left, bottom, right],
-        };
-        let geometry = ConvGeometry {
-            stride: c.stride,
-            pads: if c.auto_pad == AutoPad::Valid {
-                [0; 4]
-            } else {
-                pads
-            },
-            dilation: c.dilation,
-            groups: 1,
-            kernel: c.kernel_size,
         };
         let Some((w, dims)) = self.constant_f32s(step.inputs.get(1).copied().flatten()) else {
             return Ok(None);

@@ -281,22 +281,8 @@ impl OnnxModel {
         let Some(Node::Conv2d(n)) = self.steps[at].op.node() else {
             return Ok(None);
         };
-        let c = &n.config;
-        if c.groups != 1 || !matches!(c.auto_pad, AutoPad::NotSet | AutoPad::Valid) {
+        let Some(geometry) = super::int8::int8_conv_geometry(&n.config) else {
             return Ok(None);
-        }
-        let pads = match (&c.auto_pad, &c.padding) {
-            (AutoPad::Valid, _) | (_, PaddingConfig2d::Valid) => [0; 4],
-            (_, PaddingConfig2d::Explicit(top, left, bottom, right)) => {
-                [*top, *left, *bottom, *right]
-            }
-        };
-        let geometry = ConvGeometry {
-            stride: c.stride,
-            pads,
-            dilation: c.dilation,
-            groups: 1,
-            kernel: c.kernel_size,
         };
         let Some((x, quant, w)) = self.static_operands(at) else {
             return Ok(None);
