@@ -112,6 +112,14 @@ pub enum KilnError {
         /// What is wrong and how to fix it.
         problem: String,
     },
+    /// A video file that cannot be opened or decoded: the file, and what is wrong with it.
+    #[error("video {path}: {problem}")]
+    Video {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong and how to fix it.
+        problem: String,
+    },
     /// A real-time stream problem (frame shape, region, gate or threshold setting).
     #[error("stream: {0}")]
     Stream(String),

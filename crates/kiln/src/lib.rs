@@ -110,6 +110,8 @@ pub mod report;
 pub mod stream;
 pub mod train;
 pub mod tune;
+#[cfg(feature = "video")]
+pub mod video;
 pub mod zoo;
 
 pub use burn;

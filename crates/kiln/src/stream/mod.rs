@@ -14,13 +14,23 @@
 //! sequence extension) and says which path each frame and region took; [`video`] generates the
 //! seeded synthetic stream that `kiln bench --mode stream` measures them on. `docs/stream.md`
 //! says when each pays.
+//!
+//! Beyond classifiers, [`FrameStream`] runs the same ideas around any [`FrameModel`]
+//! (segmentation masks, enhanced images, boxes) on decoded video (`crate::video`, the `video`
+//! feature): gates on a [`Thumb`]nail, regions of interest as crops pasted back,
+//! multi-scale where the coarse pass is confident; [`Agreement`] scores each against the full
+//! model on every frame, and [`frame_queue`] bounds the decoder's lead.
 
+pub mod agreement;
 mod cascade;
 pub mod early_exit;
+pub mod frame_stream;
 pub mod gate;
 mod measure;
 pub mod multiscale;
+pub mod per_frame;
 mod processor;
+pub mod queue;
 pub mod roi;
 pub mod video;
 
@@ -31,20 +41,24 @@ use crate::classifier::Classifier;
 use crate::error::{KilnError, Result};
 use crate::infer::InferenceSession;
 
+pub use agreement::Agreement;
 pub use cascade::{Cascade, OnnxClassifier, Stage};
 pub use early_exit::{EarlyExit, FullDepth, MultiExit};
+pub use frame_stream::{FrameStep, FrameStream, RegionConfig, ScaleConfig, Thumb, VideoTechniques};
 pub use gate::{FrameGate, GateConfig, GateDecision, mean_abs_diff};
 pub use measure::{StreamRun, WARMUP_FRAMES, run_stream};
 pub use multiscale::{Downscaled, MultiScale, downscale};
+pub use per_frame::{Detection, FrameModel, FrameResult, OnnxFrameModel, OutputKind};
 pub use processor::{FrameOutcome, FramePath, RegionResult, StreamConfig, StreamProcessor};
+pub use queue::{FrameReceiver, FrameSender, OverloadPolicy, frame_queue};
 pub use roi::{RegionTracker, Roi, crop_batch, crop_resize};
 pub use video::{StreamLike, SyntheticVideo, VideoSpec};
 
 /// One frame: `[channels, height, width]` f32 values, already normalized as the model expects.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Frame {
-    shape: [usize; 3],
-    pixels: Vec<f32>,
+    pub(crate) shape: [usize; 3],
+    pub(crate) pixels: Vec<f32>,
 }
 
 impl Frame {
