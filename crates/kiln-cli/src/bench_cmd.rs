@@ -168,6 +168,13 @@ pub fn run(args: BenchArgs) -> Result<()> {
         kiln::plan::set_cpu_threads(threads);
         return crate::data_bench::run(threads, args.steps, args.json);
     }
+    if let Some(video) = &args.video {
+        if args.mode.as_deref() != Some("stream") {
+            anyhow::bail!("--video belongs to --mode stream");
+        }
+        kiln::plan::set_cpu_threads(threads);
+        return video_bench(&args, video, threads);
+    }
     if args.mode.as_deref() == Some("stream") {
         kiln::plan::set_cpu_threads(threads);
         return crate::stream_bench::run(&crate::stream_bench::StreamBench {
@@ -778,4 +785,46 @@ fn print_table(results: &[CaseResult]) {
             base.map_or("-".into(), |x| format!("{x:.2}x")),
         );
     }
+}
+
+/// `--mode stream --video FILE --onnx MODEL` (the `video` feature).
+#[cfg(feature = "video")]
+fn video_bench(args: &BenchArgs, video: &std::path::Path, threads: usize) -> Result<()> {
+    use kiln::stream::{OutputKind, OverloadPolicy};
+    let model = args
+        .onnx
+        .as_deref()
+        .ok_or_else(|| anyhow::anyhow!("--video needs --onnx MODEL, the per-frame model"))?;
+    let size = args
+        .input_size
+        .split_once(['x', 'X'])
+        .and_then(|(w, h)| Some((w.trim().parse().ok()?, h.trim().parse().ok()?)))
+        .filter(|&(w, h): &(usize, usize)| w > 0 && h > 0)
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "--input-size {:?}: expected WIDTHxHEIGHT, e.g. 512x288",
+                args.input_size
+            )
+        })?;
+    crate::video_bench::run(&crate::video_bench::VideoBench {
+        video,
+        model,
+        threads,
+        size,
+        fit: kiln::video::Fit::from_name(&args.fit).unwrap_or(kiln::video::Fit::Stretch),
+        output: args.output.as_deref().and_then(OutputKind::from_name),
+        on_overload: OverloadPolicy::from_name(&args.on_overload).unwrap_or(OverloadPolicy::Block),
+        max_frames: args.max_frames,
+        json: args.json,
+    })
+}
+
+/// Without the `video` feature: say how to get it.
+#[cfg(not(feature = "video"))]
+fn video_bench(_: &BenchArgs, _: &std::path::Path, _: usize) -> Result<()> {
+    anyhow::bail!(
+        "--video needs the `video` feature (FFmpeg's libraries): apt install libavcodec-dev \
+         libavformat-dev libswscale-dev libavutil-dev pkg-config libclang-dev, then cargo build \
+         --release -p kiln-cli --features video"
+    )
 }

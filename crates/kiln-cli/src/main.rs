@@ -19,6 +19,8 @@ mod train_cmd;
 mod tune_auto_cmd;
 mod tune_cmd;
 mod user_shaped;
+#[cfg(feature = "video")]
+mod video_bench;
 mod work_dir;
 
 use std::path::PathBuf;
@@ -426,6 +428,28 @@ struct BenchArgs {
     /// With --mode data --data: the output side (RandomResizedCrop size).
     #[arg(long, default_value_t = 224)]
     image_size: usize,
+    /// With --mode stream: a video file (MP4, MKV, WebM, ...) to run --onnx MODEL on, each
+    /// technique on and off, beside PyAV + ONNX Runtime (needs the `video` feature).
+    #[arg(long, value_name = "FILE", requires = "onnx")]
+    video: Option<PathBuf>,
+    /// With --video: the model input `WIDTHxHEIGHT` for a model with dynamic height and
+    /// width (a fixed-size model takes its own).
+    #[arg(long, default_value = "512x288")]
+    input_size: String,
+    /// With --video: stretch or letterbox frames to the input.
+    #[arg(long, default_value = "stretch", value_parser = ["stretch", "letterbox"])]
+    fit: String,
+    /// With --video: how the model's first output is read: classes, mask, image or boxes
+    /// (default: guessed from its shape).
+    #[arg(long, value_parser = ["classes", "mask", "image", "boxes"])]
+    output: Option<String>,
+    /// With --video: what a full decode queue does, block or drop-oldest
+    /// (`stream.on_overload`).
+    #[arg(long, default_value = "block", value_parser = ["block", "drop-oldest"])]
+    on_overload: String,
+    /// With --video: stop after this many frames.
+    #[arg(long)]
+    max_frames: Option<u64>,
     /// Internal: measure one case in this process (`burn`, `kiln-basic`, ...).
     #[arg(long, hide = true)]
     case: Option<String>,
@@ -598,7 +622,7 @@ fn main() {
     let result = match cli.command {
         Command::Train(args) => train_cmd::run(args),
         Command::Plan(args) => plan(args),
-        Command::Bench(args) if args.onnx.is_some() => run_onnx_bench(args),
+        Command::Bench(args) if args.onnx.is_some() && args.video.is_none() => run_onnx_bench(args),
         Command::Bench(args) => bench_cmd::run(args),
         Command::Optimize(args) if args.onnx.is_some() => run_onnx_optimize(args),
         Command::Optimize(args) => optimize_cmd::run(args),

@@ -1,0 +1,118 @@
+//! Video from the command line (the `video` feature): `kiln data make-video` writes a clip and
+//! its ground truth; `kiln bench --mode stream --video --onnx` runs a per-frame ONNX model on
+//! it with each technique, and a bad file is an error naming it.
+//!
+//! `cargo test -p kiln-cli --features video --test video_cli`
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn kiln(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(args)
+        .env("KILN_LOG", "error")
+        // The peer needs PyAV, which CI does not install: its row then says why it did not run.
+        .env("KILN_PYTHON", "/nonexistent/python")
+        .output()
+        .expect("run kiln")
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn work() -> PathBuf {
+    let d = std::env::temp_dir().join(format!("kiln-video-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn a_made_video_is_benchmarked_with_an_onnx_model_and_each_technique() {
+    let d = work();
+    let clip = d.join("clip.mp4");
+    let o = kiln(&[
+        "data",
+        "make-video",
+        clip.to_str().unwrap(),
+        "--scene",
+        "cut",
+        "--size",
+        "320x192",
+        "--seconds",
+        "1.5",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let truth: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(clip.with_extension("json")).unwrap()).unwrap();
+    assert_eq!(truth["truth"]["boxes"].as_array().unwrap().len(), 45);
+    assert_eq!(truth["truth"]["cuts"], serde_json::json!([0, 22]));
+
+    let model = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../models/onnx/seghead.onnx"
+    );
+    let o = kiln(&[
+        "bench",
+        "--mode",
+        "stream",
+        "--video",
+        clip.to_str().unwrap(),
+        "--onnx",
+        model,
+        "--threads",
+        "1",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let names: Vec<&str> = rows.iter().map(|r| r["name"].as_str().unwrap()).collect();
+    // A fixed-size model: the techniques that need crops are not offered.
+    assert_eq!(names, ["decode", "full", "temporal", "peer"], "{rows:?}");
+    for r in &rows[..3] {
+        assert_eq!(r["frames"], 45, "{r}");
+        assert!(r["fps"].as_f64().unwrap() > 0.0);
+        assert_eq!(r["info"]["codec"], "h264");
+    }
+    let agreement = rows[2]["agreement"]["score"].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&agreement));
+    assert!(
+        rows[3]["error"].as_str().unwrap().contains("KILN_PYTHON"),
+        "{}",
+        rows[3]
+    );
+}
+
+#[test]
+fn a_file_that_is_not_a_video_is_an_error_naming_it() {
+    let d = work();
+    let bad = d.join("holiday.mp4");
+    std::fs::write(&bad, b"not a video at all").unwrap();
+    let model = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../models/onnx/seghead.onnx"
+    );
+    let o = kiln(&[
+        "bench",
+        "--mode",
+        "stream",
+        "--video",
+        bad.to_str().unwrap(),
+        "--onnx",
+        model,
+    ]);
+    assert!(!o.status.success());
+    let t = text(&o);
+    assert!(
+        t.contains("holiday.mp4") && t.contains("not a video"),
+        "{t}"
+    );
+    assert!(!t.contains("panicked"), "{t}");
+}
