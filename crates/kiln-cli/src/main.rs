@@ -444,7 +444,7 @@ struct BenchArgs {
     #[arg(long, value_parser = ["classes", "mask", "image", "boxes"])]
     output: Option<String>,
     /// With --video: what a full decode queue does, block or drop-oldest
-    /// (`stream.on_overload`).
+    /// (`DecodeOptions::on_overload`).
     #[arg(long, default_value = "block", value_parser = ["block", "drop-oldest"])]
     on_overload: String,
     /// With --video: stop after this many frames.

@@ -1,7 +1,8 @@
 //! The bounded queue between a stream's decoder and its model: the decoder runs ahead by at
 //! most `capacity` frames, and when the model falls behind the policy says what happens to a
-//! new frame (`stream.on_overload`): wait for room (`block`: every frame is processed, the
-//! decoder slows to the model's pace, as for a file) or drop the oldest waiting frame
+//! new frame (`DecodeOptions::on_overload`, `kiln bench --on-overload`): wait for room
+//! (`block`: every frame is processed, the decoder slows to the model's pace, as for a
+//! file) or drop the oldest waiting frame
 //! (`drop-oldest`: the model always gets the newest frame, as for a live camera; each drop is
 //! counted).
 
@@ -12,7 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::names::config_names;
 
-/// What a full frame queue does with a new frame (`stream.on_overload`).
+/// What a full frame queue does with a new frame (`--on-overload`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum OverloadPolicy {

@@ -1,6 +1,6 @@
 //! Decoding runs ahead of inference on its own thread: it opens the file, decodes and converts
 //! each frame, and hands it over through a bounded [`frame_queue`] whose policy says what
-//! happens when the model falls behind (`stream.on_overload`).
+//! happens when the model falls behind (`DecodeOptions::on_overload`, `--on-overload`).
 
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
