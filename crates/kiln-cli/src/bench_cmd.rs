@@ -816,6 +816,10 @@ fn video_bench(args: &BenchArgs, video: &std::path::Path, threads: usize) -> Res
         on_overload: OverloadPolicy::from_name(&args.on_overload).unwrap_or(OverloadPolicy::Block),
         max_frames: args.max_frames,
         json: args.json,
+        gate_threshold: args.gate_threshold,
+        region_threshold: args.region_threshold,
+        region_margin: args.region_margin,
+        region_max_age: args.region_max_age,
     })
 }
 

@@ -450,6 +450,20 @@ struct BenchArgs {
     /// With --video: stop after this many frames.
     #[arg(long)]
     max_frames: Option<u64>,
+    /// With --video: the frame gate's threshold (mean absolute luma difference of the
+    /// thumbnail, 0..1; default 0.0015).
+    #[arg(long)]
+    gate_threshold: Option<f32>,
+    /// With --video: a region tile's threshold (default 0.01).
+    #[arg(long)]
+    region_threshold: Option<f32>,
+    /// With --video: context around a changed region and the alignment of its crop, in
+    /// input pixels (default 32: a stride-32 backbone).
+    #[arg(long)]
+    region_margin: Option<usize>,
+    /// With --video: frames a region's result may be reused for (default 60).
+    #[arg(long)]
+    region_max_age: Option<u32>,
     /// Internal: measure one case in this process (`burn`, `kiln-basic`, ...).
     #[arg(long, hide = true)]
     case: Option<String>,

@@ -29,6 +29,11 @@ pub struct VideoBench<'a> {
     pub on_overload: OverloadPolicy,
     pub max_frames: Option<u64>,
     pub json: bool,
+    /// Overrides of the technique settings (the defaults below otherwise).
+    pub gate_threshold: Option<f32>,
+    pub region_threshold: Option<f32>,
+    pub region_margin: Option<usize>,
+    pub region_max_age: Option<u32>,
 }
 
 #[derive(Serialize)]
@@ -57,14 +62,19 @@ struct Peer {
 /// also let small moving objects through, 6 points of mean IoU lost. Regions are 16-pixel
 /// tiles (4 thumbnail pixels) at 0.01 with a 32-pixel context, aligned to a stride-32
 /// backbone; at 0.03 an object creeping a pixel a frame lagged, 2.4 points lost.
-fn configurations(model: &dyn FrameModel) -> Vec<VideoTechniques> {
+fn configurations(model: &dyn FrameModel, b: &VideoBench) -> Vec<VideoTechniques> {
     let gate = GateConfig {
-        threshold: 0.0015,
+        threshold: b.gate_threshold.unwrap_or(0.0015),
         max_reuse_age: 30,
     };
+    let defaults = RegionConfig::default();
+    let margin = b.region_margin.unwrap_or(defaults.margin).max(1);
     let regions = RegionConfig {
-        threshold: 0.01,
-        ..RegionConfig::default()
+        threshold: b.region_threshold.unwrap_or(0.01),
+        margin,
+        align: margin,
+        max_reuse_age: b.region_max_age.unwrap_or(defaults.max_reuse_age),
+        ..defaults
     };
     let scale = ScaleConfig {
         factor: 2,
@@ -133,7 +143,7 @@ pub fn run(b: &VideoBench) -> Result<()> {
     )?;
     runs.push(decode);
     let mut reference: Vec<FrameResult> = Vec::new();
-    for (i, t) in configurations(&model).into_iter().enumerate() {
+    for (i, t) in configurations(&model, b).into_iter().enumerate() {
         eprintln!("kiln bench: {} ...", t.name());
         let (run, kept) = if i == 0 {
             run_video(b.video, &spec, &options, Some(&model), &t, None, true)?
