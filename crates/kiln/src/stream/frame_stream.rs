@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use super::gate::GateConfig;
 use super::per_frame::{FrameModel, FrameResult, OutputKind, paste};
 use super::processor::FramePath;
-use super::roi::Roi;
+use super::roi::{Roi, crop_resize};
 use super::{Frame, mean_abs_diff};
 use crate::error::{KilnError, Result};
 
@@ -287,11 +287,7 @@ impl FrameStream {
             return self.full(input, thumb, model);
         }
         let crop = expand_aligned(changed, rc.margin, rc.align, h, w);
-        let part = model.run(&[&crop_frame(input, crop)], false)?;
-        let part = part
-            .into_iter()
-            .next()
-            .ok_or_else(|| KilnError::Stream("the model returned no result for a region".into()))?;
+        let part = run_one(model, &crop_frame(input, crop)?, false, "a region")?;
         let mut result = last;
         paste(&mut result, &part, crop, changed, (h, w))?;
         self.mark_computed(thumb, Some(changed));
@@ -309,13 +305,11 @@ impl FrameStream {
         let [_, h, w] = input.shape();
         let (result, region, coarse) = match self.techniques.multiscale {
             Some(s) => multiscale(input, model, s)?,
-            None => {
-                let r = model.run(&[input], false)?;
-                let r = r.into_iter().next().ok_or_else(|| {
-                    KilnError::Stream("the model returned no result for a frame".into())
-                })?;
-                (r, Some(Roi::new(0, 0, w, h)), false)
-            }
+            None => (
+                run_one(model, input, false, "a frame")?,
+                Some(Roi::new(0, 0, w, h)),
+                false,
+            ),
         };
         self.shape = Some(input.shape());
         self.mark_computed(thumb, None);
@@ -409,6 +403,20 @@ impl FrameStream {
     }
 }
 
+/// `model`'s result for the one frame `frame`; an error naming `what` if it returns none.
+fn run_one(
+    model: &dyn FrameModel,
+    frame: &Frame,
+    confidence: bool,
+    what: &str,
+) -> Result<FrameResult> {
+    model
+        .run(&[frame], confidence)?
+        .into_iter()
+        .next()
+        .ok_or_else(|| KilnError::Stream(format!("the model returned no result for {what}")))
+}
+
 /// `r` grown by `margin` on every side, its corners moved out to multiples of `align`, inside
 /// an `h × w` frame.
 fn expand_aligned(r: Roi, margin: usize, align: usize, h: usize, w: usize) -> Roi {
@@ -419,21 +427,13 @@ fn expand_aligned(r: Roi, margin: usize, align: usize, h: usize, w: usize) -> Ro
     Roi::new(x0, y0, x1 - x0, y1 - y0)
 }
 
-/// The region `r` of `frame`, copied.
-pub(crate) fn crop_frame(frame: &Frame, r: Roi) -> Frame {
-    let [c, h, w] = frame.shape();
-    let px = frame.pixels();
-    let mut out = Vec::with_capacity(c * r.h * r.w);
-    for ch in 0..c {
-        for y in r.y..r.y + r.h {
-            let row = (ch * h + y) * w;
-            out.extend_from_slice(&px[row + r.x..row + r.x + r.w]);
-        }
-    }
-    Frame {
-        shape: [c, r.h, r.w],
-        pixels: out,
-    }
+/// The region `r` of `frame`, copied (`crop_resize` at the region's own size is an exact
+/// copy).
+fn crop_frame(frame: &Frame, r: Roi) -> Result<Frame> {
+    Frame::new(
+        [frame.shape()[0], r.h, r.w],
+        crop_resize(frame, r, r.h, r.w)?,
+    )
 }
 
 /// `frame` averaged over `factor × factor` blocks (sides rounded down).
@@ -470,11 +470,7 @@ fn multiscale(
 ) -> Result<(FrameResult, Option<Roi>, bool)> {
     let [_, h, w] = input.shape();
     let small = downscale_frame(input, s.factor);
-    let coarse = model
-        .run(&[&small], true)?
-        .into_iter()
-        .next()
-        .ok_or_else(|| KilnError::Stream("the model returned no result for a frame".into()))?;
+    let coarse = run_one(model, &small, true, "a frame")?;
     match coarse {
         FrameResult::Class(p) if p.confidence >= s.confidence => {
             Ok((FrameResult::Class(p), None, true))
@@ -513,22 +509,15 @@ fn multiscale(
             };
             let region = Roi::new(x0, y0, x1 - x0, y1 - y0);
             let crop = expand_aligned(region, 32, 32, h, w);
-            let part = model
-                .run(&[&crop_frame(input, crop)], false)?
-                .into_iter()
-                .next()
-                .ok_or_else(|| KilnError::Stream("the model returned no result".into()))?;
+            let part = run_one(model, &crop_frame(input, crop)?, false, "a region")?;
             paste(&mut result, &part, crop, region, (h, w))?;
             Ok((result, Some(region), true))
         }
-        _ => {
-            let r = model
-                .run(&[input], false)?
-                .into_iter()
-                .next()
-                .ok_or_else(|| KilnError::Stream("the model returned no result".into()))?;
-            Ok((r, Some(Roi::new(0, 0, w, h)), true))
-        }
+        _ => Ok((
+            run_one(model, input, false, "a frame")?,
+            Some(Roi::new(0, 0, w, h)),
+            true,
+        )),
     }
 }
 

@@ -175,7 +175,6 @@ impl DecodedVideo {
     /// Waits for the decoder thread and returns its summary, or the error that stopped it
     /// (a decoding error before any frame, a conversion failure).
     pub fn finish(mut self) -> Result<DecodeSummary> {
-        let dropped = self.frames.dropped();
         let worker = self.worker.take();
         // Dropping the receiver tells a producer still running to stop.
         drop(self.frames);
@@ -184,7 +183,6 @@ impl DecodedVideo {
             Some(Err(_)) => return Err(KilnError::Stream("the decoder thread panicked".into())),
             None => DecodeSummary::default(),
         };
-        let _ = dropped;
         Ok(summary)
     }
 }
