@@ -440,3 +440,26 @@ fn the_last_batch_is_padded_on_a_gpu_and_kept_on_the_cpu() {
         kiln::data::LastBatch::Drop
     );
 }
+
+#[test]
+fn stream_settings_come_from_the_file_and_make_the_video_techniques() {
+    use kiln::stream::{OverloadPolicy, StreamSettings};
+    assert_eq!(plan_at(Level::Basic).stream, StreamSettings::default());
+    let c = KilnConfig::from_toml_str(
+        "[stream]\non_overload = \"drop-oldest\"\nqueue_frames = 2\ngate_threshold = 0.02\n\
+         region_threshold = 0\nregion_margin = 16\nregion_max_age = 5\n",
+        "kiln.toml",
+    )
+    .unwrap();
+    let s = resolve(&c, &hw()).unwrap().stream;
+    assert_eq!(s.on_overload, OverloadPolicy::DropOldest);
+    assert_eq!(s.queue_frames, 2);
+    let t = s.techniques();
+    let (gate, regions) = (t.frame_gate.unwrap(), t.regions.unwrap());
+    assert_eq!((gate.threshold, gate.max_reuse_age), (0.02, 5));
+    // An integer literal is a float value; the crop aligns to the margin.
+    assert_eq!(regions.threshold, 0.0);
+    assert_eq!((regions.margin, regions.align, regions.max_reuse_age), (16, 16, 5));
+    let err = KilnConfig::from_toml_str("[stream]\nqueue_frames = 0\n", "kiln.toml").unwrap_err();
+    assert!(err.to_string().contains("stream.queue_frames"), "{err}");
+}

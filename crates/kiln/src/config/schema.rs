@@ -508,6 +508,55 @@ pub static SETTINGS: &[SettingSpec] = &[
               crop (random crop with padding), crop-flip (+ horizontal flip), affine (±10°, \
               ±8% shift, 0.9–1.1 scale)",
     },
+    SettingSpec {
+        key: "stream.on_overload",
+        kind: Kind::Enum(crate::stream::OverloadPolicy::NAMES),
+        default: S("block"),
+        levels: &[],
+        doc: "what a full decode queue does with a new frame of a video: block (the decoder \
+              waits, every frame runs: files) or drop-oldest (the model gets the newest \
+              frame, drops counted: live cameras)",
+    },
+    SettingSpec {
+        key: "stream.queue_frames",
+        kind: Kind::Int { min: 1, max: 1024 },
+        default: I(8),
+        levels: &[],
+        doc: "decoded frames the decoder may run ahead of the model (bounds the queue's memory)",
+    },
+    SettingSpec {
+        key: "stream.gate_threshold",
+        kind: Kind::Float { min: 0.0, max: 1.0 },
+        default: F(0.01),
+        levels: &[],
+        doc: "temporal coherence: a frame is reused when no 16-pixel tile of its thumbnail \
+              changed by more than this mean absolute luma difference (0..1) since the model \
+              last ran",
+    },
+    SettingSpec {
+        key: "stream.region_threshold",
+        kind: Kind::Float { min: 0.0, max: 1.0 },
+        default: F(0.01),
+        levels: &[],
+        doc: "regions of interest: a tile whose mean absolute luma difference is above this \
+              runs again (each group of changed tiles is its own crop)",
+    },
+    SettingSpec {
+        key: "stream.region_margin",
+        kind: Kind::Int { min: 1, max: 4096 },
+        default: I(48),
+        levels: &[],
+        doc: "context around a changed region, in input pixels (its inner half is pasted \
+              back with the region; crops align to 32 pixels, a stride-32 backbone's grid)",
+    },
+    SettingSpec {
+        key: "stream.region_max_age",
+        kind: Kind::Int { min: 0, max: 100_000 },
+        default: I(60),
+        levels: &[],
+        doc: "frames a region's (or the whole frame's) result may be reused before it runs \
+              again",
+    },
 ];
 
 impl SettingSpec {

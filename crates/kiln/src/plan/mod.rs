@@ -96,6 +96,8 @@ pub struct Plan {
     /// How long a rank waits at one collective call before the job is aborted
     /// (`train.collective_timeout_s`; `None` = forever).
     pub collective_timeout: Option<std::time::Duration>,
+    /// Video streams' queue and techniques (`stream.*`).
+    pub stream: crate::stream::StreamSettings,
 }
 
 /// Burn's own graph-level optimizations on a backend: operation fusion (`burn-fusion`,
@@ -563,6 +565,14 @@ fn build(config: &KilnConfig, settings: Vec<ResolvedSetting>, hw: &Hardware) -> 
         collective_timeout: Some(int("train.collective_timeout_s") as u64)
             .filter(|s| *s > 0)
             .map(std::time::Duration::from_secs),
+        stream: crate::stream::StreamSettings {
+            on_overload: named("stream.on_overload", &text)?,
+            queue_frames: int("stream.queue_frames") as usize,
+            gate_threshold: float("stream.gate_threshold") as f32,
+            region_threshold: float("stream.region_threshold") as f32,
+            region_margin: int("stream.region_margin") as usize,
+            region_max_age: int("stream.region_max_age") as u32,
+        },
         settings,
     })
 }

@@ -13,7 +13,7 @@ use super::gate::GateConfig;
 use super::per_frame::{FrameModel, FrameResult, OutputKind, paste};
 use super::processor::FramePath;
 use super::roi::{Roi, crop_resize};
-use super::{Frame, mean_abs_diff};
+use super::Frame;
 use crate::error::{KilnError, Result};
 
 /// A frame's luma at reduced resolution: what the gates compare.
@@ -61,10 +61,43 @@ impl Thumb {
     }
 }
 
+impl Thumb {
+    /// The thumbnail of a model input `frame` `[C, H, W]`: each value the mean over the
+    /// channels and a `block × block` square, in the frame's own units (for frames that
+    /// arrive already normalized, as a server's requests do; thresholds are then in those
+    /// units: ImageNet normalization scales a luma step of 1/255 by about 1/0.226).
+    pub fn from_frame(frame: &Frame, block: usize) -> Thumb {
+        let block = block.max(1);
+        let [c, h, w] = frame.shape();
+        let (tw, th) = (w / block, h / block);
+        let mut values = vec![0f32; tw * th];
+        let px = frame.pixels();
+        for ch in 0..c {
+            for ty in 0..th {
+                let out = &mut values[ty * tw..(ty + 1) * tw];
+                for y in ty * block..(ty + 1) * block {
+                    let row = &px[(ch * h + y) * w..(ch * h + y) * w + tw * block];
+                    for (o, b) in out.iter_mut().zip(row.chunks_exact(block)) {
+                        *o += b.iter().sum::<f32>();
+                    }
+                }
+            }
+        }
+        let norm = 1.0 / (c * block * block).max(1) as f32;
+        values.iter_mut().for_each(|v| *v *= norm);
+        Thumb {
+            width: tw,
+            height: th,
+            block,
+            values,
+        }
+    }
+}
+
 /// Regions of interest on a video: the thumbnail is cut into tiles, each compared with its
 /// content when the model last ran on it.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, default)]
 pub struct RegionConfig {
     /// Tile side, in thumbnail pixels.
     pub tile: usize,
@@ -106,11 +139,17 @@ pub struct ScaleConfig {
     pub confidence: f32,
 }
 
+/// The frame gate's tile side in thumbnail pixels when no regions are configured (16 input
+/// pixels at the converter's 1/4-side thumbnail).
+pub const GATE_TILE: usize = 4;
+
 /// Which techniques a video stream uses.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct VideoTechniques {
-    /// Temporal coherence on the whole frame.
+    /// Temporal coherence on the whole frame: the frame is reused when no tile of its
+    /// thumbnail changed by more than the threshold (mean absolute luma difference in 0..1
+    /// over the tile, against the last frame the model ran on).
     pub frame_gate: Option<GateConfig>,
     /// Regions of interest.
     pub regions: Option<RegionConfig>,
@@ -119,6 +158,12 @@ pub struct VideoTechniques {
 }
 
 impl VideoTechniques {
+    /// Tile side (thumbnail pixels) over which the frame gate measures change: the regions'
+    /// tile, or [`GATE_TILE`] without regions.
+    pub fn gate_tile(&self) -> usize {
+        self.regions.map_or(GATE_TILE, |r| r.tile)
+    }
+
     /// A short name for tables: `full`, `temporal`, `roi+multiscale`, ...
     pub fn name(&self) -> String {
         let mut parts = Vec::new();
@@ -140,17 +185,23 @@ impl VideoTechniques {
 
     /// An error naming the technique that cannot work with `model`.
     pub fn check(&self, model: &dyn FrameModel) -> Result<()> {
+        self.check_for(model.kind(), model.fixed_size())
+    }
+
+    /// [`check`](Self::check) for a model whose results are `kind` and whose input must be
+    /// `fixed_size` (`None`: any height and width).
+    pub fn check_for(&self, kind: OutputKind, fixed_size: Option<(usize, usize)>) -> Result<()> {
         if let Some(g) = &self.frame_gate {
             g.validate()?;
         }
-        let any_size = model.fixed_size().is_none();
+        let any_size = fixed_size.is_none();
         if let Some(r) = &self.regions {
             if r.tile == 0 || r.align == 0 || !(r.threshold.is_finite() && r.threshold >= 0.0) {
                 return Err(KilnError::Stream(format!(
                     "regions: tile and align must be ≥ 1 and the threshold a finite value ≥ 0, got {r:?}"
                 )));
             }
-            if !any_size || matches!(model.kind(), OutputKind::Classes) {
+            if !any_size || matches!(kind, OutputKind::Classes) {
                 return Err(KilnError::Stream(
                     "regions of interest run the model on crops: they need a model with dynamic \
                      height and width whose output is a mask, an image or boxes"
@@ -165,7 +216,7 @@ impl VideoTechniques {
                     s.factor
                 )));
             }
-            if !any_size || !matches!(model.kind(), OutputKind::Mask | OutputKind::Classes) {
+            if !any_size || !matches!(kind, OutputKind::Mask | OutputKind::Classes) {
                 return Err(KilnError::Stream(
                     "multi-scale runs the model on a downscaled frame and reads its confidence: \
                      it needs a model with dynamic height and width whose output is a mask or \
@@ -188,6 +239,9 @@ pub struct FrameStep {
     /// The part of the frame the model ran on at full resolution (`None` when reused, or
     /// when only the coarse pass ran).
     pub region: Option<Roi>,
+    /// Input pixels the model ran on at full resolution (crops with their margins; 0 when
+    /// reused).
+    pub pixels_run: usize,
     /// Whether a coarse (downscaled) pass ran.
     pub coarse: bool,
 }
@@ -211,7 +265,18 @@ pub struct FrameStream {
 impl FrameStream {
     /// A stream with `techniques`, checked against `model`.
     pub fn new(techniques: VideoTechniques, model: &dyn FrameModel) -> Result<Self> {
-        techniques.check(model)?;
+        Self::for_output(techniques, model.kind(), model.fixed_size())
+    }
+
+    /// A stream with `techniques` for models of `kind` and `fixed_size` (see
+    /// [`VideoTechniques::check_for`]): for state created before its model is at hand, as a
+    /// server's sequence is.
+    pub fn for_output(
+        techniques: VideoTechniques,
+        kind: OutputKind,
+        fixed_size: Option<(usize, usize)>,
+    ) -> Result<Self> {
+        techniques.check_for(kind, fixed_size)?;
         Ok(FrameStream {
             techniques,
             last: None,
@@ -256,7 +321,7 @@ impl FrameStream {
         // Temporal coherence: the whole frame unchanged since the last computed one.
         if let (Some(g), Some(r)) = (&self.techniques.frame_gate, &self.frame_ref)
             && self.frame_age < g.max_reuse_age
-            && mean_abs_diff(r, &thumb.values) <= g.threshold
+            && largest_change(r, thumb, self.techniques.gate_tile()) <= g.threshold
         {
             self.frame_age += 1;
             self.tile_age
@@ -266,36 +331,49 @@ impl FrameStream {
                 result: last,
                 path: FramePath::Reused,
                 region: None,
+                pixels_run: 0,
                 coarse: false,
             });
         }
         let Some(rc) = self.techniques.regions else {
             return self.full(input, thumb, model);
         };
-        let Some(changed) = self.changed_area(&rc, thumb) else {
+        let changed = self.changed_areas(&rc, thumb);
+        if changed.is_empty() {
             // No tile changed: reuse, but the frame gate's reference follows this frame.
             self.frame_age += 1;
             return Ok(FrameStep {
                 result: last,
                 path: FramePath::Reused,
                 region: None,
-                coarse: false,
+                pixels_run: 0,
+            coarse: false,
             });
-        };
+        }
         let [_, h, w] = input.shape();
-        if (changed.w * changed.h) as f32 > rc.max_area * (w * h) as f32 {
+        let crops = plan_crops(&changed, &rc, h, w);
+        let area: usize = crops.iter().map(|c| c.crop.w * c.crop.h).sum();
+        if area as f32 > rc.max_area * (w * h) as f32 {
             return self.full(input, thumb, model);
         }
-        let crop = expand_aligned(changed, rc.margin, rc.align, h, w);
-        let part = run_one(model, &crop_frame(input, crop)?, false, "a region")?;
         let mut result = last;
-        paste(&mut result, &part, crop, changed, (h, w))?;
-        self.mark_computed(thumb, Some(changed));
+        for c in &crops {
+            let part = run_one(model, &crop_frame(input, c.crop)?, false, "a region")?;
+            for &r in &c.changed {
+                // The result changes a little beyond the changed pixels (a moved object's
+                // edge, the model's receptive field), so the inner half of the margin, which
+                // the crop saw with context, is pasted too.
+                let grown = grow_within(r, rc.margin / 2, c.crop);
+                paste(&mut result, &part, c.crop, grown, (h, w))?;
+            }
+        }
+        self.mark_computed(thumb, Some(&changed));
         self.last = Some(result.clone());
         Ok(FrameStep {
             result,
             path: FramePath::Partial,
-            region: Some(changed),
+            region: bounding_box(&changed),
+            pixels_run: area,
             coarse: false,
         })
     }
@@ -303,11 +381,15 @@ impl FrameStream {
     /// Runs the whole frame (coarse first under multi-scale).
     fn full(&mut self, input: &Frame, thumb: &Thumb, model: &dyn FrameModel) -> Result<FrameStep> {
         let [_, h, w] = input.shape();
-        let (result, region, coarse) = match self.techniques.multiscale {
-            Some(s) => multiscale(input, model, s)?,
+        let (result, region, pixels_run, coarse) = match self.techniques.multiscale {
+            Some(s) => {
+                let (result, region, pixels) = multiscale(input, model, s)?;
+                (result, region, pixels, true)
+            }
             None => (
                 run_one(model, input, false, "a frame")?,
                 Some(Roi::new(0, 0, w, h)),
+                w * h,
                 false,
             ),
         };
@@ -318,79 +400,70 @@ impl FrameStream {
             result,
             path: FramePath::Full,
             region,
+            pixels_run,
             coarse,
         })
     }
 
-    /// The bounding box, in input pixels, of the tiles that changed (or aged out); `None` when
-    /// none did.
-    fn changed_area(&mut self, rc: &RegionConfig, thumb: &Thumb) -> Option<Roi> {
-        let reference = self.tile_ref.as_ref()?;
+    /// The changed areas, in input pixels: one box per group of touching tiles (8-connected)
+    /// that changed or aged out since the model last ran on them; empty when none did.
+    fn changed_areas(&mut self, rc: &RegionConfig, thumb: &Thumb) -> Vec<Roi> {
+        let Some(reference) = self.tile_ref.as_ref() else {
+            return Vec::new();
+        };
         let (tw, th) = (
             thumb.width.div_ceil(rc.tile),
             thumb.height.div_ceil(rc.tile),
         );
-        let mut bounds: Option<(usize, usize, usize, usize)> = None;
-        for ty in 0..th {
-            for tx in 0..tw {
-                let t = ty * tw + tx;
-                let (x0, y0) = (tx * rc.tile, ty * rc.tile);
-                let (x1, y1) = (
-                    (x0 + rc.tile).min(thumb.width),
-                    (y0 + rc.tile).min(thumb.height),
-                );
-                let mut diff = 0f32;
-                for y in y0..y1 {
-                    let row = y * thumb.width;
-                    diff += thumb.values[row + x0..row + x1]
-                        .iter()
-                        .zip(&reference[row + x0..row + x1])
-                        .map(|(a, b)| (a - b).abs())
-                        .sum::<f32>();
-                }
-                let mean = diff / ((x1 - x0) * (y1 - y0)).max(1) as f32;
-                let aged = self.tile_age.get(t).is_some_and(|&a| a >= rc.max_reuse_age);
-                if mean > rc.threshold || aged {
-                    bounds = Some(match bounds {
-                        None => (x0, y0, x1, y1),
-                        Some((a, b, c, d)) => (a.min(x0), b.min(y0), c.max(x1), d.max(y1)),
-                    });
-                }
-            }
-        }
+        let mut changed: Vec<bool> = tile_changes(reference, thumb, rc.tile)
+            .into_iter()
+            .zip(&self.tile_age)
+            .map(|(mean, &age)| mean > rc.threshold || age >= rc.max_reuse_age)
+            .collect();
         self.tile_age
             .iter_mut()
             .for_each(|a| *a = a.saturating_add(1));
-        let (x0, y0, x1, y1) = bounds?;
-        let b = thumb.block;
-        Some(Roi::new(x0 * b, y0 * b, (x1 - x0) * b, (y1 - y0) * b))
+        let scale = rc.tile * thumb.block;
+        tile_groups(&mut changed, tw, th)
+            .into_iter()
+            .map(|(x0, y0, x1, y1)| {
+                // Tiles at the thumbnail's right and bottom edges may be narrower.
+                let px1 = (x1 * scale).min(thumb.width * thumb.block);
+                let py1 = (y1 * scale).min(thumb.height * thumb.block);
+                Roi::new(x0 * scale, y0 * scale, px1 - x0 * scale, py1 - y0 * scale)
+            })
+            .collect()
     }
 
-    /// The model ran on `region` (input pixels; `None` = everything): its tiles take this
+    /// The model ran on `regions` (input pixels; `None` = everything): their tiles take this
     /// thumbnail as their reference, and so does the frame gate.
-    fn mark_computed(&mut self, thumb: &Thumb, region: Option<Roi>) {
+    fn mark_computed(&mut self, thumb: &Thumb, regions: Option<&[Roi]>) {
         self.frame_ref = Some(thumb.values.clone());
         self.frame_age = 0;
         let Some(rc) = self.techniques.regions else {
             return;
         };
         let tiles = thumb.width.div_ceil(rc.tile) * thumb.height.div_ceil(rc.tile);
-        match (region, self.tile_ref.as_mut()) {
-            (Some(r), Some(reference)) if reference.len() == thumb.values.len() => {
+        match (regions, self.tile_ref.as_mut()) {
+            (Some(regions), Some(reference)) if reference.len() == thumb.values.len() => {
                 let b = thumb.block;
-                let (x0, y0) = (r.x / b, r.y / b);
-                let (x1, y1) = ((r.x + r.w) / b, (r.y + r.h) / b);
-                for y in y0..y1.min(thumb.height) {
-                    let row = y * thumb.width;
-                    let x1 = x1.min(thumb.width);
-                    reference[row + x0..row + x1]
-                        .copy_from_slice(&thumb.values[row + x0..row + x1]);
-                }
                 let tw = thumb.width.div_ceil(rc.tile);
-                for ty in y0 / rc.tile..y1.div_ceil(rc.tile) {
-                    for tx in x0 / rc.tile..x1.div_ceil(rc.tile) {
-                        if let Some(a) = self.tile_age.get_mut(ty * tw + tx) {
-                            *a = 0;
+                for r in regions {
+                    let (x0, y0) = (r.x / b, r.y / b);
+                    let (x1, y1) = (
+                        ((r.x + r.w) / b).min(thumb.width),
+                        ((r.y + r.h) / b).min(thumb.height),
+                    );
+                    for y in y0..y1 {
+                        let row = y * thumb.width;
+                        reference[row + x0..row + x1]
+                            .copy_from_slice(&thumb.values[row + x0..row + x1]);
+                    }
+                    for ty in y0 / rc.tile..y1.div_ceil(rc.tile) {
+                        for tx in x0 / rc.tile..x1.div_ceil(rc.tile) {
+                            if let Some(a) = self.tile_age.get_mut(ty * tw + tx) {
+                                *a = 0;
+                            }
                         }
                     }
                 }
@@ -401,6 +474,129 @@ impl FrameStream {
             }
         }
     }
+}
+
+/// The largest tile change (see [`tile_changes`]): a frame is only as unchanged as its most
+/// changed part, which a mean over the whole frame would hide (a small object moving over a
+/// still background barely moves the frame's mean).
+fn largest_change(reference: &[f32], thumb: &Thumb, tile: usize) -> f32 {
+    tile_changes(reference, thumb, tile)
+        .into_iter()
+        .fold(0.0, f32::max)
+}
+
+/// Each `tile × tile` tile's mean absolute difference between `thumb` and `reference` (a
+/// thumbnail of the same size), row-major over the tiles; edge tiles may be smaller.
+fn tile_changes(reference: &[f32], thumb: &Thumb, tile: usize) -> Vec<f32> {
+    let (tw, th) = (thumb.width.div_ceil(tile), thumb.height.div_ceil(tile));
+    let mut out = Vec::with_capacity(tw * th);
+    for ty in 0..th {
+        for tx in 0..tw {
+            let (x0, y0) = (tx * tile, ty * tile);
+            let (x1, y1) = ((x0 + tile).min(thumb.width), (y0 + tile).min(thumb.height));
+            let mut diff = 0f32;
+            for y in y0..y1 {
+                let row = y * thumb.width;
+                diff += thumb.values[row + x0..row + x1]
+                    .iter()
+                    .zip(&reference[row + x0..row + x1])
+                    .map(|(a, b)| (a - b).abs())
+                    .sum::<f32>();
+            }
+            out.push(diff / ((x1 - x0) * (y1 - y0)).max(1) as f32);
+        }
+    }
+    out
+}
+
+/// The bounding boxes `(x0, y0, x1, y1)`, in tiles, of the 8-connected groups of set flags in
+/// a `tw × th` grid (the flags are cleared on the way).
+fn tile_groups(flags: &mut [bool], tw: usize, th: usize) -> Vec<(usize, usize, usize, usize)> {
+    let mut groups = Vec::new();
+    let mut todo = Vec::new();
+    for start in 0..flags.len() {
+        if !flags[start] {
+            continue;
+        }
+        flags[start] = false;
+        todo.push(start);
+        let (mut x0, mut y0, mut x1, mut y1) = (usize::MAX, usize::MAX, 0, 0);
+        while let Some(t) = todo.pop() {
+            let (x, y) = (t % tw, t / tw);
+            (x0, y0, x1, y1) = (x0.min(x), y0.min(y), x1.max(x + 1), y1.max(y + 1));
+            for ny in y.saturating_sub(1)..(y + 2).min(th) {
+                for nx in x.saturating_sub(1)..(x + 2).min(tw) {
+                    let n = ny * tw + nx;
+                    if flags[n] {
+                        flags[n] = false;
+                        todo.push(n);
+                    }
+                }
+            }
+        }
+        groups.push((x0, y0, x1, y1));
+    }
+    groups
+}
+
+/// One model call of a partial frame: the crop it sees and the changed areas inside it whose
+/// result is pasted back.
+#[derive(Debug, Clone, PartialEq)]
+struct PlannedCrop {
+    crop: Roi,
+    changed: Vec<Roi>,
+}
+
+/// The crops that cover `changed` in an `h × w` frame: each area grown by the margin and
+/// aligned; two crops that overlap, or whose union is no larger than the two apart, become
+/// one (a model call per crop has a fixed cost, and overlapping crops would run pixels twice).
+fn plan_crops(changed: &[Roi], rc: &RegionConfig, h: usize, w: usize) -> Vec<PlannedCrop> {
+    let mut crops: Vec<PlannedCrop> = changed
+        .iter()
+        .map(|&r| PlannedCrop {
+            crop: expand_aligned(r, rc.margin, rc.align, h, w),
+            changed: vec![r],
+        })
+        .collect();
+    'merge: loop {
+        for i in 0..crops.len() {
+            for j in i + 1..crops.len() {
+                let (a, b) = (crops[i].crop, crops[j].crop);
+                let u = union(a, b);
+                if overlaps(a, b) || u.w * u.h <= a.w * a.h + b.w * b.h {
+                    let other = crops.swap_remove(j);
+                    crops[i].crop = u;
+                    crops[i].changed.extend(other.changed);
+                    continue 'merge;
+                }
+            }
+        }
+        return crops;
+    }
+}
+
+fn union(a: Roi, b: Roi) -> Roi {
+    let (x0, y0) = (a.x.min(b.x), a.y.min(b.y));
+    let (x1, y1) = ((a.x + a.w).max(b.x + b.w), (a.y + a.h).max(b.y + b.h));
+    Roi::new(x0, y0, x1 - x0, y1 - y0)
+}
+
+fn overlaps(a: Roi, b: Roi) -> bool {
+    a.x < b.x + b.w && b.x < a.x + a.w && a.y < b.y + b.h && b.y < a.y + a.h
+}
+
+/// `r` grown by `by` on every side, inside `bounds`.
+fn grow_within(r: Roi, by: usize, bounds: Roi) -> Roi {
+    let x0 = r.x.saturating_sub(by).max(bounds.x);
+    let y0 = r.y.saturating_sub(by).max(bounds.y);
+    let x1 = (r.x + r.w + by).min(bounds.x + bounds.w);
+    let y1 = (r.y + r.h + by).min(bounds.y + bounds.h);
+    Roi::new(x0, y0, x1.saturating_sub(x0), y1.saturating_sub(y0))
+}
+
+/// The box around all of `areas` (`None` when there are none).
+fn bounding_box(areas: &[Roi]) -> Option<Roi> {
+    areas.iter().copied().reduce(union)
 }
 
 /// `model`'s result for the one frame `frame`; an error naming `what` if it returns none.
@@ -462,18 +658,19 @@ fn downscale_frame(frame: &Frame, factor: usize) -> Frame {
 }
 
 /// Multi-scale on one frame: the coarse result, upsampled; the full-resolution model over the
-/// bounding box of the pixels (or the class) the coarse pass is unsure of.
+/// bounding box of the pixels (or the class) the coarse pass is unsure of. Returns the result,
+/// the unsure area and the pixels the full-resolution pass ran on.
 fn multiscale(
     input: &Frame,
     model: &dyn FrameModel,
     s: ScaleConfig,
-) -> Result<(FrameResult, Option<Roi>, bool)> {
+) -> Result<(FrameResult, Option<Roi>, usize)> {
     let [_, h, w] = input.shape();
     let small = downscale_frame(input, s.factor);
     let coarse = run_one(model, &small, true, "a frame")?;
     match coarse {
         FrameResult::Class(p) if p.confidence >= s.confidence => {
-            Ok((FrameResult::Class(p), None, true))
+            Ok((FrameResult::Class(p), None, 0))
         }
         FrameResult::Mask {
             height: ch,
@@ -505,18 +702,18 @@ fn multiscale(
                 confidence: Vec::new(),
             };
             let Some((x0, y0, x1, y1)) = unsure else {
-                return Ok((result, None, true));
+                return Ok((result, None, 0));
             };
             let region = Roi::new(x0, y0, x1 - x0, y1 - y0);
             let crop = expand_aligned(region, 32, 32, h, w);
             let part = run_one(model, &crop_frame(input, crop)?, false, "a region")?;
             paste(&mut result, &part, crop, region, (h, w))?;
-            Ok((result, Some(region), true))
+            Ok((result, Some(region), crop.w * crop.h))
         }
         _ => Ok((
             run_one(model, input, false, "a frame")?,
             Some(Roi::new(0, 0, w, h)),
-            true,
+            w * h,
         )),
     }
 }
@@ -564,11 +761,18 @@ mod tests {
     }
 
     fn frame_with_square(x: usize, y: usize) -> (Frame, Thumb) {
+        frame_with_squares(&[(x, y)])
+    }
+
+    /// A 64 × 128 frame with an 8-pixel bright square at each `(x, y)`, and its thumbnail.
+    fn frame_with_squares(at: &[(usize, usize)]) -> (Frame, Thumb) {
         let (h, w) = (64, 128);
         let mut px = vec![0f32; h * w];
-        for yy in y..y + 8 {
-            for xx in x..x + 8 {
-                px[yy * w + xx] = 1.0;
+        for &(x, y) in at {
+            for yy in y..y + 8 {
+                for xx in x..x + 8 {
+                    px[yy * w + xx] = 1.0;
+                }
             }
         }
         let rgb: Vec<u8> = px.iter().flat_map(|&v| [(v * 255.0) as u8; 3]).collect();
@@ -583,6 +787,14 @@ mod tests {
             calls: 0.into(),
             pixels: 0.into(),
         }
+    }
+
+    #[test]
+    fn a_frames_thumbnail_is_the_block_mean_over_its_channels() {
+        let f = Frame::new([2, 2, 2], vec![1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 2.0]).unwrap();
+        let t = Thumb::from_frame(&f, 2);
+        assert_eq!((t.width, t.height, t.block), (1, 1, 2));
+        assert!((t.values[0] - 0.75).abs() < 1e-6, "{:?}", t.values);
     }
 
     #[test]
@@ -625,6 +837,66 @@ mod tests {
         // The pasted result equals the whole-frame result.
         let full = m.run(&[&f1], false).unwrap().remove(0);
         assert_eq!(step.result, full);
+    }
+
+    #[test]
+    fn objects_apart_run_as_separate_crops_and_a_small_move_is_not_hidden_by_the_frame_mean() {
+        let m = model();
+        let techniques = VideoTechniques {
+            frame_gate: Some(GateConfig {
+                threshold: 0.01,
+                max_reuse_age: 100,
+            }),
+            regions: Some(RegionConfig {
+                margin: 8,
+                align: 8,
+                max_area: 0.9,
+                ..RegionConfig::default()
+            }),
+            multiscale: None,
+        };
+        let mut s = FrameStream::new(techniques, &m).unwrap();
+        let (f0, t0) = frame_with_squares(&[(8, 8), (104, 48)]);
+        s.process(&f0, &t0, &m).unwrap();
+        // Both squares move 2 pixels: over the whole frame the mean changes by ~0.008, below
+        // the gate's threshold, but their tiles changed.
+        let (f1, t1) = frame_with_squares(&[(10, 8), (106, 48)]);
+        let step = s.process(&f1, &t1, &m).unwrap();
+        assert_eq!(step.path, FramePath::Partial);
+        assert_eq!(m.calls.get(), 3, "one call per square");
+        // Two crops far smaller than the box around both squares.
+        let bbox = step.region.unwrap();
+        assert!(bbox.w * bbox.h > 64 * 90, "{bbox:?}");
+        assert!(step.pixels_run < bbox.w * bbox.h / 2, "{}", step.pixels_run);
+        assert_eq!(step.result, m.run(&[&f1], false).unwrap().remove(0));
+    }
+
+    #[test]
+    fn crops_that_overlap_or_cost_no_more_together_are_merged() {
+        let rc = RegionConfig {
+            margin: 8,
+            align: 8,
+            ..RegionConfig::default()
+        };
+        let near = [Roi::new(16, 16, 16, 16), Roi::new(40, 16, 16, 16)];
+        let crops = plan_crops(&near, &rc, 64, 128);
+        assert_eq!(crops.len(), 1);
+        assert_eq!(crops[0].crop, Roi::new(8, 8, 56, 32));
+        assert_eq!(crops[0].changed.len(), 2);
+        let far = [Roi::new(0, 0, 16, 16), Roi::new(96, 48, 16, 16)];
+        assert_eq!(plan_crops(&far, &rc, 64, 128).len(), 2);
+    }
+
+    #[test]
+    fn touching_changed_tiles_form_one_group() {
+        let mut flags = vec![
+            true, true, false, false, //
+            false, true, false, false, //
+            false, false, false, true, //
+        ];
+        let groups = tile_groups(&mut flags, 4, 3);
+        assert_eq!(groups, vec![(0, 0, 2, 2), (3, 2, 4, 3)]);
+        assert!(flags.iter().all(|f| !f));
     }
 
     #[test]

@@ -32,6 +32,7 @@ pub mod per_frame;
 mod processor;
 pub mod queue;
 pub mod roi;
+pub mod settings;
 pub mod video;
 
 use burn::tensor::{Int, Tensor, TensorData};
@@ -52,6 +53,7 @@ pub use per_frame::{Detection, FrameModel, FrameResult, OnnxFrameModel, OutputKi
 pub use processor::{FrameOutcome, FramePath, RegionResult, StreamConfig, StreamProcessor};
 pub use queue::{FrameReceiver, FrameSender, OverloadPolicy, frame_queue};
 pub use roi::{RegionTracker, Roi, crop_batch, crop_resize};
+pub use settings::StreamSettings;
 pub use video::{StreamLike, SyntheticVideo, VideoSpec};
 
 /// One frame: `[channels, height, width]` f32 values, already normalized as the model expects.

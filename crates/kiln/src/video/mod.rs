@@ -111,9 +111,7 @@ pub fn run_video(
         ready.push(f.ready.elapsed().as_secs_f64() * 1e3);
         let [_, h, w] = f.input.shape();
         all_pixels += (h * w) as f64;
-        if let Some(r) = step.region {
-            ran_pixels += (r.w * r.h) as f64;
-        }
+        ran_pixels += step.pixels_run as f64;
         let path = match step.path {
             FramePath::Full => "full",
             FramePath::Partial => "partial",
