@@ -790,7 +790,7 @@ fn print_table(results: &[CaseResult]) {
 /// `--mode stream --video FILE --onnx MODEL` (the `video` feature).
 #[cfg(feature = "video")]
 fn video_bench(args: &BenchArgs, video: &std::path::Path, threads: usize) -> Result<()> {
-    use kiln::stream::{OutputKind, OverloadPolicy};
+    use kiln::stream::OutputKind;
     let model = args
         .onnx
         .as_deref()
@@ -806,6 +806,25 @@ fn video_bench(args: &BenchArgs, video: &std::path::Path, threads: usize) -> Res
                 args.input_size
             )
         })?;
+    // The `[stream]` keys: the file's, then the flags' (validated by the schema, so a bad
+    // value names its key and what is allowed).
+    let mut config = match &args.config {
+        Some(path) => kiln::config::KilnConfig::load(path)?,
+        None => kiln::config::KilnConfig::default(),
+    };
+    let flags = [
+        ("stream.on_overload", &args.on_overload),
+        ("stream.gate_threshold", &args.gate_threshold),
+        ("stream.region_threshold", &args.region_threshold),
+        ("stream.region_margin", &args.region_margin),
+        ("stream.region_max_age", &args.region_max_age),
+    ];
+    for (key, value) in flags {
+        if let Some(v) = value {
+            config.set(key, v)?;
+        }
+    }
+    let plan = kiln::plan::resolve(&config, &kiln::plan::Hardware::probe())?;
     crate::video_bench::run(&crate::video_bench::VideoBench {
         video,
         model,
@@ -813,13 +832,11 @@ fn video_bench(args: &BenchArgs, video: &std::path::Path, threads: usize) -> Res
         size,
         fit: kiln::video::Fit::from_name(&args.fit).unwrap_or(kiln::video::Fit::Stretch),
         output: args.output.as_deref().and_then(OutputKind::from_name),
-        on_overload: OverloadPolicy::from_name(&args.on_overload).unwrap_or(OverloadPolicy::Block),
         max_frames: args.max_frames,
         json: args.json,
-        gate_threshold: args.gate_threshold,
-        region_threshold: args.region_threshold,
-        region_margin: args.region_margin,
-        region_max_age: args.region_max_age,
+        settings: plan.stream,
+        repeats: args.repeats,
+        svg: args.svg.as_deref(),
     })
 }
 

@@ -443,27 +443,37 @@ struct BenchArgs {
     /// (default: guessed from its shape).
     #[arg(long, value_parser = ["classes", "mask", "image", "boxes"])]
     output: Option<String>,
-    /// With --video: what a full decode queue does, block or drop-oldest
-    /// (`DecodeOptions::on_overload`).
-    #[arg(long, default_value = "block", value_parser = ["block", "drop-oldest"])]
-    on_overload: String,
+    /// With --video: what a full decode queue does, block or drop-oldest (default: the
+    /// config's `stream.on_overload`, block).
+    #[arg(long, value_parser = ["block", "drop-oldest"])]
+    on_overload: Option<String>,
+    /// With --video: a config file whose `[stream]` keys (on_overload, queue_frames,
+    /// gate_threshold, region_threshold, region_margin, region_max_age) set the queue and the
+    /// techniques; the flags override it.
+    #[arg(long, value_name = "FILE", requires = "video")]
+    config: Option<PathBuf>,
+    /// With --video: runs of each configuration and of the peer; the median run is shown
+    /// with the range.
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
     /// With --video: stop after this many frames.
     #[arg(long)]
     max_frames: Option<u64>,
-    /// With --video: the frame gate's threshold (mean absolute luma difference of the
-    /// thumbnail, 0..1; default 0.0015).
+    /// With --video: the frame gate's threshold, the largest mean absolute luma difference
+    /// (0..1) of any 16-pixel tile (`stream.gate_threshold`, default 0.01).
     #[arg(long)]
-    gate_threshold: Option<f32>,
-    /// With --video: a region tile's threshold (default 0.01).
+    gate_threshold: Option<String>,
+    /// With --video: a region tile's threshold (`stream.region_threshold`, default 0.01).
     #[arg(long)]
-    region_threshold: Option<f32>,
-    /// With --video: context around a changed region and the alignment of its crop, in
-    /// input pixels (default 32: a stride-32 backbone).
+    region_threshold: Option<String>,
+    /// With --video: context around a changed region, in input pixels
+    /// (`stream.region_margin`, default 48; crops align to 32).
     #[arg(long)]
-    region_margin: Option<usize>,
-    /// With --video: frames a region's result may be reused for (default 60).
+    region_margin: Option<String>,
+    /// With --video: frames a result may be reused for (`stream.region_max_age`, default
+    /// 60).
     #[arg(long)]
-    region_max_age: Option<u32>,
+    region_max_age: Option<String>,
     /// Internal: measure one case in this process (`burn`, `kiln-basic`, ...).
     #[arg(long, hide = true)]
     case: Option<String>,

@@ -56,6 +56,14 @@ fn a_made_video_is_benchmarked_with_an_onnx_model_and_each_technique() {
         env!("CARGO_MANIFEST_DIR"),
         "/../../models/onnx/seghead.onnx"
     );
+    // The queue and the gate from the config file's [stream] keys.
+    let cfg = d.join("kiln.toml");
+    std::fs::write(
+        &cfg,
+        "[stream]\nqueue_frames = 4\ngate_threshold = 0.02\non_overload = \"block\"\n",
+    )
+    .unwrap();
+    let svg = d.join("curve.svg");
     let o = kiln(&[
         "bench",
         "--mode",
@@ -67,6 +75,12 @@ fn a_made_video_is_benchmarked_with_an_onnx_model_and_each_technique() {
         "--threads",
         "1",
         "--json",
+        "--repeats",
+        "2",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--svg",
+        svg.to_str().unwrap(),
     ]);
     assert!(o.status.success(), "{}", text(&o));
     let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
@@ -78,9 +92,19 @@ fn a_made_video_is_benchmarked_with_an_onnx_model_and_each_technique() {
     assert_eq!(names, ["decode", "full", "temporal", "peer"], "{rows:?}");
     for r in &rows[..3] {
         assert_eq!(r["frames"], 45, "{r}");
-        assert!(r["fps"].as_f64().unwrap() > 0.0);
+        let fps = r["fps"].as_f64().unwrap();
+        assert!(fps > 0.0);
         assert_eq!(r["info"]["codec"], "h264");
+        // The median of two runs lies in their range.
+        assert_eq!(r["repeats"], 2);
+        let (lo, hi) = (
+            r["fps_range"][0].as_f64().unwrap(),
+            r["fps_range"][1].as_f64().unwrap(),
+        );
+        assert!(lo <= fps && fps <= hi, "{r}");
     }
+    let curve = std::fs::read_to_string(&svg).unwrap();
+    assert!(curve.starts_with("<svg") && curve.contains("temporal"), "{curve}");
     let agreement = rows[2]["agreement"]["score"].as_f64().unwrap();
     assert!((0.0..=1.0).contains(&agreement));
     assert!(
@@ -88,6 +112,35 @@ fn a_made_video_is_benchmarked_with_an_onnx_model_and_each_technique() {
         "{}",
         rows[3]
     );
+}
+
+#[test]
+fn a_bad_stream_key_in_the_config_is_an_error_naming_it() {
+    let d = work();
+    let cfg = d.join("bad.toml");
+    std::fs::write(&cfg, "[stream]\non_overload = \"drop-newest\"\n").unwrap();
+    let model = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../models/onnx/seghead.onnx"
+    );
+    let o = kiln(&[
+        "bench",
+        "--mode",
+        "stream",
+        "--video",
+        "any.mp4",
+        "--onnx",
+        model,
+        "--config",
+        cfg.to_str().unwrap(),
+    ]);
+    assert!(!o.status.success());
+    let t = text(&o);
+    assert!(
+        t.contains("stream.on_overload") && t.contains("drop-oldest"),
+        "{t}"
+    );
+    assert!(!t.contains("panicked"), "{t}");
 }
 
 #[test]
