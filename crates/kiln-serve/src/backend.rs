@@ -8,14 +8,24 @@ use std::time::Duration;
 use burn::tensor::{Device, Tensor, TensorData};
 use kiln::infer::InferenceSession;
 use kiln::onnx::OnnxModel;
-use kiln::stream::StreamProcessor;
+use kiln::stream::{FrameStream, StreamProcessor};
 
 use crate::error::{Result, ServeError};
 use crate::tensor::{TensorSpec, Values};
 
 /// One stream sequence's state (its gates' reference frames and its regions' last results),
 /// shared by the request that carries it and the instance that runs its frame.
-pub type SequenceState = Arc<Mutex<StreamProcessor>>;
+pub type SequenceState = Arc<Mutex<SequenceStream>>;
+
+/// What a sequence remembers, by the kind of stream model.
+#[derive(Debug)]
+pub enum SequenceStream {
+    /// A classifier over fixed regions ([`crate::sequence::StreamBackend`]).
+    Regions(StreamProcessor),
+    /// A per-frame model (masks, images, boxes) with temporal coherence and changed-tile
+    /// regions ([`crate::per_frame::FrameBackend`]).
+    Frames(FrameStream),
+}
 
 /// One model instance: runs a batch of samples.
 pub trait Backend: Send {

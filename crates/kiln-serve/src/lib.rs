@@ -12,7 +12,9 @@
 //! ```
 //!
 //! A model with `[sequence_batching]` is a stateful stream model ([`sequence`]): the
-//! protocol's sequence parameters, Kiln's temporal coherence and regions of interest.
+//! protocol's sequence parameters, Kiln's temporal coherence and regions of interest; with
+//! `output = "mask" | "image" | "boxes"` a per-frame ONNX model ([`per_frame`]) whose
+//! sequences each keep a video stream's state.
 //!
 //! Models change while serving by the [`ModelControlMode`] ([`repository`]): numbered
 //! versions under a version policy, poll or explicit load/unload, each new version built and
@@ -29,6 +31,7 @@ pub mod grpc;
 pub mod http;
 pub mod loader;
 pub mod metrics;
+pub mod per_frame;
 pub mod pipeline;
 pub mod proto;
 pub mod queue;

@@ -53,6 +53,27 @@ pub fn build_backends(
     let Some(sequence) = &config.sequence else {
         return classifier_backends(name, config, device);
     };
+    if let Some(per_frame) = &sequence.per_frame {
+        // A per-frame model: the ONNX file's instances, each running its sequences' frames
+        // through their FrameStreams.
+        let BackendConfig::Onnx { path, .. } = &config.backend else {
+            return Err(ServeError::Load {
+                model: name.to_string(),
+                message: "sequence_batching.output needs backend = \"onnx\" (a per-frame \
+                          ONNX model with dynamic height and width)"
+                    .into(),
+            });
+        };
+        return crate::per_frame::frame_backends(
+            name,
+            path,
+            sequence,
+            per_frame,
+            config.instances,
+            device,
+            config.kiln_kernels,
+        );
+    }
     // A stream model: the classifier's instances, each wrapped with the sequences' gates and
     // its own copies of the cascade's stages.
     let (inner, inner_spec) = classifier_backends(name, config, device)?;

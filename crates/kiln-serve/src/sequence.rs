@@ -36,7 +36,7 @@ use kiln::stream::{
     crop_resize, top1_rows,
 };
 
-use crate::backend::{Backend, SequenceState};
+use crate::backend::{Backend, SequenceState, SequenceStream};
 use crate::codec::{InferRequest, SequenceId};
 use crate::config::{SequenceConfig, StageSource};
 use crate::error::{Result, ServeError};
@@ -45,7 +45,7 @@ use crate::tensor::{DataType, TensorSpec, Values};
 
 /// Locks a sequence's state; a panic elsewhere while it was held does not make it unusable
 /// (the state is gates and results, valid after any partial update).
-fn lock(state: &SequenceState) -> MutexGuard<'_, StreamProcessor> {
+pub(crate) fn lock(state: &SequenceState) -> MutexGuard<'_, SequenceStream> {
     state.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -137,9 +137,20 @@ impl Sequences {
                     self.model
                 )));
             }
-            let state =
-                StreamProcessor::new(self.config.frame_dims, &self.config.stream, &Device::flex())
-                    .map_err(|e| bad(e.to_string()))?;
+            let state = match &self.config.per_frame {
+                Some(p) => SequenceStream::Frames(
+                    kiln::stream::FrameStream::for_output(p.techniques.clone(), p.kind, None)
+                        .map_err(|e| bad(e.to_string()))?,
+                ),
+                None => SequenceStream::Regions(
+                    StreamProcessor::new(
+                        self.config.frame_dims,
+                        &self.config.stream,
+                        &Device::flex(),
+                    )
+                    .map_err(|e| bad(e.to_string()))?,
+                ),
+            };
             table.insert(
                 id.clone(),
                 Entry {
@@ -347,8 +358,17 @@ impl StreamBackend {
         rows: &[usize],
         out: &mut [Option<kiln::stream::FrameOutcome>],
     ) -> Result<()> {
-        let mut guards: Vec<MutexGuard<'_, StreamProcessor>> =
+        let mut locked: Vec<MutexGuard<'_, SequenceStream>> =
             rows.iter().map(|&r| lock(&states[r])).collect();
+        let mut guards = locked
+            .iter_mut()
+            .map(|g| match &mut **g {
+                SequenceStream::Regions(p) => Ok(p),
+                SequenceStream::Frames(_) => Err(ServeError::InvalidRequest(
+                    "a classifier stream model got a per-frame sequence's state".into(),
+                )),
+            })
+            .collect::<Result<Vec<&mut StreamProcessor>>>()?;
         let mut runs = Vec::with_capacity(rows.len());
         let [c, h, w] = self.cascade.input_shape();
         let mut crops = Vec::new();

@@ -447,3 +447,116 @@ fn a_cascade_of_cheaper_stages_answers_first_and_matches_the_library() {
         "the coarse stage, the early stage and the model each answered some regions"
     );
 }
+
+/// A 3 × 32 × 64 frame, black with an 8-pixel white square at `(x, y)`.
+fn square_frame(x: usize, y: usize) -> Frame {
+    let (h, w) = (32, 64);
+    let mut px = vec![0f32; 3 * h * w];
+    for c in 0..3 {
+        for yy in y..y + 8 {
+            for xx in x..x + 8 {
+                px[(c * h + yy) * w + xx] = 1.0;
+            }
+        }
+    }
+    Frame::new([3, h, w], px).unwrap()
+}
+
+/// The named output's data of a response.
+fn output(r: &Value, name: &str) -> Vec<i64> {
+    r["outputs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|o| o["name"] == name)
+        .unwrap_or_else(|| panic!("no output {name} in {r}"))["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_i64().unwrap())
+        .collect()
+}
+
+#[test]
+fn a_per_frame_model_serves_concurrent_sequences_with_gate_and_regions_matching_the_full_model()
+{
+    use kiln::onnx::OnnxModel;
+    use kiln::stream::{FrameModel, FrameResult, OnnxFrameModel, OutputKind};
+    let repo = tempdir("per-frame");
+    let dir = common::write_model(
+        &repo,
+        "seg",
+        "backend = \"onnx\"\nfile = \"model.onnx\"\nmax_batch_size = 8\ninstances = 1\n\
+         [dynamic_batching]\nmax_queue_delay_microseconds = 2000\n\
+         [sequence_batching]\nframe_dims = [3, 32, 64]\noutput = \"mask\"\n\
+         tiles = { tile = 2, threshold = 0.05, margin = 8, align = 8, max_area = 0.9 }\n\
+         frame_gate = { threshold = 0.05, max_reuse_age = 30 }\n",
+    );
+    let onnx = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/tiny_mask.onnx");
+    std::fs::copy(onnx, dir.join("model.onnx")).unwrap();
+    let server = TestServer::start(&repo);
+    let meta = common::http(server.http, "GET", "/v2/models/seg", &[], &[]);
+    let outputs: Vec<String> = meta.json()["outputs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| o["name"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(outputs, ["mask", "path", "pixels_run"], "{}", meta.json());
+
+    let local = OnnxFrameModel::new(
+        OnnxModel::load(std::path::Path::new(onnx), &Device::flex()).unwrap(),
+        Some(OutputKind::Mask),
+    )
+    .unwrap();
+    // Three cameras, each with its own square moving right (one still frame in between).
+    let moves = |s: usize| -> Vec<(usize, usize)> {
+        let y = 4 + 8 * s;
+        vec![(4, y), (4, y), (8, y), (12, y), (12, y), (16, y), (40, y)]
+    };
+    let served: Vec<Vec<Value>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..3)
+            .map(|s| {
+                let server = &server;
+                scope.spawn(move || {
+                    let steps = moves(s);
+                    steps
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &(x, y))| {
+                            let f = square_frame(x, y);
+                            let body = json!({
+                                "inputs": [{ "name": "frames", "datatype": "FP32", "shape": [1, 3, 32, 64], "data": f.pixels() }],
+                                "parameters": { "sequence_id": format!("cam-{s}"), "sequence_start": i == 0, "sequence_end": i + 1 == steps.len() },
+                            });
+                            let r = post_json(server.http, "/v2/models/seg/infer", &body);
+                            assert_eq!(r.status, 200, "{}", r.error());
+                            r.json()
+                        })
+                        .collect()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (s, responses) in served.iter().enumerate() {
+        let mut paths = Vec::new();
+        for (r, &(x, y)) in responses.iter().zip(&moves(s)) {
+            let f = square_frame(x, y);
+            let FrameResult::Mask { labels, .. } = local.run(&[&f], false).unwrap().remove(0)
+            else {
+                panic!("not a mask")
+            };
+            let full: Vec<i64> = labels.iter().map(|&l| i64::from(l)).collect();
+            assert!(full.contains(&1) && full.contains(&0));
+            assert_eq!(output(r, "mask"), full, "camera {s}, square at {x},{y}");
+            let (path, pixels) = (output(r, "path")[0], output(r, "pixels_run")[0]);
+            if path == 1 {
+                assert!(pixels > 0 && pixels < 32 * 64, "{pixels}");
+            }
+            paths.push(path);
+        }
+        // Full first, the still frames reused, the moves run as crops.
+        assert_eq!(paths, [2, 0, 1, 1, 0, 1, 1], "camera {s}");
+    }
+}

@@ -33,6 +33,11 @@
 //! cascade = [{ graph = "exit0.kgraph", threshold = 0.9 }]  # cheaper stages first (early
 //!                                 # exit prefix, or a coarse model at 1/f resolution; graph
 //!                                 # or file = "x.onnx"); the model answers the rest
+//! # A per-frame ONNX model (backend = "onnx", dynamic height and width for tiles) instead:
+//! # output = "mask"               # mask | image | boxes: what its first output is
+//! # tiles = { threshold = 0.05, margin = 32 }   # run only changed tiles' groups as crops
+//! # frame_gate = { threshold = 0.05, max_reuse_age = 30 }  # reuse when no tile changed
+//! # thumb_block = 4; max_detections = 100  # gate resolution; rows of the boxes output
 //!
 //! version_policy = { latest = 1 } # numbered version directories (M/1, M/2) served: the
 //!                                 # latest N (default 1), "all", or { specific = [1, 3] }
@@ -302,6 +307,24 @@ pub struct SequenceConfig {
     /// Sequences a model holds at once; a start beyond it is refused (429 /
     /// RESOURCE_EXHAUSTED) so that clients cannot grow the server's memory without bound.
     pub max_active: usize,
+    /// `Some`: a per-frame model (an ONNX segmenter, enhancer or detector) instead of a
+    /// classifier over fixed regions.
+    pub per_frame: Option<PerFrameConfig>,
+}
+
+/// A per-frame stream model's settings (`output = "mask" | "image" | "boxes"` in
+/// `[sequence_batching]`): each sequence is a [`kiln::stream::FrameStream`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct PerFrameConfig {
+    /// How the model's first output is read.
+    pub kind: kiln::stream::OutputKind,
+    /// Temporal coherence (`frame_gate`) and changed-tile regions (`tiles`).
+    pub techniques: kiln::stream::VideoTechniques,
+    /// Frame pixels per thumbnail pixel (`thumb_block`, default 4).
+    pub thumb_block: usize,
+    /// Rows of the `boxes` output (`max_detections`, default 100): detections beyond it
+    /// are dropped lowest score first, unused rows are zeros.
+    pub max_detections: usize,
 }
 
 /// Default `max_active_sequences`: each sequence holds a copy of its last frame per gate, so
@@ -350,6 +373,10 @@ struct RawSequence {
     #[serde(default)]
     cascade: Vec<RawStage>,
     max_active_sequences: Option<usize>,
+    output: Option<String>,
+    tiles: Option<kiln::stream::RegionConfig>,
+    thumb_block: Option<usize>,
+    max_detections: Option<usize>,
 }
 
 impl RawSequence {
@@ -426,7 +453,61 @@ impl RawSequence {
         if max_active == 0 {
             return Err("sequence_batching.max_active_sequences must be at least 1".into());
         }
+        let per_frame = match self.output.as_deref() {
+            None | Some("classes") => {
+                for (key, set) in [
+                    ("tiles", self.tiles.is_some()),
+                    ("thumb_block", self.thumb_block.is_some()),
+                    ("max_detections", self.max_detections.is_some()),
+                ] {
+                    if set {
+                        return Err(format!(
+                            "sequence_batching.{key} belongs to a per-frame model: set output = \"mask\", \"image\" or \"boxes\", or remove it"
+                        ));
+                    }
+                }
+                None
+            }
+            Some(name) => {
+                let kind = kiln::stream::OutputKind::from_name(name)
+                    .filter(|k| !matches!(k, kiln::stream::OutputKind::Classes))
+                    .ok_or_else(|| {
+                        format!(
+                            "sequence_batching.output {name:?} is not one of classes, mask, image, boxes"
+                        )
+                    })?;
+                if regions.is_some() || self.region_gate.is_some() || !cascade.is_empty() {
+                    return Err(
+                        "sequence_batching: regions, region_gate and cascade are for classifiers; a per-frame model (output = ...) finds its regions itself: use tiles = { threshold = ..., margin = ... }"
+                            .into(),
+                    );
+                }
+                let thumb_block = self.thumb_block.unwrap_or(4);
+                let max_detections = self.max_detections.unwrap_or(100);
+                if thumb_block == 0 || max_detections == 0 {
+                    return Err(
+                        "sequence_batching.thumb_block and max_detections must be at least 1"
+                            .into(),
+                    );
+                }
+                let techniques = kiln::stream::VideoTechniques {
+                    frame_gate: self.frame_gate,
+                    regions: self.tiles,
+                    multiscale: None,
+                };
+                techniques
+                    .check_for(kind, None)
+                    .map_err(|e| format!("sequence_batching: {e}"))?;
+                Some(PerFrameConfig {
+                    kind,
+                    techniques,
+                    thumb_block,
+                    max_detections,
+                })
+            }
+        };
         Ok(SequenceConfig {
+            per_frame,
             frame_dims,
             stream: kiln::stream::StreamConfig {
                 frame_gate: self.frame_gate,

@@ -179,6 +179,22 @@ fn bad_configs_name_the_problem() {
             "cascade[0].threshold 1.5",
         ),
         (
+            "backend = \"onnx\"\nfile = \"m.onnx\"\n[sequence_batching]\nframe_dims = [3, 32, 32]\ntiles = { threshold = 0.1 }",
+            "tiles belongs to a per-frame model",
+        ),
+        (
+            "backend = \"onnx\"\nfile = \"m.onnx\"\n[sequence_batching]\nframe_dims = [3, 32, 32]\noutput = \"depth\"",
+            "not one of classes, mask, image, boxes",
+        ),
+        (
+            "backend = \"onnx\"\nfile = \"m.onnx\"\n[sequence_batching]\nframe_dims = [3, 32, 32]\noutput = \"mask\"\nregions = [[0, 0, 8, 8]]",
+            "finds its regions itself",
+        ),
+        (
+            "backend = \"onnx\"\nfile = \"m.onnx\"\n[sequence_batching]\nframe_dims = [3, 32, 32]\noutput = \"mask\"\ntiles = { thresold = 0.1 }",
+            "unknown field `thresold`",
+        ),
+        (
             "backend = \"identity\"\ndims = [4]\nversion_policy = { latest = 0 }",
             "version_policy = { latest = N }",
         ),
