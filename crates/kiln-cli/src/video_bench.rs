@@ -11,8 +11,7 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 use kiln::onnx::OnnxModel;
 use kiln::stream::{
-    FrameModel, OnnxFrameModel, OutputKind, ScaleConfig, StreamSettings,
-    VideoTechniques,
+    FrameModel, OnnxFrameModel, OutputKind, ScaleConfig, StreamSettings, VideoTechniques,
 };
 use kiln::video::{DecodeOptions, Fit, Preprocess, VideoRun, run_video};
 use serde::Serialize;
@@ -71,10 +70,7 @@ struct Peer {
 }
 
 /// Runs `once` `repeats` times and keeps the run with the median end-to-end fps.
-fn measure(
-    repeats: usize,
-    mut once: impl FnMut() -> kiln::Result<VideoRun>,
-) -> Result<Measured> {
+fn measure(repeats: usize, mut once: impl FnMut() -> kiln::Result<VideoRun>) -> Result<Measured> {
     let mut all = (0..repeats.max(1))
         .map(|_| once())
         .collect::<kiln::Result<Vec<_>>>()?;
@@ -112,7 +108,8 @@ fn configurations(model: &dyn FrameModel, settings: &StreamSettings) -> Vec<Vide
         });
         out.push(settings.techniques());
     }
-    if model.fixed_size().is_none() && matches!(model.kind(), OutputKind::Mask | OutputKind::Classes)
+    if model.fixed_size().is_none()
+        && matches!(model.kind(), OutputKind::Mask | OutputKind::Classes)
     {
         out.push(VideoTechniques {
             multiscale: Some(scale),

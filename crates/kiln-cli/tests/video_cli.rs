@@ -104,7 +104,10 @@ fn a_made_video_is_benchmarked_with_an_onnx_model_and_each_technique() {
         assert!(lo <= fps && fps <= hi, "{r}");
     }
     let curve = std::fs::read_to_string(&svg).unwrap();
-    assert!(curve.starts_with("<svg") && curve.contains("temporal"), "{curve}");
+    assert!(
+        curve.starts_with("<svg") && curve.contains("temporal"),
+        "{curve}"
+    );
     let agreement = rows[2]["agreement"]["score"].as_f64().unwrap();
     assert!((0.0..=1.0).contains(&agreement));
     assert!(

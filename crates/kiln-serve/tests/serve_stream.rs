@@ -478,8 +478,7 @@ fn output(r: &Value, name: &str) -> Vec<i64> {
 }
 
 #[test]
-fn a_per_frame_model_serves_concurrent_sequences_with_gate_and_regions_matching_the_full_model()
-{
+fn a_per_frame_model_serves_concurrent_sequences_with_gate_and_regions_matching_the_full_model() {
     use kiln::onnx::OnnxModel;
     use kiln::stream::{FrameModel, FrameResult, OnnxFrameModel, OutputKind};
     let repo = tempdir("per-frame");

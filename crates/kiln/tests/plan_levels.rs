@@ -459,7 +459,10 @@ fn stream_settings_come_from_the_file_and_make_the_video_techniques() {
     assert_eq!((gate.threshold, gate.max_reuse_age), (0.02, 5));
     // An integer literal is a float value; the crop aligns to the margin.
     assert_eq!(regions.threshold, 0.0);
-    assert_eq!((regions.margin, regions.align, regions.max_reuse_age), (16, 16, 5));
+    assert_eq!(
+        (regions.margin, regions.align, regions.max_reuse_age),
+        (16, 16, 5)
+    );
     let err = KilnConfig::from_toml_str("[stream]\nqueue_frames = 0\n", "kiln.toml").unwrap_err();
     assert!(err.to_string().contains("stream.queue_frames"), "{err}");
 }

@@ -551,7 +551,10 @@ pub static SETTINGS: &[SettingSpec] = &[
     },
     SettingSpec {
         key: "stream.region_max_age",
-        kind: Kind::Int { min: 0, max: 100_000 },
+        kind: Kind::Int {
+            min: 0,
+            max: 100_000,
+        },
         default: I(60),
         levels: &[],
         doc: "frames a region's (or the whole frame's) result may be reused before it runs \

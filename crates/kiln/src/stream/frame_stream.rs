@@ -9,11 +9,11 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::Frame;
 use super::gate::GateConfig;
 use super::per_frame::{FrameModel, FrameResult, OutputKind, paste};
 use super::processor::FramePath;
 use super::roi::{Roi, crop_resize};
-use super::Frame;
 use crate::error::{KilnError, Result};
 
 /// A frame's luma at reduced resolution: what the gates compare.
@@ -347,7 +347,7 @@ impl FrameStream {
                 path: FramePath::Reused,
                 region: None,
                 pixels_run: 0,
-            coarse: false,
+                coarse: false,
             });
         }
         let [_, h, w] = input.shape();
