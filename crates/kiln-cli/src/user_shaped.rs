@@ -10,14 +10,19 @@
 //! - **U2**, a small pre-LN transformer encoder over 64 tokens of 32 features (the sample's
 //!   rows): a linear embedding plus a learned position table, 4 blocks of
 //!   `x + attn(LN(x))`, `x + ffn(LN(x))` (4 heads, d 128, GELU feed-forward 512), a final
-//!   LayerNorm, mean over tokens, a linear head.
+//!   LayerNorm, mean over tokens, a linear head. Its attention is `kiln::nn::attention`
+//!   (Burn's `burn::tensor::module::attention` with the path swapped) over the Q, K, V views
+//!   of one packed projection, as users write it since Burn has the function.
 
 use burn::module::{Module, Param};
-use burn::nn::{LayerNorm, LayerNormConfig, PaddingConfig2d};
-use burn::tensor::activation::{gelu, relu, softmax};
+use burn::nn::PaddingConfig2d;
+use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor};
 use kiln::burn;
-use kiln::nn::{BatchNorm, BatchNormConfig, Conv2d, Conv2dConfig, Linear, LinearConfig};
+use kiln::nn::{
+    BatchNorm, BatchNormConfig, Conv2d, Conv2dConfig, LayerNorm, LayerNormConfig, Linear,
+    LinearConfig, attention, gelu,
+};
 use kiln::zoo::Classifier;
 
 /// Classes of both models' heads.
@@ -161,9 +166,9 @@ impl PreLnBlock {
             .permute([2, 0, 3, 1, 4]);
         let part =
             |i: usize| -> Tensor<4> { qkv.clone().narrow(0, i, 1).reshape([b, HEADS, t, dk]) };
-        let (q, k, v) = (part(0), part(1), part(2));
-        let weights = softmax(q.matmul(k.transpose()).div_scalar((dk as f32).sqrt()), 3);
-        let context = weights.matmul(v).swap_dims(1, 2).reshape([b, t, d]);
+        let context = attention(part(0), part(1), part(2), None, None, Default::default())
+            .swap_dims(1, 2)
+            .reshape([b, t, d]);
         let x = x + self.proj.forward(context);
         let h = gelu(self.ff_in.forward(self.norm_ff.forward(x.clone())));
         x + self.ff_out.forward(h)

@@ -28,6 +28,7 @@ pub mod base;
 
 pub mod activation;
 pub mod adam;
+pub mod attention;
 pub mod channelwise;
 pub mod conv;
 pub mod depthwise;

@@ -4,7 +4,7 @@
 
 use burn::tensor::{DType, Tensor, TensorData, activation};
 
-use kiln_kernels::activation::{erf_in_place, gelu_in_place, sigmoid_in_place};
+use kiln_kernels::activation::{erf_in_place, sigmoid_in_place};
 
 use super::serves;
 
@@ -21,9 +21,10 @@ pub fn erf<const D: usize>(x: Tensor<D>) -> Tensor<D> {
     on_host(x, "kiln.erf", erf_in_place, |x| x.erf())
 }
 
-/// Exact GELU, `x · (1 + erf(x / √2)) / 2`, on the vectorized `erf` (as [`erf`]).
+/// Exact GELU, `x · (1 + erf(x / √2)) / 2`, on the vectorized `erf`: the differentiable
+/// [`super::transformer::gelu`] (the same kernel with and without autodiff).
 pub fn gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
-    on_host(x, "kiln.gelu", gelu_in_place, activation::gelu)
+    super::transformer::gelu(x)
 }
 
 /// `kernel` over `x`'s values on the host where Kiln's kernels serve an f32 tensor without

@@ -14,6 +14,7 @@
 pub mod activation;
 mod extension;
 pub mod stats_sync;
+pub mod transformer;
 
 use std::cell::Cell;
 use std::marker::PhantomData;

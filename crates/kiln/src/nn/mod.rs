@@ -1,8 +1,11 @@
 //! Drop-in replacements for Burn's layers that run through Kiln: `use kiln::nn::{Linear,
 //! LinearConfig}` instead of `use burn::nn::{Linear, LinearConfig}` and the model gets Kiln's
 //! f32 CPU kernels (GEMM convolution and linear layers, max pooling with arg-max backward,
-//! BatchNorm's training forward and backward in two passes each) and
-//! the trainer's bf16/f16 autocast policy, with nothing else changed.
+//! BatchNorm's training forward and backward in two passes each, LayerNorm's in one) and
+//! the trainer's bf16/f16 autocast policy, with nothing else changed. A transformer's
+//! functions have drop-ins too, with Burn's arguments: [`gelu`] and [`softmax`] for
+//! `burn::tensor::activation`'s, [`attention`] and [`layer_norm`] for
+//! `burn::tensor::module`'s (forward and backward through Kiln's kernels).
 //!
 //! Each layer has Burn's fields under Burn's names, so its record is Burn's record: weights
 //! saved from a `burn::nn` model load into the `kiln::nn` one and back. Each config has
@@ -47,11 +50,15 @@ macro_rules! wraps_burn_config {
 }
 
 mod conv;
+mod layer_norm;
 mod linear;
 mod norm;
 mod pool;
 
+pub use crate::kernels::transformer::{gelu, layer_norm, softmax};
+pub use crate::precision::attention;
 pub use conv::{Conv2d, Conv2dConfig};
+pub use layer_norm::{LayerNorm, LayerNormConfig};
 pub use linear::{Linear, LinearConfig};
 pub use norm::{BatchNorm, BatchNormConfig};
 pub use pool::{MaxPool2d, MaxPool2dConfig};

@@ -13,6 +13,7 @@
 //! | `linear` (matmul + bias)             | softmax / log-softmax and the cross-entropy loss     |
 //! | `conv2d` (+ bias)                    | BatchNorm and LayerNorm (their statistics)           |
 //! | `matmul` (attention scores, context) | reductions (means, pooling), residual adds, ReLU     |
+//! | `attention` off the CPU kernels      | `attention` on the CPU kernels (f32 is faster there) |
 //! |                                      | parameters, gradients applied, optimizer state       |
 //!
 //! Why the result goes back to f32 at once: every op that is *not* in the left column then
@@ -176,6 +177,34 @@ pub fn matmul<const D: usize>(a: Tensor<D>, b: Tensor<D>) -> Tensor<D> {
     match compute_dtype() {
         None => a.matmul(b),
         Some(dt) => a.cast(dt).matmul(b.cast(dt)).cast(FloatDType::F32),
+    }
+}
+
+/// Scaled dot-product attention with Burn's arguments ([`crate::kernels::transformer::
+/// attention`]) under the scope's policy: where Kiln's CPU kernel serves (f32 operands on
+/// `flex`) it runs in f32 whatever the scope — low precision on the CPU is emulated and
+/// slower, and the kernel's softmax is f32 anyway; elsewhere inside a bf16/f16 scope the
+/// operands and bias are cast to it and Burn's attention runs there (as `torch.autocast`
+/// runs `scaled_dot_product_attention` in the low precision), the result cast back to f32.
+pub fn attention(
+    query: Tensor<4>,
+    key: Tensor<4>,
+    value: Tensor<4>,
+    mask: Option<Tensor<4, burn::tensor::Bool>>,
+    bias: Option<Tensor<4>>,
+    options: burn::tensor::ops::AttentionModuleOptions,
+) -> Tensor<4> {
+    match compute_dtype() {
+        Some(dt) if !crate::kernels::serves(&query.device()) => burn::tensor::module::attention(
+            query.cast(dt),
+            key.cast(dt),
+            value.cast(dt),
+            mask,
+            bias.map(|b| b.cast(dt)),
+            options,
+        )
+        .cast(FloatDType::F32),
+        _ => crate::kernels::transformer::attention(query, key, value, mask, bias, options),
     }
 }
 

@@ -15,8 +15,8 @@ use serde::{Deserialize, Serialize};
 
 pub(crate) use autocast::padding_pair;
 pub use autocast::{
-    AutocastScope, ConvGeometry, autocast, compute_dtype, conv2d, conv2d_weights, linear,
-    linear_weights, matmul,
+    AutocastScope, ConvGeometry, attention, autocast, compute_dtype, conv2d, conv2d_weights,
+    linear, linear_weights, matmul,
 };
 pub use scaler::{DeviceScaler, LossScaler, ScaleChange, ScalerState};
 

@@ -1,12 +1,12 @@
 //! W4: a Transformer encoder classifier that reads the 28 image rows as 28 tokens.
 
 use burn::module::{Module, Param};
+use burn::nn::LayerNorm;
 use burn::nn::attention::MultiHeadAttention;
 use burn::nn::transformer::{
     PositionWiseFeedForward, TransformerEncoder, TransformerEncoderConfig, TransformerEncoderLayer,
 };
 use burn::nn::{Linear, LinearConfig};
-use burn::tensor::activation::softmax;
 use burn::tensor::{Device, Tensor};
 
 use super::{Classifier, NUM_CLASSES};
@@ -15,6 +15,9 @@ use crate::precision as amp;
 const TOKENS: usize = 28;
 const FEATURES: usize = 28;
 const D_MODEL: usize = 128;
+/// The encoder's LayerNorm ε (Burn's default, stated: Burn's layer keeps it private and
+/// `encoder_layer` normalizes through Kiln's kernel with it).
+const LAYER_NORM_EPS: f64 = 1e-5;
 
 /// W4: embed(28→128) + learned positions, 2 post-norm encoder layers (4 heads, ff 512, ReLU,
 /// no dropout, as the PyTorch peer), mean-pool over tokens, linear head.
@@ -39,6 +42,7 @@ impl EncoderClassifier {
             encoder: TransformerEncoderConfig::new(D_MODEL, 512, 4, 2)
                 .with_dropout(0.0)
                 .with_activation(burn::nn::activation::ActivationConfig::Relu)
+                .with_layer_norm_eps(LAYER_NORM_EPS)
                 .init(device),
             head: LinearConfig::new(D_MODEL, NUM_CLASSES).init(device),
         }
@@ -71,25 +75,33 @@ impl Classifier for EncoderClassifier {
 }
 
 /// One encoder layer, as Burn's `TransformerEncoderLayer::forward` without masks and with
-/// dropout 0 (W4 uses neither), through the autocast ops. LayerNorm, softmax and the
-/// residual adds stay f32.
+/// dropout 0 (W4 uses neither), through the autocast ops and Kiln's LayerNorm and attention
+/// kernels. LayerNorm, softmax and the residual adds stay f32.
 fn encoder_layer(layer: &TransformerEncoderLayer, x: Tensor<3>) -> Tensor<3> {
     if layer.norm_first {
-        let attn = self_attention(&layer.mha, layer.norm_2.forward(x.clone()));
+        let attn = self_attention(&layer.mha, norm(&layer.norm_2, x.clone()));
         let x = x + attn;
-        let ff = feed_forward(&layer.pwff, layer.norm_1.forward(x.clone()));
+        let ff = feed_forward(&layer.pwff, norm(&layer.norm_1, x.clone()));
         x + ff
     } else {
-        let x = layer
-            .norm_1
-            .forward(x.clone() + self_attention(&layer.mha, x));
+        let x = norm(&layer.norm_1, x.clone() + self_attention(&layer.mha, x));
         let ff = feed_forward(&layer.pwff, x.clone());
-        layer.norm_2.forward(x + ff)
+        norm(&layer.norm_2, x + ff)
     }
 }
 
-/// Multi-head self-attention: projections and both matmuls in the compute precision, the
-/// softmax in f32.
+/// Burn's LayerNorm `layer` through Kiln's kernel (the encoder's ε).
+fn norm(layer: &LayerNorm, x: Tensor<3>) -> Tensor<3> {
+    crate::kernels::transformer::layer_norm(
+        x,
+        layer.gamma.val(),
+        layer.beta.as_ref().map(|b| b.val()),
+        LAYER_NORM_EPS,
+    )
+}
+
+/// Multi-head self-attention: projections in the compute precision, the attention itself
+/// by [`amp::attention`]'s policy (Kiln's f32 kernel on the CPU).
 fn self_attention(mha: &MultiHeadAttention, x: Tensor<3>) -> Tensor<3> {
     let [batch, seq, d_model] = x.dims();
     let heads = |linear: &Linear| -> Tensor<4> {
@@ -98,9 +110,7 @@ fn self_attention(mha: &MultiHeadAttention, x: Tensor<3>) -> Tensor<3> {
             .swap_dims(1, 2)
     };
     let (q, k, v) = (heads(&mha.query), heads(&mha.key), heads(&mha.value));
-    let scores = amp::matmul(q, k.transpose()).div_scalar((mha.d_k as f32).sqrt());
-    let weights = softmax(scores, 3);
-    let context = amp::matmul(weights, v)
+    let context = amp::attention(q, k, v, None, None, Default::default())
         .swap_dims(1, 2)
         .reshape([batch, seq, d_model]);
     amp::linear(&mha.output, context)

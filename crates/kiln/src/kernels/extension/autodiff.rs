@@ -319,6 +319,151 @@ impl<B: Backend + KilnKernels, C: CheckpointStrategy> KilnKernels for Autodiff<B
             <FloatTensor<Self>>::new(db),
         )
     }
+
+    fn kiln_layer_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> FloatTensor<Self> {
+        transformer_autodiff::layer_norm::<B, C>(x, gamma, beta, epsilon)
+    }
+
+    // The training forms and the gradients below run on the inner tensors: second
+    // derivatives of these ops are not differentiated (the results come back as constants).
+    fn kiln_layer_norm_train(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (y, stats) = B::kiln_layer_norm_train(
+            x.into_primitive(),
+            gamma.into_primitive(),
+            beta.into_primitive(),
+            epsilon,
+        );
+        (<FloatTensor<Self>>::new(y), <FloatTensor<Self>>::new(stats))
+    }
+
+    fn kiln_layer_norm_backward(
+        x: FloatTensor<Self>,
+        stats: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (dx, dg, db) = B::kiln_layer_norm_backward(
+            x.into_primitive(),
+            stats.into_primitive(),
+            gamma.into_primitive(),
+            output_grad.into_primitive(),
+        );
+        (
+            <FloatTensor<Self>>::new(dx),
+            <FloatTensor<Self>>::new(dg),
+            <FloatTensor<Self>>::new(db),
+        )
+    }
+
+    fn kiln_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        transformer_autodiff::gelu::<B, C>(x)
+    }
+
+    fn kiln_gelu_backward(
+        x: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        <FloatTensor<Self>>::new(B::kiln_gelu_backward(
+            x.into_primitive(),
+            output_grad.into_primitive(),
+        ))
+    }
+
+    fn kiln_softmax(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        transformer_autodiff::softmax::<B, C>(x)
+    }
+
+    fn kiln_softmax_backward(
+        output: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        <FloatTensor<Self>>::new(B::kiln_softmax_backward(
+            output.into_primitive(),
+            output_grad.into_primitive(),
+        ))
+    }
+
+    fn kiln_attention(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        scale: f64,
+        causal: bool,
+    ) -> FloatTensor<Self> {
+        let call = transformer_autodiff::AttentionCall {
+            mask: mask.into_primitive(),
+            scale,
+            causal,
+        };
+        transformer_autodiff::attention::<B, C>([query, key, value, bias], call)
+    }
+
+    fn kiln_attention_train(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        scale: f64,
+        causal: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (context, probs) = B::kiln_attention_train(
+            query.into_primitive(),
+            key.into_primitive(),
+            value.into_primitive(),
+            mask.into_primitive(),
+            bias.into_primitive(),
+            scale,
+            causal,
+        );
+        (
+            <FloatTensor<Self>>::new(context),
+            <FloatTensor<Self>>::new(probs),
+        )
+    }
+
+    fn kiln_attention_backward(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        probs: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+        scale: f64,
+        bias_grad: bool,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        Option<FloatTensor<Self>>,
+    ) {
+        let (dq, dk, dv, db) = B::kiln_attention_backward(
+            query.into_primitive(),
+            key.into_primitive(),
+            value.into_primitive(),
+            probs.into_primitive(),
+            output_grad.into_primitive(),
+            scale,
+            bias_grad,
+        );
+        (
+            <FloatTensor<Self>>::new(dq),
+            <FloatTensor<Self>>::new(dk),
+            <FloatTensor<Self>>::new(dv),
+            db.map(<FloatTensor<Self>>::new),
+        )
+    }
 }
 
 /// Backward of [`KilnKernels::kiln_batch_norm`]: parents x, gamma, beta.

@@ -298,4 +298,97 @@ impl KilnKernels for Flex {
             flex_tensor(dbeta, [s.channels]),
         )
     }
+
+    fn kiln_layer_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> FloatTensor<Self> {
+        transformer_flex::layer_norm(x, gamma, beta, epsilon)
+    }
+
+    fn kiln_layer_norm_train(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        transformer_flex::layer_norm_train_forward(x, gamma, beta, epsilon)
+    }
+
+    fn kiln_layer_norm_backward(
+        x: FloatTensor<Self>,
+        stats: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        transformer_flex::layer_norm_grads(x, stats, gamma, output_grad)
+    }
+
+    fn kiln_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        transformer_flex::gelu(x)
+    }
+
+    fn kiln_gelu_backward(
+        x: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        transformer_flex::gelu_grad(x, output_grad)
+    }
+
+    fn kiln_softmax(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        transformer_flex::softmax(x)
+    }
+
+    fn kiln_softmax_backward(
+        output: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        transformer_flex::softmax_grad(output, output_grad)
+    }
+
+    fn kiln_attention(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        scale: f64,
+        causal: bool,
+    ) -> FloatTensor<Self> {
+        transformer_flex::attention(query, key, value, mask, bias, (scale, causal, false)).0
+    }
+
+    fn kiln_attention_train(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        scale: f64,
+        causal: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (context, probs) =
+            transformer_flex::attention(query, key, value, mask, bias, (scale, causal, true));
+        let probs = probs.expect("the training forward keeps the probabilities");
+        (context, probs)
+    }
+
+    fn kiln_attention_backward(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        probs: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+        scale: f64,
+        bias_grad: bool,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        Option<FloatTensor<Self>>,
+    ) {
+        transformer_flex::attention_grads(query, key, value, probs, output_grad, scale, bias_grad)
+    }
 }

@@ -1,9 +1,14 @@
 //! Kiln's kernels as a Burn backend extension: implemented for `Flex` with the kernels of
-//! [`kiln_kernels::conv`], [`kiln_kernels::linear`] and [`kiln_kernels::pool`], and for `Autodiff<B>` with backward passes that call the
-//! same kernels, so training on the CPU runs forward and gradients through them.
+//! [`kiln_kernels::conv`], [`kiln_kernels::linear`], [`kiln_kernels::pool`] and the
+//! transformer's ([`kiln_kernels::layer_norm`], [`kiln_kernels::attention`], GELU, softmax),
+//! and for `Autodiff<B>` with backward passes that call the same kernels, so training on the
+//! CPU runs forward and gradients through them. `transformer_flex` and
+//! `transformer_autodiff` hold the transformer ops' bodies (the trait impls delegate).
 
 mod autodiff;
 mod flex;
+mod transformer_autodiff;
+mod transformer_flex;
 
 use burn::backend::autodiff::NodeId;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
@@ -137,6 +142,97 @@ pub trait KilnKernels: Backend {
         relu: bool,
         output_grad: FloatTensor<Self>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+
+    /// LayerNorm over the last axis of f32 `x` (`gamma`, `beta` `[d]`): differentiable in
+    /// all three (under autodiff the forward keeps each row's statistics).
+    fn kiln_layer_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> FloatTensor<Self>;
+
+    /// [`KilnKernels::kiln_layer_norm`]'s training forward: the output and each row's `[mean
+    /// …, 1/σ …]` as `[2, rows]` (not differentiated).
+    fn kiln_layer_norm_train(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// Gradients of [`KilnKernels::kiln_layer_norm`]: `(dx, dgamma, dbeta)`.
+    fn kiln_layer_norm_backward(
+        x: FloatTensor<Self>,
+        stats: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+
+    /// Exact GELU of f32 `x` (differentiable).
+    fn kiln_gelu(x: FloatTensor<Self>) -> FloatTensor<Self>;
+
+    /// Gradient of [`KilnKernels::kiln_gelu`] at `x`.
+    fn kiln_gelu_backward(
+        x: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self>;
+
+    /// Softmax of f32 `x` over its last axis (differentiable).
+    fn kiln_softmax(x: FloatTensor<Self>) -> FloatTensor<Self>;
+
+    /// Gradient of [`KilnKernels::kiln_softmax`] from its output.
+    fn kiln_softmax_backward(
+        output: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self>;
+
+    /// Scaled dot-product attention of f32 `[batch, heads, positions, features]` operands:
+    /// `softmax(mask(Q·Kᵀ·scale) + bias) · V` (Burn's order and its NaN-safe softmax),
+    /// differentiable in the query, key, value and bias. The mask is a float tensor, nonzero
+    /// where a score is masked, and the bias is added to the scores, each broadcast to
+    /// `[batch, heads, queries, keys]`; a single 0 stands for none. (Why not optional
+    /// tensors, boolean for the mask: the extension's dispatch glue routes neither.)
+    fn kiln_attention(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        scale: f64,
+        causal: bool,
+    ) -> FloatTensor<Self>;
+
+    /// [`KilnKernels::kiln_attention`]'s training forward: the context and the softmax's
+    /// probabilities `[batch, heads, queries, keys]` (not differentiated).
+    #[allow(clippy::too_many_arguments)]
+    fn kiln_attention_train(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        scale: f64,
+        causal: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// Gradients of [`KilnKernels::kiln_attention`]: query, key, value, and the bias's when
+    /// `bias_grad`.
+    #[allow(clippy::too_many_arguments)]
+    fn kiln_attention_backward(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        probs: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+        scale: f64,
+        bias_grad: bool,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        Option<FloatTensor<Self>>,
+    );
 }
 
 /// The BatchNorm kernels' layout of `x`, or `None` when they do not apply (not f32, not 4-D).
