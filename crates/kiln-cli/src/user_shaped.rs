@@ -10,9 +10,9 @@
 //! - **U2**, a small pre-LN transformer encoder over 64 tokens of 32 features (the sample's
 //!   rows): a linear embedding plus a learned position table, 4 blocks of
 //!   `x + attn(LN(x))`, `x + ffn(LN(x))` (4 heads, d 128, GELU feed-forward 512), a final
-//!   LayerNorm, mean over tokens, a linear head. Its attention is `kiln::nn::attention`
-//!   (Burn's `burn::tensor::module::attention` with the path swapped) over the Q, K, V views
-//!   of one packed projection, as users write it since Burn has the function.
+//!   LayerNorm, mean over tokens, a linear head. Its attention is `kiln::nn::qkv_attention`
+//!   over the packed `Linear(d, 3d)` projection: the split into heads, attention and merge a
+//!   ViT-style block writes, as one call.
 
 use burn::module::{Module, Param};
 use burn::nn::PaddingConfig2d;
@@ -21,7 +21,7 @@ use burn::tensor::{Device, Tensor};
 use kiln::burn;
 use kiln::nn::{
     BatchNorm, BatchNormConfig, Conv2d, Conv2dConfig, LayerNorm, LayerNormConfig, Linear,
-    LinearConfig, attention, gelu,
+    LinearConfig, gelu, qkv_attention,
 };
 use kiln::zoo::Classifier;
 
@@ -157,18 +157,8 @@ impl PreLnBlock {
     }
 
     fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let [b, t, d] = x.dims();
-        let dk = d / HEADS;
-        let qkv = self
-            .qkv
-            .forward(self.norm_attn.forward(x.clone()))
-            .reshape([b, t, 3, HEADS, dk])
-            .permute([2, 0, 3, 1, 4]);
-        let part =
-            |i: usize| -> Tensor<4> { qkv.clone().narrow(0, i, 1).reshape([b, HEADS, t, dk]) };
-        let context = attention(part(0), part(1), part(2), None, None, Default::default())
-            .swap_dims(1, 2)
-            .reshape([b, t, d]);
+        let qkv = self.qkv.forward(self.norm_attn.forward(x.clone()));
+        let context = qkv_attention(qkv, HEADS, None, None, Default::default());
         let x = x + self.proj.forward(context);
         let h = gelu(self.ff_in.forward(self.norm_ff.forward(x.clone())));
         x + self.ff_out.forward(h)

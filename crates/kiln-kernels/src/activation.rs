@@ -154,12 +154,38 @@ multiversion! {
 /// fused multiply-adds; the portable loop's `vdivps` made it 1.4× slower on BERT's
 /// feed-forward rows, `cargo bench --bench int8_linear`, BENCHMARKS.md run 43).
 fn gelu_slice(values: &mut [f32]) {
+    gelu_with(crate::base::isa::F32Kernel::detect(), values);
+}
+
+/// [`gelu_slice`] through `kernel`'s path (the tests run every supported one).
+fn gelu_with(kernel: crate::base::isa::F32Kernel, values: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if crate::base::isa::F32Kernel::detect() == crate::base::isa::F32Kernel::Avx512 {
-        // SAFETY: `detect` picks AVX-512 only where the CPU has it.
-        return unsafe { gelu_avx512(values) };
+    match kernel {
+        // SAFETY: `detect` picks an instruction set only where the CPU has it.
+        crate::base::isa::F32Kernel::Avx512 => return unsafe { gelu_avx512(values) },
+        // SAFETY: as above.
+        crate::base::isa::F32Kernel::Avx2 => return unsafe { gelu_avx2(values) },
+        crate::base::isa::F32Kernel::Portable => {}
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = kernel;
     gelu_portable(values);
+}
+
+/// [`gelu8`] over the slice's whole registers, the portable loop for the rest (the loop's
+/// scalar-looking division vectorizes, but as `vdivps` per value where [`gelu8`] shares the
+/// polynomial's registers).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn gelu_avx2(values: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let whole = values.len() / 8 * 8;
+    let (regs, rest) = values.split_at_mut(whole);
+    for lane in regs.chunks_exact_mut(8) {
+        // SAFETY: each chunk holds exactly 8 values.
+        unsafe { _mm256_storeu_ps(lane.as_mut_ptr(), gelu8(_mm256_loadu_ps(lane.as_ptr()))) };
+    }
+    gelu_portable(rest);
 }
 
 /// [`gelu16`] over a slice, the tail through a masked register too: every value gets the
@@ -205,9 +231,39 @@ pub fn gelu_backward(x: &[f32], dy: &[f32]) -> Vec<f32> {
     })
 }
 
+/// `1/√(2π)`: the normal density's factor.
+const INV_SQRT_2PI: f32 = 0.398_942_3;
+
+/// [`gelu_backward`] on this thread: per register of intrinsics on AVX-512 ([`gelu_grad16`])
+/// and AVX2 ([`gelu_grad8`]) — the portable loop's division and erf made it 3 ns a value
+/// (U2's feed-forward gradient under `perf`) — the portable loop elsewhere and for AVX2's
+/// tail.
+fn gelu_grad_slice(x: &[f32], dy: &[f32], dx: &mut [std::mem::MaybeUninit<f32>]) {
+    gelu_grad_with(crate::base::isa::F32Kernel::detect(), x, dy, dx);
+}
+
+/// [`gelu_grad_slice`] through `kernel`'s path (the tests run every supported one).
+fn gelu_grad_with(
+    kernel: crate::base::isa::F32Kernel,
+    x: &[f32],
+    dy: &[f32],
+    dx: &mut [std::mem::MaybeUninit<f32>],
+) {
+    #[cfg(target_arch = "x86_64")]
+    match kernel {
+        // SAFETY: `detect` picks an instruction set only where the CPU has it.
+        crate::base::isa::F32Kernel::Avx512 => return unsafe { gelu_grad_avx512(x, dy, dx) },
+        // SAFETY: as above.
+        crate::base::isa::F32Kernel::Avx2 => return unsafe { gelu_grad_avx2(x, dy, dx) },
+        crate::base::isa::F32Kernel::Portable => {}
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = kernel;
+    gelu_grad_portable(x, dy, dx);
+}
+
 multiversion! {
-    fn gelu_grad_slice(x: &[f32], dy: &[f32], dx: &mut [std::mem::MaybeUninit<f32>]) {
-        const INV_SQRT_2PI: f32 = 0.398_942_3;
+    fn gelu_grad_portable(x: &[f32], dy: &[f32], dx: &mut [std::mem::MaybeUninit<f32>]) {
         for ((o, &v), &d) in dx.iter_mut().zip(x).zip(dy) {
             let cdf = 0.5 * (1.0 + erf_one(v * std::f32::consts::FRAC_1_SQRT_2));
             // x·φ(x) for x within ±12, where it is already below 1e-30: beyond, the floor
@@ -218,6 +274,107 @@ multiversion! {
             *o = std::mem::MaybeUninit::new(d * (cdf + t * pdf));
         }
     }
+}
+
+/// [`gelu_grad16`] over the slices, the tail through masked registers.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn gelu_grad_avx512(x: &[f32], dy: &[f32], dx: &mut [std::mem::MaybeUninit<f32>]) {
+    use std::arch::x86_64::*;
+    for ((xs, ds), os) in x.chunks(16).zip(dy.chunks(16)).zip(dx.chunks_mut(16)) {
+        let mask: __mmask16 = ((1u32 << xs.len()) - 1) as __mmask16;
+        // SAFETY: the mask covers the chunk's values only (the three chunks are as long).
+        unsafe {
+            let v = _mm512_maskz_loadu_ps(mask, xs.as_ptr());
+            let d = _mm512_maskz_loadu_ps(mask, ds.as_ptr());
+            _mm512_mask_storeu_ps(os.as_mut_ptr().cast(), mask, gelu_grad16(v, d));
+        }
+    }
+}
+
+/// [`gelu_grad8`] over the slices' whole registers, the portable loop for the rest.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn gelu_grad_avx2(x: &[f32], dy: &[f32], dx: &mut [std::mem::MaybeUninit<f32>]) {
+    use std::arch::x86_64::*;
+    let whole = x.len() / 8 * 8;
+    let regs = x[..whole].chunks_exact(8).zip(dy[..whole].chunks_exact(8));
+    for ((xs, ds), os) in regs.zip(dx[..whole].chunks_exact_mut(8)) {
+        // SAFETY: each chunk holds exactly 8 values.
+        unsafe {
+            let v = _mm256_loadu_ps(xs.as_ptr());
+            let d = _mm256_loadu_ps(ds.as_ptr());
+            _mm256_storeu_ps(os.as_mut_ptr().cast(), gelu_grad8(v, d));
+        }
+    }
+    gelu_grad_portable(&x[whole..], &dy[whole..], &mut dx[whole..]);
+}
+
+/// `d · (Φ(v) + v·φ(v))` of 16 lanes: [`gelu16`]'s erf (reciprocal estimate and a Newton
+/// step), whose `e^(−v²/2)` is also the density's exponential; `v·φ(v)` set to 0 where
+/// `v²/2` passes the exponential's floor (there it is below 1e-35, and the floored
+/// exponential times a huge `v` would not be).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn gelu_grad16(
+    v: std::arch::x86_64::__m512,
+    d: std::arch::x86_64::__m512,
+) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    let c = |v: f32| _mm512_set1_ps(v);
+    let one = c(1.0);
+    let u = _mm512_mul_ps(v, c(std::f32::consts::FRAC_1_SQRT_2));
+    let a = _mm512_abs_ps(u);
+    let den = _mm512_fmadd_ps(a, c(ERF_P), one);
+    let t = _mm512_rcp14_ps(den);
+    let t = _mm512_fmadd_ps(t, _mm512_fnmadd_ps(den, t, one), t);
+    let p = _mm512_mul_ps(
+        t,
+        ERF_A[1..]
+            .iter()
+            .fold(c(ERF_A[0]), |p, &k| _mm512_fmadd_ps(p, t, c(k))),
+    );
+    let a2 = _mm512_mul_ps(a, a);
+    let e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), a2));
+    let magnitude = _mm512_fnmadd_ps(p, e, one);
+    let sign = _mm512_and_si512(_mm512_castps_si512(u), _mm512_set1_epi32(i32::MIN));
+    let erf = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(magnitude), sign));
+    let cdf = _mm512_mul_ps(c(0.5), _mm512_add_ps(one, erf));
+    let live = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(a2, c(-ERF_EXP_MIN));
+    let v_pdf = _mm512_maskz_mul_ps(live, _mm512_mul_ps(v, c(INV_SQRT_2PI)), e);
+    _mm512_mul_ps(d, _mm512_add_ps(cdf, v_pdf))
+}
+
+/// [`gelu_grad16`] on 8 lanes of AVX2 (a true division, as [`gelu8`]).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn gelu_grad8(
+    v: std::arch::x86_64::__m256,
+    d: std::arch::x86_64::__m256,
+) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    let c = |v: f32| _mm256_set1_ps(v);
+    let one = c(1.0);
+    let u = _mm256_mul_ps(v, c(std::f32::consts::FRAC_1_SQRT_2));
+    let sign_bit = c(-0.0);
+    let a = _mm256_andnot_ps(sign_bit, u);
+    let t = _mm256_div_ps(one, _mm256_fmadd_ps(a, c(ERF_P), one));
+    let p = _mm256_mul_ps(
+        t,
+        ERF_A[1..]
+            .iter()
+            .fold(c(ERF_A[0]), |p, &k| _mm256_fmadd_ps(p, t, c(k))),
+    );
+    let a2 = _mm256_mul_ps(a, a);
+    let e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), a2));
+    let magnitude = _mm256_fnmadd_ps(p, e, one);
+    let erf = _mm256_or_ps(magnitude, _mm256_and_ps(u, sign_bit));
+    let cdf = _mm256_mul_ps(c(0.5), _mm256_add_ps(one, erf));
+    let live = _mm256_cmp_ps::<_CMP_LT_OQ>(a2, c(-ERF_EXP_MIN));
+    let v_pdf = _mm256_and_ps(live, _mm256_mul_ps(_mm256_mul_ps(v, c(INV_SQRT_2PI)), e));
+    _mm256_mul_ps(d, _mm256_add_ps(cdf, v_pdf))
 }
 
 /// `erf(x)` by Abramowitz & Stegun 7.1.26 (absolute error below 1.5e-7): `1 − p(t)·e^(−x²)`
@@ -556,12 +713,16 @@ mod tests {
             }
             sum * 2.0 / std::f64::consts::PI.sqrt()
         }
-        for count in [1001, 100_001] {
+        let kernels = crate::base::isa::F32Kernel::all_supported();
+        let cases = [1001, 100_001, 1003]
+            .into_iter()
+            .flat_map(|n| kernels.iter().map(move |k| (n, *k)));
+        for (count, kernel) in cases {
             let xs: Vec<f32> = (0..count)
                 .map(|i| -12.0 + 24.0 * i as f32 / (count - 1) as f32)
                 .collect();
             let dy: Vec<f32> = (0..count).map(|i| 1.0 - (i % 7) as f32 * 0.25).collect();
-            let dx = gelu_backward(&xs, &dy);
+            let dx = crate::base::buffers::filled(count, |dx| gelu_grad_with(kernel, &xs, &dy, dx));
             let mut worst = 0f64;
             for ((&x, &d), &g) in xs.iter().zip(&dy).zip(&dx) {
                 let x = f64::from(x);
@@ -569,12 +730,24 @@ mod tests {
                 let pdf = (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt();
                 worst = worst.max((f64::from(g) - f64::from(d) * (cdf + x * pdf)).abs());
             }
-            assert!(worst < 1e-6, "{count}: {worst:e}");
+            assert!(worst < 1e-6, "{count} {kernel:?}: {worst:e}");
+            if kernel == crate::base::isa::F32Kernel::detect() {
+                assert_eq!(
+                    gelu_backward(&xs, &dy),
+                    dx,
+                    "in parallel chunks, the same bits"
+                );
+            }
         }
-        let edges = gelu_backward(&[f32::MAX, f32::MIN, 1e30, -1e30], &[1.0; 4]);
-        for (got, want) in edges.iter().zip([1.0f32, 0.0, 1.0, 0.0]) {
-            assert!((got - want).abs() < 1e-20, "{edges:?}");
+        for kernel in kernels {
+            let x = [f32::MAX, f32::MIN, 1e30, -1e30];
+            let edges =
+                crate::base::buffers::filled(4, |dx| gelu_grad_with(kernel, &x, &[1.0; 4], dx));
+            for (got, want) in edges.iter().zip([1.0f32, 0.0, 1.0, 0.0]) {
+                assert!((got - want).abs() < 1e-20, "{kernel:?}: {edges:?}");
+            }
         }
+        assert_eq!(gelu_backward(&[0.0, 1.0], &[1.0, 2.0]).len(), 2);
     }
 
     /// Against f64: relative error below 1e-6 where the sigmoid is a normal f32 (|x| ≤ 80),
@@ -691,6 +864,17 @@ mod tests {
         erf_in_place(&mut ys);
         let mut gs = xs.clone();
         gelu_in_place(&mut gs);
+        // Every instruction set's slice path gives the same values to within an ulp or two.
+        for kernel in crate::base::isa::F32Kernel::all_supported() {
+            let mut other = xs.clone();
+            gelu_with(kernel, &mut other);
+            for (a, b) in other.iter().zip(&gs) {
+                assert!(
+                    (a - b).abs() <= 4e-7 * (1.0 + b.abs()),
+                    "{kernel:?}: {a} vs {b}"
+                );
+            }
+        }
         for ((&x, &y), &g) in xs.iter().zip(&ys).zip(&gs) {
             let want = erf64(x as f64);
             assert!(

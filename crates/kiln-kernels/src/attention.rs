@@ -21,8 +21,8 @@ use rayon::prelude::*;
 
 use crate::activation::exp;
 use crate::base::buffers::filled;
-use crate::base::gemm::{matmul, matmul_fresh};
-use crate::base::threads::pool_threads;
+use crate::base::gemm::matmul_to;
+use crate::base::threads::{SharedOut, pool_threads};
 use crate::softmax::softmax_grad_in_place;
 
 /// The sizes of one attention call.
@@ -107,24 +107,56 @@ pub struct ScoreOptions<'a> {
     pub bias: Option<Strided<'a, f32>>,
 }
 
-/// The forward's results: the context `[batch, heads, queries, value_dim]` and, when asked
-/// for, the probabilities `[batch, heads, queries, keys]` the backward reads.
+/// How a `[batch, heads, positions, features]` result is laid out in its vector.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// `[batch, heads, positions, features]`, dense (Burn's attention's output).
+    Heads,
+    /// `[batch, positions, heads, features]`: each token's heads side by side, the merged
+    /// `[batch, tokens, heads·features]` a model's output projection reads with no copy.
+    Tokens,
+}
+
+impl Layout {
+    /// Element strides of (batch, head, position) for `dims` (features are contiguous).
+    fn strides(self, [_, heads, positions, features]: [usize; 4]) -> [usize; 3] {
+        match self {
+            Layout::Heads => [heads * positions * features, positions * features, features],
+            Layout::Tokens => [positions * heads * features, features, heads * features],
+        }
+    }
+}
+
+/// Where the backward's query, key and value gradients go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GradLayout {
+    /// Three dense vectors in [`Layout::Heads`].
+    Heads,
+    /// One vector `[batch, tokens, 3, heads, head_dim]`: the gradient of a packed QKV
+    /// projection (`[batch, tokens, 3·heads·head_dim]`) the three were cut from. Needs as many
+    /// queries as keys and values as wide as keys.
+    Packed,
+}
+
+/// The forward's results: the context in the layout asked for and, when asked for, the
+/// probabilities `[batch, heads, queries, keys]` the backward reads.
 #[derive(Debug)]
 pub struct AttentionOutput {
-    /// `softmax(scores) · V`, dense.
+    /// `softmax(scores) · V`.
     pub context: Vec<f32>,
     /// The softmax of the scores, dense; empty when not kept.
     pub probs: Vec<f32>,
 }
 
-/// The backward's results, each dense in its operand's dims.
+/// The backward's results.
 #[derive(Debug)]
 pub struct AttentionGrads {
-    /// Gradient of the queries.
+    /// The query, key and value gradients: three vectors in [`Layout::Heads`], or with
+    /// [`GradLayout::Packed`] one packed vector in `query` and `key`, `value` empty.
     pub query: Vec<f32>,
-    /// Gradient of the keys.
+    /// Gradient of the keys (empty when packed).
     pub key: Vec<f32>,
-    /// Gradient of the values.
+    /// Gradient of the values (empty when packed).
     pub value: Vec<f32>,
     /// Gradient of the additive bias (the scores' gradient), when asked for.
     pub bias: Option<Vec<f32>>,
@@ -151,52 +183,59 @@ fn split(pairs: usize) -> (bool, usize) {
     }
 }
 
-/// Runs `task(pair, chunks…)` for every (batch, head) pair over disjoint `len`-long chunks of
-/// each output, in parallel or in turn as [`split`] decides.
-fn for_pairs<const N: usize>(
-    pairs: usize,
-    parallel: bool,
-    outputs: [(&mut [MaybeUninit<f32>], usize); N],
-    task: impl Fn(usize, [&mut [MaybeUninit<f32>]; N]) + Sync,
-) {
-    // Each output as its chunks per pair (a chunk may be empty: an output not kept).
-    let mut chunks: Vec<[&mut [MaybeUninit<f32>]; N]> = Vec::with_capacity(pairs);
-    let mut rests = outputs.map(|(values, len)| (Some(values), len));
-    for _ in 0..pairs {
-        chunks.push(std::array::from_fn(|i| {
-            let (rest, len) = &mut rests[i];
-            let (head, tail) = rest.take().unwrap_or_default().split_at_mut(*len);
-            *rest = Some(tail);
-            head
-        }));
-    }
+/// Runs `task(batch, head)` for every pair, in parallel or in turn.
+fn for_pairs(s: &AttentionShape, parallel: bool, task: impl Fn(usize, usize) + Sync) {
+    let run = |p: usize| task(p / s.heads, p % s.heads);
     if parallel {
-        chunks
-            .into_par_iter()
-            .enumerate()
-            .for_each(|(p, c)| task(p, c));
+        (0..s.pairs()).into_par_iter().for_each(run);
     } else {
-        chunks.into_iter().enumerate().for_each(|(p, c)| task(p, c));
+        (0..s.pairs()).for_each(run);
     }
 }
 
-/// The forward: `softmax(mask(Q·Kᵀ·scale) + bias) · V` for every (batch, head) pair, with the
-/// probabilities kept when `keep_probs` (training).
+/// One output of the kernel: a buffer the pairs write disjoint rows of, element (b, h, i, j)
+/// at `offset + b·s0 + h·s1 + i·s2 + j`.
+#[derive(Clone, Copy)]
+struct Dest {
+    out: SharedOut,
+    offset: usize,
+    strides: [usize; 3],
+}
+
+impl Dest {
+    fn new(buffer: &mut [MaybeUninit<f32>], offset: usize, strides: [usize; 3]) -> Dest {
+        Dest {
+            out: SharedOut(buffer.as_mut_ptr().cast()),
+            offset,
+            strides,
+        }
+    }
+
+    /// Pair `(b, h)`'s first element and its row stride.
+    fn pair(self, b: usize, h: usize) -> (*mut f32, usize) {
+        let start = self.offset + b * self.strides[0] + h * self.strides[1];
+        // SAFETY (of the arithmetic): the buffer holds every pair's rows (each caller sizes
+        // it for its layout), so the offset stays inside it.
+        (unsafe { self.out.get().add(start) }, self.strides[2])
+    }
+}
+
+/// The forward: `softmax(mask(Q·Kᵀ·scale) + bias) · V` for every (batch, head) pair, the
+/// context in `layout`, with the probabilities kept when `keep_probs` (training).
 ///
 /// # Panics
 /// When an operand's strides reach past its values.
 pub fn attention_forward(
     s: &AttentionShape,
-    query: Strided<'_, f32>,
-    key: Strided<'_, f32>,
-    value: Strided<'_, f32>,
+    (query, key, value): (Strided<'_, f32>, Strided<'_, f32>, Strided<'_, f32>),
     options: &ScoreOptions<'_>,
     keep_probs: bool,
+    layout: Layout,
 ) -> AttentionOutput {
-    let (tq, tk) = (s.queries, s.keys);
-    check("query", &query, [s.batch, s.heads, tq, s.head_dim]);
-    check("key", &key, [s.batch, s.heads, tk, s.head_dim]);
-    check("value", &value, [s.batch, s.heads, tk, s.value_dim]);
+    let (tq, tk, dk, dv) = (s.queries, s.keys, s.head_dim, s.value_dim);
+    check("query", &query, [s.batch, s.heads, tq, dk]);
+    check("key", &key, [s.batch, s.heads, tk, dk]);
+    check("value", &value, [s.batch, s.heads, tk, dv]);
     let scores_dims = [s.batch, s.heads, tq, tk];
     if let Some(m) = &options.mask {
         check("mask", m, scores_dims);
@@ -206,95 +245,132 @@ pub fn attention_forward(
     }
     let pairs = s.pairs();
     let (parallel, threads) = split(pairs);
-    let mut probs = Vec::new();
-    let context = filled(pairs * tq * s.value_dim, |context| {
-        let kept = if keep_probs { tq * tk } else { 0 };
-        let mut probs_buf = Vec::with_capacity(pairs * kept);
-        let probs_out = &mut probs_buf.spare_capacity_mut()[..pairs * kept];
-        for_pairs(
-            pairs,
-            parallel,
-            [(context, tq * s.value_dim), (probs_out, kept)],
-            |p, [ctx, kept_probs]| {
-                let (b, h) = (p / s.heads, p % s.heads);
-                let mut scratch = Vec::new();
-                let scores: &mut [MaybeUninit<f32>] = if kept_probs.is_empty() {
-                    scratch.resize(tq * tk, MaybeUninit::new(0.0));
-                    &mut scratch
-                } else {
-                    kept_probs
-                };
-                let (q, qs) = query.pair(b, h);
-                let (k, ks) = key.pair(b, h);
-                matmul_fresh(
-                    (tq, tk, s.head_dim),
-                    scores,
+    let kept = if keep_probs { pairs * tq * tk } else { 0 };
+    let mut probs = Vec::with_capacity(kept);
+    let probs_dest = Dest::new(
+        &mut probs.spare_capacity_mut()[..kept],
+        0,
+        Layout::Heads.strides(scores_dims),
+    );
+    let context = filled(pairs * tq * dv, |context| {
+        let ctx_dest = Dest::new(context, 0, layout.strides([s.batch, s.heads, tq, dv]));
+        for_pairs(s, parallel, |b, h| {
+            let mut scratch = Vec::new();
+            let scores: &mut [f32] = if keep_probs {
+                let (start, _) = probs_dest.pair(b, h);
+                // SAFETY: pair (b, h)'s tq × tk probabilities are its own (dense layout), and
+                // the GEMM below writes every one of them before anything reads them.
+                unsafe { std::slice::from_raw_parts_mut(start, tq * tk) }
+            } else {
+                scratch.resize(tq * tk, 0.0);
+                &mut scratch
+            };
+            let (q, qs) = query.pair(b, h);
+            let (k, ks) = key.pair(b, h);
+            // SAFETY: `scores` holds tq rows of tk values, this pair's alone.
+            unsafe {
+                matmul_to(
+                    (tq, tk, dk),
+                    scores.as_mut_ptr(),
+                    tk,
+                    false,
                     (q, qs),
                     (k, (ks.1, ks.0)),
+                    options.scale,
                     threads,
-                );
-                // SAFETY: the GEMM wrote every one of the pair's tq × tk scores.
-                let scores = unsafe { crate::base::buffers::assume_init(scores) };
-                let mask = options.mask.map(|m| m.pair(b, h));
-                let bias = options.bias.map(|m| m.pair(b, h));
-                for (i, row) in scores.chunks_exact_mut(tk).enumerate() {
-                    let visible = if options.causal {
-                        (i + tk).saturating_sub(tq) + 1
-                    } else {
-                        tk
-                    };
-                    let mask_row = mask.map(|(m, (rs, cs))| (&m[i * rs..], cs));
-                    let bias_row = bias.map(|(v, (rs, cs))| (&v[i * rs..], cs));
-                    softmax_row(row, options.scale, visible.min(tk), mask_row, bias_row);
-                }
-                let (v, vs) = value.pair(b, h);
-                matmul_fresh(
-                    (tq, s.value_dim, tk),
-                    ctx,
+                )
+            };
+            let mask = options.mask.map(|m| m.pair(b, h));
+            let bias = options.bias.map(|m| m.pair(b, h));
+            for (i, row) in scores.chunks_exact_mut(tk).enumerate() {
+                let visible = if options.causal {
+                    (i + tk + 1).saturating_sub(tq)
+                } else {
+                    tk
+                };
+                let mask_row = mask.map(|(m, (rs, cs))| (&m[i * rs..], cs));
+                let bias_row = bias.map(|(v, (rs, cs))| (&v[i * rs..], cs));
+                softmax_row(row, visible, mask_row, bias_row);
+            }
+            let (v, vs) = value.pair(b, h);
+            let (out, rs) = ctx_dest.pair(b, h);
+            // SAFETY: the context's rows of pair (b, h) in `layout` are its own.
+            unsafe {
+                matmul_to(
+                    (tq, dv, tk),
+                    out,
+                    rs,
+                    false,
                     (scores, (tk, 1)),
                     (v, vs),
+                    1.0,
                     threads,
-                );
-            },
-        );
-        // SAFETY: every pair wrote its whole chunk of probabilities (none when not kept).
-        unsafe { probs_buf.set_len(pairs * kept) };
-        probs = probs_buf;
+                )
+            };
+        });
     });
+    // SAFETY: every pair wrote its whole block of probabilities (none when not kept).
+    unsafe { probs.set_len(kept) };
     AttentionOutput { context, probs }
 }
 
-/// One row of scores in place: `x·scale`, masked positions and those from `visible` on set
-/// to −∞, the bias added, then the softmax; a row with nothing visible becomes zeros (the
-/// maximum is clamped to the most negative finite value and the sum to the smallest normal,
-/// as Burn's NaN-safe softmax).
+/// One row of already scaled scores in place (the GEMM applied the scale): the bias added,
+/// masked positions and those from `visible` on set to −∞, then the softmax; a row with
+/// nothing visible becomes zeros (the maximum is clamped to the most negative finite value
+/// and the sum to the smallest normal, as Burn's NaN-safe softmax). The masks and the bias,
+/// when there are any, are one pass each.
 #[inline]
 fn softmax_row(
     row: &mut [f32],
-    scale: f32,
     visible: usize,
     mask: Option<(&[f32], usize)>,
     bias: Option<(&[f32], usize)>,
 ) {
-    for (j, v) in row.iter_mut().enumerate() {
-        let hidden = j >= visible || mask.is_some_and(|(m, cs)| m[j * cs] != 0.0);
-        *v = if hidden {
-            f32::NEG_INFINITY
-        } else {
-            *v * scale + bias.map_or(0.0, |(b, cs)| b[j * cs])
-        };
+    if let Some((b, cs)) = bias {
+        for (j, v) in row.iter_mut().enumerate() {
+            *v += b[j * cs];
+        }
     }
+    if let Some((m, cs)) = mask {
+        for (j, v) in row.iter_mut().enumerate() {
+            if m[j * cs] != 0.0 {
+                *v = f32::NEG_INFINITY;
+            }
+        }
+    }
+    let visible = visible.min(row.len());
+    row[visible..].fill(f32::NEG_INFINITY);
     softmax_in_place(row);
 }
 
+/// Lanes of the row reductions (one AVX-512 register).
+const LANES: usize = 16;
+
 multiversion! {
-    /// The NaN-safe softmax of one row in place; −∞ becomes exactly 0 (the kernels' `exp`
-    /// clamps its argument, so it would give the smallest normal instead, and a row with
-    /// nothing visible would come out uniform).
+    /// The NaN-safe softmax of one row in place, its maximum and sum in [`LANES`] independent
+    /// partial results (one running value is a serial chain the compiler may not reorder);
+    /// −∞ becomes exactly 0 (the kernels' `exp` clamps its argument, so it would give the
+    /// smallest normal instead, and a row with nothing visible would come out uniform).
     fn softmax_in_place(row: &mut [f32]) {
-        let max = row.iter().fold(f32::MIN, |m, &v| m.max(v));
-        let mut sum = 0f32;
-        for v in row.iter_mut() {
+        let mut maxes = [f32::MIN; LANES];
+        let mut blocks = row.chunks_exact(LANES);
+        for block in &mut blocks {
+            for (m, &v) in maxes.iter_mut().zip(block) {
+                *m = m.max(v);
+            }
+        }
+        let max = blocks.remainder().iter().chain(&maxes).fold(f32::MIN, |m, &v| m.max(v));
+        let mut sums = [0f32; LANES];
+        let mut blocks = row.chunks_exact_mut(LANES);
+        for block in &mut blocks {
+            for (s, v) in sums.iter_mut().zip(block.iter_mut()) {
+                let e = if *v == f32::NEG_INFINITY { 0.0 } else { exp(*v - max) };
+                *v = e;
+                *s += e;
+            }
+        }
+        let mut sum: f32 = sums.iter().sum();
+        for v in blocks.into_remainder() {
             *v = if *v == f32::NEG_INFINITY { 0.0 } else { exp(*v - max) };
             sum += *v;
         }
@@ -307,22 +383,22 @@ multiversion! {
 
 /// The backward from the forward's operands, its probabilities and the context's gradient
 /// `d_context` (`[batch, heads, queries, value_dim]`, any strides): the gradients of the
-/// queries, keys and values, and of the bias when `bias_grad`. Per pair: `dV = Pᵀ·dO`, `dP =
-/// dO·Vᵀ`, `dS = P ⊙ (dP − rowsum(dP ⊙ P))` (the bias's gradient), `dQ = dS·scale·K`, `dK =
-/// (dS·scale)ᵀ·Q`.
+/// queries, keys and values in `layout`, and of the bias when `bias_grad`. Per pair: `dV =
+/// Pᵀ·dO`, `dP = dO·Vᵀ`, `dS = P ⊙ (dP − rowsum(dP ⊙ P))` (the bias's gradient), `dQ =
+/// scale·dS·K`, `dK = scale·dSᵀ·Q`.
 ///
 /// # Panics
-/// When an operand's strides reach past its values or `probs` is not the forward's.
+/// When an operand's strides reach past its values, `probs` is not the forward's, or the
+/// packed layout is asked of unequal query and key counts or widths.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward(
     s: &AttentionShape,
-    query: Strided<'_, f32>,
-    key: Strided<'_, f32>,
-    value: Strided<'_, f32>,
+    (query, key, value): (Strided<'_, f32>, Strided<'_, f32>, Strided<'_, f32>),
     probs: &[f32],
     d_context: Strided<'_, f32>,
     scale: f32,
     bias_grad: bool,
+    layout: GradLayout,
 ) -> AttentionGrads {
     let (tq, tk, dk, dv) = (s.queries, s.keys, s.head_dim, s.value_dim);
     check("query", &query, [s.batch, s.heads, tq, dk]);
@@ -335,68 +411,135 @@ pub fn attention_backward(
         pairs * tq * tk,
         "attention probabilities length"
     );
+    let packed = layout == GradLayout::Packed;
+    assert!(
+        !packed || (tq == tk && dk == dv),
+        "packed attention gradients need as many queries as keys ({tq} vs {tk}) and values as wide as keys ({dv} vs {dk})"
+    );
     let (parallel, threads) = split(pairs);
-    let dbias_len = if bias_grad { pairs * tq * tk } else { 0 };
-    let mut dq = Vec::with_capacity(pairs * tq * dk);
-    let mut dkey = Vec::with_capacity(pairs * tk * dk);
-    let mut dval = Vec::with_capacity(pairs * tk * dv);
-    let mut dbias = Vec::with_capacity(dbias_len);
-    for_pairs(
-        pairs,
-        parallel,
-        [
-            (&mut dq.spare_capacity_mut()[..pairs * tq * dk], tq * dk),
-            (&mut dkey.spare_capacity_mut()[..pairs * tk * dk], tk * dk),
-            (&mut dval.spare_capacity_mut()[..pairs * tk * dv], tk * dv),
-            (
-                &mut dbias.spare_capacity_mut()[..dbias_len],
-                dbias_len / pairs.max(1),
-            ),
-        ],
-        |p, [gq, gk, gv, gb]| {
-            let (b, h) = (p / s.heads, p % s.heads);
+    let scores = [s.batch, s.heads, tq, tk];
+    let mut dbias = Vec::with_capacity(if bias_grad { pairs * tq * tk } else { 0 });
+    let bias_dest = Dest::new(
+        &mut dbias.spare_capacity_mut()[..],
+        0,
+        Layout::Heads.strides(scores),
+    );
+    let run = |[gq, gk, gv]: [Dest; 3]| {
+        for_pairs(s, parallel, |b, h| {
+            let p = b * s.heads + h;
             let prob = &probs[p * tq * tk..(p + 1) * tq * tk];
             let (d_out, ds) = d_context.pair(b, h);
             let (v, vs) = value.pair(b, h);
-            // dV = Pᵀ · dO.
-            matmul_fresh((tk, dv, tq), gv, (prob, (1, tk)), (d_out, ds), threads);
-            // dP = dO · Vᵀ, then dS in place, the bias's gradient copied out, the scale.
-            let mut d_scores = vec![0f32; tq * tk];
-            matmul(
-                (tq, tk, dv),
-                &mut d_scores,
-                false,
-                d_out,
-                ds,
-                v,
-                (vs.1, vs.0),
-                threads,
-            );
-            softmax_grad_in_place(&mut d_scores, prob, tk);
-            if !gb.is_empty() {
-                for (o, &g) in gb.iter_mut().zip(&d_scores) {
-                    *o = MaybeUninit::new(g);
-                }
-            }
-            d_scores.iter_mut().for_each(|g| *g *= scale);
             let (q, qs) = query.pair(b, h);
             let (k, ks) = key.pair(b, h);
-            // dQ = dS·scale · K; dK = (dS·scale)ᵀ · Q.
-            matmul_fresh((tq, dk, tk), gq, (&d_scores, (tk, 1)), (k, ks), threads);
-            matmul_fresh((tk, dk, tq), gk, (&d_scores, (1, tk)), (q, qs), threads);
-        },
-    );
-    // SAFETY: every pair wrote its whole chunk of each gradient.
-    unsafe {
-        dq.set_len(pairs * tq * dk);
-        dkey.set_len(pairs * tk * dk);
-        dval.set_len(pairs * tk * dv);
-        dbias.set_len(dbias_len);
+            let (gq, gk, gv) = (gq.pair(b, h), gk.pair(b, h), gv.pair(b, h));
+            let mut d_scores = vec![0f32; tq * tk];
+            // SAFETY: each destination's rows of pair (b, h) are its own; `d_scores` is local.
+            unsafe {
+                // dV = Pᵀ · dO.
+                matmul_to(
+                    (tk, dv, tq),
+                    gv.0,
+                    gv.1,
+                    false,
+                    (prob, (1, tk)),
+                    (d_out, ds),
+                    1.0,
+                    threads,
+                );
+                // dP = dO · Vᵀ, then dS in place and the bias's gradient copied out.
+                let d_scores_ptr = d_scores.as_mut_ptr();
+                matmul_to(
+                    (tq, tk, dv),
+                    d_scores_ptr,
+                    tk,
+                    false,
+                    (d_out, ds),
+                    (v, (vs.1, vs.0)),
+                    1.0,
+                    threads,
+                );
+            }
+            softmax_grad_in_place(&mut d_scores, prob, tk);
+            if bias_grad {
+                let (out, _) = bias_dest.pair(b, h);
+                // SAFETY: pair (b, h)'s block of the bias gradient (dense) is its own.
+                unsafe { std::ptr::copy_nonoverlapping(d_scores.as_ptr(), out, tq * tk) };
+            }
+            // SAFETY: as above.
+            unsafe {
+                // dQ = scale · dS · K; dK = scale · dSᵀ · Q.
+                matmul_to(
+                    (tq, dk, tk),
+                    gq.0,
+                    gq.1,
+                    false,
+                    (&d_scores, (tk, 1)),
+                    (k, ks),
+                    scale,
+                    threads,
+                );
+                matmul_to(
+                    (tk, dk, tq),
+                    gk.0,
+                    gk.1,
+                    false,
+                    (&d_scores, (1, tk)),
+                    (q, qs),
+                    scale,
+                    threads,
+                );
+            }
+        });
+    };
+    let heads = |t: usize, d: usize| Layout::Heads.strides([s.batch, s.heads, t, d]);
+    let grads = if packed {
+        // [batch, tokens, 3, heads, head_dim]: q, k and v of a token side by side.
+        let row = 3 * s.heads * dk;
+        let strides = [tq * row, dk, row];
+        let all = filled(pairs * tq * 3 * dk, |g| {
+            run([0, 1, 2].map(|part| Dest::new(g, part * s.heads * dk, strides)))
+        });
+        (all, Vec::new(), Vec::new())
+    } else {
+        let (mut gq, mut gk, mut gv) = (
+            Vec::with_capacity(pairs * tq * dk),
+            Vec::with_capacity(pairs * tk * dk),
+            Vec::with_capacity(pairs * tk * dv),
+        );
+        run([
+            Dest::new(
+                &mut gq.spare_capacity_mut()[..pairs * tq * dk],
+                0,
+                heads(tq, dk),
+            ),
+            Dest::new(
+                &mut gk.spare_capacity_mut()[..pairs * tk * dk],
+                0,
+                heads(tk, dk),
+            ),
+            Dest::new(
+                &mut gv.spare_capacity_mut()[..pairs * tk * dv],
+                0,
+                heads(tk, dv),
+            ),
+        ]);
+        // SAFETY: every pair wrote its whole block of each gradient.
+        unsafe {
+            gq.set_len(pairs * tq * dk);
+            gk.set_len(pairs * tk * dk);
+            gv.set_len(pairs * tk * dv);
+        }
+        (gq, gk, gv)
+    };
+    if bias_grad {
+        // SAFETY: every pair wrote its whole block of the bias gradient.
+        unsafe { dbias.set_len(pairs * tq * tk) };
     }
     AttentionGrads {
-        query: dq,
-        key: dkey,
-        value: dval,
+        query: grads.0,
+        key: grads.1,
+        value: grads.2,
         bias: bias_grad.then_some(dbias),
     }
 }
@@ -496,6 +639,8 @@ mod tests {
             (shape(2, 3, 5, 5, 4, 4), false, false, false),
             (shape(1, 1, 7, 9, 3, 5), true, false, true),
             (shape(3, 2, 6, 8, 8, 8), false, true, false),
+            // More queries than keys, causal: the first rows see nothing (zeros).
+            (shape(2, 2, 9, 5, 4, 4), true, true, true),
             (shape(16, 4, 17, 17, 32, 32), true, true, true),
         ] {
             let (tq, tk) = (s.queries, s.keys);
@@ -521,7 +666,7 @@ mod tests {
                 Strided::dense(&k[..], dims(tk, s.head_dim)),
                 Strided::dense(&v[..], dims(tk, s.value_dim)),
             );
-            let out = attention_forward(&s, qv, kv, vv, &options, true);
+            let out = attention_forward(&s, (qv, kv, vv), &options, true, Layout::Heads);
             let want = reference(
                 &s,
                 (&q, &k, &v),
@@ -535,7 +680,7 @@ mod tests {
                 relative_error(&out.context, &want[0]) < 1e-5,
                 "{s:?} context"
             );
-            let inference = attention_forward(&s, qv, kv, vv, &options, false);
+            let inference = attention_forward(&s, (qv, kv, vv), &options, false, Layout::Heads);
             assert_eq!(
                 inference.context, out.context,
                 "{s:?}: the same context without probs"
@@ -543,13 +688,12 @@ mod tests {
             assert!(inference.probs.is_empty());
             let grads = attention_backward(
                 &s,
-                qv,
-                kv,
-                vv,
+                (qv, kv, vv),
                 &out.probs,
                 Strided::dense(&d_ctx[..], dims(tq, s.value_dim)),
                 scale,
                 biased,
+                GradLayout::Heads,
             );
             for (name, got, want) in [
                 ("dq", &grads.query, &want[1]),
@@ -606,15 +750,70 @@ mod tests {
             causal: true,
             bias: None,
         };
-        let a = attention_forward(&s, view(0), view(1), view(2), &options, true);
+        let a = attention_forward(
+            &s,
+            (view(0), view(1), view(2)),
+            &options,
+            true,
+            Layout::Heads,
+        );
         let dense_ops = (
             Strided::dense(&q[..], dims),
             Strided::dense(&k[..], dims),
             Strided::dense(&v[..], dims),
         );
-        let b = attention_forward(&s, dense_ops.0, dense_ops.1, dense_ops.2, &options, true);
+        let b = attention_forward(&s, dense_ops, &options, true, Layout::Heads);
         assert_eq!(a.context, b.context);
         assert_eq!(a.probs, b.probs);
+        // The context in token order is the same values, each token's heads side by side.
+        let by_token = attention_forward(
+            &s,
+            (view(0), view(1), view(2)),
+            &options,
+            false,
+            Layout::Tokens,
+        );
+        for bi in 0..batch {
+            for h in 0..heads {
+                for t in 0..s.queries {
+                    for d in 0..hd {
+                        let want = a.context[((bi * heads + h) * s.queries + t) * hd + d];
+                        let got = by_token.context[((bi * s.queries + t) * heads + h) * hd + d];
+                        assert_eq!(got, want);
+                    }
+                }
+            }
+        }
+        // The gradients into the packed projection's layout: the dense ones, interleaved.
+        let d_ctx = values(batch * heads * s.queries * hd, 8);
+        let d = Strided::dense(&d_ctx[..], dims);
+        let dense_grads =
+            attention_backward(&s, dense_ops, &b.probs, d, 0.5, false, GradLayout::Heads);
+        let packed_grads = attention_backward(
+            &s,
+            (view(0), view(1), view(2)),
+            &a.probs,
+            d,
+            0.5,
+            false,
+            GradLayout::Packed,
+        );
+        assert!(packed_grads.key.is_empty() && packed_grads.value.is_empty());
+        let parts = [&dense_grads.query, &dense_grads.key, &dense_grads.value];
+        for (which, part) in parts.into_iter().enumerate() {
+            for bi in 0..batch {
+                for h in 0..heads {
+                    for t in 0..s.queries {
+                        for dd in 0..hd {
+                            let want = part[((bi * heads + h) * s.queries + t) * hd + dd];
+                            let at =
+                                bi * strides[0] + t * strides[2] + which * heads * hd + h * hd + dd;
+                            assert_eq!(packed_grads.query[at], want, "part {which}");
+                        }
+                    }
+                }
+            }
+        }
     }
 
     /// A row whose every key is masked attends to nothing: zeros forward, zero gradients.
@@ -637,19 +836,18 @@ mod tests {
             Strided::dense(&k[..], dims(3)),
             Strided::dense(&v[..], dims(3)),
         );
-        let out = attention_forward(&s, qv, kv, vv, &options, true);
+        let out = attention_forward(&s, (qv, kv, vv), &options, true, Layout::Heads);
         assert_eq!(&out.context[..2], &[0.0, 0.0]);
         assert!(out.context[2..].iter().all(|v| v.is_finite() && *v != 0.0));
         let ones = [1f32; 4];
         let grads = attention_backward(
             &s,
-            qv,
-            kv,
-            vv,
+            (qv, kv, vv),
             &out.probs,
             Strided::dense(&ones[..], dims(2)),
             1.0,
             false,
+            GradLayout::Heads,
         );
         assert_eq!(&grads.query[..2], &[0.0, 0.0]);
         assert!(grads.key.iter().chain(&grads.value).all(|v| v.is_finite()));

@@ -7,7 +7,10 @@
 //! 64 × 9216 activation for `dW = xᵀ · g`). The GEMM here takes any strides, so nothing is
 //! copied.
 
-use crate::base::gemm::matmul;
+use std::mem::MaybeUninit;
+
+use crate::base::buffers::{assume_init, filled};
+use crate::base::gemm::{matmul, matmul_fresh};
 use crate::base::threads::pool_threads;
 
 /// Shape of one linear layer: `rows` inputs of `inputs` features to `outputs` features; the
@@ -22,81 +25,63 @@ pub struct LinearShape {
     pub outputs: usize,
 }
 
-/// `y` `[rows, outputs]` = `x` `[rows, inputs]` · `weight` `[inputs, outputs]` + `bias`.
+/// `y` `[rows, outputs]` = `x` `[rows, inputs]` · `weight` `[inputs, outputs]` + `bias`, into
+/// a new vector: the bias copied into each row and the product accumulated onto it, or
+/// without a bias the product written straight into memory no zero fill touched first.
 pub fn linear_forward(
     s: &LinearShape,
     x: &[f32],
     weight: &[f32],
     bias: Option<&[f32]>,
-    y: &mut [f32],
-) {
+) -> Vec<f32> {
     assert_eq!(x.len(), s.rows * s.inputs, "linear input length");
     assert_eq!(weight.len(), s.inputs * s.outputs, "linear weight length");
-    assert_eq!(y.len(), s.rows * s.outputs, "linear output length");
-    if y.is_empty() {
-        return;
-    }
-    if let Some(b) = bias {
-        assert_eq!(b.len(), s.outputs, "linear bias length");
-        for row in y.chunks_exact_mut(s.outputs) {
-            row.copy_from_slice(b);
+    let dims = (s.rows, s.outputs, s.inputs);
+    let (x, w) = ((x, (s.inputs, 1)), (weight, (s.outputs, 1)));
+    filled(s.rows * s.outputs, |y| match bias {
+        Some(b) if !y.is_empty() => {
+            assert_eq!(b.len(), s.outputs, "linear bias length");
+            for row in y.chunks_exact_mut(s.outputs) {
+                for (v, &b) in row.iter_mut().zip(b) {
+                    *v = MaybeUninit::new(b);
+                }
+            }
+            // SAFETY: every row was just written with the bias.
+            let y = unsafe { assume_init(y) };
+            matmul(dims, y, true, x.0, x.1, w.0, w.1, pool_threads());
         }
-    }
-    matmul(
-        (s.rows, s.outputs, s.inputs),
-        y,
-        bias.is_some(),
-        x,
-        (s.inputs, 1),
-        weight,
-        (s.outputs, 1),
-        pool_threads(),
-    );
+        _ => matmul_fresh(dims, y, x, w, pool_threads()),
+    })
 }
 
-/// `dx` `[rows, inputs]` = `grad` `[rows, outputs]` · `weightᵀ`.
-pub fn linear_input_grad(s: &LinearShape, grad: &[f32], weight: &[f32], dx: &mut [f32]) {
+/// `dx` `[rows, inputs]` = `grad` `[rows, outputs]` · `weightᵀ`, into a new vector.
+pub fn linear_input_grad(s: &LinearShape, grad: &[f32], weight: &[f32]) -> Vec<f32> {
     assert_eq!(grad.len(), s.rows * s.outputs, "linear gradient length");
     assert_eq!(weight.len(), s.inputs * s.outputs, "linear weight length");
-    assert_eq!(dx.len(), s.rows * s.inputs, "linear input-gradient length");
-    if dx.is_empty() {
-        return;
-    }
-    matmul(
-        (s.rows, s.inputs, s.outputs),
-        dx,
-        false,
-        grad,
-        (s.outputs, 1),
-        weight,
-        (1, s.outputs),
-        pool_threads(),
-    );
+    filled(s.rows * s.inputs, |dx| {
+        matmul_fresh(
+            (s.rows, s.inputs, s.outputs),
+            dx,
+            (grad, (s.outputs, 1)),
+            (weight, (1, s.outputs)),
+            pool_threads(),
+        )
+    })
 }
 
-/// `dweight` `[inputs, outputs]` = `xᵀ` · `grad`, summed over the rows.
-pub fn linear_weight_grad(s: &LinearShape, x: &[f32], grad: &[f32], dweight: &mut [f32]) {
+/// `dweight` `[inputs, outputs]` = `xᵀ` · `grad`, summed over the rows, into a new vector.
+pub fn linear_weight_grad(s: &LinearShape, x: &[f32], grad: &[f32]) -> Vec<f32> {
     assert_eq!(x.len(), s.rows * s.inputs, "linear input length");
     assert_eq!(grad.len(), s.rows * s.outputs, "linear gradient length");
-    assert_eq!(
-        dweight.len(),
-        s.inputs * s.outputs,
-        "linear weight-gradient length"
-    );
-    if s.rows == 0 {
-        dweight.fill(0.0);
-        return;
-    }
-    matmul(
-        (s.inputs, s.outputs, s.rows),
-        dweight,
-        false,
-        x,
-        (1, s.inputs),
-        grad,
-        (s.outputs, 1),
-        pool_threads(),
-    );
+    filled(s.inputs * s.outputs, |dw| {
+        matmul_fresh(
+            (s.inputs, s.outputs, s.rows),
+            dw,
+            (x, (1, s.inputs)),
+            (grad, (s.outputs, 1)),
+            pool_threads(),
+        )
+    })
 }
 
 #[cfg(test)]
@@ -122,6 +107,12 @@ mod tests {
                 inputs: 300,
                 outputs: 128,
             },
+            // No rows: empty outputs, a zero weight gradient.
+            LinearShape {
+                rows: 0,
+                inputs: 3,
+                outputs: 2,
+            },
         ] {
             let (x, w, b, g) = (
                 values(s.rows * s.inputs, 1),
@@ -129,12 +120,16 @@ mod tests {
                 values(s.outputs, 3),
                 values(s.rows * s.outputs, 4),
             );
-            let mut y = vec![f32::NAN; s.rows * s.outputs];
-            linear_forward(&s, &x, &w, Some(&b), &mut y);
-            let mut dx = vec![f32::NAN; x.len()];
-            linear_input_grad(&s, &g, &w, &mut dx);
-            let mut dw = vec![f32::NAN; w.len()];
-            linear_weight_grad(&s, &x, &g, &mut dw);
+            let y = linear_forward(&s, &x, &w, Some(&b));
+            let dx = linear_input_grad(&s, &g, &w);
+            let dw = linear_weight_grad(&s, &x, &g);
+            let unbiased = linear_forward(&s, &x, &w, None);
+            for ((u, y), b) in unbiased.iter().zip(&y).zip(b.iter().cycle()) {
+                assert!(
+                    (u + b - y).abs() <= 1e-5 * (1.0 + y.abs()),
+                    "{s:?}: without bias"
+                );
+            }
 
             let (mut want_y, mut want_dx, mut want_dw) = (
                 vec![0f64; y.len()],
@@ -159,7 +154,7 @@ mod tests {
                 ("dx", &dx, &want_dx),
                 ("dw", &dw, &want_dw),
             ] {
-                let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+                let scale = want.iter().fold(1e-12f64, |m, v| m.max(v.abs()));
                 let err = got
                     .iter()
                     .zip(want.iter())

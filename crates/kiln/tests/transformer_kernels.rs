@@ -235,3 +235,79 @@ fn attention_without_autodiff_and_its_fallbacks_match_burn() {
     let got = nn::attention(q.clone(), k.clone(), v.clone(), None, None, options);
     assert!(rel(got, reference(options)) < TOL, "kernels off");
 }
+
+/// The packed form against splitting the projection, Burn's attention in f64 and merging
+/// the heads: the context and the gradients of the projection and the bias, with and without
+/// masks; and the same values through its fallback (Kiln's kernels off).
+#[test]
+fn qkv_attention_matches_the_split_attend_merge_composition_in_f64() {
+    let device = Device::flex().autodiff();
+    for (batch, tokens, heads, dk, masked, causal, biased) in [
+        (2, 5, 3, 4, false, false, false),
+        (3, 9, 4, 8, true, true, true),
+        (1, 16, 2, 32, false, true, false),
+    ] {
+        let width = 3 * heads * dk;
+        let qkv = random([batch, tokens, width], 1.0, &device);
+        let bias = random([1, heads, tokens, tokens], 0.5, &device);
+        let mut pad = vec![false; batch * tokens];
+        pad[tokens - 1] = true;
+        let mask = Tensor::<2, Bool>::from_data(TensorData::new(pad, [batch, tokens]), &device)
+            .reshape([batch, 1, 1, tokens]);
+        let g = random([batch, tokens, heads * dk], 1.0, &device);
+        let options = AttentionModuleOptions {
+            is_causal: causal,
+            ..Default::default()
+        };
+        let reference = || {
+            let (pr, br) = (f64_of(&qkv), f64_of(&bias));
+            let parts = pr
+                .clone()
+                .reshape([batch, tokens, 3, heads, dk])
+                .permute([2, 0, 3, 1, 4]);
+            let part = |i: usize| -> Tensor<4> {
+                parts
+                    .clone()
+                    .narrow(0, i, 1)
+                    .reshape([batch, heads, tokens, dk])
+            };
+            let ctx = burn::tensor::module::attention(
+                part(0),
+                part(1),
+                part(2),
+                masked.then(|| mask.clone().expand([batch, heads, tokens, tokens])),
+                biased.then(|| br.clone().expand([batch, heads, tokens, tokens])),
+                options,
+            )
+            .swap_dims(1, 2)
+            .reshape([batch, tokens, heads * dk]);
+            let grads = (ctx.clone() * g.clone().cast(FloatDType::F64))
+                .sum()
+                .backward();
+            (ctx.detach(), pr.grad(&grads).unwrap(), br.grad(&grads))
+        };
+        let (want, want_dqkv, want_dbias) = reference();
+        for kernels_on in [true, false] {
+            let _scope = kiln::kernels::Scope::enter(kernels_on);
+            let (pk, bk) = (qkv.clone().require_grad(), bias.clone().require_grad());
+            let ctx = nn::qkv_attention(
+                pk.clone(),
+                heads,
+                masked.then(|| mask.clone()),
+                biased.then(|| bk.clone()),
+                options,
+            );
+            let grads = (ctx.clone() * g.clone()).sum().backward();
+            let case = format!(
+                "b{batch} t{tokens} h{heads} d{dk} mask {masked} causal {causal} bias {biased} kernels {kernels_on}"
+            );
+            assert!(rel(ctx.detach(), want.clone()) < TOL, "{case}: context");
+            let dp = rel(pk.grad(&grads).unwrap(), want_dqkv.clone());
+            assert!(dp < TOL, "{case}: projection's gradient {dp:e}");
+            if biased {
+                let db = rel(bk.grad(&grads).unwrap(), want_dbias.clone().unwrap());
+                assert!(db < TOL, "{case}: bias gradient {db:e}");
+            }
+        }
+    }
+}

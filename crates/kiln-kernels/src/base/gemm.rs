@@ -55,6 +55,67 @@ pub fn matmul_fresh(
     unsafe { gemm_raw(dims, dst.as_mut_ptr().cast(), false, lhs, rhs, threads) }
 }
 
+/// `dst (+)= scale · lhs · rhs` into a raw destination whose row `i` starts at `dst + i·drs`
+/// (rows of `n` contiguous values): a result written straight into its place in a wider
+/// layout, as attention's context goes into `[batch, tokens, heads·dims]`.
+///
+/// # Safety
+/// `dst` is valid for writes of rows `0..m` of `n` values at stride `drs` (and reads,
+/// initialized, with `accumulate`), aliases neither operand, and no other thread writes
+/// those values during the call.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn matmul_to(
+    (m, n, k): (usize, usize, usize),
+    dst: *mut f32,
+    drs: usize,
+    accumulate: bool,
+    (lhs, (lrs, lcs)): (&[f32], (usize, usize)),
+    (rhs, (rrs, rcs)): (&[f32], (usize, usize)),
+    scale: f32,
+    threads: usize,
+) {
+    assert!(m == 0 || k == 0 || lhs.len() > (m - 1) * lrs + (k - 1) * lcs);
+    assert!(k == 0 || n == 0 || rhs.len() > (k - 1) * rrs + (n - 1) * rcs);
+    if k == 0 {
+        if !accumulate {
+            for i in 0..m {
+                // SAFETY: the caller vouches for rows 0..m of n values at stride drs.
+                unsafe { std::slice::from_raw_parts_mut(dst.add(i * drs), n).fill(0.0) };
+            }
+        }
+        return;
+    }
+    let parallelism = if threads > 1 {
+        Parallelism::Rayon(threads)
+    } else {
+        Parallelism::None
+    };
+    // SAFETY: the asserts keep every operand index in bounds; the caller vouches for `dst`.
+    unsafe {
+        gemm(
+            m,
+            n,
+            k,
+            dst,
+            1,
+            drs as isize,
+            accumulate,
+            lhs.as_ptr(),
+            lcs as isize,
+            lrs as isize,
+            rhs.as_ptr(),
+            rcs as isize,
+            rrs as isize,
+            1.0,
+            scale,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
+}
+
 /// The GEMM behind [`matmul`] and [`matmul_fresh`].
 ///
 /// # Safety

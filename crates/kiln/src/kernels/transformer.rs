@@ -87,41 +87,110 @@ pub fn attention(
     let [b, h, tq, dk] = query.dims();
     let [kb, kh, tk, kd] = key.dims();
     let [vb, vh, vk, _] = value.dims();
-    let scores = [b, h, tq, tk];
-    let broadcasts = |dims: [usize; 4]| dims.iter().zip(&scores).all(|(m, s)| m == s || *m == 1);
-    let ours = [kb, vb] == [b, b]
-        && [kh, vh] == [h, h]
-        && kd == dk
-        && vk == tk
-        && options.softcap.is_none()
-        && mask.as_ref().is_none_or(|m| broadcasts(m.dims()))
-        && bias.as_ref().is_none_or(|t| broadcasts(t.dims()))
-        && f32_served(
-            &query,
-            &[key.dtype(), value.dtype()]
-                .into_iter()
-                .chain(bias.as_ref().map(|t| t.dtype()))
-                .collect::<Vec<_>>(),
-        );
-    if !ours {
+    let same = [kb, vb] == [b, b] && [kh, vh] == [h, h] && kd == dk && vk == tk;
+    let dtypes = [key.dtype(), value.dtype()];
+    let Some(extras) = same
+        .then(|| {
+            KernelExtras::new(
+                &query,
+                &dtypes,
+                mask.clone(),
+                bias.clone(),
+                [b, h, tq, tk],
+                &options,
+            )
+        })
+        .flatten()
+    else {
         return burn_attention(query, key, value, mask, bias, options);
-    }
-    let device = query.device();
-    let none = || Tensor::<4>::zeros([1, 1, 1, 1], &device);
-    // The kernel's mask is a float tensor (1 = hidden); a single 0 stands for none.
-    let mask = mask.map_or_else(none, |m| m.float());
-    let bias = bias.unwrap_or_else(none);
-    let scale = options
-        .scale
-        .unwrap_or_else(|| 1.0 / (dk.max(1) as f64).sqrt());
+    };
+    let scale = extras.scale(dk);
     let out = <Dispatch as KilnKernels>::kiln_attention(
         query.into_dispatch(),
         key.into_dispatch(),
         value.into_dispatch(),
-        mask.into_dispatch(),
-        bias.into_dispatch(),
+        extras.mask.into_dispatch(),
+        extras.bias.into_dispatch(),
         scale,
         options.is_causal,
     );
     Tensor::from_dispatch(out)
+}
+
+/// Self-attention of a packed QKV projection `qkv` `[batch, tokens, 3·heads·head_dim]` with
+/// the heads merged back (`[batch, tokens, heads·head_dim]`) through Kiln's kernel, which
+/// reads the queries, keys and values where the projection wrote them and writes the
+/// projection's gradient in its own layout (no split, no merge copy, no zero-filled
+/// gradient per part); `None` where the kernel does not serve (the caller composes Burn's
+/// ops). Mask and bias as [`attention`]'s, over `[batch, heads, tokens, tokens]`.
+pub(crate) fn qkv_attention(
+    qkv: Tensor<3>,
+    heads: usize,
+    mask: Option<Tensor<4, Bool>>,
+    bias: Option<Tensor<4>>,
+    options: &AttentionModuleOptions,
+) -> Option<Tensor<3>> {
+    let [b, t, width] = qkv.dims();
+    let fits = heads > 0 && width % (3 * heads) == 0 && width > 0;
+    let extras = fits
+        .then(|| KernelExtras::new(&qkv, &[], mask, bias, [b, heads, t, t], options))
+        .flatten()?;
+    let scale = extras.scale(width / (3 * heads));
+    let out = <Dispatch as KilnKernels>::kiln_qkv_attention(
+        qkv.into_dispatch(),
+        extras.mask.into_dispatch(),
+        extras.bias.into_dispatch(),
+        heads,
+        scale,
+        options.is_causal,
+    );
+    Some(Tensor::from_dispatch(out))
+}
+
+/// The attention kernel's mask and bias as it takes them (float tensors, a single 0 for
+/// none), when the kernel serves the call: f32 on `flex` with the kernels on, no softcap,
+/// and a mask and bias that broadcast to the scores.
+struct KernelExtras {
+    mask: Tensor<4>,
+    bias: Tensor<4>,
+    scale: Option<f64>,
+}
+
+impl KernelExtras {
+    fn new<const D: usize>(
+        operand: &Tensor<D>,
+        other_dtypes: &[DType],
+        mask: Option<Tensor<4, Bool>>,
+        bias: Option<Tensor<4>>,
+        scores: [usize; 4],
+        options: &AttentionModuleOptions,
+    ) -> Option<KernelExtras> {
+        let broadcasts =
+            |dims: [usize; 4]| dims.iter().zip(&scores).all(|(m, s)| m == s || *m == 1);
+        let mut dtypes = other_dtypes.to_vec();
+        dtypes.extend(bias.as_ref().map(|t| t.dtype()));
+        let ours = options.softcap.is_none()
+            && mask.as_ref().is_none_or(|m| broadcasts(m.dims()))
+            && bias.as_ref().is_none_or(|t| broadcasts(t.dims()))
+            && f32_served(operand, &dtypes);
+        if !ours {
+            return None;
+        }
+        let device = operand.device();
+        let none = || Tensor::<4>::zeros([1, 1, 1, 1], &device);
+        Some(KernelExtras {
+            // The kernel's mask is a float tensor (1 = hidden).
+            mask: mask.map_or_else(none, |m| m.float()),
+            // Expanded to the scores' shape (a view, no copy): the gradient the kernel returns
+            // has that shape, and the expansion's backward sums it over the broadcast axes.
+            bias: bias.map_or_else(none, |b| b.expand(scores)),
+            scale: options.scale,
+        })
+    }
+
+    /// The call's scale, `1/√head_dim` by default (Burn's and PyTorch's).
+    fn scale(&self, head_dim: usize) -> f64 {
+        self.scale
+            .unwrap_or_else(|| 1.0 / (head_dim.max(1) as f64).sqrt())
+    }
 }

@@ -5,7 +5,8 @@
 //! the trainer's bf16/f16 autocast policy, with nothing else changed. A transformer's
 //! functions have drop-ins too, with Burn's arguments: [`gelu`] and [`softmax`] for
 //! `burn::tensor::activation`'s, [`attention`] and [`layer_norm`] for
-//! `burn::tensor::module`'s (forward and backward through Kiln's kernels).
+//! `burn::tensor::module`'s (forward and backward through Kiln's kernels), and
+//! [`qkv_attention`] for the split–attend–merge of a packed QKV projection in one op.
 //!
 //! Each layer has Burn's fields under Burn's names, so its record is Burn's record: weights
 //! saved from a `burn::nn` model load into the `kiln::nn` one and back. Each config has
@@ -49,6 +50,7 @@ macro_rules! wraps_burn_config {
     };
 }
 
+mod attention;
 mod conv;
 mod layer_norm;
 mod linear;
@@ -57,6 +59,7 @@ mod pool;
 
 pub use crate::kernels::transformer::{gelu, layer_norm, softmax};
 pub use crate::precision::attention;
+pub use attention::qkv_attention;
 pub use conv::{Conv2d, Conv2dConfig};
 pub use layer_norm::{LayerNorm, LayerNormConfig};
 pub use linear::{Linear, LinearConfig};

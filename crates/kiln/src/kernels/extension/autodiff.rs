@@ -464,6 +464,66 @@ impl<B: Backend + KilnKernels, C: CheckpointStrategy> KilnKernels for Autodiff<B
             db.map(<FloatTensor<Self>>::new),
         )
     }
+
+    fn kiln_qkv_attention(
+        qkv: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        heads: usize,
+        scale: f64,
+        causal: bool,
+    ) -> FloatTensor<Self> {
+        let call = transformer_autodiff::AttentionCall {
+            mask: mask.into_primitive(),
+            scale,
+            causal,
+        };
+        transformer_autodiff::qkv_attention::<B, C>([qkv, bias], heads, call)
+    }
+
+    fn kiln_qkv_attention_train(
+        qkv: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        heads: usize,
+        scale: f64,
+        causal: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (context, probs) = B::kiln_qkv_attention_train(
+            qkv.into_primitive(),
+            mask.into_primitive(),
+            bias.into_primitive(),
+            heads,
+            scale,
+            causal,
+        );
+        (
+            <FloatTensor<Self>>::new(context),
+            <FloatTensor<Self>>::new(probs),
+        )
+    }
+
+    fn kiln_qkv_attention_backward(
+        qkv: FloatTensor<Self>,
+        probs: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+        heads: usize,
+        scale: f64,
+        bias_grad: bool,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        let (dqkv, dbias) = B::kiln_qkv_attention_backward(
+            qkv.into_primitive(),
+            probs.into_primitive(),
+            output_grad.into_primitive(),
+            heads,
+            scale,
+            bias_grad,
+        );
+        (
+            <FloatTensor<Self>>::new(dqkv),
+            dbias.map(<FloatTensor<Self>>::new),
+        )
+    }
 }
 
 /// Backward of [`KilnKernels::kiln_batch_norm`]: parents x, gamma, beta.

@@ -91,14 +91,7 @@ impl KilnKernels for Flex {
             inputs,
             outputs,
         };
-        let mut y = vec![0f32; s.rows * s.outputs];
-        linear_forward(
-            &s,
-            &values(&x),
-            &values(&weight),
-            Some(&values(&bias)),
-            &mut y,
-        );
+        let y = linear_forward(&s, &values(&x), &values(&weight), Some(&values(&bias)));
         flex_tensor(y, [s.rows, s.outputs])
     }
 
@@ -117,8 +110,7 @@ impl KilnKernels for Flex {
         };
         let _op =
             tracing::trace_span!("kiln.linear.grad_input", s.rows, s.inputs, s.outputs).entered();
-        let mut dx = vec![0f32; s.rows * s.inputs];
-        linear_input_grad(&s, &values(&output_grad), &values(&weight), &mut dx);
+        let dx = linear_input_grad(&s, &values(&output_grad), &values(&weight));
         flex_tensor(dx, [s.rows, s.inputs])
     }
 
@@ -136,8 +128,7 @@ impl KilnKernels for Flex {
         };
         let _op =
             tracing::trace_span!("kiln.linear.grad_weight", s.rows, s.inputs, s.outputs).entered();
-        let mut dw = vec![0f32; s.inputs * s.outputs];
-        linear_weight_grad(&s, &values(&x), &values(&output_grad), &mut dw);
+        let dw = linear_weight_grad(&s, &values(&x), &values(&output_grad));
         flex_tensor(dw, [s.inputs, s.outputs])
     }
 
@@ -357,7 +348,8 @@ impl KilnKernels for Flex {
         scale: f64,
         causal: bool,
     ) -> FloatTensor<Self> {
-        transformer_flex::attention(query, key, value, mask, bias, (scale, causal, false)).0
+        let operands = [query, key, value];
+        attention_flex::attention(operands, (mask, bias), (scale, causal, false)).0
     }
 
     fn kiln_attention_train(
@@ -369,10 +361,8 @@ impl KilnKernels for Flex {
         scale: f64,
         causal: bool,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let (context, probs) =
-            transformer_flex::attention(query, key, value, mask, bias, (scale, causal, true));
-        let probs = probs.expect("the training forward keeps the probabilities");
-        (context, probs)
+        let operands = [query, key, value];
+        attention_flex::attention(operands, (mask, bias), (scale, causal, true))
     }
 
     fn kiln_attention_backward(
@@ -389,6 +379,40 @@ impl KilnKernels for Flex {
         FloatTensor<Self>,
         Option<FloatTensor<Self>>,
     ) {
-        transformer_flex::attention_grads(query, key, value, probs, output_grad, scale, bias_grad)
+        let operands = [query, key, value];
+        attention_flex::attention_grads(operands, probs, output_grad, (scale, bias_grad))
+    }
+
+    fn kiln_qkv_attention(
+        qkv: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        heads: usize,
+        scale: f64,
+        causal: bool,
+    ) -> FloatTensor<Self> {
+        attention_flex::qkv_attention(qkv, (mask, bias), heads, (scale, causal, false)).0
+    }
+
+    fn kiln_qkv_attention_train(
+        qkv: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        heads: usize,
+        scale: f64,
+        causal: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        attention_flex::qkv_attention(qkv, (mask, bias), heads, (scale, causal, true))
+    }
+
+    fn kiln_qkv_attention_backward(
+        qkv: FloatTensor<Self>,
+        probs: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+        heads: usize,
+        scale: f64,
+        bias_grad: bool,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        attention_flex::qkv_attention_grads(qkv, probs, output_grad, heads, (scale, bias_grad))
     }
 }

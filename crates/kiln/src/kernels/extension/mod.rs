@@ -2,9 +2,10 @@
 //! [`kiln_kernels::conv`], [`kiln_kernels::linear`], [`kiln_kernels::pool`] and the
 //! transformer's ([`kiln_kernels::layer_norm`], [`kiln_kernels::attention`], GELU, softmax),
 //! and for `Autodiff<B>` with backward passes that call the same kernels, so training on the
-//! CPU runs forward and gradients through them. `transformer_flex` and
+//! CPU runs forward and gradients through them. `transformer_flex`, `attention_flex` and
 //! `transformer_autodiff` hold the transformer ops' bodies (the trait impls delegate).
 
+mod attention_flex;
 mod autodiff;
 mod flex;
 mod transformer_autodiff;
@@ -233,6 +234,41 @@ pub trait KilnKernels: Backend {
         FloatTensor<Self>,
         Option<FloatTensor<Self>>,
     );
+
+    /// Self-attention of a packed f32 QKV projection `[batch, tokens, 3·heads·head_dim]`
+    /// (each token's queries, keys and values side by side) with the heads merged back:
+    /// `[batch, tokens, heads·head_dim]`; mask, bias, scale and causality as
+    /// [`KilnKernels::kiln_attention`]. Differentiable in the projection and the bias.
+    fn kiln_qkv_attention(
+        qkv: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        heads: usize,
+        scale: f64,
+        causal: bool,
+    ) -> FloatTensor<Self>;
+
+    /// [`KilnKernels::kiln_qkv_attention`]'s training forward: the context and the
+    /// probabilities (not differentiated).
+    fn kiln_qkv_attention_train(
+        qkv: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        heads: usize,
+        scale: f64,
+        causal: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// Gradients of [`KilnKernels::kiln_qkv_attention`]: the projection's (in its packed
+    /// layout) and the bias's when `bias_grad`.
+    fn kiln_qkv_attention_backward(
+        qkv: FloatTensor<Self>,
+        probs: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+        heads: usize,
+        scale: f64,
+        bias_grad: bool,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>);
 }
 
 /// The BatchNorm kernels' layout of `x`, or `None` when they do not apply (not f32, not 4-D).

@@ -210,3 +210,69 @@ pub(super) fn attention<B: Backend + KilnKernels, C: CheckpointStrategy>(
         )),
     }
 }
+
+/// Backward of the packed attention: parents the projection and the bias.
+#[derive(Debug)]
+struct QkvAttentionBackward;
+
+impl<B: Backend + KilnKernels> Backward<B, 2> for QkvAttentionBackward {
+    /// Checkpointed projection, the probabilities, heads and scale.
+    type State = (NodeId, B::FloatTensorPrimitive, usize, f64);
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 2>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        let [node_qkv, node_bias] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (qkv_state, probs, heads, scale) = ops.state;
+        let qkv = checkpointer.retrieve_node_output::<B::FloatTensorPrimitive>(qkv_state);
+        let (dqkv, dbias) =
+            B::kiln_qkv_attention_backward(qkv, probs, grad, heads, scale, node_bias.is_some());
+        if let Some(node) = node_qkv {
+            grads.register::<B>(node.id, dqkv);
+        }
+        if let (Some(node), Some(g)) = (node_bias, dbias) {
+            grads.register::<B>(node.id, g);
+        }
+    }
+}
+
+pub(super) fn qkv_attention<B: Backend + KilnKernels, C: CheckpointStrategy>(
+    [qkv, bias]: [FloatTensor<Ad<B, C>>; 2],
+    heads: usize,
+    AttentionCall {
+        mask,
+        scale,
+        causal,
+    }: AttentionCall<B>,
+) -> FloatTensor<Ad<B, C>> {
+    match QkvAttentionBackward
+        .prepare::<C>([qkv.node(), bias.node()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(mut prep) => {
+            let qkv_state = prep.checkpoint(&qkv);
+            let (out, probs) = B::kiln_qkv_attention_train(
+                qkv.into_primitive(),
+                mask,
+                bias.into_primitive(),
+                heads,
+                scale,
+                causal,
+            );
+            prep.finish((qkv_state, probs, heads, scale), out)
+        }
+        OpsKind::UnTracked(prep) => prep.finish(B::kiln_qkv_attention(
+            qkv.into_primitive(),
+            mask,
+            bias.into_primitive(),
+            heads,
+            scale,
+            causal,
+        )),
+    }
+}
