@@ -38,11 +38,14 @@ if [ -x "$py" ] && "$py" -c "import torch" 2>/dev/null; then
   if [ "$workload" = all ]; then wls="W1 W2 W3 W4 W5 U1 U2"; else wls=$workload; fi
   for w in $wls; do
     if [ "$w" = U1 ] || [ "$w" = U2 ]; then
-      # The user-shaped models' PyTorch twins (bench/peers); U1 also channels-last.
+      # The user-shaped models' PyTorch twins (bench/peers); U1 also channels-last, U2 also
+      # through F.scaled_dot_product_attention.
       echo "== pytorch $w train" >&2
       KILN_PEERS_DIR="$peers_dir" "$py" bench/peers/torch_user_models.py --workload "$w" --threads "$threads" --json "${steps_arg[@]}" >>"$raw"
       if [ "$w" = U1 ]; then
         KILN_PEERS_DIR="$peers_dir" "$py" bench/peers/torch_user_models.py --workload "$w" --channels-last --threads "$threads" --json "${steps_arg[@]}" >>"$raw"
+      else
+        KILN_PEERS_DIR="$peers_dir" "$py" bench/peers/torch_user_models.py --workload "$w" --sdpa --threads "$threads" --json "${steps_arg[@]}" >>"$raw"
       fi
     elif [ "$w" = W3 ]; then
       for b in 1 64; do

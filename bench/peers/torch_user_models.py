@@ -6,10 +6,12 @@ timed with the peers' protocol (5 warm-up steps, 3 repeats of N steps, median).
 U1: MobileNet-style depthwise-separable CNN on 3x32x32 (eager NCHW, and with
     --channels-last the layout PyTorch users switch to for such networks).
 U2: pre-LN transformer encoder over 64 tokens of 32 features (d 128, 4 heads, GELU FFN 512,
-    4 blocks, final LayerNorm, mean over tokens).
+    4 blocks, final LayerNorm, mean over tokens); attention written out (matmul, softmax,
+    matmul) or, with --sdpa, through F.scaled_dot_product_attention as current PyTorch code
+    writes it (the faster of the two on a given CPU is the peer to beat).
 
 usage: python torch_user_models.py --workload U1 [--batch 64] [--threads 2] [--steps 5]
-       [--channels-last] [--json]
+       [--channels-last] [--sdpa] [--json]
 Needs ../shared/peers/workloads.py (its `measure`) on the path: run from there or set
 KILN_PEERS_DIR.
 """
@@ -45,6 +47,9 @@ class MobileNetish(nn.Module):
         return self.head(self.blocks(self.stem(x)).mean(dim=(2, 3)))
 
 
+SDPA = False
+
+
 class PreLnBlock(nn.Module):
     def __init__(self, d=128, heads=4):
         super().__init__()
@@ -57,8 +62,11 @@ class PreLnBlock(nn.Module):
         dk = d // self.heads
         qkv = self.qkv(self.norm_attn(x)).reshape(b, t, 3, self.heads, dk).permute(2, 0, 3, 1, 4)
         q, k, v = qkv[0], qkv[1], qkv[2]
-        w = torch.softmax(q @ k.transpose(-2, -1) / dk ** 0.5, dim=-1)
-        x = x + self.proj((w @ v).transpose(1, 2).reshape(b, t, d))
+        if SDPA:
+            ctx = F.scaled_dot_product_attention(q, k, v)
+        else:
+            ctx = torch.softmax(q @ k.transpose(-2, -1) / dk ** 0.5, dim=-1) @ v
+        x = x + self.proj(ctx.transpose(1, 2).reshape(b, t, d))
         return x + self.ff_out(F.gelu(self.ff_in(self.norm_ff(x))))
 
 
@@ -85,8 +93,11 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--steps", type=int)
     p.add_argument("--channels-last", action="store_true")
+    p.add_argument("--sdpa", action="store_true", help="U2: F.scaled_dot_product_attention")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
+    global SDPA
+    SDPA = a.sdpa
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     ctor, batch, shape, steps = WORKLOADS[a.workload]
@@ -109,7 +120,8 @@ def main():
         opt.step()
 
     s, other = measure(step, steps)
-    out = {"peer": "pytorch-channels-last" if a.channels_last else "pytorch", "version": torch.__version__,
+    peer = "pytorch-channels-last" if a.channels_last else "pytorch-sdpa" if a.sdpa else "pytorch"
+    out = {"peer": peer, "version": torch.__version__,
            "workload": a.workload, "mode": "train", "batch": batch, "threads": a.threads,
            "ms_per_step": round(s * 1e3, 3), "samples_per_s": round(batch / s, 1), "other_load": other}
     print(json.dumps(out) if a.json else "\n".join(f"{k}: {v}" for k, v in out.items()))
