@@ -130,8 +130,9 @@ impl Layout {
 /// Where the backward's query, key and value gradients go.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GradLayout {
-    /// Three dense vectors in [`Layout::Heads`].
-    Heads,
+    /// Three vectors, each in its own layout (the glue matches each operand's memory order,
+    /// so the gradient of a view cut from token-ordered memory needs no copy back).
+    Separate([Layout; 3]),
     /// One vector `[batch, tokens, 3, heads, head_dim]`: the gradient of a packed QKV
     /// projection (`[batch, tokens, 3·heads·head_dim]`) the three were cut from. Needs as many
     /// queries as keys and values as wide as keys.
@@ -151,7 +152,7 @@ pub struct AttentionOutput {
 /// The backward's results.
 #[derive(Debug)]
 pub struct AttentionGrads {
-    /// The query, key and value gradients: three vectors in [`Layout::Heads`], or with
+    /// The query, key and value gradients: three vectors in the layouts asked for, or with
     /// [`GradLayout::Packed`] one packed vector in `query` and `key`, `value` empty.
     pub query: Vec<f32>,
     /// Gradient of the keys (empty when packed).
@@ -359,7 +360,10 @@ multiversion! {
                 *m = m.max(v);
             }
         }
-        let max = blocks.remainder().iter().chain(&maxes).fold(f32::MIN, |m, &v| m.max(v));
+        for (m, &v) in maxes.iter_mut().zip(blocks.remainder()) {
+            *m = m.max(v);
+        }
+        let max = maxes.iter().fold(f32::MIN, |m, &v| m.max(v));
         let mut sums = [0f32; LANES];
         let mut blocks = row.chunks_exact_mut(LANES);
         for block in &mut blocks {
@@ -369,11 +373,17 @@ multiversion! {
                 *s += e;
             }
         }
-        let mut sum: f32 = sums.iter().sum();
-        for v in blocks.into_remainder() {
+        // The last partial block as a whole one padded with −∞ (exponential 0): a scalar
+        // tail was most of a short row (W4's 28 keys: 12 of them).
+        let rest = blocks.into_remainder();
+        let mut block = [f32::NEG_INFINITY; LANES];
+        block[..rest.len()].copy_from_slice(rest);
+        for (s, v) in sums.iter_mut().zip(block.iter_mut()) {
             *v = if *v == f32::NEG_INFINITY { 0.0 } else { exp(*v - max) };
-            sum += *v;
+            *s += *v;
         }
+        rest.copy_from_slice(&block[..rest.len()]);
+        let sum: f32 = sums.iter().sum();
         let inv = 1.0 / sum.max(f32::MIN_POSITIVE);
         for v in row.iter_mut() {
             *v *= inv;
@@ -492,45 +502,48 @@ pub fn attention_backward(
             }
         });
     };
-    let heads = |t: usize, d: usize| Layout::Heads.strides([s.batch, s.heads, t, d]);
-    let grads = if packed {
-        // [batch, tokens, 3, heads, head_dim]: q, k and v of a token side by side.
-        let row = 3 * s.heads * dk;
-        let strides = [tq * row, dk, row];
-        let all = filled(pairs * tq * 3 * dk, |g| {
-            run([0, 1, 2].map(|part| Dest::new(g, part * s.heads * dk, strides)))
-        });
-        (all, Vec::new(), Vec::new())
-    } else {
-        let (mut gq, mut gk, mut gv) = (
-            Vec::with_capacity(pairs * tq * dk),
-            Vec::with_capacity(pairs * tk * dk),
-            Vec::with_capacity(pairs * tk * dv),
-        );
-        run([
-            Dest::new(
-                &mut gq.spare_capacity_mut()[..pairs * tq * dk],
-                0,
-                heads(tq, dk),
-            ),
-            Dest::new(
-                &mut gk.spare_capacity_mut()[..pairs * tk * dk],
-                0,
-                heads(tk, dk),
-            ),
-            Dest::new(
-                &mut gv.spare_capacity_mut()[..pairs * tk * dv],
-                0,
-                heads(tk, dv),
-            ),
-        ]);
-        // SAFETY: every pair wrote its whole block of each gradient.
-        unsafe {
-            gq.set_len(pairs * tq * dk);
-            gk.set_len(pairs * tk * dk);
-            gv.set_len(pairs * tk * dv);
+    let grads = match layout {
+        GradLayout::Packed => {
+            // [batch, tokens, 3, heads, head_dim]: q, k and v of a token side by side.
+            let row = 3 * s.heads * dk;
+            let strides = [tq * row, dk, row];
+            let all = filled(pairs * tq * 3 * dk, |g| {
+                run([0, 1, 2].map(|part| Dest::new(g, part * s.heads * dk, strides)))
+            });
+            (all, Vec::new(), Vec::new())
         }
-        (gq, gk, gv)
+        GradLayout::Separate([lq, lk, lv]) => {
+            let dims = |t: usize, d: usize| [s.batch, s.heads, t, d];
+            let (mut gq, mut gk, mut gv) = (
+                Vec::with_capacity(pairs * tq * dk),
+                Vec::with_capacity(pairs * tk * dk),
+                Vec::with_capacity(pairs * tk * dv),
+            );
+            run([
+                Dest::new(
+                    &mut gq.spare_capacity_mut()[..pairs * tq * dk],
+                    0,
+                    lq.strides(dims(tq, dk)),
+                ),
+                Dest::new(
+                    &mut gk.spare_capacity_mut()[..pairs * tk * dk],
+                    0,
+                    lk.strides(dims(tk, dk)),
+                ),
+                Dest::new(
+                    &mut gv.spare_capacity_mut()[..pairs * tk * dv],
+                    0,
+                    lv.strides(dims(tk, dv)),
+                ),
+            ]);
+            // SAFETY: every pair wrote its whole block of each gradient.
+            unsafe {
+                gq.set_len(pairs * tq * dk);
+                gk.set_len(pairs * tk * dk);
+                gv.set_len(pairs * tk * dv);
+            }
+            (gq, gk, gv)
+        }
     };
     if bias_grad {
         // SAFETY: every pair wrote its whole block of the bias gradient.
@@ -693,7 +706,7 @@ mod tests {
                 Strided::dense(&d_ctx[..], dims(tq, s.value_dim)),
                 scale,
                 biased,
-                GradLayout::Heads,
+                GradLayout::Separate([Layout::Heads; 3]),
             );
             for (name, got, want) in [
                 ("dq", &grads.query, &want[1]),
@@ -787,8 +800,15 @@ mod tests {
         // The gradients into the packed projection's layout: the dense ones, interleaved.
         let d_ctx = values(batch * heads * s.queries * hd, 8);
         let d = Strided::dense(&d_ctx[..], dims);
-        let dense_grads =
-            attention_backward(&s, dense_ops, &b.probs, d, 0.5, false, GradLayout::Heads);
+        let dense_grads = attention_backward(
+            &s,
+            dense_ops,
+            &b.probs,
+            d,
+            0.5,
+            false,
+            GradLayout::Separate([Layout::Heads; 3]),
+        );
         let packed_grads = attention_backward(
             &s,
             (view(0), view(1), view(2)),
@@ -799,6 +819,34 @@ mod tests {
             GradLayout::Packed,
         );
         assert!(packed_grads.key.is_empty() && packed_grads.value.is_empty());
+        // Each gradient in token order: the dense ones, each token's heads side by side.
+        let by_token = attention_backward(
+            &s,
+            dense_ops,
+            &b.probs,
+            d,
+            0.5,
+            false,
+            GradLayout::Separate([Layout::Tokens; 3]),
+        );
+        let pairs = [
+            (&dense_grads.query, &by_token.query),
+            (&dense_grads.key, &by_token.key),
+            (&dense_grads.value, &by_token.value),
+        ];
+        for (heads_order, token_order) in pairs {
+            for bi in 0..batch {
+                for h in 0..heads {
+                    for t in 0..s.queries {
+                        for dd in 0..hd {
+                            let want = heads_order[((bi * heads + h) * s.queries + t) * hd + dd];
+                            let got = token_order[((bi * s.queries + t) * heads + h) * hd + dd];
+                            assert_eq!(got, want);
+                        }
+                    }
+                }
+            }
+        }
         let parts = [&dense_grads.query, &dense_grads.key, &dense_grads.value];
         for (which, part) in parts.into_iter().enumerate() {
             for bi in 0..batch {
@@ -847,7 +895,7 @@ mod tests {
             Strided::dense(&ones[..], dims(2)),
             1.0,
             false,
-            GradLayout::Heads,
+            GradLayout::Separate([Layout::Heads; 3]),
         );
         assert_eq!(&grads.query[..2], &[0.0, 0.0]);
         assert!(grads.key.iter().chain(&grads.value).all(|v| v.is_finite()));

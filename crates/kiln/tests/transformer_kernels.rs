@@ -311,3 +311,44 @@ fn qkv_attention_matches_the_split_attend_merge_composition_in_f64() {
         }
     }
 }
+
+/// Q, K, V as the head views `reshape([b, t, h, d]).swap_dims(1, 2)` of three projections
+/// (Burn's MultiHeadAttention's form, and W4's), the context merged back with
+/// `swap_dims(1, 2).reshape`: values and the three projections' gradients against Burn in f64.
+#[test]
+fn attention_on_head_views_of_token_ordered_projections_matches_burn() {
+    let device = Device::flex().autodiff();
+    let (batch, tokens, heads, dk) = (3, 11, 4, 8);
+    let d = heads * dk;
+    let xs: Vec<Tensor<3>> = (0..3)
+        .map(|_| random([batch, tokens, d], 1.0, &device))
+        .collect();
+    let g = random([batch, tokens, d], 1.0, &device);
+    let heads_of = |x: Tensor<3>| x.reshape([batch, tokens, heads, dk]).swap_dims(1, 2);
+    let merge = |c: Tensor<4>| c.swap_dims(1, 2).reshape([batch, tokens, d]);
+    let ours: Vec<Tensor<3>> = xs.iter().map(|x| x.clone().require_grad()).collect();
+    let ctx = merge(nn::attention(
+        heads_of(ours[0].clone()),
+        heads_of(ours[1].clone()),
+        heads_of(ours[2].clone()),
+        None,
+        None,
+        Default::default(),
+    ));
+    let grads = (ctx.clone() * g.clone()).sum().backward();
+    let refs: Vec<Tensor<3>> = xs.iter().map(f64_of).collect();
+    let want = merge(burn::tensor::module::attention(
+        heads_of(refs[0].clone()),
+        heads_of(refs[1].clone()),
+        heads_of(refs[2].clone()),
+        None,
+        None,
+        Default::default(),
+    ));
+    let rgrads = (want.clone() * g.cast(FloatDType::F64)).sum().backward();
+    assert!(rel(ctx.detach(), want.detach()) < TOL, "context");
+    for (i, (a, b)) in ours.iter().zip(&refs).enumerate() {
+        let err = rel(a.grad(&grads).unwrap(), b.grad(&rgrads).unwrap());
+        assert!(err < TOL, "projection {i}'s gradient {err:e}");
+    }
+}

@@ -3,8 +3,12 @@
 //! one QKV projection `[batch, tokens, 3·heads·head_dim]`. The kernel reads every operand
 //! through its strides (a view a model cut out of a wider tensor is not copied) and writes
 //! the context, and in the packed form the projection's gradient, in the layout the model
-//! reads next.
+//! reads next: in Burn's form the context is a `[batch, heads, tokens, d]` view of
+//! token-ordered memory, so the `swap_dims(1, 2).reshape([b, t, heads·d])` every
+//! transformer applies next is free, and each gradient comes back in its operand's own
+//! memory order (the backward of the split that made the operand is then free too).
 
+use burn::backend::flex::Layout as FlexLayout;
 use kiln_kernels::attention::{
     AttentionGrads, AttentionOutput, AttentionShape, GradLayout, Layout, ScoreOptions, Strided,
     attention_backward, attention_forward,
@@ -131,9 +135,42 @@ pub(super) fn attention(
             strided_of(&key, dims(s.keys, s.head_dim)),
             strided_of(&value, dims(s.keys, s.value_dim)),
         );
-        attention_forward(&s, operands, o, keep_probs, Layout::Heads)
+        attention_forward(&s, operands, o, keep_probs, Layout::Tokens)
     });
-    outputs(out, &s, dims(s.queries, s.value_dim))
+    let (context, probs) = outputs(out, &s, [s.batch, s.queries, s.heads, s.value_dim]);
+    (heads_view(context, Layout::Tokens), probs)
+}
+
+/// Whether a `[batch, heads, positions, d]` operand lies in token order in memory (a head's
+/// rows further apart than a token's heads: the view `reshape([b, t, h, d]).swap_dims(1, 2)`
+/// makes of a projection's output).
+fn order_of(t: &FloatTensor<Flex>) -> Layout {
+    let strides = t.layout().strides();
+    if t.shape()[1] > 1 && t.shape()[2] > 1 && strides[1] < strides[2] {
+        Layout::Tokens
+    } else {
+        Layout::Heads
+    }
+}
+
+/// A result the kernel wrote in `layout` as the `[batch, heads, positions, d]` tensor it
+/// is: `t` as written when in head order; when in token order (`t` is `[batch, positions,
+/// heads, d]`), a view with the heads axis first over the same memory.
+fn heads_view(t: FloatTensor<Flex>, layout: Layout) -> FloatTensor<Flex> {
+    if layout == Layout::Heads {
+        return t;
+    }
+    let [b, p, h, d] = t.shape().dims::<4>();
+    let strides = [p * h * d, d, h * d, 1].map(|s| s as isize).to_vec();
+    t.with_layout(FlexLayout::new([b, h, p, d].into(), strides, 0))
+}
+
+/// The `[batch, heads, positions, d]` dims of a result as the kernel writes it in `layout`.
+fn written_dims([b, h, p, d]: [usize; 4], layout: Layout) -> [usize; 4] {
+    match layout {
+        Layout::Heads => [b, h, p, d],
+        Layout::Tokens => [b, p, h, d],
+    }
 }
 
 /// The context (in `dims`) and the probabilities (empty when not kept) as tensors.
@@ -178,6 +215,7 @@ pub(super) fn attention_grads(
     let s = shape_of(&query, &key, &value);
     let _op = span(&s, "backward");
     let dims = |t, d| [s.batch, s.heads, t, d];
+    let orders = [order_of(&query), order_of(&key), order_of(&value)];
     let grads = attention_backward(
         &s,
         (
@@ -189,7 +227,7 @@ pub(super) fn attention_grads(
         strided_of(&output_grad, dims(s.queries, s.value_dim)),
         scale as f32,
         bias_grad,
-        GradLayout::Heads,
+        GradLayout::Separate(orders),
     );
     let AttentionGrads {
         query,
@@ -197,10 +235,13 @@ pub(super) fn attention_grads(
         value,
         bias,
     } = grads;
+    let grad = |values: Vec<f32>, dims: [usize; 4], order: Layout| {
+        heads_view(flex_tensor(values, written_dims(dims, order)), order)
+    };
     (
-        flex_tensor(query, dims(s.queries, s.head_dim)),
-        flex_tensor(key, dims(s.keys, s.head_dim)),
-        flex_tensor(value, dims(s.keys, s.value_dim)),
+        grad(query, dims(s.queries, s.head_dim), orders[0]),
+        grad(key, dims(s.keys, s.head_dim), orders[1]),
+        grad(value, dims(s.keys, s.value_dim), orders[2]),
         bias.map(|g| flex_tensor(g, dims(s.queries, s.keys))),
     )
 }
