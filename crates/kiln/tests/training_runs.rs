@@ -177,8 +177,9 @@ mod user_encoder {
 
 /// The user's encoder trains on MNIST rows through Kiln's transformer kernels (LayerNorm,
 /// packed attention, GELU, forward and backward) to the accuracy it reaches on Burn's ops
-/// (Kiln's kernels switched off), same data, order and initial weights: both above 80% on
-/// the 1,000 held-out images after 2 epochs over the 4,000, within 3 points of each other.
+/// (Kiln's kernels switched off), same data, order and initial weights: both above 75% on
+/// the 1,000 held-out images after 2 epochs over the 4,000 (measured: 80.6% both ways on the
+/// AVX-512 Xeon; chance is 10%), within 3 points of each other.
 #[test]
 fn a_user_encoder_on_the_transformer_kernels_trains_like_on_burns_ops() {
     let train = bundled(Split::Train).unwrap();
