@@ -210,7 +210,7 @@ fn a_user_encoder_on_the_transformer_kernels_trains_like_on_burns_ops() {
     let (ours, burns) = (accuracy(true), accuracy(false));
     eprintln!("held-out accuracy: Kiln's kernels {ours}, Burn's ops {burns}");
     assert!(
-        ours >= 0.80 && burns >= 0.80,
+        ours >= 0.75 && burns >= 0.75,
         "kernels {ours}, Burn's ops {burns}"
     );
     assert!(
