@@ -133,6 +133,28 @@ pub fn gelu_in_place(values: &mut [f32]) {
     in_chunks(values, gelu_slice);
 }
 
+/// The exact GELU of every value of `x`, into a new vector: each chunk copied and
+/// transformed while it is in cache (one pass over memory, where a copy of the whole input
+/// and then [`gelu_in_place`] made two).
+pub fn gelu_of(x: &[f32]) -> Vec<f32> {
+    crate::base::buffers::filled(x.len(), |out| {
+        let chunk = |(src, dst): (&[f32], &mut [std::mem::MaybeUninit<f32>])| {
+            for (o, &v) in dst.iter_mut().zip(src) {
+                *o = std::mem::MaybeUninit::new(v);
+            }
+            // SAFETY: every value of the chunk was just written.
+            gelu_slice(unsafe { crate::base::buffers::assume_init(dst) });
+        };
+        if x.len() <= CHUNK {
+            chunk((x, out));
+        } else {
+            x.par_chunks(CHUNK)
+                .zip(out.par_chunks_mut(CHUNK))
+                .for_each(chunk);
+        }
+    })
+}
+
 /// Runs `slice` over `values`, in parallel chunks when there are many.
 fn in_chunks(values: &mut [f32], slice: impl Fn(&mut [f32]) + Send + Sync) {
     if values.len() <= CHUNK {
@@ -864,6 +886,7 @@ mod tests {
         erf_in_place(&mut ys);
         let mut gs = xs.clone();
         gelu_in_place(&mut gs);
+        assert_eq!(gelu_of(&xs), gs, "into a new vector, the same bits");
         // Every instruction set's slice path gives the same values to within an ulp or two.
         for kernel in crate::base::isa::F32Kernel::all_supported() {
             let mut other = xs.clone();

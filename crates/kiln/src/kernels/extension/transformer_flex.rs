@@ -3,8 +3,8 @@
 //! `attention_flex`). Callers route f32 only (`kernels::transformer` checks); operands are
 //! read as a contiguous view, or a copy of a strided one.
 
-use kiln_kernels::activation::{gelu_backward, gelu_in_place};
-use kiln_kernels::layer_norm::{layer_norm_backward, layer_norm_rows, layer_norm_train};
+use kiln_kernels::activation::{gelu_backward, gelu_of};
+use kiln_kernels::layer_norm::{layer_norm_backward, layer_norm_train};
 use kiln_kernels::softmax::{softmax_grad_in_place, softmax_rows};
 
 use super::*;
@@ -20,22 +20,15 @@ fn flex_dims(values: Vec<f32>, dims: &[usize]) -> FloatTensor<Flex> {
     <FloatTensor<Flex>>::from_data(TensorData::new(values, dims.to_vec()))
 }
 
+/// The forward without autodiff: the training form's output (one pass; its row statistics,
+/// two values per row, are dropped).
 pub(super) fn layer_norm(
     x: FloatTensor<Flex>,
     gamma: FloatTensor<Flex>,
     beta: FloatTensor<Flex>,
     epsilon: f64,
 ) -> FloatTensor<Flex> {
-    let (dims, _) = rows_of(&x);
-    let _op = tracing::trace_span!("kiln.layer_norm", shape = ?dims).entered();
-    let mut y = values(&x).into_owned();
-    layer_norm_rows(
-        &mut y,
-        &values(&gamma),
-        Some(&values(&beta)),
-        epsilon as f32,
-    );
-    flex_dims(y, &dims)
+    layer_norm_train_forward(x, gamma, beta, epsilon).0
 }
 
 pub(super) fn layer_norm_train_forward(
@@ -80,9 +73,7 @@ pub(super) fn layer_norm_grads(
 pub(super) fn gelu(x: FloatTensor<Flex>) -> FloatTensor<Flex> {
     let (dims, _) = rows_of(&x);
     let _op = tracing::trace_span!("kiln.gelu", shape = ?dims).entered();
-    let mut y = values(&x).into_owned();
-    gelu_in_place(&mut y);
-    flex_dims(y, &dims)
+    flex_dims(gelu_of(&values(&x)), &dims)
 }
 
 pub(super) fn gelu_grad(x: FloatTensor<Flex>, output_grad: FloatTensor<Flex>) -> FloatTensor<Flex> {
