@@ -137,6 +137,20 @@ fn default_steps(model: ModelKind, mode: &str) -> usize {
     }
 }
 
+/// The CPU pool of a child measuring one case: Kiln's training cases drive their steps from
+/// this thread as `kiln train` does (the thread joins the pool,
+/// [`kiln::plan::set_cpu_threads_with_caller`]); plain Burn's baseline and inference get
+/// the pool a Burn program gets (the caller outside it).
+fn cpu_pool_for(mode: &str, case: &str, threads: usize) {
+    // Precision cases (f32, bf16, f16) are Kiln's trainer at the basic level.
+    let kiln_training = (mode == "train" && case.starts_with("kiln")) || mode == "precision";
+    if kiln_training {
+        kiln::plan::set_cpu_threads_with_caller(threads);
+    } else {
+        kiln::plan::set_cpu_threads(threads);
+    }
+}
+
 pub fn run(args: BenchArgs) -> Result<()> {
     if args.data.is_some() && args.mode.as_deref() != Some("data") {
         anyhow::bail!("--data belongs to --mode data (the loader benchmark)");
@@ -188,14 +202,14 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if let Some(case) = &args.case {
         // Child mode: measure one case and print one JSON line.
         if let Some(user) = find_user(&args.workload) {
-            kiln::plan::set_cpu_threads(threads);
+            cpu_pool_for("train", case, threads);
             let result = measure_user_case(user, case, args.batch, args.steps, threads)?;
             println!("{}", serde_json::to_string(&result)?);
             return Ok(());
         }
         let workload = find(&args.workload)?;
         let mode = args.mode.clone().unwrap_or_else(|| default_mode(workload));
-        kiln::plan::set_cpu_threads(threads);
+        cpu_pool_for(&mode, case, threads);
         let result = measure_case(workload, &mode, case, args.batch, args.steps, threads)?;
         println!("{}", serde_json::to_string(&result)?);
         return Ok(());

@@ -54,7 +54,7 @@ fn run_steps(plan: &kiln::plan::Plan, steps: u64, profiler: Option<&Profiler>) -
 
 pub fn run(args: ProfileArgs) -> Result<()> {
     let plan = args.config.resolve()?;
-    plan.apply_runtime();
+    plan.apply_runtime_for_training();
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
     let profiler = Profiler::new();

@@ -29,7 +29,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
         return Ok(());
     }
     let plan = args.config.resolve()?;
-    plan.apply_runtime();
+    plan.apply_runtime_for_training();
     let collective = launch::join(&plan)?;
     let result = train_rank(&args, &plan, collective.clone());
     if let (Err(e), Some(c)) = (&result, &collective) {

@@ -19,7 +19,7 @@ pub fn run(args: TuneAutoArgs) -> Result<()> {
     // trials start from, and the written file keeps them.
     let config = args.config.to_config()?;
     let plan = kiln::plan::resolve(&config, &kiln::plan::Hardware::probe())?;
-    plan.apply_runtime();
+    plan.apply_runtime_for_training();
     let model = plan.model;
     let threads = plan.threads;
     let (default_batch, shape) = model.bench_shape();

@@ -24,7 +24,7 @@ pub fn run(args: TuneBatchArgs) -> Result<()> {
     // One road: the trials train with the plan `kiln train` would resolve from the same
     // config and flags; only the batch size varies.
     let plan = args.config.resolve()?;
-    plan.apply_runtime();
+    plan.apply_runtime_for_training();
     let (model, threads) = (plan.model, plan.threads);
     if let Some(batch) = args.trial {
         return trial(model, &plan.train, batch, args.steps, plan.backend.device());

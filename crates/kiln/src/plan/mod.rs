@@ -613,6 +613,20 @@ impl Plan {
     /// inference session.)
     pub fn apply_runtime(&self) {
         set_cpu_threads(self.threads);
+        self.apply_device_runtime();
+    }
+
+    /// [`Plan::apply_runtime`] for a process whose calling thread then drives the training
+    /// loop: the CPU pool takes the calling thread as one of its workers
+    /// ([`set_cpu_threads_with_caller`]; why: each operation's split is then a fork-join, not
+    /// a hand-off and a wake-up).
+    pub fn apply_runtime_for_training(&self) {
+        set_cpu_threads_with_caller(self.threads);
+        self.apply_device_runtime();
+    }
+
+    /// The device's part of the runtime settings (CubeCL's autotune level and cache on cuda).
+    fn apply_device_runtime(&self) {
         if self.backend == Backend::Cuda {
             let text = |key: &str| {
                 self.get(key)
@@ -639,6 +653,33 @@ pub fn set_cpu_threads(threads: usize) {
         .build_global()
     {
         tracing::debug!("thread pool already configured: {e}");
+    }
+}
+
+/// Sizes the CPU backend's pool to `threads` with the calling thread as one of them (rayon's
+/// worker 0), for a process whose calling thread drives the tensor work for its whole life —
+/// a training loop, a benchmark — as Kiln's `train`, `tune` and training `bench` commands
+/// do. Only the first pool set up in a process takes effect (false when one already was).
+///
+/// Why: a training step is hundreds of operations, most split over the pool. From a thread
+/// outside the pool each split is injected into the pool's queue and the caller sleeps until
+/// a worker finishes it — a futex wake-up and a context switch per operation, most of the
+/// step's time outside the kernels on 2 cores. With the caller a worker, a split is a plain
+/// fork-join: the caller runs half, the other worker steals the rest (U2 145 → 123 ms, W4
+/// 34 → 29 ms per step on the AVX-512 Xeon, BENCHMARKS.md run 57). Not for a thread that
+/// blocks elsewhere while other threads use the pool (a server's accept loop): work they
+/// hand the pool would find one worker fewer.
+pub fn set_cpu_threads_with_caller(threads: usize) -> bool {
+    match rayon::ThreadPoolBuilder::new()
+        .num_threads(threads.max(1))
+        .use_current_thread()
+        .build_global()
+    {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::debug!("thread pool already configured: {e}");
+            false
+        }
     }
 }
 
