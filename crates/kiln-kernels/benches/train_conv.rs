@@ -41,14 +41,21 @@ fn main() {
     }
 }
 
+/// (name, cin, side, cout, kernel, stride, padding, occurrences in the network)
+type Case = (
+    &'static str,
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+);
+
 /// One network's table: each shape's row and the network's total (shapes weighted by their
 /// occurrences).
-fn network_table(
-    network: &str,
-    cases: &[(&str, usize, usize, usize, usize, usize, usize, usize)],
-    threads: usize,
-    pool: &rayon::ThreadPool,
-) {
+fn network_table(network: &str, cases: &[Case], threads: usize, pool: &rayon::ThreadPool) {
     let batch = 64;
     if !cases.iter().any(|c| support::name_selected(c.0)) {
         return;

@@ -67,7 +67,7 @@ impl NormShape {
 /// Where a [`RankSum`] hook sums on this thread (SyncBatchNorm), the sums and the count are
 /// summed over the ranks first: the statistics of the global batch.
 pub fn batch_norm_stats(s: &NormShape, x: &[f32]) -> (Vec<f32>, Vec<f32>) {
-    let sums = channel_sums(s, x, x, |_, v, _| (v, v * v));
+    let sums = channel_sums(s, x, x, |_| Moments);
     let (sums, m) = over_ranks(sums, s.per_channel());
     mean_and_variance(&sums, m)
 }
@@ -110,19 +110,19 @@ fn unpack(buf: &[f64]) -> (Vec<(f64, f64)>, f64) {
 /// Values per task of [`channel_sums`] (whole samples, at least one).
 const SUM_BLOCK: usize = 64 << 10;
 
-/// Per channel `c`, `(Σ f(c, x, y).0, Σ f(c, x, y).1)` over the batch, for `xs` and `ys` of
-/// shape `s`: partial sums per run of a plane in f32 lanes ([`lane_sums`]), totals in f64.
+/// Per channel `c`, the sums of `per_channel(c)`'s pairs ([`PairSum`]) over the batch, for
+/// `xs` and `ys` of shape `s`: partial sums per run of a plane in f32 lanes ([`lane_sums`]), totals in f64.
 ///
 /// Read in memory order: each task takes a block of whole samples and sums every channel of
 /// them, and the blocks' sums are added in block order (the same result on any thread
 /// count). Why: one task per channel read its 64 planes 256 KB apart, a new short stream per
 /// plane, and a cold activation came in at 4–5 GB/s against 24 for a pass in memory order
 /// (W5's shapes, BENCHMARKS.md run 38).
-fn channel_sums(
+fn channel_sums<P: PairSum>(
     s: &NormShape,
     xs: &[f32],
     ys: &[f32],
-    f: impl Fn(usize, f32, f32) -> (f32, f32) + Sync,
+    per_channel: impl Fn(usize) -> P + Sync,
 ) -> Vec<(f64, f64)> {
     let sample = s.channels * s.plane;
     let per_block = (SUM_BLOCK / sample.max(1)).max(1);
@@ -135,7 +135,7 @@ fn channel_sums(
                 for (c, sum) in sums.iter_mut().enumerate() {
                     let at = (n * s.channels + c) * s.plane;
                     let (x, y) = (&xs[at..][..s.plane], &ys[at..][..s.plane]);
-                    let (a, b) = lane_sums(x, y, |v, w| f(c, v, w));
+                    let (a, b) = lane_sums(x, y, per_channel(c));
                     sum.0 += f64::from(a);
                     sum.1 += f64::from(b);
                 }
@@ -153,26 +153,66 @@ fn channel_sums(
     total
 }
 
+/// The pair of values [`lane_sums`] adds up for a value `x` and its companion `y`. A trait
+/// with an always-inlined method rather than a closure: a closure built inside another
+/// closure was left as a call per value (the statistics pass at 16 GB/s against the
+/// normalization's 50).
+pub(super) trait PairSum {
+    /// The pair for `x` and `y`.
+    fn pair(&self, x: f32, y: f32) -> (f32, f32);
+}
+
+impl<F: Fn(f32, f32) -> (f32, f32)> PairSum for F {
+    #[inline(always)]
+    fn pair(&self, x: f32, y: f32) -> (f32, f32) {
+        self(x, y)
+    }
+}
+
+/// `(x, x²)`: the batch statistics' sums.
+struct Moments;
+
+impl PairSum for Moments {
+    #[inline(always)]
+    fn pair(&self, x: f32, _: f32) -> (f32, f32) {
+        (x, x * x)
+    }
+}
+
+/// `(g, g·x̂)` for one channel: the backward's sums (`g` masked by a fused ReLU).
+struct GradSums {
+    k: Channel,
+    relu: bool,
+}
+
+impl PairSum for GradSums {
+    #[inline(always)]
+    fn pair(&self, v: f32, g: f32) -> (f32, f32) {
+        let g = self.k.through_relu(self.relu, v, g);
+        (g, g * (v - self.k.mean) * self.k.inv)
+    }
+}
+
 /// `(Σ f(x, y).0, Σ f(x, y).1)` over two equally long slices, summed in 16 independent f32
 /// lanes. Why: a plain float fold is one dependency chain that the compiler may not reorder
 /// (each add waits for the previous, ~3 cycles per value), so the statistics pass ran at a
 /// fraction of memory speed; independent lanes vectorize.
 #[inline(always)]
-pub(super) fn lane_sums(xs: &[f32], ys: &[f32], f: impl Fn(f32, f32) -> (f32, f32)) -> (f32, f32) {
+pub(super) fn lane_sums(xs: &[f32], ys: &[f32], f: impl PairSum) -> (f32, f32) {
     const LANES: usize = 16;
     let (mut a, mut b) = ([0f32; LANES], [0f32; LANES]);
     let (xc, yc) = (xs.chunks_exact(LANES), ys.chunks_exact(LANES));
     let (x_rest, y_rest) = (xc.remainder(), yc.remainder());
     for (xs, ys) in xc.zip(yc) {
         for i in 0..LANES {
-            let (p, q) = f(xs[i], ys[i]);
+            let (p, q) = f.pair(xs[i], ys[i]);
             a[i] += p;
             b[i] += q;
         }
     }
     let (mut sa, mut sb) = (a.iter().sum::<f32>(), b.iter().sum::<f32>());
     for (&x, &y) in x_rest.iter().zip(y_rest) {
-        let (p, q) = f(x, y);
+        let (p, q) = f.pair(x, y);
         sa += p;
         sb += q;
     }
@@ -208,6 +248,7 @@ impl Channel {
 
     /// The output gradient `g` as it reaches the normalization: zero where a fused ReLU cut
     /// the (recomputed) output `v · a + b`.
+    #[inline(always)]
     fn through_relu(&self, relu: bool, v: f32, g: f32) -> f32 {
         if relu && v * self.a + self.b <= 0.0 {
             0.0
@@ -320,11 +361,7 @@ fn backward_into(
     let (ch, relu) = (p.channels(), p.relu);
     let (plane, channels) = (s.plane, s.channels);
     // Pass 1, per channel: Σ g and Σ g·x̂ (g = dy, masked by the ReLU).
-    let local = channel_sums(s, x, dy, |c, v, g| {
-        let k = ch[c];
-        let g = k.through_relu(relu, v, g);
-        (g, g * (v - k.mean) * k.inv)
-    });
+    let local = channel_sums(s, x, dy, |c| GradSums { k: ch[c], relu });
     // Synchronized statistics: dx is the gradient through the global batch's statistics, so
     // it takes the sums over all ranks; dγ and dβ stay this rank's (reduced with the others).
     let (sums, m) = over_ranks(local.clone(), s.per_channel());
