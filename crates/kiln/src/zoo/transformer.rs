@@ -100,19 +100,25 @@ fn norm(layer: &LayerNorm, x: Tensor<3>) -> Tensor<3> {
     )
 }
 
-/// Multi-head self-attention: projections in the compute precision, the attention itself
-/// by [`amp::attention`]'s policy (Kiln's f32 kernel on the CPU).
+/// Multi-head self-attention: the query, key and value projections as one packed
+/// `Linear(d, 3d)` in the compute precision, then [`crate::nn::qkv_attention`] (Kiln's f32
+/// kernel on the CPU, reading the packed projection in place; elsewhere the split and
+/// [`amp::attention`]'s policy). Why packed: one GEMM of width 3d instead of three of width
+/// d reads `x` once, and the backward's input gradient is one GEMM over the packed gradient
+/// instead of three and two adds (W4 on the Xeon: BENCHMARKS.md run 57).
 fn self_attention(mha: &MultiHeadAttention, x: Tensor<3>) -> Tensor<3> {
-    let [batch, seq, d_model] = x.dims();
-    let heads = |linear: &Linear| -> Tensor<4> {
-        amp::linear(linear, x.clone())
-            .reshape([batch, seq, mha.n_heads, mha.d_k])
-            .swap_dims(1, 2)
-    };
-    let (q, k, v) = (heads(&mha.query), heads(&mha.key), heads(&mha.value));
-    let context = amp::attention(q, k, v, None, None, Default::default())
-        .swap_dims(1, 2)
-        .reshape([batch, seq, d_model]);
+    let parts = [&mha.query, &mha.key, &mha.value];
+    let weight = Tensor::cat(parts.iter().map(|l| l.weight.val()).collect(), 1);
+    // Burn's attention layers carry biases; a part without one packs zeros in its place.
+    let bias = parts.iter().any(|l| l.bias.is_some()).then(|| {
+        let zeros = || Tensor::zeros([mha.d_k * mha.n_heads], &weight.device());
+        let each = parts
+            .iter()
+            .map(|l| l.bias.as_ref().map_or_else(zeros, |b| b.val()));
+        Tensor::cat(each.collect(), 0)
+    });
+    let qkv = amp::linear_weights(x, weight, bias);
+    let context = crate::nn::qkv_attention(qkv, mha.n_heads, None, None, Default::default());
     amp::linear(&mha.output, context)
 }
 
