@@ -5,8 +5,12 @@
 //! timing, Adam, cross-entropy).
 //!
 //! - **U1**, a MobileNet-style depthwise-separable CNN on 3×32×32: a 3×3 stem, then blocks of
-//!   a depthwise 3×3 (or 5×5) convolution + BatchNorm + ReLU and a pointwise 1×1 convolution
-//!   + BatchNorm + ReLU (two of them stride 2), global average pooling, a linear head.
+//!   a depthwise 3×3 (or 5×5) convolution and a pointwise 1×1 convolution, each followed by
+//!   BatchNorm and ReLU (two blocks at stride 2), global average pooling, a linear head. Each
+//!   BatchNorm + ReLU is `kiln::nn::BatchNorm::forward_relu`, as `docs/own-model.md` tells a
+//!   user to write it: the ReLU fused into the normalization's passes (a separate
+//!   `relu(bn.forward(x))` cost U1 ~18% of its step in two extra passes each way,
+//!   BENCHMARKS.md run 57); the PyTorch twin runs them as separate eager ops.
 //! - **U2**, a small pre-LN transformer encoder over 64 tokens of 32 features (the sample's
 //!   rows): a linear embedding plus a learned position table, 4 blocks of
 //!   `x + attn(LN(x))`, `x + ffn(LN(x))` (4 heads, d 128, GELU feed-forward 512), a final
@@ -16,7 +20,6 @@
 
 use burn::module::{Module, Param};
 use burn::nn::PaddingConfig2d;
-use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor};
 use kiln::burn;
 use kiln::nn::{
@@ -60,7 +63,7 @@ impl ConvBnRelu {
     }
 
     fn forward(&self, x: Tensor<4>) -> Tensor<4> {
-        relu(self.bn.forward(self.conv.forward(x)))
+        self.bn.forward_relu(self.conv.forward(x))
     }
 }
 
