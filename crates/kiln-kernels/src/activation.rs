@@ -155,6 +155,54 @@ pub fn gelu_of(x: &[f32]) -> Vec<f32> {
     })
 }
 
+/// `max(x, 0)` into a new vector, in parallel chunks: one read and one write per value (the
+/// training ReLU's forward, where the input must survive for the autodiff graph).
+pub fn relu_of(x: &[f32]) -> Vec<f32> {
+    crate::base::buffers::filled(x.len(), |out| {
+        if x.len() <= CHUNK {
+            relu_into(x, out);
+        } else {
+            x.par_chunks(CHUNK)
+                .zip(out.par_chunks_mut(CHUNK))
+                .for_each(|(x, out)| relu_into(x, out));
+        }
+    })
+}
+
+multiversion! {
+    /// [`relu_of`] of one chunk, on the calling thread.
+    fn relu_into(x: &[f32], out: &mut [std::mem::MaybeUninit<f32>]) {
+        for (o, &v) in out.iter_mut().zip(x) {
+            o.write(v.max(0.0));
+        }
+    }
+}
+
+/// ReLU's gradient from its output `y` and the output gradient `dy`: `dy` where `y > 0`,
+/// zero elsewhere (PyTorch's and Burn's convention at 0), in one pass into a new vector.
+pub fn relu_backward(y: &[f32], dy: &[f32]) -> Vec<f32> {
+    assert_eq!(y.len(), dy.len(), "ReLU gradient length");
+    crate::base::buffers::filled(y.len(), |dx| {
+        if y.len() <= CHUNK {
+            relu_grad_into(y, dy, dx);
+        } else {
+            y.par_chunks(CHUNK)
+                .zip(dy.par_chunks(CHUNK))
+                .zip(dx.par_chunks_mut(CHUNK))
+                .for_each(|((y, dy), dx)| relu_grad_into(y, dy, dx));
+        }
+    })
+}
+
+multiversion! {
+    /// [`relu_backward`] of one chunk, on the calling thread.
+    fn relu_grad_into(y: &[f32], dy: &[f32], dx: &mut [std::mem::MaybeUninit<f32>]) {
+        for ((d, &v), &g) in dx.iter_mut().zip(y).zip(dy) {
+            d.write(if v > 0.0 { g } else { 0.0 });
+        }
+    }
+}
+
 /// Runs `slice` over `values`, in parallel chunks when there are many.
 fn in_chunks(values: &mut [f32], slice: impl Fn(&mut [f32]) + Send + Sync) {
     if values.len() <= CHUNK {
@@ -714,6 +762,32 @@ pub(super) fn exp(x: f32) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The training ReLU's forward and gradient against the definition, on one chunk and
+    /// across the parallel split, with exact zeros (gradient zero there, as Burn's).
+    #[test]
+    fn relu_and_its_gradient_are_exact() {
+        for len in [37, 3 * CHUNK + 5] {
+            let x: Vec<f32> = (0..len)
+                .map(|i| {
+                    if i % 7 == 0 {
+                        0.0
+                    } else {
+                        (i % 13) as f32 - 6.5
+                    }
+                })
+                .collect();
+            let dy: Vec<f32> = (0..len).map(|i| (i % 5) as f32 + 0.25).collect();
+            let y = relu_of(&x);
+            assert!(
+                y.iter().zip(&x).all(|(y, x)| *y == x.max(0.0)),
+                "forward, {len}"
+            );
+            let dx = relu_backward(&y, &dy);
+            let want = |i: usize| if y[i] > 0.0 { dy[i] } else { 0.0 };
+            assert!((0..len).all(|i| dx[i] == want(i)), "gradient, {len}");
+        }
+    }
 
     /// GELU's gradient against the f64 derivative `Φ(x) + x·φ(x)` (erf from its series):
     /// absolute error below 1e-6 of the gradient over [−12, 12] (the derivative is at most

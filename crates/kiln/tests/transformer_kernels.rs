@@ -1,4 +1,4 @@
-//! The transformer's kernels through `kiln::nn` (LayerNorm, GELU, softmax, scaled
+//! The transformer's kernels through `kiln::nn` (LayerNorm, GELU, ReLU, softmax, scaled
 //! dot-product attention) against Burn's own ops computed in f64 — forward values and every
 //! gradient under autodiff on `flex` — and the routes that must fall back to Burn.
 
@@ -96,8 +96,9 @@ fn gelu_and_softmax_match_burn_in_f64_forward_and_gradients() {
     let x = random([6, 7, 45], 3.0, &device);
     let g = random([6, 7, 45], 1.0, &device);
     type Op = fn(Tensor<3>) -> Tensor<3>;
-    let cases: [(&str, Op, Op); 3] = [
+    let cases: [(&str, Op, Op); 4] = [
         ("gelu", nn::gelu, activation::gelu),
+        ("relu", nn::relu, activation::relu),
         (
             "softmax last",
             |t| nn::softmax(t, 2),
@@ -123,6 +124,26 @@ fn gelu_and_softmax_match_burn_in_f64_forward_and_gradients() {
         let dx = rel(xk.grad(&grads).unwrap(), xr.grad(&rgrads).unwrap());
         assert!(dx < TOL, "{name}: gradient {dx:e}");
     }
+}
+
+/// ReLU over a tensor large enough to split over the pool: forward and gradient exactly
+/// Burn's (a comparison and a select: no rounding), zero gradient at zero as Burn's.
+#[test]
+fn relu_is_burns_forward_and_backward_in_parallel_chunks() {
+    let device = Device::flex().autodiff();
+    let dims = [4, 64, 1030];
+    // Some exact zeros, where the gradient convention shows.
+    let x = random(dims, 1.0, &device).mask_fill(random(dims, 1.0, &device).lower_elem(-1.0), 0.0);
+    let g = random(dims, 1.0, &device);
+    let run = |op: fn(Tensor<3>) -> Tensor<3>| {
+        let xk = x.clone().require_grad();
+        let y = op(xk.clone());
+        let grads = (y.clone() * g.clone()).sum().backward();
+        (y.detach().into_data(), xk.grad(&grads).unwrap().into_data())
+    };
+    let (ours, burns) = (run(nn::relu), run(activation::relu));
+    assert_eq!(ours.0, burns.0, "forward");
+    assert_eq!(ours.1, burns.1, "gradient");
 }
 
 /// Q, K, V cut from one packed projection as a model writes them (reshape, permute,

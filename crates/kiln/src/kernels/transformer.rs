@@ -48,6 +48,18 @@ pub fn layer_norm<const D: usize>(
     Tensor::from_dispatch(y)
 }
 
+/// ReLU, `max(x, 0)`, as `burn::tensor::activation::relu`: Kiln's kernel forward (one
+/// parallel pass into a new tensor) and backward (one pass from the saved output) for f32 on
+/// `flex`, Burn's op otherwise. Differentiable. Why: Burn's ReLU and its autodiff backward
+/// cost a MobileNet-style CNN about a fifth of its step (BENCHMARKS.md run 57); where a
+/// BatchNorm precedes it, `kiln::nn::BatchNorm::forward_relu` removes the pass altogether.
+pub fn relu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
+    if !f32_served(&x, &[]) {
+        return burn::tensor::activation::relu(x);
+    }
+    Tensor::from_dispatch(<Dispatch as KilnKernels>::kiln_relu(x.into_dispatch()))
+}
+
 /// Exact GELU, `x·Φ(x)`, as `burn::tensor::activation::gelu`: Kiln's vectorized kernel
 /// (erf by a branch-free polynomial, absolute error below 1.5e-7) forward and backward for
 /// f32 on `flex`, Burn's op otherwise. Differentiable.

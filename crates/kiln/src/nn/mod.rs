@@ -3,8 +3,8 @@
 //! f32 CPU kernels (GEMM convolution and linear layers, max pooling with arg-max backward,
 //! BatchNorm's training forward and backward in two passes each, LayerNorm's in one) and
 //! the trainer's bf16/f16 autocast policy, with nothing else changed. A transformer's
-//! functions have drop-ins too, with Burn's arguments: [`gelu`] and [`softmax`] for
-//! `burn::tensor::activation`'s, [`attention`] and [`layer_norm`] for
+//! functions have drop-ins too, with Burn's arguments: [`gelu`], [`relu`] and [`softmax`]
+//! for `burn::tensor::activation`'s, [`attention`] and [`layer_norm`] for
 //! `burn::tensor::module`'s (forward and backward through Kiln's kernels), and
 //! [`qkv_attention`] for the split–attend–merge of a packed QKV projection in one op.
 //!
@@ -57,7 +57,7 @@ mod linear;
 mod norm;
 mod pool;
 
-pub use crate::kernels::transformer::{gelu, layer_norm, softmax};
+pub use crate::kernels::transformer::{gelu, layer_norm, relu, softmax};
 pub use crate::precision::attention;
 pub use attention::qkv_attention;
 pub use conv::{Conv2d, Conv2dConfig};

@@ -379,6 +379,20 @@ impl<B: Backend + KilnKernels, C: CheckpointStrategy> KilnKernels for Autodiff<B
         ))
     }
 
+    fn kiln_relu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        transformer_autodiff::relu::<B, C>(x)
+    }
+
+    fn kiln_relu_backward(
+        output: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        <FloatTensor<Self>>::new(B::kiln_relu_backward(
+            output.into_primitive(),
+            output_grad.into_primitive(),
+        ))
+    }
+
     fn kiln_softmax(x: FloatTensor<Self>) -> FloatTensor<Self> {
         transformer_autodiff::softmax::<B, C>(x)
     }

@@ -328,6 +328,17 @@ impl KilnKernels for Flex {
         transformer_flex::gelu_grad(x, output_grad)
     }
 
+    fn kiln_relu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        transformer_flex::relu(x)
+    }
+
+    fn kiln_relu_backward(
+        output: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        transformer_flex::relu_grad(output, output_grad)
+    }
+
     fn kiln_softmax(x: FloatTensor<Self>) -> FloatTensor<Self> {
         transformer_flex::softmax(x)
     }

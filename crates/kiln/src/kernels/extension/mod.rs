@@ -179,6 +179,15 @@ pub trait KilnKernels: Backend {
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self>;
 
+    /// ReLU of f32 `x` (differentiable).
+    fn kiln_relu(x: FloatTensor<Self>) -> FloatTensor<Self>;
+
+    /// Gradient of [`KilnKernels::kiln_relu`] from its output.
+    fn kiln_relu_backward(
+        output: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self>;
+
     /// Softmax of f32 `x` over its last axis (differentiable).
     fn kiln_softmax(x: FloatTensor<Self>) -> FloatTensor<Self>;
 

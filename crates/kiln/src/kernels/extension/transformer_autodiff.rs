@@ -121,6 +121,14 @@ pub(super) fn gelu<B: Backend + KilnKernels, C: CheckpointStrategy>(
     saved_unary::<B, C>(x, B::kiln_gelu, false, B::kiln_gelu_backward)
 }
 
+/// ReLU keeping its output (the gradient's mask), not its input: the input is then free to
+/// go when nothing else holds it.
+pub(super) fn relu<B: Backend + KilnKernels, C: CheckpointStrategy>(
+    x: FloatTensor<Ad<B, C>>,
+) -> FloatTensor<Ad<B, C>> {
+    saved_unary::<B, C>(x, B::kiln_relu, true, B::kiln_relu_backward)
+}
+
 pub(super) fn softmax<B: Backend + KilnKernels, C: CheckpointStrategy>(
     x: FloatTensor<Ad<B, C>>,
 ) -> FloatTensor<Ad<B, C>> {

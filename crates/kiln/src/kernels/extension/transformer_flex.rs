@@ -3,7 +3,7 @@
 //! `attention_flex`). Callers route f32 only (`kernels::transformer` checks); operands are
 //! read as a contiguous view, or a copy of a strided one.
 
-use kiln_kernels::activation::{gelu_backward, gelu_of};
+use kiln_kernels::activation::{gelu_backward, gelu_of, relu_backward, relu_of};
 use kiln_kernels::layer_norm::{layer_norm_backward, layer_norm_train};
 use kiln_kernels::softmax::{softmax_grad_in_place, softmax_rows};
 
@@ -74,6 +74,24 @@ pub(super) fn gelu(x: FloatTensor<Flex>) -> FloatTensor<Flex> {
     let (dims, _) = rows_of(&x);
     let _op = tracing::trace_span!("kiln.gelu", shape = ?dims).entered();
     flex_dims(gelu_of(&values(&x)), &dims)
+}
+
+pub(super) fn relu(x: FloatTensor<Flex>) -> FloatTensor<Flex> {
+    let (dims, _) = rows_of(&x);
+    let _op = tracing::trace_span!("kiln.relu", shape = ?dims).entered();
+    flex_dims(relu_of(&values(&x)), &dims)
+}
+
+pub(super) fn relu_grad(
+    output: FloatTensor<Flex>,
+    output_grad: FloatTensor<Flex>,
+) -> FloatTensor<Flex> {
+    let (dims, _) = rows_of(&output);
+    let _op = tracing::trace_span!("kiln.relu.grad", shape = ?dims).entered();
+    flex_dims(
+        relu_backward(&values(&output), &values(&output_grad)),
+        &dims,
+    )
 }
 
 pub(super) fn gelu_grad(x: FloatTensor<Flex>, output_grad: FloatTensor<Flex>) -> FloatTensor<Flex> {
