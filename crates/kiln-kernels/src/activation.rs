@@ -12,6 +12,8 @@
 //! reciprocal estimate replaces the loop's division (BENCHMARKS run 34: SiLU 47–50 → 37–39 µs
 //! per EfficientNet-B0 call).
 
+use std::mem::MaybeUninit;
+
 use rayon::prelude::*;
 
 use crate::base::threads::PARALLEL_MIN;
@@ -137,20 +139,45 @@ pub fn gelu_in_place(values: &mut [f32]) {
 /// transformed while it is in cache (one pass over memory, where a copy of the whole input
 /// and then [`gelu_in_place`] made two).
 pub fn gelu_of(x: &[f32]) -> Vec<f32> {
+    map_chunks(x, |src, dst| {
+        for (o, &v) in dst.iter_mut().zip(src) {
+            *o = MaybeUninit::new(v);
+        }
+        // SAFETY: every value of the chunk was just written.
+        gelu_slice(unsafe { crate::base::buffers::assume_init(dst) });
+    })
+}
+
+/// A new vector from `x` by `chunk`, which writes every value of its output chunk from the
+/// input chunk of the same place: one chunk on this thread when `x` is small, chunks of
+/// [`CHUNK`] over the pool otherwise.
+fn map_chunks(x: &[f32], chunk: impl Fn(&[f32], &mut [MaybeUninit<f32>]) + Sync) -> Vec<f32> {
     crate::base::buffers::filled(x.len(), |out| {
-        let chunk = |(src, dst): (&[f32], &mut [std::mem::MaybeUninit<f32>])| {
-            for (o, &v) in dst.iter_mut().zip(src) {
-                *o = std::mem::MaybeUninit::new(v);
-            }
-            // SAFETY: every value of the chunk was just written.
-            gelu_slice(unsafe { crate::base::buffers::assume_init(dst) });
-        };
         if x.len() <= CHUNK {
-            chunk((x, out));
+            chunk(x, out);
         } else {
             x.par_chunks(CHUNK)
                 .zip(out.par_chunks_mut(CHUNK))
-                .for_each(chunk);
+                .for_each(|(x, out)| chunk(x, out));
+        }
+    })
+}
+
+/// [`map_chunks`] over two equally long inputs (a gradient from a saved tensor and the
+/// output gradient).
+fn zip_chunks(
+    a: &[f32],
+    b: &[f32],
+    chunk: impl Fn(&[f32], &[f32], &mut [MaybeUninit<f32>]) + Sync,
+) -> Vec<f32> {
+    crate::base::buffers::filled(a.len(), |out| {
+        if a.len() <= CHUNK {
+            chunk(a, b, out);
+        } else {
+            a.par_chunks(CHUNK)
+                .zip(b.par_chunks(CHUNK))
+                .zip(out.par_chunks_mut(CHUNK))
+                .for_each(|((a, b), out)| chunk(a, b, out));
         }
     })
 }
@@ -158,20 +185,12 @@ pub fn gelu_of(x: &[f32]) -> Vec<f32> {
 /// `max(x, 0)` into a new vector, in parallel chunks: one read and one write per value (the
 /// training ReLU's forward, where the input must survive for the autodiff graph).
 pub fn relu_of(x: &[f32]) -> Vec<f32> {
-    crate::base::buffers::filled(x.len(), |out| {
-        if x.len() <= CHUNK {
-            relu_into(x, out);
-        } else {
-            x.par_chunks(CHUNK)
-                .zip(out.par_chunks_mut(CHUNK))
-                .for_each(|(x, out)| relu_into(x, out));
-        }
-    })
+    map_chunks(x, relu_into)
 }
 
 multiversion! {
     /// [`relu_of`] of one chunk, on the calling thread.
-    fn relu_into(x: &[f32], out: &mut [std::mem::MaybeUninit<f32>]) {
+    fn relu_into(x: &[f32], out: &mut [MaybeUninit<f32>]) {
         for (o, &v) in out.iter_mut().zip(x) {
             o.write(v.max(0.0));
         }
@@ -182,21 +201,12 @@ multiversion! {
 /// zero elsewhere (PyTorch's and Burn's convention at 0), in one pass into a new vector.
 pub fn relu_backward(y: &[f32], dy: &[f32]) -> Vec<f32> {
     assert_eq!(y.len(), dy.len(), "ReLU gradient length");
-    crate::base::buffers::filled(y.len(), |dx| {
-        if y.len() <= CHUNK {
-            relu_grad_into(y, dy, dx);
-        } else {
-            y.par_chunks(CHUNK)
-                .zip(dy.par_chunks(CHUNK))
-                .zip(dx.par_chunks_mut(CHUNK))
-                .for_each(|((y, dy), dx)| relu_grad_into(y, dy, dx));
-        }
-    })
+    zip_chunks(y, dy, relu_grad_into)
 }
 
 multiversion! {
     /// [`relu_backward`] of one chunk, on the calling thread.
-    fn relu_grad_into(y: &[f32], dy: &[f32], dx: &mut [std::mem::MaybeUninit<f32>]) {
+    fn relu_grad_into(y: &[f32], dy: &[f32], dx: &mut [MaybeUninit<f32>]) {
         for ((d, &v), &g) in dx.iter_mut().zip(y).zip(dy) {
             d.write(if v > 0.0 { g } else { 0.0 });
         }
@@ -289,16 +299,7 @@ multiversion! {
 /// When the lengths differ.
 pub fn gelu_backward(x: &[f32], dy: &[f32]) -> Vec<f32> {
     assert_eq!(x.len(), dy.len(), "GELU gradient length");
-    crate::base::buffers::filled(x.len(), |dx| {
-        if x.len() <= CHUNK {
-            gelu_grad_slice(x, dy, dx);
-        } else {
-            x.par_chunks(CHUNK)
-                .zip(dy.par_chunks(CHUNK))
-                .zip(dx.par_chunks_mut(CHUNK))
-                .for_each(|((x, dy), dx)| gelu_grad_slice(x, dy, dx));
-        }
-    })
+    zip_chunks(x, dy, gelu_grad_slice)
 }
 
 /// `1/√(2π)`: the normal density's factor.

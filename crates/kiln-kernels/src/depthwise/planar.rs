@@ -70,8 +70,7 @@ struct Geometry {
     /// Each tap's offset into the phase planes (`phase·phase_len + row·wa + column`),
     /// tap-major like the weight (`ky·kw + kx`).
     offsets: Vec<usize>,
-    /// Each tap's offset within its phase, and the largest of them.
-    within: Vec<usize>,
+    /// The largest of the taps' offsets within their phase.
     reach: usize,
     /// Phases along a row (the column stride).
     sx: usize,
@@ -90,17 +89,15 @@ impl Geometry {
         let group = (GROUP_VALUES / (ha * wa * sy * sx)).clamp(1, s.batch.max(1));
         let phase_len = group * ha * wa;
         let mut offsets = Vec::with_capacity(s.kh * s.kw);
-        let mut within = Vec::with_capacity(s.kh * s.kw);
         for ky in 0..s.kh {
             let dy = ky * s.dilation[0];
             for kx in 0..s.kw {
                 let dx = kx * s.dilation[1];
                 let inner = (dy / sy) * wa + dx / sx;
                 offsets.push(((dy % sy) * sx + dx % sx) * phase_len + inner);
-                within.push(inner);
             }
         }
-        let reach = within.iter().copied().max().unwrap_or(0);
+        let reach = offsets.iter().map(|o| o % phase_len).max().unwrap_or(0);
         let left = s.padding[1].0;
         let strided = (0..sx)
             .map(|px| {
@@ -125,7 +122,6 @@ impl Geometry {
             wa,
             group,
             offsets,
-            within,
             reach,
             sx,
             strided,
@@ -356,23 +352,27 @@ struct Task {
 }
 
 impl Task {
+    /// Group `k` of channel `c`'s images (groups of `group`, the last one cut short).
+    fn new(group: usize, batch: usize, channels: usize, c: usize, k: usize) -> Task {
+        let n0 = k * group;
+        Task {
+            c,
+            channels,
+            n0,
+            count: group.min(batch - n0),
+        }
+    }
+
     /// The tasks covering every (image, channel) plane, a group of images per task.
     fn all(
         g: &Geometry,
         batch: usize,
         channels: usize,
     ) -> impl IndexedParallelIterator<Item = Task> {
-        let per_channel = batch.div_ceil(g.group);
-        let group = g.group;
-        (0..channels * per_channel).into_par_iter().map(move |t| {
-            let n0 = (t % per_channel) * group;
-            Task {
-                c: t / per_channel,
-                channels,
-                n0,
-                count: group.min(batch - n0),
-            }
-        })
+        let (group, per_channel) = (g.group, batch.div_ceil(g.group));
+        (0..channels * per_channel)
+            .into_par_iter()
+            .map(move |t| Task::new(group, batch, channels, t / per_channel, t % per_channel))
     }
 
     /// Plane index (`n·channels + c`) of the task's image `g`.
@@ -492,13 +492,14 @@ pub fn forward(s: &ConvShape, x: &[f32], w: &[f32], bias: Option<&[f32]>) -> Vec
 pub fn input_grad(s: &ConvShape, dy: &[f32], w: &[f32]) -> Vec<f32> {
     let g = Geometry::new(s);
     let taps = s.kh * s.kw;
-    // Per channel and phase: the taps reading that phase, their offsets mirrored
+    // Per channel and phase: the taps reading that phase, their offsets within it mirrored
     // (`reach − within`) into the spread gradient.
     let by_channel: Vec<Vec<Vec<(usize, f32)>>> = (0..s.cin)
         .map(|c| {
             let mut by_phase = vec![Vec::new(); g.sy * g.sx];
-            for (t, (&o, &inner)) in g.offsets.iter().zip(&g.within).enumerate() {
-                by_phase[o / g.phase_len()].push((g.reach - inner, w[c * taps + t]));
+            for (t, &o) in g.offsets.iter().enumerate() {
+                let (phase, within) = (o / g.phase_len(), o % g.phase_len());
+                by_phase[phase].push((g.reach - within, w[c * taps + t]));
             }
             by_phase
         })
@@ -523,13 +524,7 @@ pub fn weight_grad(s: &ConvShape, x: &[f32], dy: &[f32]) -> Vec<f32> {
         .for_each_init(Scratch::default, |scratch, (c, grad)| {
             let mut lanes = vec![[0f32; BLOCK]; taps];
             for k in 0..per_channel {
-                let n0 = k * g.group;
-                let t = Task {
-                    c,
-                    channels: s.cout,
-                    n0,
-                    count: g.group.min(s.batch - n0),
-                };
+                let t = Task::new(g.group, s.batch, s.cout, c, k);
                 weight_grad_task(&g, t, x, dy, scratch, &mut lanes);
             }
             for (d, lane) in grad.iter_mut().zip(&lanes) {
