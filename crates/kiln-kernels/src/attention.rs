@@ -23,7 +23,7 @@ use crate::activation::exp;
 use crate::base::buffers::filled;
 use crate::base::gemm::matmul_to;
 use crate::base::threads::{SharedOut, pool_threads};
-use crate::softmax::softmax_grad_in_place;
+use crate::softmax::{LANES, across, softmax_grad_in_place};
 
 /// The sizes of one attention call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -344,9 +344,6 @@ fn softmax_row(
     softmax_in_place(row);
 }
 
-/// Lanes of the row reductions (one AVX-512 register).
-const LANES: usize = 16;
-
 multiversion! {
     /// The NaN-safe softmax of one row in place, its maximum and sum in [`LANES`] independent
     /// partial results (one running value is a serial chain the compiler may not reorder);
@@ -360,10 +357,14 @@ multiversion! {
                 *m = m.max(v);
             }
         }
-        for (m, &v) in maxes.iter_mut().zip(blocks.remainder()) {
+        // The partial block padded as a whole one (a scalar tail was a serial chain).
+        let mut block = [f32::MIN; LANES];
+        let rest = blocks.remainder();
+        block[..rest.len()].copy_from_slice(rest);
+        for (m, &v) in maxes.iter_mut().zip(&block) {
             *m = m.max(v);
         }
-        let max = maxes.iter().fold(f32::MIN, |m, &v| m.max(v));
+        let max = across(maxes, f32::max);
         let mut sums = [0f32; LANES];
         let mut blocks = row.chunks_exact_mut(LANES);
         for block in &mut blocks {
@@ -383,7 +384,7 @@ multiversion! {
             *s += *v;
         }
         rest.copy_from_slice(&block[..rest.len()]);
-        let sum: f32 = sums.iter().sum();
+        let sum = across(sums, |a, b| a + b);
         let inv = 1.0 / sum.max(f32::MIN_POSITIVE);
         for v in row.iter_mut() {
             *v *= inv;

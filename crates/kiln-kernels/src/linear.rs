@@ -10,7 +10,7 @@
 use std::mem::MaybeUninit;
 
 use crate::base::buffers::{assume_init, filled};
-use crate::base::gemm::{matmul, matmul_fresh};
+use crate::base::gemm::{matmul, matmul_fresh, matmul_fresh_split_sum};
 use crate::base::threads::pool_threads;
 
 /// Shape of one linear layer: `rows` inputs of `inputs` features to `outputs` features; the
@@ -74,7 +74,7 @@ pub fn linear_weight_grad(s: &LinearShape, x: &[f32], grad: &[f32]) -> Vec<f32> 
     assert_eq!(x.len(), s.rows * s.inputs, "linear input length");
     assert_eq!(grad.len(), s.rows * s.outputs, "linear gradient length");
     filled(s.inputs * s.outputs, |dw| {
-        matmul_fresh(
+        matmul_fresh_split_sum(
             (s.inputs, s.outputs, s.rows),
             dw,
             (x, (1, s.inputs)),
@@ -94,9 +94,21 @@ mod tests {
             .collect()
     }
 
+    /// On a 3-thread pool, so the weight gradient of the long shape (600 rows over a
+    /// 300 × 450 output, more values than one summing chunk) is summed in three parts.
     #[test]
     fn forward_and_gradients_match_an_f64_reference() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build();
+        pool.expect("a thread pool").install(check_against_f64);
+    }
+
+    fn check_against_f64() {
         for s in [
+            LinearShape {
+                rows: 600,
+                inputs: 300,
+                outputs: 450,
+            },
             LinearShape {
                 rows: 7,
                 inputs: 13,

@@ -1,5 +1,5 @@
-//! The transformer's kernels through `kiln::nn` (LayerNorm, GELU, ReLU, softmax, scaled
-//! dot-product attention) against Burn's own ops computed in f64 — forward values and every
+//! The transformer's kernels through `kiln::nn` (LayerNorm, GELU, ReLU, a `burn::nn`
+//! layer's activation, softmax, scaled dot-product attention) against Burn's own ops computed in f64 — forward values and every
 //! gradient under autodiff on `flex` — and the routes that must fall back to Burn.
 
 use burn::tensor::ops::AttentionModuleOptions;
@@ -96,9 +96,32 @@ fn gelu_and_softmax_match_burn_in_f64_forward_and_gradients() {
     let x = random([6, 7, 45], 3.0, &device);
     let g = random([6, 7, 45], 1.0, &device);
     type Op = fn(Tensor<3>) -> Tensor<3>;
-    let cases: [(&str, Op, Op); 4] = [
+    use burn::nn::activation::{Activation, Gelu, Relu, Tanh};
+    let cases: [(&str, Op, Op); 8] = [
         ("gelu", nn::gelu, activation::gelu),
         ("relu", nn::relu, activation::relu),
+        // A burn::nn layer's activation field: Kiln's kernels for ReLU and exact GELU,
+        // Burn's own layer for the tanh-approximate GELU and the rest.
+        (
+            "activation relu",
+            |t| nn::activation(&Activation::Relu(Relu::new()), t),
+            activation::relu,
+        ),
+        (
+            "activation gelu",
+            |t| nn::activation(&Activation::Gelu(Gelu::new()), t),
+            activation::gelu,
+        ),
+        (
+            "activation gelu approximate",
+            |t| nn::activation(&Activation::Gelu(Gelu { approximate: true }), t),
+            activation::gelu_approximate,
+        ),
+        (
+            "activation tanh",
+            |t| nn::activation(&Activation::Tanh(Tanh::new()), t),
+            activation::tanh,
+        ),
         (
             "softmax last",
             |t| nn::softmax(t, 2),

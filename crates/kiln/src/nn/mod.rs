@@ -4,7 +4,8 @@
 //! BatchNorm's training forward and backward in two passes each, LayerNorm's in one) and
 //! the trainer's bf16/f16 autocast policy, with nothing else changed. A transformer's
 //! functions have drop-ins too, with Burn's arguments: [`gelu`], [`relu`] and [`softmax`]
-//! for `burn::tensor::activation`'s, [`attention`] and [`layer_norm`] for
+//! for `burn::tensor::activation`'s, [`activation`] for a `burn::nn` layer's `Activation`
+//! field, [`attention`] and [`layer_norm`] for
 //! `burn::tensor::module`'s (forward and backward through Kiln's kernels), and
 //! [`qkv_attention`] for the split–attend–merge of a packed QKV projection in one op.
 //!
@@ -50,6 +51,7 @@ macro_rules! wraps_burn_config {
     };
 }
 
+mod activation;
 mod attention;
 mod conv;
 mod layer_norm;
@@ -59,6 +61,7 @@ mod pool;
 
 pub use crate::kernels::transformer::{gelu, layer_norm, relu, softmax};
 pub use crate::precision::attention;
+pub use activation::activation;
 pub use attention::qkv_attention;
 pub use conv::{Conv2d, Conv2dConfig};
 pub use layer_norm::{LayerNorm, LayerNormConfig};

@@ -122,8 +122,9 @@ fn self_attention(mha: &MultiHeadAttention, x: Tensor<3>) -> Tensor<3> {
     amp::linear(&mha.output, context)
 }
 
-/// Position-wise feed-forward: two autocast linears around the activation.
+/// Position-wise feed-forward: two autocast linears around the activation (Kiln's ReLU /
+/// GELU kernels where the layer's activation is one of them).
 fn feed_forward(ff: &PositionWiseFeedForward, x: Tensor<3>) -> Tensor<3> {
-    let h = ff.activation.forward(amp::linear(&ff.linear_inner, x));
+    let h = crate::nn::activation(&ff.activation, amp::linear(&ff.linear_inner, x));
     amp::linear(&ff.linear_outer, h)
 }
