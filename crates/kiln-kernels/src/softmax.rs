@@ -22,8 +22,8 @@ pub(crate) const LANES: usize = 16;
 
 /// `op` across the [`LANES`] partial results of a row's reduction, as a tree of halves: four
 /// steps LLVM does on whole registers, where folding them one by one was a serial chain of
-/// sixteen scalar operations per reduction (with two reductions of a 28-key row, most of W4's
-/// attention softmax under `perf`).
+/// sixteen scalar operations per reduction (two reductions of a 28-key row: the hottest
+/// instructions of W4's attention softmax under `perf`).
 #[inline(always)]
 pub(crate) fn across(mut acc: [f32; LANES], op: impl Fn(f32, f32) -> f32) -> f32 {
     let mut width = LANES / 2;
