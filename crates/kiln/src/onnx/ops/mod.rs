@@ -12,6 +12,7 @@ pub mod nn;
 pub mod norm;
 pub mod quant;
 pub mod recurrent;
+mod recurrent_host;
 pub mod shape;
 
 use burn::tensor::Device;

@@ -6,10 +6,11 @@
 //! recurrence, with the gates' element-wise arithmetic on the `[batch, gates · hidden]`
 //! result.
 
-use burn::tensor::{Tensor, activation};
+use burn::tensor::{DType, Tensor, TensorData, activation};
 
 use super::super::OnnxError;
 use super::super::value::{Value, ValueKind};
+use super::recurrent_host;
 
 /// Which recurrent cell.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -40,7 +41,8 @@ pub enum RnnActivation {
 }
 
 impl Cell {
-    fn gates(self) -> usize {
+    /// Gates per step: 4 (LSTM), 3 (GRU), 1 (RNN).
+    pub(super) fn gates(self) -> usize {
         match self {
             Cell::Lstm { .. } => 4,
             Cell::Gru { .. } => 3,
@@ -73,6 +75,13 @@ pub struct Recurrent {
     pub batch_first: bool,
     /// Cell clip threshold.
     pub clip: Option<f32>,
+}
+
+/// A tensor's values on the host, in its logical (row-major) order.
+fn host_f32<const D: usize>(t: Tensor<D>) -> Result<Vec<f32>, OnnxError> {
+    t.into_data()
+        .try_into_vec::<f32>()
+        .map_err(|e| OnnxError::Unsupported(format!("recurrent layer values: {e:?}")))
 }
 
 fn float(v: Value) -> Result<Value, OnnxError> {
@@ -144,6 +153,8 @@ pub fn run(
         }
     };
     let (h0, c0) = (state(initial_h)?, state(initial_c)?);
+    // Kiln's host loop on the CPU in f32 (recurrent_host.rs); Burn's operators elsewhere.
+    let host = crate::kernels::serves(&device) && x.dtype() == DType::F32;
     let flat = x.reshape([steps * batch, input]);
     let mut ys = Vec::with_capacity(dirs);
     let mut hs = Vec::with_capacity(dirs);
@@ -181,6 +192,33 @@ pub fn run(
         let xw = xw.reshape([steps, batch, g * h]);
         let mut hidden = h0.clone().narrow(0, d, 1).reshape([batch, h]);
         let mut cell = c0.clone().narrow(0, d, 1).reshape([batch, h]);
+        if host {
+            let lbr_bias = match (&rb, gru_lbr) {
+                (Some(rb), true) => Some(host_f32(rb.clone())?),
+                _ => None,
+            };
+            let (xw, rt) = (host_f32(xw)?, host_f32(rd)?);
+            let operands = recurrent_host::Operands {
+                cell: spec.cell,
+                clip: spec.clip,
+                hidden: h,
+                batch,
+                reverse,
+                xw: &xw,
+                rt: &rt,
+                lbr_bias: lbr_bias.as_deref(),
+            };
+            let out = recurrent_host::run(&operands, host_f32(hidden)?, host_f32(cell)?);
+            let state =
+                |v: Vec<f32>| Tensor::<2>::from_data(TensorData::new(v, [batch, h]), &device);
+            ys.push(Tensor::<3>::from_data(
+                TensorData::new(out.ys, [steps, batch, h]),
+                &device,
+            ));
+            hs.push(state(out.hidden));
+            cs.push(state(out.cell));
+            continue;
+        }
         let mut outs: Vec<Tensor<2>> = Vec::with_capacity(steps);
         let clip = |t: Tensor<2>| match spec.clip {
             Some(c) => t.clamp(-c, c),
@@ -271,4 +309,99 @@ pub fn run(
         out.push(Value::float(yc));
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::tensor::{Device, Distribution};
+
+    fn random<const D: usize>(dims: [usize; D], device: &Device) -> Value {
+        Value::float(Tensor::<D>::random(
+            dims,
+            Distribution::Normal(0.0, 0.6),
+            device,
+        ))
+    }
+
+    /// Kiln's host loop (recurrent_host.rs) against the layer on Burn's operators, for every
+    /// cell and variant: LSTM plain and coupled, GRU with and without linear_before_reset,
+    /// RNN's three activations, clip, each direction, biases and initial states, batch-first.
+    #[test]
+    fn the_host_loop_matches_burns_operators_for_every_cell() {
+        let device = Device::flex();
+        let (steps, batch, input, hidden) = (5, 3, 4, 6);
+        let cells = [
+            Cell::Lstm { coupled: false },
+            Cell::Lstm { coupled: true },
+            Cell::Gru {
+                linear_before_reset: false,
+            },
+            Cell::Gru {
+                linear_before_reset: true,
+            },
+            Cell::Rnn(RnnActivation::Tanh),
+            Cell::Rnn(RnnActivation::Relu),
+            Cell::Rnn(RnnActivation::Sigmoid),
+        ];
+        let directions = [
+            Direction::Forward,
+            Direction::Reverse,
+            Direction::Bidirectional,
+        ];
+        for cell in cells {
+            for direction in directions {
+                for (clip, batch_first) in [(None, false), (Some(0.7), true)] {
+                    let spec = Recurrent {
+                        cell,
+                        direction,
+                        hidden,
+                        batch_first,
+                        clip,
+                    };
+                    let dirs = if direction == Direction::Bidirectional {
+                        2
+                    } else {
+                        1
+                    };
+                    let g = cell.gates() * hidden;
+                    let x_dims = if batch_first {
+                        [batch, steps, input]
+                    } else {
+                        [steps, batch, input]
+                    };
+                    let state_dims = if batch_first {
+                        [batch, dirs, hidden]
+                    } else {
+                        [dirs, batch, hidden]
+                    };
+                    let operands = (
+                        random(x_dims, &device),
+                        random([dirs, g, input], &device),
+                        random([dirs, g, hidden], &device),
+                        random([dirs, 2 * g], &device),
+                        random(state_dims, &device),
+                        random(state_dims, &device),
+                    );
+                    let run_with = |kernels: bool| {
+                        let _scope = crate::kernels::Scope::enter(kernels);
+                        let (x, w, r, b, h0, c0) = operands.clone();
+                        let c0 = matches!(cell, Cell::Lstm { .. }).then_some(c0);
+                        run(&spec, x, w, r, Some(b), Some(h0), c0).expect("the layer runs")
+                    };
+                    let (host, burn) = (run_with(true), run_with(false));
+                    assert_eq!(host.len(), burn.len());
+                    for (i, (a, b)) in host.into_iter().zip(burn).enumerate() {
+                        assert_eq!(a.dims(), b.dims(), "{spec:?} output {i}");
+                        let (a, b) = (a.to_f32s().expect("f32"), b.to_f32s().expect("f32"));
+                        let err = a
+                            .iter()
+                            .zip(&b)
+                            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                        assert!(err < 1e-5, "{spec:?} output {i}: {err:e}");
+                    }
+                }
+            }
+        }
+    }
 }
