@@ -1,4 +1,4 @@
-# Sourced by bench/serve_perf.sh and bench/soak.sh: finds NVIDIA perf_analyzer and sets $pa
+# Sourced by bench/serve_perf.sh, bench/soak.sh and bench/serve_video.sh: finds NVIDIA perf_analyzer and sets $pa
 # (and LD_LIBRARY_PATH for its CUDA runtime stub). With $setup = 1 it first installs it into
 # ${TMPDIR:-/tmp}/kiln-perf-venv: tritonclient 2.50.0 is the last PyPI wheel that ships the
 # binary; it needs Debian's libb64-0d and PyPI's nvidia-cuda-runtime-cu12, nothing else of CUDA.
@@ -21,3 +21,12 @@ cudart=$(ls -d "$venv"/lib/python3*/site-packages/nvidia/cuda_runtime/lib 2>/dev
 if [ -n "$cudart" ]; then
   export LD_LIBRARY_PATH="$cudart${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
+
+# wait_for_serve WORK TRIES: waits up to TRIES × 0.1 s for the `kiln serve` writing to
+# WORK/serve.out to print its listening line, then sets $http_addr and $grpc_addr from it;
+# stops the script, naming WORK/serve.log, when the server did not start.
+wait_for_serve() {
+  for _ in $(seq "$2"); do grep -q listening "$1/serve.out" 2>/dev/null && break; sleep 0.1; done
+  read -r http_addr grpc_addr < <(awk '/listening/ {print $4, $6}' "$1/serve.out")
+  [ -n "${grpc_addr:-}" ] || { echo "kiln serve did not start (see $1/serve.log)" >&2; exit 1; }
+}

@@ -59,8 +59,7 @@ $kiln serve --models "$work/models" --http-port 0 --grpc-port 0 --threads "$thre
   >"$work/serve.out" 2>"$work/serve.log" &
 server=$!
 trap 'kill $server 2>/dev/null || true' EXIT
-for _ in $(seq 200); do grep -q listening "$work/serve.out" 2>/dev/null && break; sleep 0.1; done
-read -r http_addr grpc_addr < <(awk '/listening/ {print $4, $6}' "$work/serve.out")
+wait_for_serve "$work" 200
 if [ "$protocol" = grpc ]; then url=$grpc_addr; else url=$http_addr; fi
 echo "== kiln serve (stage threads $stage_threads, inline up to $inline_bytes bytes, batching delay $delay us): http $http_addr grpc $grpc_addr; perf_analyzer over $protocol" >&2
 

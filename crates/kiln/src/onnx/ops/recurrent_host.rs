@@ -114,9 +114,7 @@ pub fn run(d: &Operands<'_>, mut hidden: Vec<f32>, mut cell: Vec<f32>) -> Output
         match d.cell {
             Cell::Lstm { coupled } => {
                 recur(&mut z, &hidden, 0, gh);
-                if let Some(c) = d.clip {
-                    z.iter_mut().for_each(|v| *v = v.clamp(-c, c));
-                }
+                z.iter_mut().for_each(|v| *v = clip(*v));
                 // ONNX's gate order: input, output, forget, cell.
                 for zb in z.chunks_exact_mut(gh) {
                     sigmoid(&mut zb[..3 * h]);
