@@ -648,7 +648,7 @@ fn optimized_infer(
     tracing::info!(
         "{}: int8 on {} of {} layers: {}",
         model.name(),
-        choice.quantized().len(),
+        choice.applied().len(),
         choice.layers.len(),
         choice.reason
     );

@@ -8,7 +8,7 @@ mod data_cmd;
 mod image_bench;
 mod launch;
 mod onnx_bench;
-mod onnx_int8_choice;
+mod onnx_layer_choice;
 mod onnx_optimize;
 mod optimize_cmd;
 mod profile_cmd;
@@ -327,8 +327,8 @@ struct OptimizeArgs {
     /// A checkpoint file, or a checkpoint directory (its newest checkpoint is used).
     #[arg(long, required_unless_present = "onnx")]
     checkpoint: Option<PathBuf>,
-    /// An ONNX file to optimize instead of a zoo checkpoint (passes: fold, int8; default
-    /// fold,int8); writes a servable model directory.
+    /// An ONNX file to optimize instead of a zoo checkpoint (passes: fold, winograd, int8;
+    /// default all three); writes a servable model directory.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["model", "checkpoint", "data"])]
     onnx: Option<PathBuf>,
     /// With --onnx: sizes of an input's dynamic axes after the batch, `NAME=D1,D2`.
@@ -336,7 +336,7 @@ struct OptimizeArgs {
     input_dims: Vec<String>,
     /// Passes to apply in order, comma-separated: strip, fold, int8, and f16 or bf16
     /// (half-precision weights for GPU inference; emulated, slow, on a CPU). Default: the
-    /// plan's `infer.passes` (advanced: strip,fold,int8; basic: strip,fold).
+    /// plan's `infer.passes` (advanced: strip,fold,winograd,int8; basic: strip,fold).
     #[arg(long)]
     passes: Option<String>,
     /// Output directory (model.kgraph, model.onnx when exportable, summary.md, summary.json).
@@ -698,7 +698,8 @@ fn parse_input_dims(
 
 /// `kiln optimize --onnx`: the ONNX passes, measured stage by stage ([`onnx_optimize`]).
 fn run_onnx_optimize(args: OptimizeArgs) -> anyhow::Result<()> {
-    let passes = kiln::onnx::OnnxPass::parse_list(args.passes.as_deref().unwrap_or("fold,int8"))?;
+    let passes =
+        kiln::onnx::OnnxPass::parse_list(args.passes.as_deref().unwrap_or("fold,winograd,int8"))?;
     let plan = optimize_cmd::resolve_plan(&args)?;
     onnx_optimize::run(&onnx_optimize::OnnxOptimize {
         device: plan.backend.device(),

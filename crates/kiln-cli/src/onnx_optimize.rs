@@ -14,7 +14,7 @@ use kiln::onnx::{OnnxModel, OnnxPass, Value};
 use serde::Serialize;
 
 use crate::onnx_bench::{input_shapes, make_inputs, time_kiln};
-use crate::onnx_int8_choice;
+use crate::onnx_layer_choice::{self, KeptPass};
 
 /// What `kiln optimize --onnx` does.
 pub struct OnnxOptimize {
@@ -53,7 +53,7 @@ struct Stage {
     changes: Vec<String>,
     /// For a measured pass: kept or dropped, and the times that decided it.
     #[serde(skip_serializing_if = "Option::is_none")]
-    decision: Option<onnx_int8_choice::Decision>,
+    decision: Option<onnx_layer_choice::Decision>,
 }
 
 /// Runs the passes stage by stage, measures each, writes the model directory.
@@ -72,18 +72,19 @@ pub fn run(job: &OnnxOptimize) -> Result<()> {
     let reference = outputs(&model, &probe)?;
     let mut stages = Vec::new();
     let mut changes = Vec::new();
-    let mut kept: Vec<OnnxPass> = Vec::new();
+    // The passes applied so far, each with the layers it is limited to.
+    let mut kept: Vec<KeptPass> = Vec::new();
     let mut names: Vec<String> = Vec::new();
-    // The int8 layers when only some are kept (the serving config names them).
-    let mut int8_only: Option<Vec<String>> = None;
     for upto in 0..=job.passes.len() {
         let mut decision = None;
         if upto > 0 {
             let pass = job.passes[upto - 1];
-            if pass == OnnxPass::Int8 && !job.keep_all {
-                // Measured: int8 stays only on the layers, and in the form, that ran faster
-                // than the model without it at batch 1 and 8 (crate::onnx_int8_choice).
-                let choice = onnx_int8_choice::choose(
+            if matches!(pass, OnnxPass::Int8 | OnnxPass::Winograd) && !job.keep_all {
+                // Measured: the pass stays only on the layers, and in the form, that ran
+                // faster than the model without it at batch 1 and 8
+                // (crate::onnx_layer_choice).
+                let choice = onnx_layer_choice::choose(
+                    pass,
                     &load,
                     &kept,
                     &model,
@@ -91,21 +92,20 @@ pub fn run(job: &OnnxOptimize) -> Result<()> {
                     job.steps,
                 )?;
                 changes = choice.changes;
+                names.push(if choice.decision.kept {
+                    pass.name().to_string()
+                } else {
+                    format!("({} dropped)", pass.name())
+                });
                 decision = Some(choice.decision);
-                match choice.model {
-                    Some(m) => {
-                        model = m;
-                        kept.push(pass);
-                        int8_only = choice.only;
-                        names.push(pass.name().to_string());
-                    }
-                    // The model stays as it was before this stage.
-                    None => names.push(format!("({} dropped)", pass.name())),
+                if let Some(m) = choice.model {
+                    model = m;
                 }
+                kept.extend(choice.applied);
             } else {
                 let report = model.apply(pass)?;
                 changes = report.changes;
-                kept.push(pass);
+                kept.push((pass, None));
                 names.push(pass.name().to_string());
             }
         }
@@ -131,7 +131,7 @@ pub fn run(job: &OnnxOptimize) -> Result<()> {
         }
         stages.push(stage);
     }
-    write_model_dir(job, &kept, int8_only.as_deref(), &stages)?;
+    write_model_dir(job, &kept, &stages)?;
     if job.json {
         println!("{}", serde_json::to_string(&stages)?);
     } else {
@@ -183,12 +183,7 @@ fn compare(ours: &[(Vec<f32>, Vec<usize>)], reference: &[(Vec<f32>, Vec<usize>)]
 }
 
 /// The model directory: the file, a serving config with the passes, the summary.
-fn write_model_dir(
-    job: &OnnxOptimize,
-    kept: &[OnnxPass],
-    int8_only: Option<&[String]>,
-    stages: &[Stage],
-) -> Result<()> {
+fn write_model_dir(job: &OnnxOptimize, kept: &[KeptPass], stages: &[Stage]) -> Result<()> {
     std::fs::create_dir_all(&job.out).with_context(|| format!("creating {}", job.out.display()))?;
     let file = job.out.join("model.onnx");
     if job.path.canonicalize().ok() != file.canonicalize().ok() {
@@ -210,13 +205,22 @@ fn write_model_dir(
         } else {
             format!("input_dims = {{ {} }}\n", dims.join(", "))
         };
-        // The passes that were kept (a measured pass that lost is not applied at load).
-        let passes: Vec<&str> = kept.iter().map(|p| p.name()).collect();
-        // Int8 on some layers only: the ones measured faster (a TOML array of node names).
-        let layers_line = int8_only.map_or(String::new(), |names| {
-            let quoted: Vec<String> = names.iter().map(|n| format!("{n:?}")).collect();
-            format!("int8_layers = [{}]\n", quoted.join(", "))
-        });
+        // The passes that were kept (a measured pass that lost is not applied at load, but
+        // a Winograd that lost everywhere is, on no layer).
+        let passes: Vec<&str> = kept.iter().map(|(p, _)| p.name()).collect();
+        // A pass on some layers only: the ones measured faster (a TOML array of node names).
+        let layers_line: String = kept
+            .iter()
+            .filter_map(|(p, only)| {
+                let key = match p {
+                    OnnxPass::Int8 => "int8_layers",
+                    OnnxPass::Winograd => "winograd_layers",
+                    OnnxPass::Fold => return None,
+                };
+                let quoted: Vec<String> = only.as_ref()?.iter().map(|n| format!("{n:?}")).collect();
+                Some(format!("{key} = [{}]\n", quoted.join(", ")))
+            })
+            .collect();
         let text = format!(
             "# kiln-serve model configuration (written by `kiln optimize --onnx`).\n\
              # Serve every model directory under the parent: kiln serve --models <parent>\n\

@@ -6,7 +6,7 @@ use kiln::data::{Dataset, collate};
 use kiln::datasets::{self, Split};
 use kiln::infer::{
     self, CandidateTiming, InferenceSession, LayerTiming, LogitDelta, Pass, Probe, choose_int8,
-    onnx_export, pass_pays,
+    choose_winograd, onnx_export, pass_pays,
 };
 use kiln::observe::timing::measure;
 use kiln::plan::Plan;
@@ -43,19 +43,12 @@ struct Decision {
     pass: &'static str,
     kept: bool,
     reason: String,
-    /// Int8: each candidate layer's time in f32 and int8.
+    /// Int8 and winograd: each candidate layer's time without and with the pass.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     layers: Vec<LayerTiming>,
-    /// Int8: the whole-model forms timed.
+    /// Int8 and winograd: the whole-model forms timed.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     candidates: Vec<CandidateTiming>,
-}
-
-/// Passes that can make a model slower on some machine, so are measured before they are
-/// kept: int8 (AVX2's integer kernel is no faster than f32 on large convolutions) and the
-/// half-precision passes (emulated on a CPU). Strip and fold only remove work.
-fn can_lose(pass: Pass) -> bool {
-    matches!(pass, Pass::Int8 | Pass::F16 | Pass::Bf16)
 }
 
 /// The plan for `kiln optimize`: the same road as `kiln train` (config file, level, flags;
@@ -140,16 +133,20 @@ pub fn run(args: OptimizeArgs) -> Result<()> {
         let before = graph.clone();
         if upto > 0 {
             let pass = passes[upto - 1];
-            let measured = !args.keep_all && can_lose(pass);
+            let measured = !args.keep_all && pass.can_lose();
             let (kept, why) = match pass {
                 _ if !measured => {
                     changes = pass.apply(&mut graph)?;
                     (true, String::new())
                 }
-                Pass::Int8 => {
-                    let choice = choose_int8(&graph, &probe)?;
+                Pass::Int8 | Pass::Winograd => {
+                    let choice = if pass == Pass::Int8 {
+                        choose_int8(&graph, &probe)?
+                    } else {
+                        choose_winograd(&graph, &probe)?
+                    };
                     changes = choice.apply(&mut graph)?;
-                    let kept = !choice.quantized().is_empty();
+                    let kept = choice.kept();
                     let why = choice.reason.clone();
                     decision = Some(choice);
                     (kept, why)
@@ -196,7 +193,7 @@ pub fn run(args: OptimizeArgs) -> Result<()> {
         let (reference_logits, reference_accuracy) =
             reference.get_or_insert_with(|| (predictions.logits.clone(), predictions.accuracy));
         let drop_points = (*reference_accuracy - predictions.accuracy) * 100.0;
-        let measured = upto > 0 && !args.keep_all && can_lose(passes[upto - 1]);
+        let measured = upto > 0 && !args.keep_all && passes[upto - 1].can_lose();
         if measured && drop_points > args.max_accuracy_drop && graph != before {
             // The pass costs more accuracy than the budget: the model stays as it was.
             graph = before;
@@ -346,7 +343,8 @@ fn render(kind: ModelKind, stages: &[Stage], onnx_note: &str) -> String {
     s
 }
 
-/// A measured pass: kept or dropped and why; for int8 the per-layer and whole-model times.
+/// A measured pass: kept or dropped and why; for int8 and winograd the per-layer and
+/// whole-model times.
 fn render_decision(d: &Decision) -> String {
     let mut s = format!(
         "\n## {}: {}\n\n{}\n",
@@ -361,19 +359,23 @@ fn render_decision(d: &Decision) -> String {
             .join(" / ")
     };
     if !d.layers.is_empty() {
-        s.push_str("\n| layer | kind | f32 ms | int8 ms | int8 |\n|---|---|---:|---:|---|\n");
+        let (without, with, stays) = if d.pass == "int8" {
+            ("f32", "int8", "slower: stays f32")
+        } else {
+            ("implicit GEMM", "Winograd", "slower: implicit GEMM")
+        };
+        s.push_str(&format!(
+            "\n| layer | kind | {without} ms | {with} ms | {} |\n|---|---|---:|---:|---|\n",
+            d.pass
+        ));
         for l in &d.layers {
             s.push_str(&format!(
                 "| {} | {} | {} | {} | {} |\n",
                 l.name,
                 l.kind,
-                ms(&l.f32_ms),
-                ms(&l.int8_ms),
-                if l.int8_faster {
-                    "faster"
-                } else {
-                    "slower: stays f32"
-                }
+                ms(&l.without_ms),
+                ms(&l.with_ms),
+                if l.faster { "faster" } else { stays }
             ));
         }
     }

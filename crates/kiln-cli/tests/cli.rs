@@ -91,8 +91,8 @@ fn plan_shows_the_data_parallel_world_and_a_build_without_mpi_says_how_to_get_it
     let o = kiln(&["plan", "--level", "advanced"]);
     let text = stdout(&o);
     assert!(
-        text.contains("inference passes: strip,fold,int8")
-            && text.contains("keeps int8 only where the model measures faster")
+        text.contains("inference passes: strip,fold,winograd,int8")
+            && text.contains("keeps winograd, int8 only where the model measures faster")
             && text.contains("Int8 kernel on this CPU:"),
         "{text}"
     );
@@ -577,13 +577,13 @@ fn optimize_reports_each_pass_and_writes_the_model() {
     assert_eq!(layers.len(), 3, "the MLP's three linear layers: {decision}");
     for l in layers {
         assert_eq!(
-            l["f32_ms"].as_array().unwrap().len(),
+            l["without_ms"].as_array().unwrap().len(),
             2,
             "batch 1 and 16: {l}"
         );
     }
     let candidates = decision["candidates"].as_array().unwrap();
-    assert_eq!(candidates[0]["label"], "f32");
+    assert_eq!(candidates[0]["label"], "without int8");
     let ms = |c: &serde_json::Value| -> Vec<f64> {
         c["ms"]
             .as_array()
@@ -605,7 +605,7 @@ fn optimize_reports_each_pass_and_writes_the_model() {
         let kept = candidates
             .iter()
             .find(|c| {
-                let names: Vec<&str> = c["quantized"]
+                let names: Vec<&str> = c["layers"]
                     .as_array()
                     .unwrap()
                     .iter()
@@ -624,7 +624,8 @@ fn optimize_reports_each_pass_and_writes_the_model() {
             decision["reason"]
                 .as_str()
                 .unwrap()
-                .contains("no int8 form")
+                .contains("no other form measured faster than without int8"),
+            "{decision}"
         );
     }
     let md = std::fs::read_to_string(measured.join("summary.md")).unwrap();
@@ -1439,7 +1440,8 @@ fn onnx_model(name: &str) -> String {
 /// `kiln optimize --onnx`: a row per stage (f32, fold, fold+int8) on an exported ResNet whose
 /// BatchNorms the exporter left in place; folding removes them without moving the outputs,
 /// int8 shrinks the weights and stays near; the output directory is a servable model whose
-/// config applies the same passes.
+/// config applies the same passes. Measured (the default passes), Winograd and int8 are each
+/// kept only in the form that timed fastest.
 #[test]
 fn optimize_onnx_reports_each_pass_and_writes_a_servable_model() {
     let dir = tempdir("optimize-onnx");
@@ -1449,6 +1451,8 @@ fn optimize_onnx_reports_each_pass_and_writes_a_servable_model() {
         "optimize",
         "--onnx",
         &model,
+        "--passes",
+        "fold,int8",
         "--out",
         out.to_str().unwrap(),
         "--steps",
@@ -1479,8 +1483,9 @@ fn optimize_onnx_reports_each_pass_and_writes_a_servable_model() {
     assert!(config.contains("backend = \"onnx\"") && config.contains("passes = \"fold,int8\""));
     assert!(out.join("model.onnx").exists() && out.join("summary.md").exists());
 
-    // Measured (the default): int8 stays only when the int8 model timed faster at batch 1
-    // and 8, and the servable config applies exactly the passes kept.
+    // Measured (the default fold,winograd,int8): Winograd stays on the 3×3 layers unless the
+    // implicit GEMM timed faster; int8 stays only when the int8 model timed faster at batch 1
+    // and 8; the servable config applies exactly the passes and layers kept.
     let measured = dir.join("resnet-measured");
     let o = kiln(&[
         "optimize",
@@ -1496,8 +1501,8 @@ fn optimize_onnx_reports_each_pass_and_writes_a_servable_model() {
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let stages: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
-    let decision = &stages[2]["decision"];
-    assert_eq!(decision["pass"], "int8", "{}", stages[2]);
+    let stages = stages.as_array().unwrap();
+    assert_eq!(stages.len(), 4, "f32, fold, winograd, int8");
     let ms = |c: &serde_json::Value| -> Vec<f64> {
         c["ms"]
             .as_array()
@@ -1506,35 +1511,75 @@ fn optimize_onnx_reports_each_pass_and_writes_a_servable_model() {
             .map(|v| v.as_f64().unwrap())
             .collect()
     };
+    let config = std::fs::read_to_string(measured.join("config.toml")).unwrap();
+    // Winograd: the base is the kernels' default (Winograd on every layer it ran on).
+    let winograd = &stages[2]["decision"];
+    assert_eq!(winograd["pass"], "winograd", "{}", stages[2]);
+    let candidates = winograd["candidates"].as_array().unwrap();
+    assert!(
+        candidates[0]["label"]
+            .as_str()
+            .unwrap()
+            .starts_with("winograd all"),
+        "{winograd}"
+    );
+    let layers = winograd["layers"].as_array().unwrap();
+    assert!(
+        !layers.is_empty(),
+        "resnet's 3×3 layers run as Winograd: {winograd}"
+    );
+    let chosen = &candidates[winograd["chosen"].as_u64().unwrap() as usize];
+    for (a, b) in ms(chosen).iter().zip(ms(&candidates[0])) {
+        assert!(*a <= b, "{winograd}");
+    }
+    let on = chosen["layers"].as_array().unwrap().len();
+    assert_eq!(
+        config.contains("winograd_layers = ["),
+        on < layers.len(),
+        "{config}"
+    );
+    assert_eq!(
+        winograd["kept"].as_bool().unwrap(),
+        on > 0,
+        "kept means Winograd on some layer: {winograd}"
+    );
+    let decision = &stages[3]["decision"];
+    assert_eq!(decision["pass"], "int8", "{}", stages[3]);
     let candidates = decision["candidates"].as_array().unwrap();
     assert_eq!(candidates[0]["label"], "without int8", "{decision}");
     let layers = decision["layers"].as_array().unwrap();
     assert!(!layers.is_empty(), "{decision}");
     for l in layers {
         assert_eq!(
-            l["f32_ms"].as_array().unwrap().len(),
+            l["without_ms"].as_array().unwrap().len(),
             2,
             "batch 1 and 8: {l}"
         );
     }
-    let config = std::fs::read_to_string(measured.join("config.toml")).unwrap();
     let chosen = &candidates[decision["chosen"].as_u64().unwrap() as usize];
+    let winograd_stage = stages[2]["passes"].as_str().unwrap();
     if decision["kept"].as_bool().unwrap() {
         // The kept form timed faster than the model without int8 at both batches, and the
         // servable config applies exactly it.
         for (a, b) in ms(chosen).iter().zip(ms(&candidates[0])) {
             assert!(*a < b, "{decision}");
         }
-        assert_eq!(stages[2]["passes"], "fold+int8");
-        assert!(config.contains("passes = \"fold,int8\""), "{config}");
-        let some = chosen["int8_layers"].as_array().unwrap().len() < layers.len();
+        assert_eq!(stages[3]["passes"], format!("{winograd_stage}+int8"));
+        assert!(
+            config.contains("passes = \"fold,winograd,int8\""),
+            "{config}"
+        );
+        let some = chosen["layers"].as_array().unwrap().len() < layers.len();
         assert_eq!(config.contains("int8_layers = ["), some, "{config}");
     } else {
-        assert_eq!(stages[2]["passes"], "fold+(int8 dropped)");
-        assert!(config.contains("passes = \"fold\""), "{config}");
+        assert_eq!(
+            stages[3]["passes"],
+            format!("{winograd_stage}+(int8 dropped)")
+        );
+        assert!(config.contains("passes = \"fold,winograd\""), "{config}");
         assert!(!config.contains("int8_layers"), "{config}");
-        // The model as kept is the folded one.
-        assert_eq!(stages[2]["nodes"], stages[1]["nodes"]);
+        // The model as kept is the one before int8.
+        assert_eq!(stages[3]["nodes"], stages[2]["nodes"]);
     }
 
     // A pass that does not exist is a clear error, exit status 2.

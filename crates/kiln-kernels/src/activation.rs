@@ -252,9 +252,9 @@ fn gelu_with(kernel: crate::base::isa::F32Kernel, values: &mut [f32]) {
     gelu_portable(values);
 }
 
-/// [`gelu8`] over the slice's whole registers, the portable loop for the rest (the loop's
-/// scalar-looking division vectorizes, but as `vdivps` per value where [`gelu8`] shares the
-/// polynomial's registers).
+/// [`gelu8`] over the slice, the tail through a padded register too: every value gets the
+/// same bits wherever it sits (the int8 epilogue's rectangles end anywhere, and a row's tail
+/// through the portable loop differed in the last bit from the same value in a register).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn gelu_avx2(values: &mut [f32]) {
@@ -265,7 +265,13 @@ unsafe fn gelu_avx2(values: &mut [f32]) {
         // SAFETY: each chunk holds exactly 8 values.
         unsafe { _mm256_storeu_ps(lane.as_mut_ptr(), gelu8(_mm256_loadu_ps(lane.as_ptr()))) };
     }
-    gelu_portable(rest);
+    if !rest.is_empty() {
+        let mut pad = [0f32; 8];
+        pad[..rest.len()].copy_from_slice(rest);
+        // SAFETY: `pad` holds 8 values.
+        unsafe { _mm256_storeu_ps(pad.as_mut_ptr(), gelu8(_mm256_loadu_ps(pad.as_ptr()))) };
+        rest.copy_from_slice(&pad[..rest.len()]);
+    }
 }
 
 /// [`gelu16`] over a slice, the tail through a masked register too: every value gets the

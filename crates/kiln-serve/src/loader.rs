@@ -152,14 +152,18 @@ fn classifier_backends(
             passes,
             input_dims,
             int8_layers,
+            winograd_layers,
         } => {
-            let int8_only: Option<BTreeSet<String>> =
-                int8_layers.as_ref().map(|l| l.iter().cloned().collect());
+            let set = |l: &Option<Vec<String>>| -> Option<BTreeSet<String>> {
+                l.as_ref().map(|l| l.iter().cloned().collect())
+            };
+            let (int8_only, winograd_only) = (set(int8_layers), set(winograd_layers));
             let onnx = OnnxLoad {
                 path,
                 passes,
                 input_dims,
                 int8_only: int8_only.as_ref(),
+                winograd_only: winograd_only.as_ref(),
             };
             return onnx_backends(name, &onnx, config, device);
         }
@@ -233,6 +237,8 @@ struct OnnxLoad<'a> {
     input_dims: &'a BTreeMap<String, Vec<usize>>,
     /// The `int8_layers` key: the int8 pass on these layers only.
     int8_only: Option<&'a BTreeSet<String>>,
+    /// The `winograd_layers` key: Winograd on these layers only.
+    winograd_only: Option<&'a BTreeSet<String>>,
 }
 
 fn onnx_backends(
@@ -257,8 +263,13 @@ fn onnx_backends(
             .map_err(|e| load_error(e.to_string()))?
             .with_kiln_kernels(kiln_kernels);
         for &pass in &passes {
+            let only = match pass {
+                OnnxPass::Int8 => onnx.int8_only,
+                OnnxPass::Winograd => onnx.winograd_only,
+                OnnxPass::Fold => None,
+            };
             let report = model
-                .apply_to(pass, onnx.int8_only)
+                .apply_to(pass, only)
                 .map_err(|e| load_error(e.to_string()))?;
             tracing::info!(model = name, pass = pass.name(), changes = ?report.changes, "pass applied");
         }

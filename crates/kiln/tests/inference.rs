@@ -929,3 +929,97 @@ fn a_users_own_model_lowers_through_the_contract_and_matches_its_forward() {
         "{reports:?}"
     );
 }
+
+/// A 3×3 stride-1 convolution wide enough for the kernels' Winograd rule: the measured
+/// choice finds it, times it both ways, keeps a form no slower than the implicit GEMM at
+/// every batch, and a layer kept on the implicit GEMM gives the same outputs (within
+/// Winograd's rounding), survives the graph file, and no longer runs as Winograd.
+#[test]
+fn winograd_is_measured_per_layer_and_a_slower_layer_stays_on_the_implicit_gemm() {
+    let device = Device::flex();
+    let (cin, cout) = (32, 32);
+    let mut graph = Graph::new("wide", [cin, 24, 24]);
+    let weights: Vec<f32> = (0..cout * cin * 9)
+        .map(|i| ((i * 7919) % 201) as f32 / 1000.0 - 0.1)
+        .collect();
+    let three_by_three = kiln::infer::ConvGeometry {
+        stride: [1, 1],
+        pads: [1; 4],
+        dilation: [1, 1],
+        groups: 1,
+        kernel: [3, 3],
+    };
+    let conv = graph.push(
+        "body.conv",
+        Op::Conv2d {
+            weight: Weight::new(vec![cout, cin, 3, 3], weights),
+            bias: Some(Weight::new(vec![cout], vec![0.05; cout])),
+            geometry: three_by_three,
+        },
+        vec![Graph::INPUT],
+    );
+    let relu = graph.push("body.relu", Op::Relu, vec![conv]);
+    let pooled = graph.push("pool", Op::GlobalAvgPool, vec![relu]);
+    graph.push("flat", Op::Flatten, vec![pooled]);
+    let images: Vec<Tensor<4>> = [1, 4]
+        .into_iter()
+        .map(|b| random_images([cin, 24, 24], b, &device))
+        .collect();
+    let probe = infer::Probe {
+        device: &device,
+        kiln_kernels: true,
+        images: &images,
+        steps: 2,
+    };
+    let choice = infer::choose_winograd(&graph, &probe).unwrap();
+    if kiln_kernels::base::isa::F32Kernel::detect() == kiln_kernels::base::isa::F32Kernel::Portable
+    {
+        // No Winograd without SIMD kernels: nothing to measure.
+        assert!(choice.layers.is_empty() && !choice.kept(), "{choice:?}");
+        return;
+    }
+    assert_eq!(choice.layers.len(), 1, "{choice:?}");
+    assert_eq!(choice.layers[0].name, "body.conv");
+    assert_eq!(choice.layers[0].with_ms.len(), 2, "batch 1 and 4");
+    assert_eq!(choice.candidates[0].label, "without winograd");
+    let base = &choice.candidates[0].ms;
+    let kept = &choice.candidates[choice.chosen].ms;
+    assert!(
+        choice.chosen == 0 || kept.iter().zip(base).all(|(k, b)| k < b),
+        "{choice:?}"
+    );
+    let mut measured = graph.clone();
+    choice.apply(&mut measured).unwrap();
+    assert_eq!(
+        measured.direct_convs.contains("body.conv"),
+        !choice.kept(),
+        "{choice:?}"
+    );
+
+    // The layer kept on the implicit GEMM: same outputs, recorded in the file, not Winograd.
+    let mut direct = graph.clone();
+    direct.direct_convs.insert("body.conv".into());
+    let dir = common::tempdir("infer", "winograd");
+    let path = dir.join("direct.kgraph");
+    infer::save_graph(&direct, &path).unwrap();
+    let loaded = infer::load_graph(&path).unwrap();
+    assert!(loaded.direct_convs.contains("body.conv"));
+    let on = infer::Executor::new(graph.clone(), &device).unwrap();
+    let off = infer::Executor::new(loaded, &device).unwrap();
+    let x = images[1].clone();
+    let a = values(on.forward(x.clone()).unwrap());
+    let b = values(off.forward(x).unwrap());
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let worst = a
+        .iter()
+        .zip(&b)
+        .fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+    assert!(worst <= 1e-5 * scale.max(1.0), "{worst} of {scale}");
+    // Two different computations: Winograd's transforms round differently.
+    assert!(
+        common::bitwise_differences(&a, &b).0 > 0,
+        "the same path ran twice"
+    );
+    assert_eq!(on.winograd_layers(), vec!["body.conv".to_string()]);
+    assert!(off.winograd_layers().is_empty());
+}

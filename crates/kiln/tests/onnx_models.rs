@@ -512,6 +512,58 @@ fn int8_on_named_layers_only_and_step_times_cover_every_step() {
     assert!(diff / scale < 0.2, "{}", diff / scale);
 }
 
+/// The Winograd pass limited to named convolutions (what `kiln optimize --onnx` keeps where
+/// the implicit GEMM timed faster for the others, and `kiln serve`'s `winograd_layers`
+/// applies): the kernels' default runs ResNet's 3×3 layers as Winograd; limited, only the
+/// named ones do; none, no layer does; every form matches ONNX Runtime's reference within
+/// 1e-4.
+#[test]
+fn winograd_on_named_layers_only_and_every_form_matches_the_reference() {
+    use kiln::onnx::OnnxPass;
+    use std::collections::BTreeSet;
+    if kiln_kernels::base::isa::F32Kernel::detect() == kiln_kernels::base::isa::F32Kernel::Portable
+    {
+        return;
+    }
+    let dir = models_dir();
+    let path = dir.join("resnet_unfolded.onnx");
+    let device = Device::default();
+    let bytes = std::fs::read(dir.join("resnet_unfolded.ref.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let inputs: Vec<kiln::onnx::Value> = model_inputs(&st, "b3")
+        .into_iter()
+        .map(|d| kiln::onnx::Value::from_data(d, &device).unwrap())
+        .collect();
+    let theirs = tensor(&st, "b3.out.0")
+        .unwrap()
+        .convert::<f32>()
+        .try_to_vec::<f32>()
+        .unwrap();
+    let run = |only: Option<&BTreeSet<String>>| {
+        let mut m = OnnxModel::load(&path, &device).unwrap();
+        m.apply(OnnxPass::Fold).unwrap();
+        let report = m.apply_to(OnnxPass::Winograd, only).unwrap();
+        let ours = m.run(inputs.clone()).unwrap()[0].to_f32s().unwrap();
+        let err = relative_error(&ours, &theirs);
+        assert!(err < 1e-4, "{only:?}: {err}");
+        (m.winograd_layers(), report.changes)
+    };
+    let (all, changes) = run(None);
+    assert!(all.len() >= 2, "{all:?}");
+    assert!(changes.is_empty(), "{changes:?}");
+    let only: BTreeSet<String> = all.iter().step_by(2).cloned().collect();
+    let (some, changes) = run(Some(&only));
+    assert_eq!(some.into_iter().collect::<BTreeSet<_>>(), only);
+    for name in all.iter().filter(|n| !only.contains(*n)) {
+        assert!(
+            changes.iter().any(|c| c.starts_with(&format!("{name}:"))),
+            "{name} not reported: {changes:?}"
+        );
+    }
+    let (none, _) = run(Some(&BTreeSet::new()));
+    assert!(none.is_empty(), "{none:?}");
+}
+
 /// A pass applied after the model has run (its weights already packed for the host kernels)
 /// takes effect: the fold rewires the convolutions to folded weights, which must be packed
 /// anew (`kiln optimize --onnx` measures each stage on one model this way).

@@ -195,6 +195,22 @@ impl ConvWeights {
         }
     }
 
+    /// These weights with the Winograd path turned off: every call runs the implicit GEMM.
+    /// For a layer measured slower in Winograd form on this machine (`kiln optimize` times
+    /// both; the kernel's own rule in [`crate::winograd`] is a static threshold).
+    pub fn without_winograd(self) -> Self {
+        ConvWeights {
+            winograd: OnceLock::from(None),
+            ..self
+        }
+    }
+
+    /// Whether a call with these weights has run as Winograd (the transformed weight is made
+    /// on the first such call): which layers `kiln optimize` measures both ways.
+    pub fn ran_winograd(&self) -> bool {
+        matches!(self.winograd.get(), Some(Some(_)))
+    }
+
     /// `[cout, cin, kh, kw]` (for grouped weights, `cin` is the input channels one panel
     /// reads; [`ConvWeights::input_channels`] is the image's).
     pub fn dims(&self) -> [usize; 4] {

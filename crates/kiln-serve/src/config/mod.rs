@@ -9,7 +9,8 @@
 //! # backend = "onnx": file = "model.onnx"; input_dims = { input_ids = [128] } fixes the
 //! # non-batch dynamic axes of an input (the server batches fixed-shape samples);
 //! # int8_layers = ["/fc1/Gemm"] limits passes' int8 to those nodes (kiln optimize --onnx
-//! # writes it when only some layers measured faster in int8)
+//! # writes it when only some layers measured faster in int8); winograd_layers = [...] the
+//! # same for the winograd pass (the other 3×3 convolutions stay on the implicit GEMM)
 //! max_batch_size = 64
 //! instances = 2                   # model copies running batches in parallel
 //! kind = "KIND_AUTO"              # where they run (Triton's instance kinds): KIND_CPU,
@@ -87,6 +88,9 @@ pub enum BackendConfig {
         /// With the `int8` pass: the layers (node names) it quantizes, when not all — what
         /// `kiln optimize --onnx` measured faster in int8 on its machine.
         int8_layers: Option<Vec<String>>,
+        /// With the `winograd` pass: the 3×3 convolutions that run as Winograd, when not all
+        /// — what `kiln optimize --onnx` measured faster that way on its machine.
+        winograd_layers: Option<Vec<String>>,
     },
     /// Returns its input unchanged (Triton's identity backend): measures the server itself.
     Identity {
@@ -534,6 +538,7 @@ struct RawConfig {
     dims: Option<Vec<usize>>,
     input_dims: Option<BTreeMap<String, Vec<usize>>>,
     int8_layers: Option<Vec<String>>,
+    winograd_layers: Option<Vec<String>>,
     datatype: Option<String>,
     execute_delay_microseconds: Option<u64>,
     kiln_kernels: Option<bool>,
@@ -618,6 +623,7 @@ impl ModelConfig {
                 passes: raw.passes.clone().unwrap_or_default(),
                 input_dims: raw.input_dims.clone().unwrap_or_default(),
                 int8_layers: raw.int8_layers.clone(),
+                winograd_layers: raw.winograd_layers.clone(),
             },
             "identity" => {
                 let datatype = raw.datatype.clone().unwrap_or_else(|| "FP32".into());
@@ -656,6 +662,7 @@ impl ModelConfig {
             ("dims", raw.dims.is_some()),
             ("input_dims", raw.input_dims.is_some()),
             ("int8_layers", raw.int8_layers.is_some()),
+            ("winograd_layers", raw.winograd_layers.is_some()),
             ("datatype", raw.datatype.is_some()),
             (
                 "execute_delay_microseconds",
@@ -677,6 +684,7 @@ impl ModelConfig {
                 "passes",
                 "input_dims",
                 "int8_layers",
+                "winograd_layers",
                 "kiln_kernels",
             ],
             BackendConfig::Identity { .. } => &["dims", "datatype", "execute_delay_microseconds"],

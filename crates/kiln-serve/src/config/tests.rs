@@ -232,33 +232,44 @@ fn bad_configs_name_the_problem() {
     }
 }
 
-/// `int8_layers` (written by `kiln optimize --onnx` when only some layers measured faster in
-/// int8) parses for the onnx backend and is refused, by name, for any other.
+/// `int8_layers` and `winograd_layers` (written by `kiln optimize --onnx` when a pass
+/// measured faster on only some layers) parse for the onnx backend, an empty list included
+/// (Winograd on no layer), and are refused, by name, for any other backend.
 #[test]
-fn int8_layers_belongs_to_onnx_models() {
-    let c = parse(
-        r#"
-backend = "onnx"
-file = "model.onnx"
-passes = "fold,int8"
-int8_layers = ["/fc1/Gemm", "/fc2/Gemm"]
-"#,
-    )
-    .unwrap();
-    match c.backend {
-        BackendConfig::Onnx { int8_layers, .. } => assert_eq!(
-            int8_layers,
-            Some(vec!["/fc1/Gemm".to_string(), "/fc2/Gemm".to_string()])
-        ),
-        other => panic!("{other:?}"),
+fn layer_lists_belong_to_onnx_models() {
+    for key in ["int8_layers", "winograd_layers"] {
+        for (list, want) in [
+            (
+                r#"["/fc1/Gemm", "/fc2/Gemm"]"#,
+                vec!["/fc1/Gemm", "/fc2/Gemm"],
+            ),
+            ("[]", Vec::new()),
+        ] {
+            let c = parse(&format!(
+                "backend = \"onnx\"\nfile = \"model.onnx\"\npasses = \"fold,winograd,int8\"\n\
+                 {key} = {list}\n"
+            ))
+            .unwrap();
+            let BackendConfig::Onnx {
+                int8_layers,
+                winograd_layers,
+                ..
+            } = c.backend
+            else {
+                panic!("{:?}", c.backend);
+            };
+            let got = if key == "int8_layers" {
+                int8_layers
+            } else {
+                winograd_layers
+            };
+            let want: Vec<String> = want.into_iter().map(String::from).collect();
+            assert_eq!(got, Some(want), "{key}");
+        }
+        let err = parse(&format!(
+            "backend = \"graph\"\ngraph = \"model.kgraph\"\n{key} = [\"fc1\"]\n"
+        ))
+        .unwrap_err();
+        assert!(err.contains(key), "{err}");
     }
-    let err = parse(
-        r#"
-backend = "graph"
-graph = "model.kgraph"
-int8_layers = ["fc1"]
-"#,
-    )
-    .unwrap_err();
-    assert!(err.contains("int8_layers"), "{err}");
 }

@@ -131,9 +131,14 @@ struct NhwcConv {
 }
 
 impl NhwcConv {
-    /// The host form of an f32 convolution without groups; `None` where the kernel does not
-    /// apply.
-    fn new(weight: &Weight, bias: Option<&Weight>, g: &ConvGeometry) -> Option<Self> {
+    /// The host form of an f32 convolution without groups (on the implicit GEMM only unless
+    /// `winograd`); `None` where the kernel does not apply.
+    fn new(
+        weight: &Weight,
+        bias: Option<&Weight>,
+        g: &ConvGeometry,
+        winograd: bool,
+    ) -> Option<Self> {
         let dims: [usize; 4] = weight.shape.clone().try_into().ok()?;
         let f32_only = weight.precision == crate::precision::Precision::F32
             && bias.is_none_or(|b| b.precision == crate::precision::Precision::F32);
@@ -144,8 +149,13 @@ impl NhwcConv {
         if bias.is_some_and(|b| b.len() != dims[0]) {
             return None;
         }
+        let weights = ConvWeights::pack(dims, &weight.values, bias);
         Some(NhwcConv {
-            weights: ConvWeights::pack(dims, &weight.values, bias),
+            weights: if winograd {
+                weights
+            } else {
+                weights.without_winograd()
+            },
             geometry: *g,
         })
     }
@@ -296,7 +306,10 @@ impl Executor {
                     options: conv_options(g),
                     nhwc: compute
                         .is_none()
-                        .then(|| NhwcConv::new(weight, bias.as_ref(), g).map(Box::new))
+                        .then(|| {
+                            let winograd = !graph.direct_convs.contains(&node.name);
+                            NhwcConv::new(weight, bias.as_ref(), g, winograd).map(Box::new)
+                        })
                         .flatten(),
                     relu: false,
                     pool: None,
@@ -410,6 +423,23 @@ impl Executor {
     /// Whether this executor's forwards use Kiln's kernels.
     pub fn kiln_kernels(&self) -> bool {
         self.kiln_kernels
+    }
+
+    /// The convolution nodes whose forwards so far ran as Winograd F(2×2, 3×3), in graph
+    /// order: what [`crate::infer::choose_winograd`] measures with and without it.
+    pub fn winograd_layers(&self) -> Vec<String> {
+        self.graph
+            .nodes
+            .iter()
+            .zip(&self.ops)
+            .filter(|(_, op)| match op {
+                Prepared::Conv {
+                    nhwc: Some(host), ..
+                } => host.weights.ran_winograd(),
+                _ => false,
+            })
+            .map(|(node, _)| node.name.clone())
+            .collect()
     }
 
     /// The graph being run.

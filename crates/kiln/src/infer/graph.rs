@@ -357,6 +357,11 @@ pub struct Graph {
     /// training. Absent in older files: f32.
     #[serde(default)]
     pub precision: Precision,
+    /// Convolutions kept on the implicit GEMM although the kernels' rule would run them as
+    /// Winograd F(2×2, 3×3): `kiln optimize` measured Winograd slower for them on the
+    /// machine it ran on ([`crate::infer::choose_winograd`]). Absent in older files: none.
+    #[serde(default)]
+    pub direct_convs: std::collections::BTreeSet<String>,
 }
 
 impl Graph {
@@ -368,6 +373,7 @@ impl Graph {
             nodes: Vec::new(),
             output: 0,
             precision: Precision::F32,
+            direct_convs: Default::default(),
         }
     }
 

@@ -30,8 +30,8 @@ pub use passes::{
     quantize_int8_layers, run_passes, strip_train_only, to_half_precision,
 };
 pub use select::{
-    CandidateTiming, Int8Choice, LayerTiming, Probe, choose_int8, fastest_form, mean_ratio,
-    pass_pays,
+    CandidateTiming, LayerPass, LayerTiming, PassChoice, Probe, choose_int8, choose_winograd,
+    fastest_form, mean_ratio, pass_pays,
 };
 pub use store::{graph_to_bytes, load_graph, save_graph};
 

@@ -1,5 +1,6 @@
-//! Measured keep/drop: which layers int8 quantization makes faster on this CPU, and whether
-//! a pass that can lose (int8, f16, bf16) makes the whole model faster at the batches asked.
+//! Measured keep/drop: which layers int8 quantization and Winograd make faster on this CPU,
+//! and whether a pass that can lose (int8, Winograd, f16, bf16) makes the whole model faster
+//! at the batches asked.
 //!
 //! Int8 is not a win everywhere. On an AVX2-only Zen 2 the integer multiplies issue on one
 //! pipe, no more products per cycle than f32's two FMA pipes, and int8 adds a quantization
@@ -8,13 +9,20 @@
 //! weights) is 3× faster (BENCHMARKS.md run 52). So the choice is measured, on the user's
 //! machine, with the user's model, the forms taking turns (see [`Probe::models_ms`]):
 //!
-//! 1. **Per layer**: every candidate layer's time in the all-f32 graph (plus the ReLU the int8
-//!    layer would absorb) against its time in the all-int8 graph ([`Executor::node_times`]),
-//!    at each batch asked for; a layer is quantized only where int8 is faster at every one.
-//! 2. **Per model**: the f32 graph, the per-layer choice and the all-int8 graph each run
-//!    whole; the one with the smallest geometric-mean time ratio to f32 among those faster
-//!    than f32 at every batch wins, f32 when none is — so the result is never slower than
-//!    the f32 model on the CPU it was measured on (up to the timing's noise).
+//! The same holds for Winograd: the kernels take a 3×3 stride-1 layer by a static rule
+//! (enough channels and tiles, few wasted multiply-adds), set on one machine; on another
+//! CPU, or at another batch, the implicit GEMM may win. Both are measured the same way:
+//!
+//! 1. **Per layer**: every layer's time in the graph without the pass (for int8 plus the
+//!    ReLU the int8 layer would absorb) against its time in the graph with the pass on every
+//!    layer ([`Executor::node_times`]), at each batch asked for; a layer leaves what it runs
+//!    without `kiln optimize` (f32; Winograd where the kernels' rule takes it) only where the
+//!    other form is faster at every batch.
+//! 2. **Per model**: the base — the model as it runs without `kiln optimize` — the per-layer
+//!    choice and the other extreme each run whole; the one with the smallest geometric-mean
+//!    time ratio to the base among those faster than it at every batch wins, the base when
+//!    none is — so the result is never slower than the model was on the CPU it was measured
+//!    on (up to the timing's noise).
 
 use std::collections::BTreeSet;
 
@@ -27,59 +35,145 @@ use super::passes::{int8_candidate, quantize_int8_layers};
 use crate::error::Result;
 use crate::observe::timing::{measure, median};
 
-/// What measuring found for one layer int8 could quantize.
+/// A pass `kiln optimize` measures layer by layer and then as a whole model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LayerPass {
+    /// Int8 quantization of linear layers and ungrouped convolutions.
+    Int8,
+    /// Winograd F(2×2, 3×3) for the 3×3 stride-1 convolutions the kernels' rule gives it
+    /// ([`kiln_kernels::winograd`]): a static threshold, which this pass checks by timing.
+    Winograd,
+}
+
+impl LayerPass {
+    /// Name in reports and `--passes`.
+    pub fn name(self) -> &'static str {
+        match self {
+            LayerPass::Int8 => "int8",
+            LayerPass::Winograd => "winograd",
+        }
+    }
+
+    /// Whether the kernels apply the pass without `kiln optimize` (Winograd): the model with
+    /// it everywhere is then the base the other forms must beat.
+    fn on_by_default(self) -> bool {
+        self == LayerPass::Winograd
+    }
+
+    /// The layers the pass could change on `graph`, in graph order: int8's candidates, or
+    /// the convolutions that run as Winograd at the probe's batches.
+    fn layers(self, graph: &Graph, probe: &Probe) -> Result<Vec<String>> {
+        match self {
+            LayerPass::Int8 => Ok(graph
+                .nodes
+                .iter()
+                .filter(|n| int8_candidate(n))
+                .map(|n| n.name.clone())
+                .collect()),
+            LayerPass::Winograd => {
+                let mut open = graph.clone();
+                open.direct_convs.clear();
+                let exec = probe.executor(&open)?;
+                for images in probe.images {
+                    exec.forward(images.clone())?;
+                }
+                Ok(exec.winograd_layers())
+            }
+        }
+    }
+
+    /// Applies the pass to the `only` layers of `layers` (every one when `None`), returning
+    /// the changes made.
+    fn apply(
+        self,
+        graph: &mut Graph,
+        layers: &[String],
+        only: Option<&BTreeSet<String>>,
+    ) -> Result<Vec<String>> {
+        match self {
+            LayerPass::Int8 => quantize_int8_layers(graph, only),
+            LayerPass::Winograd => {
+                let mut changes = Vec::new();
+                for name in layers {
+                    let winograd = only.is_none_or(|o| o.contains(name));
+                    if winograd {
+                        graph.direct_convs.remove(name);
+                    } else {
+                        graph.direct_convs.insert(name.clone());
+                        changes.push(format!("{name}: implicit GEMM (Winograd measured slower)"));
+                    }
+                }
+                Ok(changes)
+            }
+        }
+    }
+}
+
+/// What measuring found for one layer the pass could change.
 #[derive(Debug, Clone, Serialize)]
 pub struct LayerTiming {
     /// The layer's node name.
     pub name: String,
-    /// `Conv2d` or `Linear`.
+    /// `Conv` or `Gemm`.
     pub kind: &'static str,
-    /// Its f32 time (with the ReLU int8 would fuse), ms, per batch.
-    pub f32_ms: Vec<f64>,
-    /// Its int8 time, ms, per batch.
-    pub int8_ms: Vec<f64>,
-    /// Whether int8 measured faster at every batch.
-    pub int8_faster: bool,
+    /// Its time without the pass, ms, per batch (for int8: with the ReLU int8 would fuse).
+    pub without_ms: Vec<f64>,
+    /// Its time with the pass, ms, per batch.
+    pub with_ms: Vec<f64>,
+    /// Whether the layer keeps the pass: int8 where it measured faster at every batch,
+    /// Winograd (the kernels' default) unless the implicit GEMM measured faster at every one.
+    pub faster: bool,
 }
 
 /// One whole-model candidate's median forward time.
 #[derive(Debug, Clone, Serialize)]
 pub struct CandidateTiming {
-    /// `f32`, `int8 per layer (k of n)` or `int8 all`.
+    /// `without <pass>`, `<pass> per layer (k of n)` or `<pass> all (n)`.
     pub label: String,
     /// Median ms per forward, per batch.
     pub ms: Vec<f64>,
-    /// Layers it quantizes.
-    pub quantized: Vec<String>,
+    /// Layers it applies the pass to.
+    pub layers: Vec<String>,
 }
 
-/// The measured int8 decision for a graph.
+/// The measured decision for a pass on a graph.
 #[derive(Debug, Clone, Serialize)]
-pub struct Int8Choice {
-    /// Per candidate layer, in graph order.
+pub struct PassChoice {
+    /// The pass.
+    pub pass: LayerPass,
+    /// Per layer it could change, in graph order.
     pub layers: Vec<LayerTiming>,
-    /// The whole-model candidates (f32 first).
+    /// The whole-model candidates, the base first: the model without int8, or with Winograd
+    /// wherever the kernels' rule takes it.
     pub candidates: Vec<CandidateTiming>,
     /// Index into `candidates` of the one kept.
     pub chosen: usize,
     /// Why, in a sentence.
     pub reason: String,
+    /// Every layer the pass could change (what [`PassChoice::apply`] sets one way or the
+    /// other).
+    #[serde(skip)]
+    considered: Vec<String>,
 }
 
-impl Int8Choice {
-    /// The layers the kept candidate quantizes (empty: the model stays f32).
-    pub fn quantized(&self) -> &[String] {
-        &self.candidates[self.chosen].quantized
+impl PassChoice {
+    /// The layers the kept candidate applies the pass to (empty: none).
+    pub fn applied(&self) -> &[String] {
+        &self.candidates[self.chosen].layers
+    }
+
+    /// Whether the kept candidate applies the pass anywhere.
+    pub fn kept(&self) -> bool {
+        !self.applied().is_empty()
     }
 
     /// Applies the kept candidate to `graph` (the graph the choice was measured on).
     pub fn apply(&self, graph: &mut Graph) -> Result<Vec<String>> {
-        if self.quantized().is_empty() {
-            return Ok(vec![format!("int8 dropped: {}", self.reason)]);
-        }
-        let only: BTreeSet<String> = self.quantized().iter().cloned().collect();
-        let mut changes = quantize_int8_layers(graph, Some(&only))?;
-        changes.push(format!("int8 kept: {}", self.reason));
+        let only: BTreeSet<String> = self.applied().iter().cloned().collect();
+        let mut changes = self.pass.apply(graph, &self.considered, Some(&only))?;
+        let verdict = if self.kept() { "kept" } else { "dropped" };
+        changes.push(format!("{} {verdict}: {}", self.pass.name(), self.reason));
         Ok(changes)
     }
 }
@@ -207,57 +301,76 @@ pub fn fastest_form(times: &[Vec<f64>]) -> Option<usize> {
 }
 
 /// Measures where int8 pays on `graph` (already stripped and folded) and returns the choice;
-/// `graph` itself is not changed (see [`Int8Choice::apply`]).
-pub fn choose_int8(graph: &Graph, probe: &Probe) -> Result<Int8Choice> {
+/// `graph` itself is not changed (see [`PassChoice::apply`]).
+pub fn choose_int8(graph: &Graph, probe: &Probe) -> Result<PassChoice> {
+    choose_layers(LayerPass::Int8, graph, probe)
+}
+
+/// Measures, layer by layer and as a whole model, whether the convolutions the kernels run
+/// as Winograd are faster that way than on the implicit GEMM on this machine; `graph` is not
+/// changed (see [`PassChoice::apply`], which keeps the slower ones in
+/// [`Graph::direct_convs`]).
+pub fn choose_winograd(graph: &Graph, probe: &Probe) -> Result<PassChoice> {
+    choose_layers(LayerPass::Winograd, graph, probe)
+}
+
+/// The measured choice for `pass` on `graph` (the rule in this module's header).
+fn choose_layers(pass: LayerPass, graph: &Graph, probe: &Probe) -> Result<PassChoice> {
     let batches = probe.batches();
-    let names: Vec<String> = graph
-        .nodes
-        .iter()
-        .filter(|n| int8_candidate(n))
-        .map(|n| n.name.clone())
-        .collect();
+    let names = pass.layers(graph, probe)?;
+    let name = pass.name();
     if names.is_empty() {
-        return Ok(Int8Choice {
+        return Ok(PassChoice {
+            pass,
             layers: Vec::new(),
             candidates: vec![CandidateTiming {
-                label: "f32".into(),
+                label: format!("without {name}"),
                 ms: Vec::new(),
-                quantized: Vec::new(),
+                layers: Vec::new(),
             }],
             chosen: 0,
-            reason: "no linear layer or ungrouped convolution to quantize".into(),
+            reason: match pass {
+                LayerPass::Int8 => "no linear layer or ungrouped convolution to quantize",
+                LayerPass::Winograd => "no convolution runs as Winograd at these batches",
+            }
+            .into(),
+            considered: Vec::new(),
         });
     }
-    let mut all = graph.clone();
-    quantize_int8_layers(&mut all, None)?;
-    let layers = layer_timings(graph, &all, probe)?;
-    let faster: Vec<String> = layers
+    let form = |only: &[String]| -> Result<Graph> {
+        let mut g = graph.clone();
+        let only: BTreeSet<String> = only.iter().cloned().collect();
+        pass.apply(&mut g, &names, Some(&only))?;
+        Ok(g)
+    };
+    let (none, all) = (form(&[])?, form(&names)?);
+    let layers = layer_timings(&none, &all, &names, probe, pass.on_by_default())?;
+    let keep: Vec<String> = layers
         .iter()
-        .filter(|l| l.int8_faster)
+        .filter(|l| l.faster)
         .map(|l| l.name.clone())
         .collect();
-    let mut forms = vec![("f32".to_string(), graph.clone(), Vec::new())];
-    if !faster.is_empty() && faster.len() < names.len() {
-        let mut some = graph.clone();
-        let only: BTreeSet<String> = faster.iter().cloned().collect();
-        quantize_int8_layers(&mut some, Some(&only))?;
-        let label = format!("int8 per layer ({} of {})", faster.len(), names.len());
-        forms.push((label, some, faster));
+    // The base first: what the model runs without `kiln optimize` (f32 for int8; Winograd
+    // wherever the kernels' rule takes it).
+    let none_form = (format!("without {name}"), none, Vec::new());
+    let all_form = (format!("{name} all ({})", names.len()), all, names.clone());
+    let mut forms = if pass.on_by_default() {
+        vec![all_form, none_form]
+    } else {
+        vec![none_form, all_form]
+    };
+    if !keep.is_empty() && keep.len() < names.len() {
+        let label = format!("{name} per layer ({} of {})", keep.len(), names.len());
+        forms.insert(1, (label, form(&keep)?, keep));
     }
-    forms.push((format!("int8 all ({})", names.len()), all, names));
     let times = probe.models_ms(&forms.iter().map(|f| &f.1).collect::<Vec<_>>())?;
     let candidates: Vec<CandidateTiming> = forms
         .into_iter()
         .zip(times)
-        .map(|((label, _, quantized), ms)| CandidateTiming {
-            label,
-            ms,
-            quantized,
-        })
+        .map(|((label, _, layers), ms)| CandidateTiming { label, ms, layers })
         .collect();
-    let f32_ms = candidates[0].ms.clone();
+    let base = &candidates[0];
     let times: Vec<Vec<f64>> = candidates.iter().map(|c| c.ms.clone()).collect();
-    let best = fastest_form(&times).map(|i| (i, &candidates[i]));
     let show = |ms: &[f64]| {
         batches
             .iter()
@@ -266,22 +379,24 @@ pub fn choose_int8(graph: &Graph, probe: &Probe) -> Result<Int8Choice> {
             .collect::<Vec<_>>()
             .join(", ")
     };
-    let (chosen, reason) = match best {
-        Some((i, c)) => (
+    let (chosen, reason) = match fastest_form(&times) {
+        Some(i) => (
             i,
             format!(
-                "{} measured {:.2}× the f32 model's time ({} vs f32 {})",
-                c.label,
-                mean_ratio(&c.ms, &f32_ms),
-                show(&c.ms),
-                show(&f32_ms)
+                "{} measured {:.2}× the time of {} ({} vs {})",
+                candidates[i].label,
+                mean_ratio(&candidates[i].ms, &base.ms),
+                base.label,
+                show(&candidates[i].ms),
+                show(&base.ms)
             ),
         ),
         None => (
             0,
             format!(
-                "no int8 form measured faster than f32 at every batch (f32 {}; {})",
-                show(&f32_ms),
+                "no other form measured faster than {} at every batch ({}; {})",
+                base.label,
+                show(&base.ms),
                 candidates[1..]
                     .iter()
                     .map(|c| format!("{} {}", c.label, show(&c.ms)))
@@ -290,45 +405,60 @@ pub fn choose_int8(graph: &Graph, probe: &Probe) -> Result<Int8Choice> {
             ),
         ),
     };
-    Ok(Int8Choice {
+    Ok(PassChoice {
+        pass,
         layers,
         candidates,
         chosen,
         reason,
+        considered: names,
     })
 }
 
-/// Each candidate layer's time in the f32 graph (with the ReLU the int8 pass would fuse into
-/// it: a node of the f32 graph the int8 graph no longer has, reading the layer's output) and
-/// in the all-int8 graph.
-fn layer_timings(f32_graph: &Graph, int8_graph: &Graph, probe: &Probe) -> Result<Vec<LayerTiming>> {
-    let mut nodes = probe.nodes_ms(&[f32_graph, int8_graph])?;
-    let int8_nodes = nodes.pop().unwrap_or_default();
-    let f32_nodes = nodes.pop().unwrap_or_default();
-    let kept: BTreeSet<&str> = int8_graph.nodes.iter().map(|n| n.name.as_str()).collect();
+/// Each of the `names` layers' time in the graph without the pass (plus, for int8, the ReLU
+/// the pass fuses into it: a node of `without` that `with` no longer has, reading the
+/// layer's output) and in the graph with the pass on every one of them; whether the layer
+/// keeps the pass (`on_by_default`: unless it is slower at every batch; else only where it
+/// is faster at every batch).
+fn layer_timings(
+    without: &Graph,
+    with: &Graph,
+    names: &[String],
+    probe: &Probe,
+    on_by_default: bool,
+) -> Result<Vec<LayerTiming>> {
+    let mut nodes = probe.nodes_ms(&[without, with])?;
+    let with_nodes = nodes.pop().unwrap_or_default();
+    let without_nodes = nodes.pop().unwrap_or_default();
+    let kept: BTreeSet<&str> = with.nodes.iter().map(|n| n.name.as_str()).collect();
     let mut layers = Vec::new();
-    for (i, node) in f32_graph.nodes.iter().enumerate() {
-        if !int8_candidate(node) {
+    for (i, node) in without.nodes.iter().enumerate() {
+        if !names.contains(&node.name) {
             continue;
         }
-        let Some(j) = int8_graph.nodes.iter().position(|n| n.name == node.name) else {
+        let Some(j) = with.nodes.iter().position(|n| n.name == node.name) else {
             continue;
         };
-        let mut f32_ms = f32_nodes[i].clone();
-        for (k, reader) in f32_graph.nodes.iter().enumerate() {
+        let mut without_ms = without_nodes[i].clone();
+        for (k, reader) in without.nodes.iter().enumerate() {
             if reader.inputs.contains(&node.output) && !kept.contains(reader.name.as_str()) {
-                for (t, extra) in f32_ms.iter_mut().zip(&f32_nodes[k]) {
+                for (t, extra) in without_ms.iter_mut().zip(&without_nodes[k]) {
                     *t += extra;
                 }
             }
         }
-        let int8_ms = int8_nodes[j].clone();
+        let with_ms = with_nodes[j].clone();
         layers.push(LayerTiming {
             name: node.name.clone(),
             kind: node.op.kind(),
-            int8_faster: faster_everywhere(&int8_ms, &f32_ms),
-            f32_ms,
-            int8_ms,
+            // The layer leaves its default only where the other form is faster at every batch.
+            faster: if on_by_default {
+                !faster_everywhere(&without_ms, &with_ms)
+            } else {
+                faster_everywhere(&with_ms, &without_ms)
+            },
+            without_ms,
+            with_ms,
         });
     }
     Ok(layers)

@@ -195,6 +195,7 @@ impl Step {
             activation: None,
             residual: None,
             pool: false,
+            winograd: true,
             op,
         }
     }
@@ -240,6 +241,9 @@ struct Step {
     residual: Option<usize>,
     /// A 2×2, stride-2 max pool fused after this convolution's ReLU at load.
     pool: bool,
+    /// Whether this convolution may run as Winograd where the kernels' rule takes it (false:
+    /// the Winograd pass kept it on the implicit GEMM, measured faster there).
+    winograd: bool,
 }
 
 /// An imported ONNX model on a device.
@@ -411,6 +415,28 @@ impl OnnxModel {
             .filter(|s| matches!(s.op, StepOp::QLinear(_) | StepOp::QConv(_)))
             .map(|s| s.name.clone())
             .collect()
+    }
+
+    /// The names of the convolutions whose runs so far went through Winograd F(2×2, 3×3)
+    /// (what [`OnnxPass::Winograd`] can turn off), fused ones included.
+    pub fn winograd_layers(&self) -> Vec<String> {
+        let ran = |step: &Step| {
+            matches!(
+                step.packed.get(),
+                Some(Some(host::Packed::Conv(host::PackedConv::Dense(w)))) if w.ran_winograd()
+            )
+        };
+        let mut names = Vec::new();
+        for step in &self.steps {
+            match &step.op {
+                StepOp::ConcatConvs(c) => {
+                    names.extend(c.layers.iter().filter(|l| ran(l)).map(|l| l.name.clone()))
+                }
+                _ if ran(step) => names.push(step.name.clone()),
+                _ => {}
+            }
+        }
+        names
     }
 
     fn run_here(&self, inputs: Vec<Value>) -> Result<Vec<Value>, OnnxError> {
@@ -652,6 +678,7 @@ impl OnnxModel {
             act: step.fused_activation(),
             residual: step.residual,
             pool: step.pool,
+            winograd: step.winograd,
             device: &self.device,
         })
     }

@@ -244,12 +244,11 @@ impl fmt::Display for Plan {
 /// How `kiln optimize` treats the plan's inference passes on this machine: the passes that
 /// can make a model slower are kept only where they measure faster.
 pub fn measured_passes_rule(passes: &[crate::infer::Pass]) -> String {
-    use crate::infer::Pass;
     let names: Vec<&str> = passes.iter().map(|p| p.name()).collect();
     let kernel = kiln_kernels::base::isa::Int8Kernel::detect();
     let can_lose: Vec<&str> = passes
         .iter()
-        .filter(|p| matches!(p, Pass::Int8 | Pass::F16 | Pass::Bf16))
+        .filter(|p| p.can_lose())
         .map(|p| p.name())
         .collect();
     let rule = if can_lose.is_empty() {
@@ -257,9 +256,9 @@ pub fn measured_passes_rule(passes: &[crate::infer::Pass]) -> String {
     } else {
         format!(
             "kiln optimize keeps {} only where the model measures faster than without it on \
-             this machine, at batch 1 and at --batch (int8 layer by layer: a layer stays f32 \
-             where its int8 form timed slower), and within --max-accuracy-drop; --keep-all \
-             applies them unmeasured",
+             this machine, at batch 1 and at --batch (int8 and winograd layer by layer: a \
+             layer stays f32, or on the implicit GEMM, where that form timed faster), and \
+             within --max-accuracy-drop; --keep-all applies them unmeasured",
             can_lose.join(", ")
         )
     };

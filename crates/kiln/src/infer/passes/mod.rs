@@ -23,6 +23,11 @@ pub enum Pass {
     Strip,
     /// Fold inference BatchNorm into the preceding convolution or linear layer.
     Fold,
+    /// Winograd F(2×2, 3×3) for the 3×3 stride-1 convolutions the kernels' rule takes (a
+    /// static threshold; without this pass the rule applies as is). `kiln optimize` measures
+    /// it layer by layer and keeps a layer on the implicit GEMM where Winograd timed slower
+    /// ([`crate::infer::choose_winograd`]); applied unmeasured, it clears those marks.
+    Winograd,
     /// Int8 dynamic quantization of linear and convolution layers.
     Int8,
     /// Convolution and linear weights in IEEE half precision, those layers computed in it
@@ -35,16 +40,24 @@ pub enum Pass {
 impl Pass {
     /// The CPU optimization passes, in the order they are best applied (what `kiln optimize`
     /// and the `kiln-int8` benchmark case apply by default).
-    pub const ALL: [Pass; 3] = [Pass::Strip, Pass::Fold, Pass::Int8];
+    pub const ALL: [Pass; 4] = [Pass::Strip, Pass::Fold, Pass::Winograd, Pass::Int8];
 
     /// Every pass there is, for parsing and help.
-    pub const KNOWN: [Pass; 5] = [Pass::Strip, Pass::Fold, Pass::Int8, Pass::F16, Pass::Bf16];
+    pub const KNOWN: [Pass; 6] = [
+        Pass::Strip,
+        Pass::Fold,
+        Pass::Winograd,
+        Pass::Int8,
+        Pass::F16,
+        Pass::Bf16,
+    ];
 
     /// Config / CLI name.
     pub fn name(self) -> &'static str {
         match self {
             Pass::Strip => "strip",
             Pass::Fold => "fold",
+            Pass::Winograd => "winograd",
             Pass::Int8 => "int8",
             Pass::F16 => "f16",
             Pass::Bf16 => "bf16",
@@ -63,10 +76,18 @@ impl Pass {
                     .ok_or_else(|| KilnError::InvalidValue {
                         key: "passes".into(),
                         value: s.to_string(),
-                        expected: "a comma-separated list of strip, fold, int8, f16, bf16".into(),
+                        expected: "a comma-separated list of strip, fold, winograd, int8, f16, \
+                                   bf16"
+                            .into(),
                     })
             })
             .collect()
+    }
+
+    /// Whether the pass can make a model slower on some machine: `kiln optimize` keeps it
+    /// only where it measures faster.
+    pub fn can_lose(self) -> bool {
+        matches!(self, Pass::Winograd | Pass::Int8 | Pass::F16 | Pass::Bf16)
     }
 
     /// Applies the pass to `graph`, returning one line per change.
@@ -74,6 +95,10 @@ impl Pass {
         match self {
             Pass::Strip => Ok(strip_train_only(graph)),
             Pass::Fold => Ok(fold_batch_norm(graph)),
+            Pass::Winograd => {
+                graph.direct_convs.clear();
+                Ok(Vec::new())
+            }
             Pass::Int8 => quantize_int8(graph),
             Pass::F16 => to_half_precision(graph, Precision::F16),
             Pass::Bf16 => to_half_precision(graph, Precision::Bf16),

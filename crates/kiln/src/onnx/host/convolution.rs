@@ -167,11 +167,12 @@ pub(super) fn pack_conv(
     let [cout, per_group, kh, kw]: [usize; 4] = dims.try_into().ok()?;
     let bias = optional_constant(step, ins, 2, cout)?;
     if groups == 1 {
-        return Some(PackedConv::Dense(ConvWeights::pack(
-            [cout, per_group, kh, kw],
-            &weight,
-            bias.as_deref(),
-        )));
+        let weights = ConvWeights::pack([cout, per_group, kh, kw], &weight, bias.as_deref());
+        return Some(PackedConv::Dense(if step.winograd {
+            weights
+        } else {
+            weights.without_winograd()
+        }));
     }
     if per_group == 1 && groups == cout {
         return Some(PackedConv::Depthwise(DepthwiseWeights::pack(

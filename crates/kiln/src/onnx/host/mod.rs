@@ -99,6 +99,8 @@ pub(super) struct HostStep<'a> {
     pub residual: Option<usize>,
     /// A 2×2, stride-2 max pool fused after a Conv's ReLU.
     pub pool: bool,
+    /// Whether the convolution may run as Winograd ([`super::Step`]'s `winograd`).
+    pub winograd: bool,
     pub device: &'a Device,
 }
 

@@ -39,22 +39,28 @@ pub enum OnnxPass {
     /// the convolution's output and every parameter is a constant); one that follows
     /// something else becomes a precomputed per-channel `x · scale + shift`.
     Fold,
+    /// Winograd F(2×2, 3×3) for the 3×3 stride-1 convolutions the kernels' rule takes (the
+    /// default without this pass); limited to some layers (`only`), every other convolution
+    /// stays on the implicit GEMM — what `kiln optimize --onnx` keeps where Winograd timed
+    /// slower.
+    Winograd,
     /// Int8 dynamic quantization of Linear, Gemm, MatMul-by-a-constant and ungrouped Conv;
     /// a ReLU that is the only reader of such a layer runs in its epilogue.
     Int8,
 }
 
 impl OnnxPass {
-    /// Parses `fold,int8`; an unknown name is an error listing the known ones.
+    /// Parses `fold,winograd,int8`; an unknown name is an error listing the known ones.
     pub fn parse_list(list: &str) -> Result<Vec<OnnxPass>, OnnxError> {
         list.split(',')
             .map(str::trim)
             .filter(|s| !s.is_empty())
             .map(|s| match s {
                 "fold" => Ok(OnnxPass::Fold),
+                "winograd" => Ok(OnnxPass::Winograd),
                 "int8" => Ok(OnnxPass::Int8),
                 other => Err(OnnxError::Unsupported(format!(
-                    "pass `{other}` on an ONNX model; the passes are fold and int8"
+                    "pass `{other}` on an ONNX model; the passes are fold, winograd and int8"
                 ))),
             })
             .collect()
@@ -64,6 +70,7 @@ impl OnnxPass {
     pub fn name(self) -> &'static str {
         match self {
             OnnxPass::Fold => "fold",
+            OnnxPass::Winograd => "winograd",
             OnnxPass::Int8 => "int8",
         }
     }
@@ -123,8 +130,9 @@ impl OnnxModel {
         self.apply_to(pass, None)
     }
 
-    /// [`OnnxModel::apply`] with the int8 pass limited to the layers (node names) in `only`
-    /// — the layers `kiln optimize --onnx` measured faster in int8; other passes ignore it.
+    /// [`OnnxModel::apply`] with the int8 or Winograd pass limited to the layers (node names)
+    /// in `only` — the layers `kiln optimize --onnx` measured faster that way; the fold pass
+    /// ignores it.
     pub fn apply_to(
         &mut self,
         pass: OnnxPass,
@@ -137,6 +145,7 @@ impl OnnxModel {
         self.unfuse_concat_convs();
         let mut changes = match pass {
             OnnxPass::Fold => self.fold_batch_norm()?,
+            OnnxPass::Winograd => self.allow_winograd(only),
             OnnxPass::Int8 => self.quantize_int8(only)?,
         };
         // Weights packed by earlier runs may be stale now (a fold rewires a convolution to
@@ -167,6 +176,34 @@ impl OnnxModel {
             nodes_after: self.steps.len(),
             changes,
         })
+    }
+
+    /// Lets the 3×3 convolutions in `only` (every one when `None`) run as Winograd and keeps
+    /// the others on the implicit GEMM; one line per convolution kept off it.
+    fn allow_winograd(&mut self, only: Option<&BTreeSet<String>>) -> Vec<String> {
+        let mut changes = Vec::new();
+        for step in &mut self.steps {
+            // Only a 3×3, stride-1, ungrouped convolution can run as Winograd.
+            let Some(Node::Conv2d(n)) = step.op.node() else {
+                continue;
+            };
+            let c = &n.config;
+            if c.kernel_size != [3, 3]
+                || c.stride != [1, 1]
+                || c.dilation != [1, 1]
+                || c.groups != 1
+            {
+                continue;
+            }
+            step.winograd = only.is_none_or(|o| o.contains(&step.name));
+            if !step.winograd {
+                changes.push(format!(
+                    "{}: implicit GEMM (Winograd measured slower)",
+                    step.name
+                ));
+            }
+        }
+        changes
     }
 
     /// Bytes of the constants the model holds (int8 weights at one byte per element plus
