@@ -6,7 +6,8 @@
 //!
 //! - **U1**, a MobileNet-style depthwise-separable CNN on 3×32×32: a 3×3 stem, then blocks of
 //!   a depthwise 3×3 (or 5×5) convolution and a pointwise 1×1 convolution, each followed by
-//!   BatchNorm and ReLU (two blocks at stride 2), global average pooling, a linear head. Each
+//!   BatchNorm and ReLU (two blocks at stride 2), global average pooling
+//!   (`kiln::nn::global_avg_pool`), a linear head. Each
 //!   BatchNorm + ReLU is `kiln::nn::BatchNorm::forward_relu`, as `docs/own-model.md` tells a
 //!   user to write it: the ReLU fused into the normalization's passes (a separate
 //!   `relu(bn.forward(x))` cost U1 ~18% of its step in two extra passes each way,
@@ -24,7 +25,7 @@ use burn::tensor::{Device, Tensor};
 use kiln::burn;
 use kiln::nn::{
     BatchNorm, BatchNormConfig, Conv2d, Conv2dConfig, LayerNorm, LayerNormConfig, Linear,
-    LinearConfig, gelu, qkv_attention,
+    LinearConfig, gelu, global_avg_pool, qkv_attention,
 };
 use kiln::zoo::Classifier;
 
@@ -116,9 +117,7 @@ impl Classifier for MobileNetish {
             x = block.pointwise.forward(block.depthwise.forward(x));
         }
         // Global average pooling, as `x.mean(dim=(2, 3))` in PyTorch.
-        let [b, c, _, _] = x.dims();
-        let pooled: Tensor<2> = x.flatten::<3>(2, 3).mean_dim(2).reshape([b, c]);
-        self.head.forward(pooled)
+        self.head.forward(global_avg_pool(x))
     }
 
     fn check_input(&self, [c, _, _]: [usize; 3]) -> Result<(), String> {

@@ -188,6 +188,63 @@ fn kiln_max_pool_matches_burn_forward_and_gradient_under_autodiff() {
     }
 }
 
+/// Global average pooling (`kiln::nn::global_avg_pool`, and `kiln::nn::AdaptiveAvgPool2d`
+/// to `[1, 1]`) against Burn's mean computed in f64: forward and the input's gradient within
+/// 1e-5, on planes of a register's width, with tails, and a single pixel; another output
+/// size and f64 input take Burn's ops and give exactly Burn's values.
+#[test]
+fn global_average_pooling_matches_burn_in_f64_forward_and_gradient() {
+    use burn::tensor::module::adaptive_avg_pool2d;
+    let device = Device::flex().autodiff();
+    let rel = |a: Tensor<2>, b: Tensor<2>| -> f64 {
+        let scale = b.clone().abs().max().into_scalar::<f64>().max(1e-12);
+        (a.cast(FloatDType::F64) - b)
+            .abs()
+            .max()
+            .into_scalar::<f64>()
+            / scale
+    };
+    for dims in [[4, 16, 8, 8], [3, 5, 7, 7], [2, 3, 1, 1], [32, 40, 9, 11]] {
+        let [b, c, h, w] = dims;
+        let x = Tensor::<4>::random(dims, Distribution::Normal(1.0, 2.0), &device);
+        let g = Tensor::<2>::random([b, c], Distribution::Normal(0.0, 1.0), &device);
+        // Kiln in f32, through the function and the layer.
+        let layer = kiln::nn::AdaptiveAvgPool2dConfig::new([1, 1]).init();
+        for pooled in [
+            &|x: Tensor<4>| kiln::nn::global_avg_pool(x) as Tensor<2>,
+            &|x: Tensor<4>| layer.forward(x).reshape([b, c]) as Tensor<2>,
+        ] as [&dyn Fn(Tensor<4>) -> Tensor<2>; 2]
+        {
+            let xk = x.clone().require_grad();
+            let yk = pooled(xk.clone());
+            let dk = xk.grad(&(yk.clone() * g.clone()).sum().backward()).unwrap();
+            // Burn's mean in f64.
+            let xr = x.clone().cast(FloatDType::F64).detach().require_grad();
+            let yr: Tensor<2> = xr.clone().flatten::<3>(2, 3).mean_dim(2).reshape([b, c]);
+            let dr = xr
+                .grad(
+                    &(yr.clone() * g.clone().cast(FloatDType::F64))
+                        .sum()
+                        .backward(),
+                )
+                .unwrap();
+            assert!(rel(yk.detach(), yr.detach()) <= 1e-5, "{dims:?}: forward");
+            let flat = |t: Tensor<4>| t.reshape([b * c, h * w]);
+            assert!(rel(flat(dk), flat(dr)) <= 1e-5, "{dims:?}: gradient");
+        }
+    }
+    // Other output sizes and dtypes: Burn's op, bit for bit.
+    let x = Tensor::<4>::random([2, 3, 8, 8], Distribution::Normal(0.0, 1.0), &device);
+    let layer = kiln::nn::AdaptiveAvgPool2dConfig::new([2, 2]).init();
+    let want = adaptive_avg_pool2d(x.clone(), [2, 2]);
+    assert_eq!(max_relative(layer.forward(x.clone()), want), 0.0);
+    let x64 = x.cast(FloatDType::F64);
+    let want: Tensor<2> = x64.clone().flatten::<3>(2, 3).mean_dim(2).reshape([2, 3]);
+    let got = kiln::nn::global_avg_pool(x64);
+    assert_eq!(got.dtype(), want.dtype());
+    assert_eq!(rel(got, want), 0.0);
+}
+
 #[test]
 fn kiln_linear_matches_burn_forward_and_gradients_under_autodiff() {
     use burn::tensor::module::linear;

@@ -6,11 +6,14 @@
 //! one contiguous pass; planes are spread over the threads.
 //!
 //! [`channels_last`]: inference pooling on NHWC images (max and average with padding,
-//! dilation and ceil mode, the global average), re-exported here.
+//! dilation and ceil mode, the global average), re-exported here; [`global`]: training's
+//! global average pooling of NCHW planes and its gradient.
 
 pub mod channels_last;
+pub mod global;
 
 pub use channels_last::{PoolKind, global_average, pool2d};
+pub use global::{global_avg_pool_nchw, global_avg_pool_nchw_backward};
 
 use rayon::prelude::*;
 

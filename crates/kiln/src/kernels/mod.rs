@@ -2,9 +2,9 @@
 //! crate (no Burn there); here they become a Burn backend extension so models keep using
 //! ordinary `Tensor`s and autodiff, and here is decided *when* they serve.
 //!
-//! - [`conv2d`], [`linear`], [`max_pool2d`], [`batch_norm_train`], [`adam_step`]: the entry
-//!   points models and optimizers call; they run Kiln's kernel on the `flex` device (with or
-//!   without autodiff) and Burn's own op on every other device.
+//! - [`conv2d`], [`linear`], [`max_pool2d`], [`global_avg_pool2d`], [`batch_norm_train`],
+//!   [`adam_step`]: the entry points models and optimizers call; they run Kiln's kernel on
+//!   the `flex` device (with or without autodiff) and Burn's own op on every other device.
 //! - [`Scope`] / [`enabled`]: the per-thread switch (`device.kiln_kernels`), [`serves`]: the
 //!   one test of whether a tensor's device runs Kiln's kernels.
 //! - [`activation`]: Kiln's vectorized sigmoid, erf and GELU on Burn tensors.
@@ -192,6 +192,18 @@ pub fn max_pool2d(x: Tensor<4>, kernel: [usize; 2], stride: [usize; 2]) -> Tenso
     }
     let _op = tracing::trace_span!("kiln.max_pool2d", input = ?x.dims(), ?kernel).entered();
     let out = <Dispatch as KilnKernels>::kiln_max_pool2d(x.into_dispatch(), kernel, stride);
+    Tensor::from_dispatch(out)
+}
+
+/// Global average pooling, `[B, C, H, W]` → `[B, C]` (PyTorch's `x.mean(dim=(2, 3))`): Kiln's
+/// kernel on `flex` for f32 (one pass forward and one backward), Burn's mean otherwise.
+/// Differentiable either way.
+pub fn global_avg_pool2d(x: Tensor<4>) -> Tensor<2> {
+    let [b, c, h, w] = x.dims();
+    if x.dtype() != DType::F32 || !serves(&x.device()) || h * w == 0 {
+        return x.flatten::<3>(2, 3).mean_dim(2).reshape([b, c]);
+    }
+    let out = <Dispatch as KilnKernels>::kiln_global_avg_pool2d(x.into_dispatch());
     Tensor::from_dispatch(out)
 }
 

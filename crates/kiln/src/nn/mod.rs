@@ -67,4 +67,6 @@ pub use conv::{Conv2d, Conv2dConfig};
 pub use layer_norm::{LayerNorm, LayerNormConfig};
 pub use linear::{Linear, LinearConfig};
 pub use norm::{BatchNorm, BatchNormConfig};
-pub use pool::{MaxPool2d, MaxPool2dConfig};
+pub use pool::{
+    AdaptiveAvgPool2d, AdaptiveAvgPool2dConfig, MaxPool2d, MaxPool2dConfig, global_avg_pool,
+};

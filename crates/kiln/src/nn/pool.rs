@@ -1,4 +1,6 @@
-//! [`MaxPool2d`]: Burn's 2-D max pooling through Kiln's kernel.
+//! [`MaxPool2d`]: Burn's 2-D max pooling through Kiln's kernel; [`AdaptiveAvgPool2d`] and
+//! [`global_avg_pool`]: a CNN head's global average pooling through Kiln's (forward and
+//! gradient one pass each).
 
 use burn::module::Module;
 use burn::nn::PaddingConfig2d;
@@ -78,6 +80,75 @@ impl From<MaxPool2d> for burn::nn::pool::MaxPool2d {
             padding: layer.padding,
             dilation: layer.dilation,
             ceil_mode: layer.ceil_mode,
+        }
+    }
+}
+
+/// Global average pooling, `[B, C, H, W]` → `[B, C]`: what a CNN head writes as
+/// `x.flatten::<3>(2, 3).mean_dim(2)` (PyTorch's `x.mean(dim=(2, 3))`), through Kiln's kernel
+/// in f32 on the CPU — forward and gradient one pass over memory each, where Burn's gradient
+/// of the mean broadcasts, divides and reshapes (0.63 → 0.47 ms for 64×256×8×8, BENCHMARKS.md
+/// run 61) — and Burn's mean elsewhere.
+pub fn global_avg_pool(x: Tensor<4>) -> Tensor<2> {
+    crate::kernels::global_avg_pool2d(x)
+}
+
+/// Configuration of an [`AdaptiveAvgPool2d`] layer: Burn's
+/// [`burn::nn::pool::AdaptiveAvgPool2dConfig`] whose `init` builds the Kiln layer.
+#[derive(Debug, Clone)]
+pub struct AdaptiveAvgPool2dConfig(pub burn::nn::pool::AdaptiveAvgPool2dConfig);
+
+wraps_burn_config!(
+    AdaptiveAvgPool2dConfig,
+    burn::nn::pool::AdaptiveAvgPool2dConfig,
+    {}
+);
+
+impl AdaptiveAvgPool2dConfig {
+    /// Pooling to `output_size` (`[1, 1]`: global average pooling).
+    pub fn new(output_size: [usize; 2]) -> Self {
+        AdaptiveAvgPool2dConfig(burn::nn::pool::AdaptiveAvgPool2dConfig::new(output_size))
+    }
+
+    /// The layer.
+    pub fn init(&self) -> AdaptiveAvgPool2d {
+        self.0.init().into()
+    }
+}
+
+/// Adaptive average pooling over `[B, C, H, W]`, like [`burn::nn::pool::AdaptiveAvgPool2d`]
+/// and with its record: to `[1, 1]` (the global pooling of a CNN head, torchvision's
+/// `AdaptiveAvgPool2d(1)`) through [`global_avg_pool`], any other output size through Burn's
+/// op.
+#[derive(Module, Debug)]
+pub struct AdaptiveAvgPool2d {
+    /// The size of the output.
+    pub output_size: [usize; 2],
+}
+
+impl AdaptiveAvgPool2d {
+    /// The forward pass: `[B, C, H, W]` → `[B, C, out_h, out_w]`.
+    pub fn forward(&self, x: Tensor<4>) -> Tensor<4> {
+        if self.output_size != [1, 1] {
+            return burn::tensor::module::adaptive_avg_pool2d(x, self.output_size);
+        }
+        let [b, c, _, _] = x.dims();
+        global_avg_pool(x).reshape([b, c, 1, 1])
+    }
+}
+
+impl From<burn::nn::pool::AdaptiveAvgPool2d> for AdaptiveAvgPool2d {
+    fn from(layer: burn::nn::pool::AdaptiveAvgPool2d) -> Self {
+        AdaptiveAvgPool2d {
+            output_size: layer.output_size,
+        }
+    }
+}
+
+impl From<AdaptiveAvgPool2d> for burn::nn::pool::AdaptiveAvgPool2d {
+    fn from(layer: AdaptiveAvgPool2d) -> Self {
+        burn::nn::pool::AdaptiveAvgPool2d {
+            output_size: layer.output_size,
         }
     }
 }

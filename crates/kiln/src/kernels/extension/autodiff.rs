@@ -161,6 +161,21 @@ impl<B: Backend + KilnKernels, C: CheckpointStrategy> KilnKernels for Autodiff<B
         }
     }
 
+    fn kiln_global_avg_pool2d(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        let d = x.shape();
+        let dims = [d[0], d[1], d[2], d[3]];
+        match KilnGlobalAvgPoolBackward
+            .prepare::<C>([x.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                prep.finish(dims, B::kiln_global_avg_pool2d(x.into_primitive()))
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::kiln_global_avg_pool2d(x.into_primitive())),
+        }
+    }
+
     // Second derivatives are not Kiln's business: these fall back to Burn's differentiable ops.
     fn kiln_conv2d_x_backward(
         x: FloatTensor<Self>,
@@ -195,6 +210,13 @@ impl<B: Backend + KilnKernels, C: CheckpointStrategy> KilnKernels for Autodiff<B
             IntDType::I64,
         );
         (r.output, r.indices)
+    }
+
+    fn kiln_global_avg_pool2d_backward(
+        output_grad: FloatTensor<Self>,
+        dims: [usize; 4],
+    ) -> FloatTensor<Self> {
+        global_avg_pool_backward_by_ops::<Self>(output_grad, dims)
     }
 
     fn kiln_max_pool2d_backward(
@@ -594,6 +616,30 @@ impl<B: Backend + KilnKernels> Backward<B, 1> for KilnMaxPool2dBackward {
         let x = checkpointer.retrieve_node_output::<B::FloatTensorPrimitive>(x_state);
         if let Some(node) = node_x {
             let dx = B::kiln_max_pool2d_backward(x, grad, indices, kernel, stride);
+            grads.register::<B>(node.id, dx);
+        }
+    }
+}
+
+/// Backward of [`KilnKernels::kiln_global_avg_pool2d`]: each plane gets its output gradient
+/// over the plane's size.
+#[derive(Debug)]
+struct KilnGlobalAvgPoolBackward;
+
+impl<B: Backend + KilnKernels> Backward<B, 1> for KilnGlobalAvgPoolBackward {
+    /// The input's dims.
+    type State = [usize; 4];
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 1>,
+        grads: &mut Gradients,
+        _checkpointer: &mut Checkpointer,
+    ) {
+        let [node_x] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        if let Some(node) = node_x {
+            let dx = B::kiln_global_avg_pool2d_backward(grad, ops.state);
             grads.register::<B>(node.id, dx);
         }
     }

@@ -203,6 +203,29 @@ impl KilnKernels for Flex {
         flex_tensor(dx, [dims[0], dims[1], s.h, s.w])
     }
 
+    fn kiln_global_avg_pool2d(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        let d = x.shape();
+        if x.dtype() != DType::F32 || d.num_dims() != 4 || d[2] * d[3] == 0 {
+            return global_avg_pool_by_ops::<Flex>(x);
+        }
+        let _op = tracing::trace_span!("kiln.global_avg_pool2d", input = ?d).entered();
+        let y = global_avg_pool_nchw(&values(&x), d[2] * d[3]);
+        flex_tensor(y, [d[0], d[1]])
+    }
+
+    fn kiln_global_avg_pool2d_backward(
+        output_grad: FloatTensor<Self>,
+        dims: [usize; 4],
+    ) -> FloatTensor<Self> {
+        if output_grad.dtype() != DType::F32 || dims[2] * dims[3] == 0 {
+            return global_avg_pool_backward_by_ops::<Flex>(output_grad, dims);
+        }
+        let _op =
+            tracing::trace_span!("kiln.global_avg_pool2d.grad_input", input = ?dims).entered();
+        let dx = global_avg_pool_nchw_backward(&values(&output_grad), dims[2] * dims[3]);
+        flex_tensor(dx, dims)
+    }
+
     fn kiln_adam(
         param: FloatTensor<Self>,
         grad: FloatTensor<Self>,

@@ -29,7 +29,10 @@ use kiln_kernels::linear::{LinearShape, linear_forward, linear_input_grad, linea
 use kiln_kernels::norm::{
     NormParams, NormShape, batch_norm_backward_new, batch_norm_forward_new, batch_norm_stats,
 };
-use kiln_kernels::pool::{PoolShape, max_pool2d_backward, max_pool2d_forward};
+use kiln_kernels::pool::{
+    PoolShape, global_avg_pool_nchw, global_avg_pool_nchw_backward, max_pool2d_backward,
+    max_pool2d_forward,
+};
 
 /// The ops Kiln supplies. Inputs are NCHW f32; convolutions without groups, pooling without
 /// padding or dilation (callers route everything else to Burn).
@@ -99,6 +102,15 @@ pub trait KilnKernels: Backend {
         indices: IntTensor<Self>,
         kernel: [usize; 2],
         stride: [usize; 2],
+    ) -> FloatTensor<Self>;
+
+    /// Global average pooling, `[B, C, H, W]` → `[B, C]` (differentiable under autodiff).
+    fn kiln_global_avg_pool2d(x: FloatTensor<Self>) -> FloatTensor<Self>;
+
+    /// Gradient of the global average pool's input (`dims`: the input's) from the output's.
+    fn kiln_global_avg_pool2d_backward(
+        output_grad: FloatTensor<Self>,
+        dims: [usize; 4],
     ) -> FloatTensor<Self>;
 
     /// One Adam update of `param` from its gradient and moments, with the step's device
@@ -373,6 +385,28 @@ fn pool_shape(x: &FloatTensor<Flex>, kernel: [usize; 2], stride: [usize; 2]) -> 
         kernel,
         stride,
     ))
+}
+
+/// Global average pooling by Burn's ops (a reshape and a mean): for what the kernel does not
+/// take (another dtype) and second derivatives.
+fn global_avg_pool_by_ops<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
+    let d = x.shape();
+    let (b, c, plane) = (d[0], d[1], d[2] * d[3]);
+    let mean = B::float_mean_dim(B::float_reshape(x, [b, c, plane].into()), 2);
+    B::float_reshape(mean, [b, c].into())
+}
+
+/// The gradient of [`global_avg_pool_by_ops`]: the output gradient spread over each plane.
+fn global_avg_pool_backward_by_ops<B: Backend>(
+    output_grad: FloatTensor<B>,
+    [b, c, h, w]: [usize; 4],
+) -> FloatTensor<B> {
+    let spread = B::float_expand(
+        B::float_reshape(output_grad, [b, c, 1].into()),
+        [b, c, h * w].into(),
+    );
+    let scaled = B::float_div_scalar(spread, burn::tensor::Scalar::from((h * w) as f64));
+    B::float_reshape(scaled, [b, c, h, w].into())
 }
 
 /// The dims of two f32 matrices whose dims `a[i]` and `b[j]` agree (`(i, j)` = `shared`), or
