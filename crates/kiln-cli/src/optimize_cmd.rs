@@ -49,6 +49,9 @@ struct Decision {
     /// Int8 and winograd: the whole-model forms timed.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     candidates: Vec<CandidateTiming>,
+    /// Int8 and winograd: the index into `candidates` of the form kept.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    chosen: Option<usize>,
 }
 
 /// The plan for `kiln optimize`: the same road as `kiln train` (config file, level, flags;
@@ -183,6 +186,7 @@ pub fn run(args: OptimizeArgs) -> Result<()> {
                         .as_ref()
                         .map(|c| c.layers.clone())
                         .unwrap_or_default(),
+                    chosen: decision.as_ref().map(|c| c.chosen),
                     candidates: decision.map(|c| c.candidates).unwrap_or_default(),
                 });
             }
@@ -203,6 +207,8 @@ pub fn run(args: OptimizeArgs) -> Result<()> {
             )];
             if let Some(d) = decisions.last_mut() {
                 d.kept = false;
+                // The base form (without int8; Winograd wherever the kernels take it).
+                d.chosen = d.chosen.map(|_| 0);
                 d.reason = changes[0].clone();
             }
             if let Some(name) = names.last_mut() {

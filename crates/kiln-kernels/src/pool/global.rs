@@ -4,7 +4,7 @@
 //! Why: a CNN's head (`x.mean(dim=(2, 3))`, `AdaptiveAvgPool2d(1)`) on Burn's ops runs the
 //! mean as a reduction over a reshaped view, and its gradient as a broadcast of `[B, C, 1]`
 //! over the flattened planes, a division and the reshapes. Here each is one pass over
-//! memory: forward plus gradient 0.63 → 0.47 ms for U1's 64×256×8×8 and 1.30 → 0.87 ms for
+//! memory: forward plus gradient 0.65 → 0.45 ms for U1's 64×256×8×8 and 1.27 → 0.75 ms for
 //! MobileNet v2's 32×1280×7×7 head on two threads (`cargo bench -p kiln --bench
 //! global_pool`, BENCHMARKS.md run 61) — small beside a step, and what is left is the
 //! gradient's fresh 4–8 MB being written.

@@ -87,7 +87,7 @@ impl From<MaxPool2d> for burn::nn::pool::MaxPool2d {
 /// Global average pooling, `[B, C, H, W]` → `[B, C]`: what a CNN head writes as
 /// `x.flatten::<3>(2, 3).mean_dim(2)` (PyTorch's `x.mean(dim=(2, 3))`), through Kiln's kernel
 /// in f32 on the CPU — forward and gradient one pass over memory each, where Burn's gradient
-/// of the mean broadcasts, divides and reshapes (0.63 → 0.47 ms for 64×256×8×8, BENCHMARKS.md
+/// of the mean broadcasts, divides and reshapes (0.65 → 0.45 ms for 64×256×8×8, BENCHMARKS.md
 /// run 61) — and Burn's mean elsewhere.
 pub fn global_avg_pool(x: Tensor<4>) -> Tensor<2> {
     crate::kernels::global_avg_pool2d(x)
