@@ -305,8 +305,8 @@ struct ProfileArgs {
     /// With --onnx: sizes of an input's dynamic axes after the batch, `NAME=D1,D2`.
     #[arg(long, value_name = "NAME=DIMS")]
     input_dims: Vec<String>,
-    /// With --onnx: passes applied before profiling, comma-separated (fold, int8, f16,
-    /// bf16), so the profile is of the model `kiln optimize` serves. Default: none.
+    /// With --onnx: passes applied before profiling, comma-separated (fold, winograd, int8,
+    /// channels-last), so the profile is of the model `kiln optimize` serves. Default: none.
     #[arg(long, requires = "onnx")]
     passes: Option<String>,
     /// Print the table as JSON.
@@ -327,16 +327,17 @@ struct OptimizeArgs {
     /// A checkpoint file, or a checkpoint directory (its newest checkpoint is used).
     #[arg(long, required_unless_present = "onnx")]
     checkpoint: Option<PathBuf>,
-    /// An ONNX file to optimize instead of a zoo checkpoint (passes: fold, winograd, int8;
-    /// default all three); writes a servable model directory.
+    /// An ONNX file to optimize instead of a zoo checkpoint (passes: fold, winograd, int8,
+    /// channels-last; default all four); writes a servable model directory.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["model", "checkpoint", "data"])]
     onnx: Option<PathBuf>,
     /// With --onnx: sizes of an input's dynamic axes after the batch, `NAME=D1,D2`.
     #[arg(long, value_name = "NAME=DIMS")]
     input_dims: Vec<String>,
-    /// Passes to apply in order, comma-separated: strip, fold, int8, and f16 or bf16
-    /// (half-precision weights for GPU inference; emulated, slow, on a CPU). Default: the
-    /// plan's `infer.passes` (advanced: strip,fold,winograd,int8; basic: strip,fold).
+    /// Passes to apply in order, comma-separated: strip, fold, winograd, int8, f16 or bf16
+    /// (half-precision weights for GPU inference; emulated, slow, on a CPU), channels-last
+    /// (Kiln's kernels vs Burn's NCHW ops). Default: the plan's `infer.passes` (advanced:
+    /// strip,fold,winograd,int8,channels-last; basic: strip,fold).
     #[arg(long)]
     passes: Option<String>,
     /// Output directory (model.kgraph, model.onnx when exportable, summary.md, summary.json).
@@ -698,8 +699,11 @@ fn parse_input_dims(
 
 /// `kiln optimize --onnx`: the ONNX passes, measured stage by stage ([`onnx_optimize`]).
 fn run_onnx_optimize(args: OptimizeArgs) -> anyhow::Result<()> {
-    let passes =
-        kiln::onnx::OnnxPass::parse_list(args.passes.as_deref().unwrap_or("fold,winograd,int8"))?;
+    let passes = kiln::onnx::OnnxPass::parse_list(
+        args.passes
+            .as_deref()
+            .unwrap_or("fold,winograd,int8,channels-last"),
+    )?;
     let plan = optimize_cmd::resolve_plan(&args)?;
     onnx_optimize::run(&onnx_optimize::OnnxOptimize {
         device: plan.backend.device(),

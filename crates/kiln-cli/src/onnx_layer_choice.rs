@@ -59,6 +59,20 @@ pub(crate) struct Decision {
     chosen: usize,
 }
 
+impl Decision {
+    /// A measured pass with nothing measured: Kiln's kernels are off in the plan.
+    pub(crate) fn plan_off(pass: OnnxPass) -> Decision {
+        Decision {
+            pass: pass.name(),
+            kept: false,
+            reason: "Kiln's kernels are off in the plan (device.kiln_kernels = false)".into(),
+            layers: Vec::new(),
+            candidates: Vec::new(),
+            chosen: 0,
+        }
+    }
+}
+
 /// The outcome: the model to keep (`None`: the model stays as it was), the pass as it is to
 /// be applied at load (`None`: not at all), and the decision for the summary.
 pub(crate) struct Choice {
@@ -80,12 +94,7 @@ pub(crate) fn choose(
 ) -> Result<Choice> {
     let steps = steps.clamp(1, 10);
     let with_pass = |only: Option<&BTreeSet<String>>| -> Result<(OnnxModel, Vec<String>)> {
-        let mut m = load()?;
-        for (p, layers) in kept {
-            let set: Option<BTreeSet<String>> =
-                layers.as_ref().map(|l| l.iter().cloned().collect());
-            m.apply_to(*p, set.as_ref())?;
-        }
+        let mut m = rebuild(load, kept)?;
         let report = m.apply_to(pass, only)?;
         Ok((m, report.changes))
     };
@@ -241,6 +250,61 @@ pub(crate) fn choose(
         changes,
         decision,
     })
+}
+
+/// The model file read again (`load`) with the `kept` passes applied, each to its layers.
+fn rebuild(load: &dyn Fn() -> Result<OnnxModel>, kept: &[KeptPass]) -> Result<OnnxModel> {
+    let mut m = load()?;
+    for (p, layers) in kept {
+        let set: Option<BTreeSet<String>> = layers.as_ref().map(|l| l.iter().cloned().collect());
+        m.apply_to(*p, set.as_ref())?;
+    }
+    Ok(m)
+}
+
+/// Measures `base` (the model with `kept` applied, on Kiln's kernels: image layers
+/// channels-last) against the same model on Burn's ops on NCHW tensors, at batch 1 and 8 in
+/// turns. The kernels stay unless Burn's ops are faster at both; the model returned is the
+/// Burn-ops form when they lost (`None`: `base` stays).
+pub(crate) fn choose_kernels(
+    load: &dyn Fn() -> Result<OnnxModel>,
+    kept: &[KeptPass],
+    base: &OnnxModel,
+    inputs: [&[Value]; 2],
+    steps: usize,
+) -> Result<(Option<OnnxModel>, Decision)> {
+    let burn = rebuild(load, kept)?.with_kiln_kernels(false);
+    let times = models_ms(&[base, &burn], inputs, steps.clamp(1, 10))?;
+    let stay = fastest_form(&times).is_none();
+    let show = |ms: &[f64]| format!("b1 {:.3} ms, b8 {:.3} ms", ms[0], ms[1]);
+    let reason = format!(
+        "Kiln's kernels {} ({} vs Burn's NCHW ops {})",
+        if stay {
+            "kept"
+        } else {
+            "slower at both batches"
+        },
+        show(&times[0]),
+        show(&times[1])
+    );
+    let candidates = ["Kiln's kernels (channels-last)", "Burn's ops (NCHW)"]
+        .into_iter()
+        .zip(&times)
+        .map(|(label, ms)| Candidate {
+            label: label.into(),
+            ms: ms.clone(),
+            layers: Vec::new(),
+        })
+        .collect();
+    let decision = Decision {
+        pass: OnnxPass::ChannelsLast.name(),
+        kept: stay,
+        reason,
+        layers: Vec::new(),
+        candidates,
+        chosen: usize::from(!stay),
+    };
+    Ok(((!stay).then_some(burn), decision))
 }
 
 /// Each layer's step time in `all` (the pass on every layer) against, in `base`, its step

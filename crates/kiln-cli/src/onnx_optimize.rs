@@ -1,4 +1,5 @@
-//! `kiln optimize --onnx FILE --out DIR`: the passes (fold, int8) on an imported ONNX model,
+//! `kiln optimize --onnx FILE --out DIR`: the passes (fold, winograd, int8, channels-last; the
+//! last three measured, crate::onnx_layer_choice) on an imported ONNX model,
 //! one row per stage: latency at batch 1 and 8, weight bytes, and how far the outputs moved
 //! from the imported model on the same seeded inputs (largest relative difference, and top-1
 //! agreement of the first output). Writes a servable model directory: the file, a
@@ -74,12 +75,47 @@ pub fn run(job: &OnnxOptimize) -> Result<()> {
     let mut changes = Vec::new();
     // The passes applied so far, each with the layers it is limited to.
     let mut kept: Vec<KeptPass> = Vec::new();
+    // Whether the model kept is served on Kiln's kernels (the channels-last pass can drop them).
+    let mut kiln_kernels = job.kiln_kernels;
     let mut names: Vec<String> = Vec::new();
     for upto in 0..=job.passes.len() {
         let mut decision = None;
         if upto > 0 {
             let pass = job.passes[upto - 1];
-            if matches!(pass, OnnxPass::Int8 | OnnxPass::Winograd) && !job.keep_all {
+            if pass == OnnxPass::ChannelsLast && !job.keep_all {
+                // Measured: Kiln's kernels stay unless Burn's ops ran faster at batch 1 and 8
+                // (crate::onnx_layer_choice::choose_kernels).
+                let (burn, d) = if job.kiln_kernels {
+                    onnx_layer_choice::choose_kernels(
+                        &load,
+                        &kept,
+                        &model,
+                        [one.as_slice(), probe.as_slice()],
+                        job.steps,
+                    )?
+                } else {
+                    (None, onnx_layer_choice::Decision::plan_off(pass))
+                };
+                changes = vec![format!(
+                    "{} {}: {}",
+                    pass.name(),
+                    if d.kept { "kept" } else { "dropped" },
+                    d.reason
+                )];
+                names.push(if d.kept {
+                    pass.name().to_string()
+                } else {
+                    format!("({} dropped)", pass.name())
+                });
+                if d.kept {
+                    kept.push((pass, None));
+                }
+                if let Some(m) = burn {
+                    model = m;
+                    kiln_kernels = false;
+                }
+                decision = Some(d);
+            } else if matches!(pass, OnnxPass::Int8 | OnnxPass::Winograd) && !job.keep_all {
                 // Measured: the pass stays only on the layers, and in the form, that ran
                 // faster than the model without it at batch 1 and 8
                 // (crate::onnx_layer_choice).
@@ -131,7 +167,7 @@ pub fn run(job: &OnnxOptimize) -> Result<()> {
         }
         stages.push(stage);
     }
-    write_model_dir(job, &kept, &stages)?;
+    write_model_dir(job, (&kept, kiln_kernels), &stages)?;
     if job.json {
         println!("{}", serde_json::to_string(&stages)?);
     } else {
@@ -183,7 +219,11 @@ fn compare(ours: &[(Vec<f32>, Vec<usize>)], reference: &[(Vec<f32>, Vec<usize>)]
 }
 
 /// The model directory: the file, a serving config with the passes, the summary.
-fn write_model_dir(job: &OnnxOptimize, kept: &[KeptPass], stages: &[Stage]) -> Result<()> {
+fn write_model_dir(
+    job: &OnnxOptimize,
+    (kept, kiln_kernels): (&[KeptPass], bool),
+    stages: &[Stage],
+) -> Result<()> {
     std::fs::create_dir_all(&job.out).with_context(|| format!("creating {}", job.out.display()))?;
     let file = job.out.join("model.onnx");
     if job.path.canonicalize().ok() != file.canonicalize().ok() {
@@ -208,6 +248,12 @@ fn write_model_dir(job: &OnnxOptimize, kept: &[KeptPass], stages: &[Stage]) -> R
         // The passes that were kept (a measured pass that lost is not applied at load, but
         // a Winograd that lost everywhere is, on no layer).
         let passes: Vec<&str> = kept.iter().map(|(p, _)| p.name()).collect();
+        // Burn's ops measured faster than Kiln's kernels (or the plan turned them off).
+        let kernels_line = if kiln_kernels {
+            ""
+        } else {
+            "kiln_kernels = false\n"
+        };
         // A pass on some layers only: the ones measured faster (a TOML array of node names).
         let layers_line: String = kept
             .iter()
@@ -215,7 +261,7 @@ fn write_model_dir(job: &OnnxOptimize, kept: &[KeptPass], stages: &[Stage]) -> R
                 let key = match p {
                     OnnxPass::Int8 => "int8_layers",
                     OnnxPass::Winograd => "winograd_layers",
-                    OnnxPass::Fold => return None,
+                    OnnxPass::Fold | OnnxPass::ChannelsLast => return None,
                 };
                 let quoted: Vec<String> = only.as_ref()?.iter().map(|n| format!("{n:?}")).collect();
                 Some(format!("{key} = [{}]\n", quoted.join(", ")))
@@ -224,7 +270,7 @@ fn write_model_dir(job: &OnnxOptimize, kept: &[KeptPass], stages: &[Stage]) -> R
         let text = format!(
             "# kiln-serve model configuration (written by `kiln optimize --onnx`).\n\
              # Serve every model directory under the parent: kiln serve --models <parent>\n\
-             backend = \"onnx\"\nfile = \"model.onnx\"\npasses = \"{}\"\n{layers_line}{dims_line}\
+             backend = \"onnx\"\nfile = \"model.onnx\"\npasses = \"{}\"\n{layers_line}{dims_line}{kernels_line}\
              max_batch_size = 16\ninstances = 1\nmax_queue_size = 1024\n\n\
              [dynamic_batching]\nmax_queue_delay_microseconds = 500\n",
             passes.join(",")

@@ -6,7 +6,7 @@ use kiln::data::{Dataset, collate};
 use kiln::datasets::{self, Split};
 use kiln::infer::{
     self, CandidateTiming, InferenceSession, LayerTiming, LogitDelta, Pass, Probe, choose_int8,
-    choose_winograd, onnx_export, pass_pays,
+    choose_winograd, kernels_pay, onnx_export, pass_pays,
 };
 use kiln::observe::timing::measure;
 use kiln::plan::Plan;
@@ -105,7 +105,7 @@ pub fn run(args: OptimizeArgs) -> Result<()> {
     };
     let device = plan.backend.device();
     let model = zoo::load_model(kind, shape[0], &checkpoint, &device)?;
-    let kiln_kernels = plan.train.kiln_kernels;
+    let mut kiln_kernels = plan.train.kiln_kernels;
 
     // Real test images at batch 1 and the serving batch: what the keep/drop measurements run.
     let mut batches = vec![1, args.batch.max(1)];
@@ -117,7 +117,7 @@ pub fn run(args: OptimizeArgs) -> Result<()> {
             collate(test, &indices, &device).map(|c| c.images)
         })
         .collect::<kiln::Result<Vec<_>>>()?;
-    let probe = Probe {
+    let mut probe = Probe {
         device: &device,
         kiln_kernels,
         images: &images,
@@ -141,6 +141,27 @@ pub fn run(args: OptimizeArgs) -> Result<()> {
                 _ if !measured => {
                     changes = pass.apply(&mut graph)?;
                     (true, String::new())
+                }
+                Pass::ChannelsLast if !kiln_kernels => (
+                    false,
+                    "Kiln's kernels are off in the plan (device.kiln_kernels = false)".to_string(),
+                ),
+                Pass::ChannelsLast => {
+                    let (on, off, stay) = kernels_pay(&graph, &probe)?;
+                    let why = format!(
+                        "Kiln's kernels {} at batch {:?}: {:.3?} ms vs Burn's NCHW ops {:.3?} ms",
+                        if stay { "kept" } else { "slower everywhere" },
+                        batches,
+                        on,
+                        off
+                    );
+                    if !stay {
+                        // Everything after runs, and is served, on Burn's ops.
+                        kiln_kernels = false;
+                        probe.kiln_kernels = false;
+                        changes = vec!["kiln_kernels = false in config.toml".to_string()];
+                    }
+                    (stay, why)
                 }
                 Pass::Int8 | Pass::Winograd => {
                     let choice = if pass == Pass::Int8 {
@@ -260,8 +281,17 @@ pub fn run(args: OptimizeArgs) -> Result<()> {
     // already edited is kept.
     let serve_config = args.out.join("config.toml");
     if !serve_config.exists() {
-        std::fs::write(&serve_config, SERVE_CONFIG)
-            .with_context(|| format!("writing {}", serve_config.display()))?;
+        // Burn's ops measured faster than Kiln's kernels (or the plan turned them off).
+        let kernels_line = if kiln_kernels {
+            ""
+        } else {
+            "kiln_kernels = false\n"
+        };
+        std::fs::write(
+            &serve_config,
+            format!("{SERVE_CONFIG}{kernels_line}{SERVE_BATCHING}"),
+        )
+        .with_context(|| format!("writing {}", serve_config.display()))?;
     }
     let table = render(kind, &stages, &onnx_note);
     std::fs::write(args.out.join("summary.md"), &table)?;
@@ -287,7 +317,10 @@ graph = \"model.kgraph\"
 max_batch_size = 64
 instances = 1
 max_queue_size = 1024
+";
 
+/// The serving config's dynamic batching, after its top-level keys.
+const SERVE_BATCHING: &str = "
 [dynamic_batching]
 max_queue_delay_microseconds = 500
 ";

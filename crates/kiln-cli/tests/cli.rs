@@ -91,8 +91,11 @@ fn plan_shows_the_data_parallel_world_and_a_build_without_mpi_says_how_to_get_it
     let o = kiln(&["plan", "--level", "advanced"]);
     let text = stdout(&o);
     assert!(
-        text.contains("inference passes: strip,fold,winograd,int8")
-            && text.contains("keeps winograd, int8 only where the model measures faster")
+        text.contains("inference passes: strip,fold,winograd,int8,channels-last")
+            && text.contains(
+                "keeps winograd, int8, channels-last only where the model measures \
+                              faster"
+            )
             && text.contains("Int8 kernel on this CPU:"),
         "{text}"
     );
@@ -491,13 +494,15 @@ fn optimize_reports_each_pass_and_writes_the_model() {
         ckpt.to_str().unwrap(),
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
+    // `kiln optimize --model mlp --checkpoint <the run's>` and `args`.
+    let optimize_mlp = |args: &[&str]| {
+        let mut all = vec!["optimize", "--model", "mlp", "--checkpoint"];
+        all.push(ckpt.to_str().unwrap());
+        all.extend_from_slice(args);
+        kiln(&all)
+    };
     let out = dir.join("opt");
-    let o = kiln(&[
-        "optimize",
-        "--model",
-        "mlp",
-        "--checkpoint",
-        ckpt.to_str().unwrap(),
+    let o = optimize_mlp(&[
         "--passes",
         "strip,fold,int8",
         "--out",
@@ -552,12 +557,7 @@ fn optimize_reports_each_pass_and_writes_the_model() {
     // Measured (the default): int8 is kept only in the form that timed faster than f32 at
     // batch 1 and at --batch, layer by layer, and the written graph is that form.
     let measured = dir.join("opt-measured");
-    let o = kiln(&[
-        "optimize",
-        "--model",
-        "mlp",
-        "--checkpoint",
-        ckpt.to_str().unwrap(),
+    let o = optimize_mlp(&[
         "--passes",
         "strip,fold,int8",
         "--batch",
@@ -636,12 +636,7 @@ fn optimize_reports_each_pass_and_writes_the_model() {
 
     // A float-only pipeline also writes model.onnx.
     let out2 = dir.join("opt-fold");
-    let o = kiln(&[
-        "optimize",
-        "--model",
-        "mlp",
-        "--checkpoint",
-        ckpt.to_str().unwrap(),
+    let o = optimize_mlp(&[
         "--passes",
         "fold",
         "--device",
@@ -653,15 +648,53 @@ fn optimize_reports_each_pass_and_writes_the_model() {
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(out2.join("model.onnx").exists());
+    // Channels-last: Kiln's kernels timed against Burn's NCHW ops and kept unless Burn's are
+    // faster at both batches; with the kernels off in the plan it is dropped, and the serving
+    // config says so.
+    for (kernels, out) in [("true", "opt-layout"), ("false", "opt-layout-off")] {
+        let out = dir.join(out);
+        let o = optimize_mlp(&[
+            "--passes",
+            "fold,channels-last",
+            "--set",
+            &format!("device.kiln_kernels={kernels}"),
+            "--out",
+            out.to_str().unwrap(),
+            "--steps",
+            "1",
+            "--json",
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let rows: Vec<serde_json::Value> = serde_json::from_str(stdout(&o).trim()).unwrap();
+        let d = &rows[2]["decision"];
+        assert_eq!(d["pass"], "channels-last", "{d}");
+        let config = std::fs::read_to_string(out.join("config.toml")).unwrap();
+        assert_eq!(
+            config.contains("kiln_kernels = false"),
+            !d["kept"].as_bool().unwrap(),
+            "{config}"
+        );
+        if kernels == "false" {
+            assert_eq!(rows[2]["passes"], "fold+(channels-last dropped)");
+            assert!(
+                d["reason"].as_str().unwrap().contains("off in the plan"),
+                "{d}"
+            );
+        } else {
+            assert!(
+                d["reason"].as_str().unwrap().contains("Burn's NCHW ops"),
+                "{d}"
+            );
+        }
+        // A top-level key, not one of the batching table's.
+        if let Some(at) = config.find("kiln_kernels") {
+            assert!(at < config.find("[dynamic_batching]").unwrap(), "{config}");
+        }
+    }
     // A device this build or machine cannot run is a clear error before any work.
     let hw = kiln::plan::Hardware::probe();
     if !(hw.cuda_compiled && hw.cuda_driver) {
-        let o = kiln(&[
-            "optimize",
-            "--model",
-            "mlp",
-            "--checkpoint",
-            ckpt.to_str().unwrap(),
+        let o = optimize_mlp(&[
             "--device",
             "cuda",
             "--out",
@@ -679,12 +712,7 @@ fn optimize_reports_each_pass_and_writes_the_model() {
 
     // Without --passes the plan chooses (`infer.passes`): level basic = the exact rewrites.
     let out3 = dir.join("opt-basic");
-    let o = kiln(&[
-        "optimize",
-        "--model",
-        "mlp",
-        "--checkpoint",
-        ckpt.to_str().unwrap(),
+    let o = optimize_mlp(&[
         "--level",
         "basic",
         "--out",
@@ -711,17 +739,7 @@ fn optimize_reports_each_pass_and_writes_the_model() {
     ]);
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("holds model `mlp`"), "{}", stderr(&o));
-    let o = kiln(&[
-        "optimize",
-        "--model",
-        "mlp",
-        "--checkpoint",
-        ckpt.to_str().unwrap(),
-        "--passes",
-        "fold,int4",
-        "--out",
-        out2.to_str().unwrap(),
-    ]);
+    let o = optimize_mlp(&["--passes", "fold,int4", "--out", out2.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("int4"), "{}", stderr(&o));
 
@@ -1502,7 +1520,7 @@ fn optimize_onnx_reports_each_pass_and_writes_a_servable_model() {
     assert!(o.status.success(), "{}", stderr(&o));
     let stages: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
     let stages = stages.as_array().unwrap();
-    assert_eq!(stages.len(), 4, "f32, fold, winograd, int8");
+    assert_eq!(stages.len(), 5, "f32, fold, winograd, int8, channels-last");
     let ms = |c: &serde_json::Value| -> Vec<f64> {
         c["ms"]
             .as_array()
@@ -1565,10 +1583,7 @@ fn optimize_onnx_reports_each_pass_and_writes_a_servable_model() {
             assert!(*a < b, "{decision}");
         }
         assert_eq!(stages[3]["passes"], format!("{winograd_stage}+int8"));
-        assert!(
-            config.contains("passes = \"fold,winograd,int8\""),
-            "{config}"
-        );
+        assert!(config.contains("passes = \"fold,winograd,int8"), "{config}");
         let some = chosen["layers"].as_array().unwrap().len() < layers.len();
         assert_eq!(config.contains("int8_layers = ["), some, "{config}");
     } else {
@@ -1576,11 +1591,29 @@ fn optimize_onnx_reports_each_pass_and_writes_a_servable_model() {
             stages[3]["passes"],
             format!("{winograd_stage}+(int8 dropped)")
         );
-        assert!(config.contains("passes = \"fold,winograd\""), "{config}");
+        assert!(
+            config.contains("passes = \"fold,winograd\"")
+                || config.contains("passes = \"fold,winograd,channels-last\""),
+            "{config}"
+        );
         assert!(!config.contains("int8_layers"), "{config}");
         // The model as kept is the one before int8.
         assert_eq!(stages[3]["nodes"], stages[2]["nodes"]);
     }
+
+    // Channels-last: Kiln's kernels against Burn's NCHW ops, the kernels kept unless Burn's
+    // timed faster at both batches; the serving config follows.
+    let layout = &stages[4]["decision"];
+    assert_eq!(layout["pass"], "channels-last", "{}", stages[4]);
+    let forms = layout["candidates"].as_array().unwrap();
+    assert_eq!(forms.len(), 2, "{layout}");
+    let burn_faster = ms(&forms[1]).iter().zip(ms(&forms[0])).all(|(b, k)| *b < k);
+    assert_eq!(layout["kept"].as_bool().unwrap(), !burn_faster, "{layout}");
+    assert_eq!(
+        config.contains("kiln_kernels = false"),
+        burn_faster,
+        "{config}"
+    );
 
     // A pass that does not exist is a clear error, exit status 2.
     let o = kiln(&[

@@ -266,7 +266,7 @@ fn onnx_backends(
             let only = match pass {
                 OnnxPass::Int8 => onnx.int8_only,
                 OnnxPass::Winograd => onnx.winograd_only,
-                OnnxPass::Fold => None,
+                OnnxPass::Fold | OnnxPass::ChannelsLast => None,
             };
             let report = model
                 .apply_to(pass, only)

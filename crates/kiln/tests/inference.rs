@@ -665,7 +665,7 @@ fn unsupported_layers_and_mismatched_checkpoints_are_clear_errors() {
     // Unknown pass names list the valid ones.
     let msg = Pass::parse_list("fold,int4").unwrap_err().to_string();
     assert!(
-        msg.contains("int4") && msg.contains("strip, fold, int8"),
+        msg.contains("int4") && msg.contains("strip, fold, winograd, int8"),
         "{msg}"
     );
 
@@ -981,7 +981,9 @@ fn winograd_is_measured_per_layer_and_a_slower_layer_stays_on_the_implicit_gemm(
     assert_eq!(choice.layers.len(), 1, "{choice:?}");
     assert_eq!(choice.layers[0].name, "body.conv");
     assert_eq!(choice.layers[0].with_ms.len(), 2, "batch 1 and 4");
-    assert_eq!(choice.candidates[0].label, "without winograd");
+    // The base is the kernels' default: Winograd wherever their rule takes it.
+    assert_eq!(choice.candidates[0].label, "winograd all (1)");
+    assert_eq!(choice.candidates.last().unwrap().label, "without winograd");
     let base = &choice.candidates[0].ms;
     let kept = &choice.candidates[choice.chosen].ms;
     assert!(

@@ -397,12 +397,13 @@ pub static SETTINGS: &[SettingSpec] = &[
         kind: Kind::Text,
         default: S("strip,fold"),
         levels: &[
-            (Level::Advanced, S("strip,fold,winograd,int8")),
-            (Level::Ultra, S("strip,fold,winograd,int8")),
+            (Level::Advanced, S("strip,fold,winograd,int8,channels-last")),
+            (Level::Ultra, S("strip,fold,winograd,int8,channels-last")),
         ],
         doc: "inference passes `kiln optimize` applies, in order: strip, fold, winograd, int8, \
-              f16 or bf16 (basic: the exact rewrites only; winograd and int8 are kept where \
-              they measure faster; int8 costs <= 0.5 points of top-1)",
+              f16 or bf16, channels-last (basic: the exact rewrites only; winograd, int8 and \
+              channels-last — Kiln's kernels vs Burn's NCHW ops — are kept where they measure \
+              faster; int8 costs <= 0.5 points of top-1)",
     },
     SettingSpec {
         key: "device.kiln_kernels",

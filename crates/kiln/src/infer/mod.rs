@@ -31,7 +31,7 @@ pub use passes::{
 };
 pub use select::{
     CandidateTiming, LayerPass, LayerTiming, PassChoice, Probe, choose_int8, choose_winograd,
-    fastest_form, mean_ratio, pass_pays,
+    fastest_form, kernels_pay, mean_ratio, pass_pays,
 };
 pub use store::{graph_to_bytes, load_graph, save_graph};
 

@@ -196,8 +196,12 @@ impl Probe<'_> {
     }
 
     fn executor(&self, graph: &Graph) -> Result<Executor> {
+        self.executor_with(graph, self.kiln_kernels)
+    }
+
+    fn executor_with(&self, graph: &Graph, kiln_kernels: bool) -> Result<Executor> {
         let mut exec = Executor::new(graph.clone(), self.device)?;
-        exec.set_kiln_kernels(self.kiln_kernels);
+        exec.set_kiln_kernels(kiln_kernels);
         Ok(exec)
     }
 
@@ -206,11 +210,17 @@ impl Probe<'_> {
     /// its rounds: on a shared machine whose speed drifts by tens of percent within seconds,
     /// graphs timed one after the other would be compared across different conditions.
     pub fn models_ms(&self, graphs: &[&Graph]) -> Result<Vec<Vec<f64>>> {
-        let execs = graphs
+        let forms: Vec<(&Graph, bool)> = graphs.iter().map(|&g| (g, self.kiln_kernels)).collect();
+        self.forms_ms(&forms)
+    }
+
+    /// [`Probe::models_ms`] of graphs each run with Kiln's kernels on or off.
+    fn forms_ms(&self, forms: &[(&Graph, bool)]) -> Result<Vec<Vec<f64>>> {
+        let execs = forms
             .iter()
-            .map(|g| self.executor(g))
+            .map(|&(g, kernels)| self.executor_with(g, kernels))
             .collect::<Result<Vec<_>>>()?;
-        let mut samples = vec![vec![Vec::new(); self.images.len()]; graphs.len()];
+        let mut samples = vec![vec![Vec::new(); self.images.len()]; forms.len()];
         for round in 0..=ROUNDS {
             for (exec, per_batch) in execs.iter().zip(&mut samples) {
                 for (images, out) in self.images.iter().zip(per_batch.iter_mut()) {
@@ -476,4 +486,17 @@ pub fn pass_pays(
     let b = times.pop().unwrap_or_default();
     let pays = faster_everywhere(&a, &b);
     Ok((b, a, pays))
+}
+
+/// Whole-model keep/drop of Kiln's CPU kernels — image layers channels-last on the implicit
+/// GEMM, Winograd and depthwise kernels, linear layers and attention on Kiln's — against
+/// Burn's own ops on NCHW tensors, for `graph` at the probe's batches: (kernels' times, Burn's
+/// times, whether the kernels stay). The kernels are the default; Burn's ops replace them
+/// only where they are faster at every batch.
+pub fn kernels_pay(graph: &Graph, probe: &Probe) -> Result<(Vec<f64>, Vec<f64>, bool)> {
+    let mut times = probe.forms_ms(&[(graph, true), (graph, false)])?;
+    let burn = times.pop().unwrap_or_default();
+    let kernels = times.pop().unwrap_or_default();
+    let stay = !faster_everywhere(&burn, &kernels);
+    Ok((kernels, burn, stay))
 }

@@ -257,8 +257,9 @@ pub fn measured_passes_rule(passes: &[crate::infer::Pass]) -> String {
         format!(
             "kiln optimize keeps {} only where the model measures faster than without it on \
              this machine, at batch 1 and at --batch (int8 and winograd layer by layer: a \
-             layer stays f32, or on the implicit GEMM, where that form timed faster), and \
-             within --max-accuracy-drop; --keep-all applies them unmeasured",
+             layer stays f32, or on the implicit GEMM, where that form timed faster; \
+             channels-last: Kiln's kernels unless Burn's NCHW ops time faster), and within \
+             --max-accuracy-drop; --keep-all applies them unmeasured",
             can_lose.join(", ")
         )
     };

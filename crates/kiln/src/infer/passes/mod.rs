@@ -35,21 +35,34 @@ pub enum Pass {
     F16,
     /// As [`Pass::F16`] in bfloat16.
     Bf16,
+    /// Image layers channels-last on Kiln's CPU kernels (with its linear and attention
+    /// kernels): the default on a CPU, no rewrite of the graph. `kiln optimize` times the
+    /// model on them against Burn's ops on NCHW tensors and, where Burn's are faster at every
+    /// batch, writes `kiln_kernels = false` into the serving config
+    /// ([`crate::infer::kernels_pay`]).
+    ChannelsLast,
 }
 
 impl Pass {
     /// The CPU optimization passes, in the order they are best applied (what `kiln optimize`
     /// and the `kiln-int8` benchmark case apply by default).
-    pub const ALL: [Pass; 4] = [Pass::Strip, Pass::Fold, Pass::Winograd, Pass::Int8];
+    pub const ALL: [Pass; 5] = [
+        Pass::Strip,
+        Pass::Fold,
+        Pass::Winograd,
+        Pass::Int8,
+        Pass::ChannelsLast,
+    ];
 
     /// Every pass there is, for parsing and help.
-    pub const KNOWN: [Pass; 6] = [
+    pub const KNOWN: [Pass; 7] = [
         Pass::Strip,
         Pass::Fold,
         Pass::Winograd,
         Pass::Int8,
         Pass::F16,
         Pass::Bf16,
+        Pass::ChannelsLast,
     ];
 
     /// Config / CLI name.
@@ -61,6 +74,7 @@ impl Pass {
             Pass::Int8 => "int8",
             Pass::F16 => "f16",
             Pass::Bf16 => "bf16",
+            Pass::ChannelsLast => "channels-last",
         }
     }
 
@@ -77,7 +91,7 @@ impl Pass {
                         key: "passes".into(),
                         value: s.to_string(),
                         expected: "a comma-separated list of strip, fold, winograd, int8, f16, \
-                                   bf16"
+                                   bf16, channels-last"
                             .into(),
                     })
             })
@@ -87,7 +101,10 @@ impl Pass {
     /// Whether the pass can make a model slower on some machine: `kiln optimize` keeps it
     /// only where it measures faster.
     pub fn can_lose(self) -> bool {
-        matches!(self, Pass::Winograd | Pass::Int8 | Pass::F16 | Pass::Bf16)
+        matches!(
+            self,
+            Pass::Winograd | Pass::Int8 | Pass::F16 | Pass::Bf16 | Pass::ChannelsLast
+        )
     }
 
     /// Applies the pass to `graph`, returning one line per change.
@@ -102,6 +119,8 @@ impl Pass {
             Pass::Int8 => quantize_int8(graph),
             Pass::F16 => to_half_precision(graph, Precision::F16),
             Pass::Bf16 => to_half_precision(graph, Precision::Bf16),
+            // A choice of kernels, not of the graph: `kiln optimize` measures it.
+            Pass::ChannelsLast => Ok(Vec::new()),
         }
     }
 }

@@ -47,6 +47,10 @@ pub enum OnnxPass {
     /// Int8 dynamic quantization of Linear, Gemm, MatMul-by-a-constant and ungrouped Conv;
     /// a ReLU that is the only reader of such a layer runs in its epilogue.
     Int8,
+    /// Image layers channels-last on Kiln's CPU kernels (the default; no rewrite):
+    /// `kiln optimize --onnx` times them against Burn's ops on NCHW tensors and writes
+    /// `kiln_kernels = false` into the serving config where Burn's are faster.
+    ChannelsLast,
 }
 
 impl OnnxPass {
@@ -59,8 +63,10 @@ impl OnnxPass {
                 "fold" => Ok(OnnxPass::Fold),
                 "winograd" => Ok(OnnxPass::Winograd),
                 "int8" => Ok(OnnxPass::Int8),
+                "channels-last" => Ok(OnnxPass::ChannelsLast),
                 other => Err(OnnxError::Unsupported(format!(
-                    "pass `{other}` on an ONNX model; the passes are fold, winograd and int8"
+                    "pass `{other}` on an ONNX model; the passes are fold, winograd, int8 and \
+                     channels-last"
                 ))),
             })
             .collect()
@@ -72,6 +78,7 @@ impl OnnxPass {
             OnnxPass::Fold => "fold",
             OnnxPass::Winograd => "winograd",
             OnnxPass::Int8 => "int8",
+            OnnxPass::ChannelsLast => "channels-last",
         }
     }
 }
@@ -147,6 +154,8 @@ impl OnnxModel {
             OnnxPass::Fold => self.fold_batch_norm()?,
             OnnxPass::Winograd => self.allow_winograd(only),
             OnnxPass::Int8 => self.quantize_int8(only)?,
+            // A choice of kernels, made where the model is loaded (`with_kiln_kernels`).
+            OnnxPass::ChannelsLast => Vec::new(),
         };
         // Weights packed by earlier runs may be stale now (a fold rewires a convolution to
         // new constants): every layer packs again on its next run.
