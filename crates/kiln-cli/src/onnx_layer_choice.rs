@@ -34,7 +34,7 @@ pub(crate) struct LayerTiming {
     with_ms: Vec<f64>,
     /// Whether the layer keeps the pass: int8 where it measured faster at both batches,
     /// Winograd (the kernels' default) unless the implicit GEMM measured faster at both.
-    faster: bool,
+    keeps: bool,
 }
 
 /// One whole-model form.
@@ -159,7 +159,7 @@ pub(crate) fn choose(
     )?;
     let keep: Vec<String> = timings
         .iter()
-        .filter(|l| l.faster)
+        .filter(|l| l.keeps)
         .map(|l| l.name.clone())
         .collect();
     let mut forms: Vec<Form> = vec![
@@ -363,7 +363,7 @@ fn layer_timings(
         }
         let everywhere = |a: &[f64], b: &[f64]| a.len() == 2 && a.iter().zip(b).all(|(x, y)| x < y);
         // The layer leaves its default only where the other form is faster at both batches.
-        let faster = if on_by_default {
+        let keeps = if on_by_default {
             !everywhere(&without_ms, &with_ms)
         } else {
             everywhere(&with_ms, &without_ms)
@@ -372,7 +372,7 @@ fn layer_timings(
             name: name.clone(),
             without_ms,
             with_ms,
-            faster,
+            keeps,
         });
     }
     Ok(layers)

@@ -414,7 +414,7 @@ fn render_decision(d: &Decision) -> String {
                 l.kind,
                 ms(&l.without_ms),
                 ms(&l.with_ms),
-                if l.faster { "faster" } else { stays }
+                if l.keeps { "kept" } else { stays }
             ));
         }
     }

@@ -123,7 +123,7 @@ pub struct LayerTiming {
     pub with_ms: Vec<f64>,
     /// Whether the layer keeps the pass: int8 where it measured faster at every batch,
     /// Winograd (the kernels' default) unless the implicit GEMM measured faster at every one.
-    pub faster: bool,
+    pub keeps: bool,
 }
 
 /// One whole-model candidate's median forward time.
@@ -357,7 +357,7 @@ fn choose_layers(pass: LayerPass, graph: &Graph, probe: &Probe) -> Result<PassCh
     let layers = layer_timings(&none, &all, &names, probe, pass.on_by_default())?;
     let keep: Vec<String> = layers
         .iter()
-        .filter(|l| l.faster)
+        .filter(|l| l.keeps)
         .map(|l| l.name.clone())
         .collect();
     // The base first: what the model runs without `kiln optimize` (f32 for int8; Winograd
@@ -462,7 +462,7 @@ fn layer_timings(
             name: node.name.clone(),
             kind: node.op.kind(),
             // The layer leaves its default only where the other form is faster at every batch.
-            faster: if on_by_default {
+            keeps: if on_by_default {
                 !faster_everywhere(&without_ms, &with_ms)
             } else {
                 faster_everywhere(&with_ms, &without_ms)
