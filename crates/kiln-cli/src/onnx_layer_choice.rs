@@ -7,13 +7,16 @@
 use std::collections::BTreeSet;
 
 use anyhow::Result;
-use kiln::infer::{fastest_form, mean_ratio};
+use kiln::infer::{KERNEL_FORMS, pick_form};
 use kiln::observe::timing::median;
 use kiln::onnx::{OnnxModel, OnnxPass, Value};
 use serde::Serialize;
 
 /// Rounds of turn-taking per measurement.
 const ROUNDS: usize = 5;
+
+/// The batches every form is timed at (the inputs' order).
+const BATCHES: [usize; 2] = [1, 8];
 
 /// One model's per-step timings at one batch: (step name, one time per round).
 type StepSamples = Vec<(String, Vec<f64>)>;
@@ -182,27 +185,12 @@ pub(crate) fn choose(
     }
     let models: Vec<&OnnxModel> = forms.iter().map(|f| f.1.as_ref().unwrap_or(base)).collect();
     let times = models_ms(&models, inputs, steps)?;
-    let chosen = fastest_form(&times);
-    let show = |ms: &[f64]| format!("b1 {:.3} ms, b8 {:.3} ms", ms[0], ms[1]);
-    let reason = match chosen {
-        Some(i) => format!(
-            "{} measured {:.2}× the time of {} ({} vs {})",
-            forms[i].0,
-            mean_ratio(&times[i], &times[0]),
-            forms[0].0,
-            show(&times[i]),
-            show(&times[0])
-        ),
-        None => format!(
-            "no other form measured faster than {} at batch 1 and 8 ({}; {})",
-            forms[0].0,
-            show(&times[0]),
-            (1..times.len())
-                .map(|i| format!("{} {}", forms[i].0, show(&times[i])))
-                .collect::<Vec<_>>()
-                .join("; ")
-        ),
-    };
+    let labelled: Vec<(&str, &[f64])> = forms
+        .iter()
+        .zip(&times)
+        .map(|(f, ms)| (f.0.as_str(), ms.as_slice()))
+        .collect();
+    let (chosen, reason) = pick_form(&labelled, &BATCHES);
     let candidates: Vec<Candidate> = forms
         .iter()
         .zip(&times)
@@ -275,24 +263,18 @@ pub(crate) fn choose_kernels(
 ) -> Result<(Option<OnnxModel>, Decision)> {
     let burn = rebuild(load, kept)?.with_kiln_kernels(false);
     let times = models_ms(&[base, &burn], inputs, steps.clamp(1, 10))?;
-    let stay = fastest_form(&times).is_none();
-    let show = |ms: &[f64]| format!("b1 {:.3} ms, b8 {:.3} ms", ms[0], ms[1]);
-    let reason = format!(
-        "Kiln's kernels {} ({} vs Burn's NCHW ops {})",
-        if stay {
-            "kept"
-        } else {
-            "slower at both batches"
-        },
-        show(&times[0]),
-        show(&times[1])
-    );
-    let candidates = ["Kiln's kernels (channels-last)", "Burn's ops (NCHW)"]
-        .into_iter()
+    let labelled: Vec<(&str, &[f64])> = KERNEL_FORMS
+        .iter()
         .zip(&times)
+        .map(|(label, ms)| (*label, ms.as_slice()))
+        .collect();
+    let (chosen, reason) = pick_form(&labelled, &BATCHES);
+    let stay = chosen.is_none();
+    let candidates = labelled
+        .iter()
         .map(|(label, ms)| Candidate {
-            label: label.into(),
-            ms: ms.clone(),
+            label: label.to_string(),
+            ms: ms.to_vec(),
             layers: Vec::new(),
         })
         .collect();

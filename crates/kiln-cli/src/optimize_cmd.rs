@@ -147,14 +147,7 @@ pub fn run(args: OptimizeArgs) -> Result<()> {
                     "Kiln's kernels are off in the plan (device.kiln_kernels = false)".to_string(),
                 ),
                 Pass::ChannelsLast => {
-                    let (on, off, stay) = kernels_pay(&graph, &probe)?;
-                    let why = format!(
-                        "Kiln's kernels {} at batch {:?}: {:.3?} ms vs Burn's NCHW ops {:.3?} ms",
-                        if stay { "kept" } else { "slower everywhere" },
-                        batches,
-                        on,
-                        off
-                    );
+                    let (stay, why) = kernels_pay(&graph, &probe)?;
                     if !stay {
                         // Everything after runs, and is served, on Burn's ops.
                         kiln_kernels = false;

@@ -30,8 +30,8 @@ pub use passes::{
     quantize_int8_layers, run_passes, strip_train_only, to_half_precision,
 };
 pub use select::{
-    CandidateTiming, LayerPass, LayerTiming, PassChoice, Probe, choose_int8, choose_winograd,
-    fastest_form, kernels_pay, mean_ratio, pass_pays,
+    CandidateTiming, KERNEL_FORMS, LayerPass, LayerTiming, PassChoice, Probe, choose_int8,
+    choose_winograd, fastest_form, kernels_pay, mean_ratio, pass_pays, pick_form,
 };
 pub use store::{graph_to_bytes, load_graph, save_graph};
 

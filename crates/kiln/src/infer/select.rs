@@ -310,6 +310,44 @@ pub fn fastest_form(times: &[Vec<f64>]) -> Option<usize> {
         .min_by(|&a, &b| mean_ratio(&times[a], base).total_cmp(&mean_ratio(&times[b], base)))
 }
 
+/// The form kept among `forms` (label, median ms per batch of `batches`; the base first) by
+/// [`fastest_form`] — `None`: the base — and why, in a sentence naming every form's times.
+/// Both `kiln optimize` roads word their decisions through it.
+pub fn pick_form(forms: &[(&str, &[f64])], batches: &[usize]) -> (Option<usize>, String) {
+    let show = |ms: &[f64]| {
+        batches
+            .iter()
+            .zip(ms)
+            .map(|(b, m)| format!("b{b} {m:.3} ms"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let times: Vec<Vec<f64>> = forms.iter().map(|(_, ms)| ms.to_vec()).collect();
+    let Some(&(base, base_ms)) = forms.first() else {
+        return (None, "no form was measured".into());
+    };
+    let chosen = fastest_form(&times);
+    let reason = match chosen {
+        Some(i) => format!(
+            "{} measured {:.2}× the time of {base} ({} vs {})",
+            forms[i].0,
+            mean_ratio(forms[i].1, base_ms),
+            show(forms[i].1),
+            show(base_ms)
+        ),
+        None => format!(
+            "no other form measured faster than {base} at every batch ({}; {})",
+            show(base_ms),
+            forms[1..]
+                .iter()
+                .map(|(label, ms)| format!("{label} {}", show(ms)))
+                .collect::<Vec<_>>()
+                .join("; ")
+        ),
+    };
+    (chosen, reason)
+}
+
 /// Measures where int8 pays on `graph` (already stripped and folded) and returns the choice;
 /// `graph` itself is not changed (see [`PassChoice::apply`]).
 pub fn choose_int8(graph: &Graph, probe: &Probe) -> Result<PassChoice> {
@@ -379,42 +417,12 @@ fn choose_layers(pass: LayerPass, graph: &Graph, probe: &Probe) -> Result<PassCh
         .zip(times)
         .map(|((label, _, layers), ms)| CandidateTiming { label, ms, layers })
         .collect();
-    let base = &candidates[0];
-    let times: Vec<Vec<f64>> = candidates.iter().map(|c| c.ms.clone()).collect();
-    let show = |ms: &[f64]| {
-        batches
-            .iter()
-            .zip(ms)
-            .map(|(b, m)| format!("b{b} {m:.3} ms"))
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    let (chosen, reason) = match fastest_form(&times) {
-        Some(i) => (
-            i,
-            format!(
-                "{} measured {:.2}× the time of {} ({} vs {})",
-                candidates[i].label,
-                mean_ratio(&candidates[i].ms, &base.ms),
-                base.label,
-                show(&candidates[i].ms),
-                show(&base.ms)
-            ),
-        ),
-        None => (
-            0,
-            format!(
-                "no other form measured faster than {} at every batch ({}; {})",
-                base.label,
-                show(&base.ms),
-                candidates[1..]
-                    .iter()
-                    .map(|c| format!("{} {}", c.label, show(&c.ms)))
-                    .collect::<Vec<_>>()
-                    .join("; ")
-            ),
-        ),
-    };
+    let forms: Vec<(&str, &[f64])> = candidates
+        .iter()
+        .map(|c| (c.label.as_str(), c.ms.as_slice()))
+        .collect();
+    let (chosen, reason) = pick_form(&forms, &batches);
+    let chosen = chosen.unwrap_or(0);
     Ok(PassChoice {
         pass,
         layers,
@@ -488,15 +496,21 @@ pub fn pass_pays(
     Ok((b, a, pays))
 }
 
+/// The two forms the channels-last pass compares, the base first.
+pub const KERNEL_FORMS: [&str; 2] = ["Kiln's kernels (channels-last)", "Burn's NCHW ops"];
+
 /// Whole-model keep/drop of Kiln's CPU kernels — image layers channels-last on the implicit
 /// GEMM, Winograd and depthwise kernels, linear layers and attention on Kiln's — against
-/// Burn's own ops on NCHW tensors, for `graph` at the probe's batches: (kernels' times, Burn's
-/// times, whether the kernels stay). The kernels are the default; Burn's ops replace them
-/// only where they are faster at every batch.
-pub fn kernels_pay(graph: &Graph, probe: &Probe) -> Result<(Vec<f64>, Vec<f64>, bool)> {
-    let mut times = probe.forms_ms(&[(graph, true), (graph, false)])?;
-    let burn = times.pop().unwrap_or_default();
-    let kernels = times.pop().unwrap_or_default();
-    let stay = !faster_everywhere(&burn, &kernels);
-    Ok((kernels, burn, stay))
+/// Burn's own ops on NCHW tensors ([`KERNEL_FORMS`]), for `graph` at the probe's batches:
+/// whether the kernels stay, and why ([`pick_form`]). The kernels are the default; Burn's
+/// ops replace them only where they are faster at every batch.
+pub fn kernels_pay(graph: &Graph, probe: &Probe) -> Result<(bool, String)> {
+    let times = probe.forms_ms(&[(graph, true), (graph, false)])?;
+    let forms: Vec<(&str, &[f64])> = KERNEL_FORMS
+        .iter()
+        .zip(&times)
+        .map(|(label, ms)| (*label, ms.as_slice()))
+        .collect();
+    let (chosen, reason) = pick_form(&forms, &probe.batches());
+    Ok((chosen.is_none(), reason))
 }
