@@ -187,12 +187,15 @@ impl Collective for MpiCollective {
         if self.size < 2 {
             return;
         }
-        // Printed here because the abort ends this process before its caller could.
-        eprintln!(
+        // Printed here because the abort ends this process before its caller could, and in
+        // one write: `eprintln!` writes its pieces apart, and mpirun, forwarding this rank's
+        // stderr, printed its abort banner between "kiln: rank " and the rest.
+        let message = format!(
             "kiln: rank {} of {} failed: {why}\nkiln: aborting the MPI job so that the other \
-             ranks stop instead of waiting for this one",
+             ranks stop instead of waiting for this one\n",
             self.rank, self.size
         );
+        let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), message.as_bytes());
         self.world().world.abort(1)
     }
 }
