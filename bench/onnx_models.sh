@@ -25,6 +25,9 @@ for model in "$dir"/*.onnx; do
     bert_base) extra=(--input-dims input_ids=128 --input-dims attention_mask=128) ;;
     # tools/onnx_corpus.py's transformers models: token ids with a dynamic length.
     hf_gpt2 | hf_bert | hf_t5_encoder | hf_llama) extra=(--input-dims input_ids=12) ;;
+    # Its torch.nn models with a dynamic sequence axis (the lengths they were exported at).
+    lstm | lstm.*) extra=(--input-dims tokens=12) ;;
+    causal_lm | causal_lm.*) extra=(--input-dims ids=10) ;;
   esac
   echo "kiln bench --onnx $model ..." >&2
   "$kiln" bench --onnx "$model" --threads "$threads" --steps "$steps" --json "${extra[@]}" "${int8[@]}" | tee -a "$out" \

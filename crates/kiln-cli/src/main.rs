@@ -302,7 +302,7 @@ struct ProfileArgs {
     /// `--batch-size` (default 1) on `--threads`, one row per operator kind in the table.
     #[arg(long, value_name = "FILE", conflicts_with = "model")]
     onnx: Option<PathBuf>,
-    /// With --onnx: sizes of an input's dynamic axes after the batch, `NAME=D1,D2`.
+    /// With --onnx: sizes of an input's dynamic axes besides the batch, `NAME=D1,D2`.
     #[arg(long, value_name = "NAME=DIMS")]
     input_dims: Vec<String>,
     /// With --onnx: passes applied before profiling, comma-separated (fold, winograd, int8,
@@ -331,7 +331,7 @@ struct OptimizeArgs {
     /// channels-last; default all four); writes a servable model directory.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["model", "checkpoint", "data"])]
     onnx: Option<PathBuf>,
-    /// With --onnx: sizes of an input's dynamic axes after the batch, `NAME=D1,D2`.
+    /// With --onnx: sizes of an input's dynamic axes besides the batch, `NAME=D1,D2`.
     #[arg(long, value_name = "NAME=DIMS")]
     input_dims: Vec<String>,
     /// Passes to apply in order, comma-separated: strip, fold, winograd, int8, f16 or bf16
@@ -392,7 +392,7 @@ struct BenchArgs {
     /// of the workloads; batch 1 and 8 unless --batch is given.
     #[arg(long, value_name = "FILE")]
     onnx: Option<PathBuf>,
-    /// With --onnx: sizes of an input's dynamic axes after the batch, `NAME=D1,D2`
+    /// With --onnx: sizes of an input's dynamic axes besides the batch, `NAME=D1,D2`
     /// (repeat per input).
     #[arg(long, value_name = "NAME=DIMS")]
     input_dims: Vec<String>,

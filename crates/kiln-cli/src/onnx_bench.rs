@@ -105,8 +105,9 @@ pub fn run(bench: &OnnxBench) -> Result<()> {
     Ok(())
 }
 
-/// Each input's full shape at `batch`: the first axis is the batch, other dynamic axes come
-/// from `input_dims`.
+/// Each input's full shape at `batch`: the batch on the input's batch axis (the first, or
+/// the one named like the first input's: a sequence-first RNN's `[seq, batch, ..]`), the
+/// other dynamic axes from `input_dims`, given in order without the batch axis.
 pub(crate) fn input_shapes(
     ports: &[Port],
     batch: usize,
@@ -115,11 +116,17 @@ pub(crate) fn input_shapes(
     ports
         .iter()
         .map(|p| {
-            let rest = &p.dims[1.min(p.dims.len())..];
-            let dims: Vec<usize> = match input_dims.get(&p.name) {
+            let rest: Vec<Option<usize>> = p
+                .dims
+                .iter()
+                .enumerate()
+                .filter(|&(axis, _)| Some(axis) != p.batch_axis)
+                .map(|(_, &d)| d)
+                .collect();
+            let mut dims: Vec<usize> = match input_dims.get(&p.name) {
                 Some(given) if given.len() == rest.len() => given.clone(),
                 Some(given) => bail!(
-                    "--input-dims gives {given:?} for `{}`, which has {} axes after the batch",
+                    "--input-dims gives {given:?} for `{}`, which has {} axes besides the batch",
                     p.name,
                     rest.len()
                 ),
@@ -128,8 +135,8 @@ pub(crate) fn input_shapes(
                     .map(|d| {
                         d.with_context(|| {
                             format!(
-                                "input `{}` {} has a dynamic axis after the batch; give its size \
-                                 with --input-dims {}=N",
+                                "input `{}` {} has a dynamic axis besides the batch; give its \
+                                 size with --input-dims {}=N",
                                 p.name,
                                 show_dims(&p.dims),
                                 p.name
@@ -138,7 +145,10 @@ pub(crate) fn input_shapes(
                     })
                     .collect::<Result<_>>()?,
             };
-            Ok((p.name.clone(), std::iter::once(batch).chain(dims).collect()))
+            if let Some(axis) = p.batch_axis {
+                dims.insert(axis, batch);
+            }
+            Ok((p.name.clone(), dims))
         })
         .collect()
 }

@@ -1702,6 +1702,36 @@ fn bench_onnx_without_a_peer_reports_kiln_and_cleans_up() {
     assert!(left.is_empty(), "left in the temp dir: {left:?}");
 }
 
+/// Recurrent models exported sequence-first put the batch on an input's second axis
+/// (`x [seq, batch, features]`, `h0 [layers, batch, hidden]`): `kiln bench --onnx` finds it
+/// by the axis's name and times them at each batch, the peer's inputs sized the same.
+#[test]
+fn bench_onnx_sizes_a_batch_on_the_second_axis() {
+    let _shared = MACHINE.read().unwrap_or_else(|e| e.into_inner());
+    for name in ["rnn", "gru"] {
+        let model = onnx_model(&format!("corpus/{name}"));
+        let o = kiln(&[
+            "bench",
+            "--onnx",
+            &model,
+            "--batch",
+            "3",
+            "--steps",
+            "1",
+            "--threads",
+            "1",
+            "--json",
+        ]);
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        let row: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+        assert_eq!(row["batch"], 3, "{row}");
+        assert!(row["kiln_ms"].as_f64().unwrap() > 0.0, "{row}");
+        if let Some(diff) = row["max_rel_diff_vs_ort"].as_f64() {
+            assert!(diff < 1e-4, "{name}: Kiln vs ONNX Runtime: {diff:e}");
+        }
+    }
+}
+
 /// Fault injection: a training run killed with SIGKILL at seeded random moments (with a
 /// checkpoint every step, many kills land inside a checkpoint write) and restarted with
 /// `--resume latest` each time, until it finishes. After every kill each checkpoint on disk

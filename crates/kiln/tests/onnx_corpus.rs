@@ -95,3 +95,54 @@ fn every_corpus_model_loads_and_matches_onnx_runtime() {
         assert!(failures.is_empty(), "{}", failures.join("\n"));
     }
 }
+
+/// A model of the committed corpus.
+fn committed(name: &str) -> OnnxModel {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models/onnx/corpus")
+        .join(format!("{name}.onnx"));
+    OnnxModel::load(&path, &Device::default()).unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+/// The exporters' shape arithmetic is recorded once per input shape in the models whose
+/// reshape targets pass through a `Mod` (`nn.MultiheadAttention`'s head split), a
+/// `Transpose` (`F.pad`'s pads) or a `Trilu` (a causal mask): each such model is
+/// shape-static. The corpus test above checks their outputs on repeated and changing
+/// batches (1, 3, 3, 1), the recorded values among them.
+#[test]
+fn shape_arithmetic_through_mod_transpose_and_trilu_is_recorded() {
+    for name in [
+        "torch_encoder",
+        "whisper_stem",
+        "tcn",
+        "style_transfer",
+        "causal_lm",
+    ] {
+        let model = committed(name);
+        assert!(
+            model.cached_shape_steps() > 0,
+            "{name}: its shape arithmetic is not recorded"
+        );
+    }
+    // NonZero's output length is data: nothing is recorded.
+    assert_eq!(committed("indexing").cached_shape_steps(), 0);
+}
+
+/// Each input's batch axis, found by its name wherever it sits: first for a batch-first
+/// model, second in a sequence-first RNN's input and in an initial state.
+#[test]
+fn inputs_know_their_batch_axis() {
+    let axes = |name: &str| -> Vec<(String, Option<usize>)> {
+        committed(name)
+            .inputs()
+            .iter()
+            .map(|p| (p.name.clone(), p.batch_axis))
+            .collect()
+    };
+    assert_eq!(axes("lstm"), [("tokens".to_string(), Some(0))]);
+    assert_eq!(axes("rnn"), [("x".to_string(), Some(1))]);
+    assert_eq!(
+        axes("gru"),
+        [("x".to_string(), Some(0)), ("h0".to_string(), Some(1))]
+    );
+}

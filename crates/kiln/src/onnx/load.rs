@@ -41,6 +41,7 @@ pub fn load(bytes: &[u8], name: &str, device: &Device) -> Result<OnnxModel, Onnx
         .filter(|i| !initializers.contains(i.name.as_str()))
         .map(|i| i.name.clone())
         .collect();
+    let batch_axes = batch_axes(graph_proto, &initializers);
     let output_names: Vec<String> = graph_proto.output.iter().map(|o| o.name.clone()).collect();
     // Reshape ranks onnx-ir cannot infer, declared from the graph's structure.
     // Quantized operators onnx-ir cannot type, in the QDQ form it can.
@@ -89,7 +90,9 @@ pub fn load(bytes: &[u8], name: &str, device: &Device) -> Result<OnnxModel, Onnx
             .get(i)
             .cloned()
             .unwrap_or_else(|| arg.name.clone());
-        inputs.push(port(name, &arg.ty)?);
+        let mut port = port(name, &arg.ty)?;
+        port.batch_axis = batch_axes.get(i).copied().flatten();
+        inputs.push(port);
     }
 
     let mut steps = Vec::new();
@@ -233,7 +236,47 @@ fn port(name: String, ty: &ArgType) -> Result<Port, OnnxError> {
         kind: kind_of(dtype)?,
         dtype: dtype_name(dtype).to_string(),
         dims,
+        batch_axis: None,
     })
+}
+
+/// Per graph input (initializers left out): the axis named like the first input's first
+/// named dynamic axis — the batch, by the exporters' naming (`batch`, `batch_size`, `s0`),
+/// wherever it sits (`[seq, batch, features]`); an input without that name has none (a
+/// static state or scale). A model without named axes has its batch first in every input.
+fn batch_axes(
+    graph: &onnx_ir::GraphProto,
+    initializers: &std::collections::HashSet<&str>,
+) -> Vec<Option<usize>> {
+    let inputs: Vec<Vec<Option<&str>>> = graph
+        .input
+        .iter()
+        .filter(|i| !initializers.contains(i.name.as_str()))
+        .map(|i| {
+            let dims = i
+                .type_
+                .as_ref()
+                .and_then(|t| t.tensor_type().shape.as_ref())
+                .map(|s| s.dim.as_slice())
+                .unwrap_or_default();
+            dims.iter()
+                .map(|d| {
+                    let name = d.dim_param().trim();
+                    (!d.has_dim_value() && !name.is_empty()).then_some(name)
+                })
+                .collect()
+        })
+        .collect();
+    let batch = inputs
+        .first()
+        .and_then(|dims| dims.iter().find_map(|&name| name));
+    inputs
+        .iter()
+        .map(|dims| match batch {
+            Some(b) => dims.iter().position(|&name| name == Some(b)),
+            None => (!dims.is_empty()).then_some(0),
+        })
+        .collect()
 }
 
 /// ONNX's name for an element type.

@@ -95,6 +95,11 @@ pub struct Port {
     pub dtype: String,
     /// Dimensions; `None` where dynamic (a batch or sequence axis).
     pub dims: Vec<Option<usize>>,
+    /// The axis that holds the batch: the one named like the first input's first named
+    /// dynamic axis (`batch` in a sequence-first RNN's `[seq, batch, features]` and its
+    /// initial state's `[layers, batch, hidden]`); the first axis in a model without named
+    /// axes. `None` for an output, and for an input without the batch.
+    pub batch_axis: Option<usize>,
 }
 
 /// What a step computes: an onnx-ir node, or a node a pass rewrote into a Kiln kernel.

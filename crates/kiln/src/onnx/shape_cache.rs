@@ -199,5 +199,26 @@ fn arithmetic(node: &Node) -> bool {
             | Node::Range(_)
             | Node::Expand(_)
             | Node::ReduceProd(_)
+            // Index arithmetic and comparisons the exporters write around reshapes (an
+            // attention's head split through `Mod`, `F.pad`'s pads through a `Transpose`).
+            | Node::Mod(_)
+            | Node::Abs(_)
+            | Node::Pow(_)
+            | Node::Sign(_)
+            | Node::Greater(_)
+            | Node::GreaterOrEqual(_)
+            | Node::Less(_)
+            | Node::LessOrEqual(_)
+            | Node::And(_)
+            | Node::Or(_)
+            | Node::Xor(_)
+            | Node::Not(_)
+            | Node::Transpose(_)
+            | Node::Flatten(_)
+            | Node::Tile(_)
+            | Node::Split(_)
+            // A causal mask built from constants (`Trilu` of a `ConstantOfShape`).
+            | Node::Trilu(_)
+            | Node::CumSum(_)
     )
 }
