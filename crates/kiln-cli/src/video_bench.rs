@@ -3,17 +3,21 @@
 //! ONNX Runtime on every frame, `bench/peers/video_peer.py`): decode, preprocess, inference
 //! and end-to-end frames per second, per-frame latency p50 / p99, the share of pixels the
 //! model ran on, and agreement with the full model on every frame (mean IoU for masks, top-1
-//! agreement for classes, box F1 for detections).
+//! agreement for classes, box F1 for detections). A clip made by `kiln data make-video` is
+//! also scored against its ground truth (the `.json` beside it): each configuration's mean
+//! IoU with the true object masks, the full model's among them, so an accuracy loss is the
+//! drop from the full model's accuracy.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 use kiln::onnx::OnnxModel;
+use kiln::stream::FrameResult;
 use kiln::stream::{
     FrameModel, OnnxFrameModel, OutputKind, ScaleConfig, StreamSettings, VideoTechniques,
 };
-use kiln::video::{DecodeOptions, Fit, Preprocess, VideoRun, run_video};
+use kiln::video::{ClipTruth, DecodeOptions, Fit, Preprocess, Scoring, VideoRun, run_video};
 use serde::Serialize;
 
 /// What to measure.
@@ -151,6 +155,14 @@ pub fn run(b: &VideoBench) -> Result<()> {
         b.threads,
         b.repeats
     );
+    let truth = clip_truth(b.video, &spec)?;
+    if truth.is_some() {
+        eprintln!(
+            "kiln bench: scoring against the clip's ground truth ({})",
+            b.video.with_extension("json").display()
+        );
+    }
+    let truth = truth.as_deref();
     let repeats = b.repeats.max(1);
     let mut runs: Vec<Measured> = Vec::new();
     let decode = measure(repeats, || {
@@ -160,7 +172,7 @@ pub fn run(b: &VideoBench) -> Result<()> {
             &options,
             None,
             &VideoTechniques::default(),
-            None,
+            Scoring::default(),
             false,
         )
         .map(|(run, _)| run)
@@ -169,11 +181,16 @@ pub fn run(b: &VideoBench) -> Result<()> {
     // The reference: the full model on every frame (its first run keeps the results).
     eprintln!("kiln bench: full ...");
     let full = VideoTechniques::default();
-    let (first, reference) = run_video(b.video, &spec, &options, Some(&model), &full, None, true)?;
+    let scored = Scoring {
+        reference: None,
+        truth,
+    };
+    let (first, reference) =
+        run_video(b.video, &spec, &options, Some(&model), &full, scored, true)?;
     let mut first = Some(first);
     let full_runs = measure(repeats, || match first.take() {
         Some(run) => Ok(run),
-        None => run_video(b.video, &spec, &options, Some(&model), &full, None, false)
+        None => run_video(b.video, &spec, &options, Some(&model), &full, scored, false)
             .map(|(run, _)| run),
     })?;
     runs.push(full_runs);
@@ -186,7 +203,10 @@ pub fn run(b: &VideoBench) -> Result<()> {
                 &options,
                 Some(&model),
                 t,
-                Some(&reference),
+                Scoring {
+                    reference: Some(&reference),
+                    truth,
+                },
                 false,
             )
             .map(|(run, _)| run)
@@ -215,7 +235,10 @@ pub fn run(b: &VideoBench) -> Result<()> {
                 &options,
                 Some(&model),
                 &t,
-                Some(&reference),
+                Scoring {
+                    reference: Some(&reference),
+                    truth,
+                },
                 false,
             )?;
             sweep.push((threshold, run));
@@ -245,6 +268,7 @@ pub fn run(b: &VideoBench) -> Result<()> {
                     "fps": run.fps,
                     "vs_peer": peer_fps.map(|p| run.fps / p),
                     "agreement": run.agreement,
+                    "truth": run.truth,
                     "pixel_share": run.pixel_share,
                 })
             );
@@ -270,7 +294,7 @@ pub fn run(b: &VideoBench) -> Result<()> {
         b.fit.name()
     );
     println!(
-        "{:<22} {:>7} {:>9} {:>13} {:>9} {:>9} {:>9} {:>8} {:>8} {:>7} {:>8} {:>8} {:>8}",
+        "{:<22} {:>7} {:>9} {:>13} {:>9} {:>9} {:>9} {:>8} {:>8} {:>7} {:>8} {:>8} {:>8} {:>8}",
         "configuration",
         "frames",
         "e2e fps",
@@ -283,6 +307,7 @@ pub fn run(b: &VideoBench) -> Result<()> {
         "pixels",
         "agree",
         "pix agr",
+        "truth",
         "vs peer"
     );
     for m in &runs {
@@ -296,8 +321,9 @@ pub fn run(b: &VideoBench) -> Result<()> {
                 )
             })
             .unwrap_or(("-".into(), "-".into()));
+        let truth = r.truth.map_or("-".into(), |t| format!("{:.4}", t.score));
         println!(
-            "{:<22} {:>7} {:>9.1} {:>13} {:>9.1} {:>9.1} {:>9.1} {:>8.2} {:>8.2} {:>6.0}% {:>8} {:>8} {:>8}",
+            "{:<22} {:>7} {:>9.1} {:>13} {:>9.1} {:>9.1} {:>9.1} {:>8.2} {:>8.2} {:>6.0}% {:>8} {:>8} {:>8} {:>8}",
             r.name,
             r.frames,
             r.fps,
@@ -314,6 +340,7 @@ pub fn run(b: &VideoBench) -> Result<()> {
             100.0 * r.pixel_share,
             agree,
             pix,
+            truth,
             peer_fps
                 .map(|p| format!("{:.2}x", r.fps / p))
                 .unwrap_or("-".into()),
@@ -336,13 +363,14 @@ pub fn run(b: &VideoBench) -> Result<()> {
     }
     for (threshold, r) in &sweep {
         println!(
-            "sweep {threshold:<6} {:<14} {:>9.1} fps {:>8} agree {:.4} pixels {:.0}%",
+            "sweep {threshold:<6} {:<14} {:>9.1} fps {:>8} agree {:.4} truth {:.4} pixels {:.0}%",
             r.name,
             r.fps,
             peer_fps
                 .map(|p| format!("{:.2}x", r.fps / p))
                 .unwrap_or("-".into()),
             r.agreement.map_or(f64::NAN, |a| a.score),
+            r.truth.map_or(f64::NAN, |a| a.score),
             100.0 * r.pixel_share,
         );
     }
@@ -351,9 +379,41 @@ pub fn run(b: &VideoBench) -> Result<()> {
          lowest-highest run; decode / preproc / infer = \
          frames / seconds in that stage; p50 / p99 = model stage per frame; pixels = share of input \
          pixels the model ran on at full resolution; agree = mean IoU (masks), top-1 (classes) or \
-         box F1 against the full model on every frame; vs peer = e2e fps / the peer's"
+         box F1 against the full model on every frame; truth = mean IoU against the clip's \
+         ground truth (a clip from kiln data make-video); vs peer = e2e fps / the peer's"
     );
     Ok(())
+}
+
+/// The ground truth of a clip `kiln data make-video` wrote (its `.json` beside it) as masks
+/// of `spec`'s input; `None` for any other video. A sidecar that is there but unreadable is
+/// an error naming it.
+fn clip_truth(video: &Path, spec: &Preprocess) -> Result<Option<Vec<FrameResult>>> {
+    #[derive(serde::Deserialize)]
+    struct Sidecar {
+        spec: Size,
+        truth: ClipTruth,
+    }
+    #[derive(serde::Deserialize)]
+    struct Size {
+        width: usize,
+        height: usize,
+    }
+    let path = video.with_extension("json");
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        return Ok(None);
+    };
+    let sidecar: Sidecar = serde_json::from_str(&text).with_context(|| {
+        format!(
+            "{}: not the ground truth kiln data make-video writes beside a clip",
+            path.display()
+        )
+    })?;
+    Ok(Some(sidecar.truth.masks(
+        sidecar.spec.width,
+        sidecar.spec.height,
+        spec,
+    )))
 }
 
 /// The peer `repeats` times: the run with the median fps, and the range.

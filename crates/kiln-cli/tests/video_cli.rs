@@ -110,6 +110,14 @@ fn a_made_video_is_benchmarked_with_an_onnx_model_and_each_technique() {
     );
     let agreement = rows[2]["agreement"]["score"].as_f64().unwrap();
     assert!((0.0..=1.0).contains(&agreement));
+    // The clip's ground truth (the .json make-video wrote) scores the model's runs, the full
+    // model's too; the decode row has no results to score.
+    assert!(rows[0]["truth"].is_null(), "{}", rows[0]);
+    for r in &rows[1..3] {
+        let t = r["truth"]["score"].as_f64().unwrap_or(-1.0);
+        assert!((0.0..=1.0).contains(&t), "{r}");
+        assert_eq!(r["truth"]["frames"], 45, "{r}");
+    }
     assert!(
         rows[3]["error"].as_str().unwrap().contains("KILN_PYTHON"),
         "{}",

@@ -15,7 +15,8 @@ use kiln::stream::{
     VideoTechniques,
 };
 use kiln::video::{
-    ClipSpec, Codec, DecodeOptions, Preprocess, Scene, VideoReader, run_video, write_clip,
+    ClipSpec, Codec, DecodeOptions, Fit, Preprocess, Scene, Scoring, VideoReader, run_video,
+    write_clip,
 };
 
 fn dir() -> PathBuf {
@@ -125,7 +126,7 @@ fn the_converted_input_shows_the_objects_where_the_generator_put_them() {
         &DecodeOptions::default(),
         Some(&LumaMean),
         &VideoTechniques::default(),
-        None,
+        Scoring::default(),
         true,
     )
     .unwrap();
@@ -194,6 +195,125 @@ impl FrameModel for LumaMean {
     }
 }
 
+/// A mask of the bright pixels (luma above the background's brightest): the generator's
+/// objects, as a perfect segmenter of its clips sees them.
+struct BrightLuma;
+
+impl FrameModel for BrightLuma {
+    fn kind(&self) -> OutputKind {
+        OutputKind::Mask
+    }
+    fn channels(&self) -> usize {
+        3
+    }
+    fn fixed_size(&self) -> Option<(usize, usize)> {
+        None
+    }
+    fn run(&self, frames: &[&Frame], confidence: bool) -> kiln::Result<Vec<FrameResult>> {
+        Ok(LumaMean
+            .run(frames, confidence)?
+            .into_iter()
+            .map(|r| match r {
+                FrameResult::Image { shape, values } => FrameResult::Mask {
+                    height: shape[1],
+                    width: shape[2],
+                    labels: values.iter().map(|&v| u16::from(v > 0.67)).collect(),
+                    confidence: Vec::new(),
+                },
+                other => other,
+            })
+            .collect())
+    }
+}
+
+/// A segmenter that sees nothing: background everywhere.
+struct Blind;
+
+impl FrameModel for Blind {
+    fn kind(&self) -> OutputKind {
+        OutputKind::Mask
+    }
+    fn channels(&self) -> usize {
+        3
+    }
+    fn fixed_size(&self) -> Option<(usize, usize)> {
+        None
+    }
+    fn run(&self, frames: &[&Frame], _: bool) -> kiln::Result<Vec<FrameResult>> {
+        Ok(frames
+            .iter()
+            .map(|f| {
+                let [_, h, w] = f.shape();
+                FrameResult::Mask {
+                    height: h,
+                    width: w,
+                    labels: vec![0; h * w],
+                    confidence: Vec::new(),
+                }
+            })
+            .collect())
+    }
+}
+
+/// The generator's boxes become true masks of the model input, stretched or letterboxed as
+/// the frames are: a segmenter that finds the bright objects scores a mean IoU near 1
+/// against them, and one that paints everything background scores far lower.
+#[test]
+fn a_clip_scores_each_run_against_its_ground_truth() {
+    let spec = small(Scene::Static, 12);
+    let p = dir().join("scored.mp4");
+    let truth = write_clip(&p, &spec).unwrap();
+    for fit in [Fit::Stretch, Fit::Letterbox] {
+        let mut pre = Preprocess::imagenet(256, 256);
+        pre.fit = fit;
+        let masks = truth.masks(spec.width, spec.height, &pre);
+        assert_eq!(masks.len(), 12);
+        let scored = Scoring {
+            reference: None,
+            truth: Some(&masks),
+        };
+        let (run, _) = run_video(
+            &p,
+            &pre,
+            &DecodeOptions::default(),
+            Some(&BrightLuma),
+            &VideoTechniques::default(),
+            scored,
+            false,
+        )
+        .unwrap();
+        let t = run.truth.unwrap();
+        assert_eq!(t.frames, 12);
+        // Not 1: an object's chroma can pull a few of its pixels below the threshold.
+        assert!(t.score > 0.85, "{fit:?}: {t:?}");
+        assert!(run.agreement.is_none());
+        // A segmenter that finds nothing scores only the background's IoU, halved.
+        let (blind, _) = run_video(
+            &p,
+            &pre,
+            &DecodeOptions::default(),
+            Some(&Blind),
+            &VideoTechniques::default(),
+            scored,
+            false,
+        )
+        .unwrap();
+        let b = blind.truth.unwrap();
+        assert!(b.score < 0.55, "{fit:?}: {b:?}");
+        // The masks hold the boxes' area, scaled into the input.
+        let (_, _, pw, ph) = pre.placement(spec.width, spec.height);
+        let scale = (pw * ph) as f32 / (spec.width * spec.height) as f32;
+        if let FrameResult::Mask { labels, .. } = &masks[0] {
+            let ones = labels.iter().filter(|&&l| l == 1).count() as f32;
+            let area: f32 = truth.boxes[0]
+                .iter()
+                .map(|b| (b[2] - b[0]) * (b[3] - b[1]) * scale)
+                .sum();
+            assert!((ones - area).abs() < 0.1 * area, "{ones} vs {area}");
+        }
+    }
+}
+
 #[test]
 fn temporal_coherence_and_regions_agree_with_the_full_model_and_run_less() {
     let p = clip("static.mp4", &small(Scene::Static, 60));
@@ -205,7 +325,7 @@ fn temporal_coherence_and_regions_agree_with_the_full_model_and_run_less() {
         &opts,
         Some(&Bright),
         &VideoTechniques::default(),
-        None,
+        Scoring::default(),
         true,
     )
     .unwrap();
@@ -225,7 +345,7 @@ fn temporal_coherence_and_regions_agree_with_the_full_model_and_run_less() {
         &opts,
         Some(&Bright),
         &roi,
-        Some(&reference),
+        Scoring::reference(&reference),
         false,
     )
     .unwrap();
@@ -260,7 +380,7 @@ fn an_onnx_model_runs_per_frame_with_the_gate_on() {
         &opts,
         Some(&model),
         &VideoTechniques::default(),
-        None,
+        Scoring::default(),
         true,
     )
     .unwrap();
@@ -279,7 +399,7 @@ fn an_onnx_model_runs_per_frame_with_the_gate_on() {
         &opts,
         Some(&model),
         &gate,
-        Some(&reference),
+        Scoring::reference(&reference),
         false,
     )
     .unwrap();
@@ -290,7 +410,16 @@ fn an_onnx_model_runs_per_frame_with_the_gate_on() {
         regions: Some(RegionConfig::default()),
         ..VideoTechniques::default()
     };
-    let err = run_video(&p, &pre, &opts, Some(&model), &roi, None, false).unwrap_err();
+    let err = run_video(
+        &p,
+        &pre,
+        &opts,
+        Some(&model),
+        &roi,
+        Scoring::default(),
+        false,
+    )
+    .unwrap_err();
     assert!(
         err.to_string().contains("dynamic height and width"),
         "{err}"
@@ -331,7 +460,7 @@ fn an_overloaded_stream_drops_the_oldest_frames_and_counts_them() {
         &opts,
         Some(&Slow),
         &VideoTechniques::default(),
-        None,
+        Scoring::default(),
         false,
     )
     .unwrap();
@@ -347,7 +476,7 @@ fn an_overloaded_stream_drops_the_oldest_frames_and_counts_them() {
         &block,
         Some(&Slow),
         &VideoTechniques::default(),
-        None,
+        Scoring::default(),
         false,
     )
     .unwrap();
@@ -436,7 +565,7 @@ fn a_frame_size_change_mid_stream_is_rescaled_to_the_same_input() {
         &DecodeOptions::default(),
         Some(&Bright),
         &VideoTechniques::default(),
-        None,
+        Scoring::default(),
         false,
     )
     .unwrap();

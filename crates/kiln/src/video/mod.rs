@@ -68,15 +68,37 @@ pub struct VideoRun {
     pub pixel_share: f64,
     /// Agreement with the reference (the full model on every frame), when given.
     pub agreement: Option<AgreementSummary>,
+    /// Accuracy against the ground truth (a generated clip's object masks), when given: the
+    /// task's own score, which the full model has too (its own run's `truth`).
+    pub truth: Option<AgreementSummary>,
     /// Frame-size changes met mid-stream.
     pub size_changes: u64,
     /// Damage met (truncation, damaged packets), if any.
     pub damage: Option<String>,
 }
 
+/// What a run's results are scored against, per frame index.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Scoring<'a> {
+    /// The full model's results (from an earlier run with `keep` set): agreement.
+    pub reference: Option<&'a [FrameResult]>,
+    /// The true results (a generated clip's [`ClipTruth::masks`]): accuracy.
+    pub truth: Option<&'a [FrameResult]>,
+}
+
+impl<'a> Scoring<'a> {
+    /// Agreement with the full model's `reference` only.
+    pub fn reference(reference: &'a [FrameResult]) -> Self {
+        Scoring {
+            reference: Some(reference),
+            truth: None,
+        }
+    }
+}
+
 /// Runs `model` with `techniques` over every frame of the video in `path`, decoded into
-/// `spec`'s input on its own thread under `options`; `reference` holds the full model's
-/// result for each frame index (from an earlier run with `keep` set) to score agreement.
+/// `spec`'s input on its own thread under `options`, scoring each result against `scoring`'s
+/// references (agreement with the full model, accuracy against the truth).
 /// With `model` `None`, only decodes and converts (the `decode` row). Returns the run and,
 /// when `keep` is set, every frame's result.
 pub fn run_video(
@@ -85,7 +107,7 @@ pub fn run_video(
     options: &DecodeOptions,
     model: Option<&dyn FrameModel>,
     techniques: &VideoTechniques,
-    reference: Option<&[FrameResult]>,
+    scoring: Scoring<'_>,
     keep: bool,
 ) -> Result<(VideoRun, Vec<FrameResult>)> {
     let mut stream = model
@@ -98,6 +120,7 @@ pub fn run_video(
     let mut ready = Vec::new();
     let mut paths = BTreeMap::new();
     let mut agreement = Agreement::default();
+    let mut accuracy = Agreement::default();
     let (mut frames, mut ran_pixels, mut all_pixels) = (0u64, 0f64, 0f64);
     let started = Instant::now();
     while let Some(f) = video.next() {
@@ -118,8 +141,12 @@ pub fn run_video(
             FramePath::Reused => "reused",
         };
         *paths.entry(path.to_string()).or_insert(0) += 1;
-        if let Some(reference) = reference.and_then(|r| r.get(f.index as usize)) {
+        let at = f.index as usize;
+        if let Some(reference) = scoring.reference.and_then(|r| r.get(at)) {
             agreement.add(&step.result, reference);
+        }
+        if let Some(truth) = scoring.truth.and_then(|t| t.get(at)) {
+            accuracy.add(&step.result, truth);
         }
         if keep {
             // Index by frame: a dropped frame leaves its slot to the next kept one's result.
@@ -162,7 +189,8 @@ pub fn run_video(
         } else {
             0.0
         },
-        agreement: reference.map(|_| agreement.summary()),
+        agreement: scoring.reference.map(|_| agreement.summary()),
+        truth: scoring.truth.map(|_| accuracy.summary()),
         size_changes: summary.size_changes,
         damage: summary.damage,
     };

@@ -10,9 +10,11 @@ use ffmpeg::{Dictionary, Packet, Rational, codec, encoder, format, frame};
 use ffmpeg_next as ffmpeg;
 use serde::{Deserialize, Serialize};
 
+use super::convert::Preprocess;
 use super::reader::{init, video_error};
 use crate::error::Result;
 use crate::names::config_names;
+use crate::stream::FrameResult;
 
 /// What the camera sees.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -97,6 +99,44 @@ pub struct ClipTruth {
     pub boxes: Vec<Vec<[f32; 4]>>,
     /// Frames that start a new scene (0 included).
     pub cuts: Vec<usize>,
+}
+
+impl ClipTruth {
+    /// Each frame's true mask in the model input that `spec` makes of `frame_w × frame_h`
+    /// frames: class 1 on the pixels whose centre lies inside an object's box, 0 elsewhere
+    /// (the letterbox padding included) — the background / object classes that
+    /// `tools/export_video_models.py` trains a segmenter on.
+    pub fn masks(&self, frame_w: usize, frame_h: usize, spec: &Preprocess) -> Vec<FrameResult> {
+        let (px, py, pw, ph) = spec.placement(frame_w.max(1), frame_h.max(1));
+        let (sx, sy) = (
+            frame_w as f32 / pw.max(1) as f32,
+            frame_h as f32 / ph.max(1) as f32,
+        );
+        self.boxes
+            .iter()
+            .map(|boxes| {
+                let mut labels = vec![0u16; spec.width * spec.height];
+                for b in boxes {
+                    // Input pixel i's centre sits at frame x = (i + 0.5 - px) · sx.
+                    let span = |lo: f32, hi: f32, at: usize, scale: f32, len: usize| {
+                        let first = (lo / scale + at as f32 - 0.5).ceil().max(0.0) as usize;
+                        let end = (hi / scale + at as f32 - 0.5).ceil().max(0.0) as usize;
+                        first.min(len)..end.min(len)
+                    };
+                    let xs = span(b[0], b[2], px, sx, (px + pw).min(spec.width));
+                    for y in span(b[1], b[3], py, sy, (py + ph).min(spec.height)) {
+                        labels[y * spec.width + xs.start..y * spec.width + xs.end].fill(1);
+                    }
+                }
+                FrameResult::Mask {
+                    height: spec.height,
+                    width: spec.width,
+                    labels,
+                    confidence: Vec::new(),
+                }
+            })
+            .collect()
+    }
 }
 
 /// A small deterministic generator (SplitMix64).
