@@ -128,7 +128,7 @@ fn supports_regions(model: &dyn FrameModel) -> bool {
 }
 
 /// The thresholds of the `--svg` sweep (gate and regions together).
-const SWEEP: [f32; 5] = [0.005, 0.01, 0.02, 0.04, 0.08];
+const SWEEP: [f32; 6] = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08];
 
 pub fn run(b: &VideoBench) -> Result<()> {
     let device = kiln::burn::tensor::Device::default();

@@ -2,13 +2,15 @@
 //! volumes).
 //!
 //! A 1-D layer runs as the 2-D one with a height of 1, so it gets everything the 2-D path
-//! has (Kiln's GEMM kernels, Burn's pooling with ceil mode). A 3-D convolution is Burn's
-//! `conv3d` / `conv_transpose3d`; 3-D pooling, which Burn lacks, runs on the host over
-//! flat buffers (one pass per output element, every ONNX option).
+//! has (Kiln's GEMM kernels, Burn's pooling with ceil mode). A 3-D convolution on the CPU
+//! runs as one 2-D convolution on Kiln's kernels, the depth taps each output depth reads
+//! stacked as channels ([`conv3d_as_2d`]); elsewhere it is Burn's `conv3d`, and a transposed
+//! one Burn's `conv_transpose3d`. 3-D pooling, which Burn lacks, runs on the host over flat
+//! buffers (one pass per output element, every ONNX option).
 
-use burn::tensor::Tensor;
 use burn::tensor::module::{conv_transpose3d, conv3d};
 use burn::tensor::ops::{ConvOptions, ConvTransposeOptions};
+use burn::tensor::{Tensor, TensorData};
 use onnx_ir::node::padding::{AutoPad, PaddingConfig1d, PaddingConfig2d, PaddingConfig3d};
 
 use super::super::OnnxError;
@@ -207,7 +209,89 @@ pub fn conv3d_op(
         dilation: w.dilation,
         groups,
     };
-    Ok(Value::float(conv3d(x, weight, bias_of(bias)?, options)))
+    let bias = bias_of(bias)?;
+    if crate::kernels::serves(&x.device()) {
+        return conv3d_as_2d(x, weight, bias, &options).map(Value::float);
+    }
+    Ok(Value::float(conv3d(x, weight, bias, options)))
+}
+
+/// A 3-D convolution as one 2-D convolution over `N × D_out` images: for each output depth,
+/// the `KD` input depth slices its window reads (zeros in the depth padding) are stacked as
+/// channels, group by group, and the weight `[O, C/g, KD, KH, KW]` becomes `[O, KD·C/g, KH,
+/// KW]` to match. Burn's `conv3d` on `flex` is a direct loop; this puts the work on Kiln's
+/// GEMM kernels (BENCHMARKS.md run 62: the corpus's video models 1.5–2.5× faster), at the
+/// cost of one copy of the input per depth tap.
+fn conv3d_as_2d(
+    x: Tensor<5>,
+    weight: Tensor<5>,
+    bias: Option<Tensor<1>>,
+    options: &ConvOptions<3>,
+) -> Result<Tensor<5>, OnnxError> {
+    let device = x.device();
+    let [n, c, d, h, w] = x.dims();
+    let [o, cg, kd, kh, kw] = weight.dims();
+    let g = options.groups.max(1);
+    let (sd, dd, (pd, pd_end)) = (
+        options.stride[0].max(1),
+        options.dilation[0].max(1),
+        options.padding[0],
+    );
+    let span = dd * (kd - 1) + 1;
+    let Some(room) = (d + pd + pd_end).checked_sub(span) else {
+        return Err(OnnxError::Shape(format!(
+            "Conv's depth window of {span} is larger than the padded depth {}",
+            d + pd + pd_end
+        )));
+    };
+    let d_out = room / sd + 1;
+    let read = |t: TensorData| -> Result<Vec<f32>, OnnxError> {
+        t.convert::<f32>()
+            .try_into_vec()
+            .map_err(|e| OnnxError::Shape(format!("reading a tensor to the host: {e:?}")))
+    };
+    let src = read(x.into_data())?;
+    let plane = h * w;
+    // Stacked input: [N, D_out, g, KD, C/g, H, W]; a tap in the depth padding stays zero.
+    let mut stacked = vec![0f32; n * d_out * g * kd * cg * plane];
+    let mut at = 0;
+    for b in 0..n {
+        for od in 0..d_out {
+            for j in 0..g {
+                for i in 0..kd {
+                    let id = (od * sd + i * dd).checked_sub(pd).filter(|&id| id < d);
+                    for ci in 0..cg {
+                        if let Some(id) = id {
+                            let from = ((b * c + j * cg + ci) * d + id) * plane;
+                            stacked[at..at + plane].copy_from_slice(&src[from..from + plane]);
+                        }
+                        at += plane;
+                    }
+                }
+            }
+        }
+    }
+    // Weight: [O, C/g, KD, KH, KW] → [O, KD, C/g, KH, KW].
+    let taps = weight.swap_dims(1, 2).reshape([o, kd * cg, kh, kw]);
+    let images = Tensor::<4>::from_data(
+        TensorData::new(stacked, [n * d_out, g * kd * cg, h, w]),
+        &device,
+    );
+    let y = crate::kernels::conv2d(
+        images,
+        taps,
+        bias,
+        ConvOptions {
+            stride: [options.stride[1], options.stride[2]],
+            padding: [options.padding[1], options.padding[2]],
+            dilation: [options.dilation[1], options.dilation[2]],
+            groups: g,
+        },
+    );
+    let [_, _, ho, wo] = y.dims();
+    Ok(y.reshape([n, d_out, o, ho * wo])
+        .swap_dims(1, 2)
+        .reshape([n, o, d_out, ho, wo]))
 }
 
 /// 3-D transposed convolution.
@@ -274,8 +358,49 @@ pub enum PoolKind {
     },
 }
 
-/// 3-D max or average pooling (pads, dilation, ceil mode) on the host.
+/// 3-D max or average pooling (pads, dilation, ceil mode): a window one frame deep as the
+/// 2-D pool over every frame, any other on the host.
 pub fn pool3d(x: Value, w: &Window3d, ceil_mode: bool, kind: PoolKind) -> Result<Value, OnnxError> {
+    let dims = x.dims();
+    if dims.len() == 5 {
+        let pads = w.pads([dims[2], dims[3], dims[4]]);
+        // The 2-D average pool takes neither dilation nor ONNX's ceil mode (load rewrites
+        // the 2-D ones); those stay on the host.
+        let plain_average = !ceil_mode && w.dilation[1..] == [1, 1];
+        let one_frame = w.kernel[0] == 1 && w.stride[0] == 1 && pads[0] == (0, 0);
+        if one_frame && (kind == PoolKind::Max || plain_average) {
+            // A window one frame deep (R(2+1)D's and I3D's spatial pools): the 2-D pool over
+            // every frame at once, on the 2-D path's kernels.
+            let [n, c, d, h, wd] = [dims[0], dims[1], dims[2], dims[3], dims[4]];
+            let frames = Window {
+                kernel: [w.kernel[1], w.kernel[2]],
+                stride: [w.stride[1], w.stride[2]],
+                dilation: [w.dilation[1], w.dilation[2]],
+                padding: PaddingConfig2d::Explicit(pads[1].0, pads[2].0, pads[1].1, pads[2].1),
+                auto_pad: AutoPad::NotSet,
+            };
+            let planes = x.reshape(&[n, c * d, h, wd])?;
+            let y = match kind {
+                PoolKind::Max => nn::max_pool(planes, &frames, ceil_mode)?,
+                PoolKind::Average { count_include_pad } => {
+                    nn::avg_pool(planes, &frames, ceil_mode, count_include_pad)?
+                }
+            };
+            let yd = y.dims();
+            return y.reshape(&[n, c, d, yd[2], yd[3]]);
+        }
+    }
+    pool3d_on_host(x, w, ceil_mode, kind)
+}
+
+/// 3-D max or average pooling (pads, dilation, ceil mode) on the host, one pass per output
+/// element.
+fn pool3d_on_host(
+    x: Value,
+    w: &Window3d,
+    ceil_mode: bool,
+    kind: PoolKind,
+) -> Result<Value, OnnxError> {
     let device = x.device();
     let dims = x.dims();
     if dims.len() != 5 {
@@ -368,4 +493,198 @@ pub fn pool3d(x: Value, w: &Window3d, ceil_mode: bool, kind: PoolKind) -> Result
         elems: Elems::F(dst),
     }
     .upload(&device)
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::{Device, Distribution, Tensor};
+    use onnx_ir::node::padding::{AutoPad, PaddingConfig3d};
+
+    use super::*;
+
+    fn close(a: &Tensor<5>, b: &Tensor<5>) -> f32 {
+        let a: Vec<f32> = a.to_data().try_to_vec::<f32>().unwrap();
+        let b: Vec<f32> = b.to_data().try_to_vec::<f32>().unwrap();
+        assert_eq!(a.len(), b.len());
+        let scale = b.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+        a.iter()
+            .zip(&b)
+            .fold(0f32, |m, (x, y)| m.max((x - y).abs()))
+            / scale
+    }
+
+    /// A direct 3-D convolution in f64: the reference (Burn's `conv3d` refuses asymmetric
+    /// padding).
+    fn reference(x: &Tensor<5>, w: &Tensor<5>, b: &Tensor<1>, o: &ConvOptions<3>) -> Vec<f32> {
+        let xv: Vec<f32> = x.to_data().try_to_vec::<f32>().unwrap();
+        let wv: Vec<f32> = w.to_data().try_to_vec::<f32>().unwrap();
+        let bv: Vec<f32> = b.to_data().try_to_vec::<f32>().unwrap();
+        let [n, c, d, h, wd] = x.dims();
+        let [oc, cg, kd, kh, kw] = w.dims();
+        let ins = [d, h, wd];
+        let k = [kd, kh, kw];
+        let out: [usize; 3] = std::array::from_fn(|a| {
+            (ins[a] + o.padding[a].0 + o.padding[a].1 - o.dilation[a] * (k[a] - 1) - 1)
+                / o.stride[a]
+                + 1
+        });
+        let per_group_out = oc / o.groups;
+        let mut y = Vec::new();
+        for b_ in 0..n {
+            for (f, &bias) in bv.iter().enumerate().take(oc) {
+                let g = f / per_group_out;
+                for od in 0..out[0] {
+                    for oh in 0..out[1] {
+                        for ow in 0..out[2] {
+                            let mut acc = f64::from(bias);
+                            for ci in 0..cg {
+                                for (i, j, l) in (0..kd).flat_map(|i| {
+                                    (0..kh).flat_map(move |j| (0..kw).map(move |l| (i, j, l)))
+                                }) {
+                                    let at = |a: usize, pos: usize, tap: usize| {
+                                        (pos * o.stride[a] + tap * o.dilation[a])
+                                            .checked_sub(o.padding[a].0)
+                                            .filter(|&p| p < ins[a])
+                                    };
+                                    let (Some(zd), Some(zh), Some(zw)) =
+                                        (at(0, od, i), at(1, oh, j), at(2, ow, l))
+                                    else {
+                                        continue;
+                                    };
+                                    let xi = (((b_ * c + g * cg + ci) * d + zd) * h + zh) * wd + zw;
+                                    let wi = (((f * cg + ci) * kd + i) * kh + j) * kw + l;
+                                    acc += f64::from(xv[xi]) * f64::from(wv[wi]);
+                                }
+                            }
+                            y.push(acc as f32);
+                        }
+                    }
+                }
+            }
+        }
+        y
+    }
+
+    /// The depth-stacked 2-D convolution matches a direct one over groups, strides,
+    /// dilations and asymmetric padding on every axis, a depth window in the padding among
+    /// them.
+    #[test]
+    fn conv3d_as_2d_matches_a_direct_convolution() {
+        let device = Device::default();
+        // (input [N, C, D, H, W], out channels, kernel, groups, stride, dilation, pads)
+        type Case = (
+            [usize; 5],
+            usize,
+            [usize; 3],
+            usize,
+            [usize; 3],
+            [usize; 3],
+            [(usize, usize); 3],
+        );
+        let cases: [Case; 4] = [
+            (
+                [2, 3, 4, 9, 9],
+                8,
+                [3, 3, 3],
+                1,
+                [1, 1, 1],
+                [1, 1, 1],
+                [(1, 1); 3],
+            ),
+            (
+                [1, 4, 7, 8, 6],
+                6,
+                [3, 1, 1],
+                2,
+                [2, 1, 1],
+                [2, 1, 1],
+                [(2, 1), (0, 0), (0, 0)],
+            ),
+            (
+                [2, 8, 5, 7, 7],
+                4,
+                [1, 3, 3],
+                1,
+                [1, 2, 2],
+                [1, 1, 2],
+                [(0, 0), (1, 0), (2, 1)],
+            ),
+            (
+                [1, 2, 3, 5, 5],
+                2,
+                [2, 2, 2],
+                2,
+                [1, 1, 1],
+                [1, 1, 1],
+                [(0, 1), (1, 1), (0, 0)],
+            ),
+        ];
+        for (input, out, kernel, groups, stride, dilation, padding) in cases {
+            let x = Tensor::<5>::random(input, Distribution::Normal(0.0, 1.0), &device);
+            let w = Tensor::<5>::random(
+                [out, input[1] / groups, kernel[0], kernel[1], kernel[2]],
+                Distribution::Normal(0.0, 1.0),
+                &device,
+            );
+            let b = Tensor::<1>::random([out], Distribution::Normal(0.0, 1.0), &device);
+            let options = ConvOptions {
+                stride,
+                padding,
+                dilation,
+                groups,
+            };
+            let want = reference(&x, &w, &b, &options);
+            let got: Vec<f32> = conv3d_as_2d(x, w, Some(b), &options)
+                .unwrap()
+                .to_data()
+                .try_to_vec::<f32>()
+                .unwrap();
+            assert_eq!(got.len(), want.len(), "{input:?} {kernel:?}");
+            let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+            let err = got
+                .iter()
+                .zip(&want)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
+                / scale;
+            assert!(err < 1e-5, "{input:?} {kernel:?}: {err:e}");
+        }
+    }
+
+    /// A pool one frame deep on the 2-D path gives what the host loop gives.
+    #[test]
+    fn pools_one_frame_deep_match_the_host_loop() {
+        let device = Device::default();
+        let x = Tensor::<5>::random([2, 3, 4, 9, 8], Distribution::Normal(0.0, 1.0), &device);
+        for (kind, ceil_mode, pads) in [
+            (PoolKind::Max, false, (0, 0)),
+            (PoolKind::Max, true, (1, 1)),
+            (
+                PoolKind::Average {
+                    count_include_pad: false,
+                },
+                false,
+                (1, 0),
+            ),
+            (
+                PoolKind::Average {
+                    count_include_pad: true,
+                },
+                false,
+                (1, 1),
+            ),
+        ] {
+            let w = Window3d {
+                kernel: [1, 3, 3],
+                stride: [1, 2, 2],
+                dilation: [1, 1, 1],
+                padding: PaddingConfig3d::Explicit(0, pads.0, pads.0, 0, pads.1, pads.1),
+                auto_pad: AutoPad::NotSet,
+            };
+            let fast = pool3d(Value::float(x.clone()), &w, ceil_mode, kind).unwrap();
+            let host = pool3d_on_host(Value::float(x.clone()), &w, ceil_mode, kind).unwrap();
+            assert_eq!(fast.dims(), host.dims(), "{kind:?} {ceil_mode}");
+            let err = close(&fast.f::<5>(), &host.f::<5>());
+            assert!(err < 1e-6, "{kind:?} {ceil_mode}: {err:e}");
+        }
+    }
 }
