@@ -101,7 +101,7 @@ fn run<const MR: usize, const NV: usize, const LANES: usize>(
         .clamp(1, tiles);
     let tile_tasks = tiles.div_ceil(per_task);
     let out = SendPtr(out.as_mut_ptr().cast::<f32>());
-    (0..chunks * tile_tasks).into_par_iter().for_each(|task| {
+    let task = |task: usize| {
         let (c, t) = (task / tile_tasks, task % tile_tasks);
         // Each tile's input (NV vectors of every input channel) stays in L2 while the
         // chunk's output channels run over it, and the chunk's weights stay in L2 across
@@ -127,7 +127,15 @@ fn run<const MR: usize, const NV: usize, const LANES: usize>(
                 }
             }
         }
-    });
+    };
+    let tasks = chunks * tile_tasks;
+    if tasks > 1 {
+        crate::base::threads::note_split();
+        (0..tasks).into_par_iter().for_each(task);
+    } else {
+        // One task: on this thread (no round trip through the pool).
+        (0..tasks).for_each(task);
+    }
 }
 
 /// Packed weight floats per task's chunk of output channels: 64 K (256 KB, a quarter of L2).

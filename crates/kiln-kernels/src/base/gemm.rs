@@ -153,6 +153,7 @@ pub unsafe fn matmul_to(
         return;
     }
     let parallelism = if threads > 1 {
+        crate::base::threads::note_split();
         Parallelism::Rayon(threads)
     } else {
         Parallelism::None
@@ -199,6 +200,7 @@ unsafe fn gemm_raw(
     assert!(m == 0 || k == 0 || lhs.len() > (m - 1) * lrs + (k - 1) * lcs);
     assert!(k == 0 || n == 0 || rhs.len() > (k - 1) * rrs + (n - 1) * rcs);
     let parallelism = if threads > 1 {
+        crate::base::threads::note_split();
         Parallelism::Rayon(threads)
     } else {
         Parallelism::None

@@ -41,8 +41,15 @@ pub fn per_group<'a, O: Send>(
     run: impl Fn(&mut Scratch, (&'a [f32], O)) + Send + Sync,
 ) {
     if parallel {
+        let pairs: Vec<_> = pairs.collect();
+        if pairs.len() < 2 {
+            // One group: on this thread (from outside the pool a one-task split is a
+            // round trip through it for nothing).
+            with_scratch(|scratch| pairs.into_iter().for_each(|pair| run(scratch, pair)));
+            return;
+        }
+        crate::base::threads::note_split();
         pairs
-            .collect::<Vec<_>>()
             .into_par_iter()
             .for_each(|pair| with_scratch(|scratch| run(scratch, pair)));
     } else {

@@ -15,8 +15,8 @@
 //! takes the injected run at once) and its first split finds the others spinning too.
 
 use std::cell::Cell;
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
 /// How long the workers keep spinning after a run. Long enough to bridge the gap between
@@ -72,20 +72,14 @@ pub fn with_spinning_workers<R>(run: impl FnOnce() -> R) -> R {
 /// Called from outside the pool, every parallel op hands its work to the pool and sleeps
 /// until it is done (a futex wake-up per op); moving the whole run onto a worker once makes
 /// each op's parallel work a plain fork-join. The move itself costs a round trip, so a small
-/// run (few nodes, small batch) hops only if that pays: when its first run split a
-/// convolution or linear layer (Kiln's kernels count their splits), at once; otherwise the
-/// next runs take turns in place and on the pool, [`PROBE_RUNS`] each, and the faster keeps
-/// the later ones. Counting alone missed ops that split without counting (the NCHW
-/// convolutions a 3-D convolution becomes, Burn's own ops): a 9-node video model ran at
-/// twice its time in place.
+/// run (few nodes, small batch) hops only if its work splits over the pool at all, which
+/// its first run tells (Kiln's convolution and linear kernels count their splits: the GEMM,
+/// grouped, direct, implicit and Winograd paths; a one-task split runs in place and counts
+/// nothing).
 #[derive(Debug, Default)]
 pub struct RunPlacement {
     /// Whether a small run split any op: known after the first one.
     small_splits: OnceLock<bool>,
-    /// Per placement (in place, on the pool): probe runs so far and the fastest, in ns.
-    probe: Mutex<[(usize, u64); 2]>,
-    /// Whether a small run that noted no split goes to the pool: known after the probe.
-    hop_small: OnceLock<bool>,
 }
 
 /// Graphs with at least this many nodes run on the pool at any batch: their many small ops
@@ -97,13 +91,10 @@ pub(crate) const HOP_MIN_NODES: usize = 16;
 /// and what a small first run learned does not hold for them.
 pub(crate) const HOP_MIN_BATCH: usize = 8;
 
-/// Timed runs of each placement before a small run's placement is fixed.
-pub const PROBE_RUNS: usize = 3;
-
 impl RunPlacement {
     /// Runs `run` — a graph of `nodes` nodes at `batch` (`None`: no batch axis) — where it is
     /// fastest: in place on a pool thread; on the pool for a large graph or batch, or a small
-    /// one that splits or measured faster there; else on this thread.
+    /// one that splits; else on this thread.
     pub fn run<R: Send>(
         &self,
         nodes: usize,
@@ -117,11 +108,7 @@ impl RunPlacement {
         if small {
             match self.small_splits.get() {
                 Some(true) => {}
-                Some(false) => match self.hop_small.get() {
-                    Some(true) => {}
-                    Some(false) => return run(),
-                    None => return self.probe(run),
-                },
+                Some(false) => return run(),
                 None => {
                     let before = crate::base::threads::split_calls();
                     let out = run();
@@ -132,43 +119,8 @@ impl RunPlacement {
                 }
             }
         }
-        on_pool(run)
+        rayon::scope(|_| with_spinning_workers(run))
     }
-
-    /// One probe run, in the placement with fewer runs so far (in place first); the last
-    /// one fixes the placement: the pool if its fastest run beat the fastest in place.
-    fn probe<R: Send>(&self, run: impl FnOnce() -> R + Send) -> R {
-        let lock = || self.probe.lock().unwrap_or_else(PoisonError::into_inner);
-        let hop = {
-            let p = lock();
-            p[1].0 < p[0].0
-        };
-        let started = Instant::now();
-        let out = if hop { on_pool(run) } else { run() };
-        let ns = started.elapsed().as_nanos() as u64;
-        let mut p = lock();
-        let (count, fastest) = &mut p[usize::from(hop)];
-        *fastest = if *count == 0 { ns } else { (*fastest).min(ns) };
-        *count += 1;
-        if p[0].0 >= PROBE_RUNS && p[1].0 >= PROBE_RUNS {
-            let _ = self.hop_small.set(p[1].1 < p[0].1);
-        }
-        out
-    }
-
-    /// Whether small runs that split nothing countable go to the pool: `None` until the
-    /// probe has decided (or when it never ran).
-    pub fn small_runs_hop(&self) -> Option<bool> {
-        match self.small_splits.get()? {
-            true => Some(true),
-            false => self.hop_small.get().copied(),
-        }
-    }
-}
-
-/// `run` on a pool worker, the others spinning.
-fn on_pool<R: Send>(run: impl FnOnce() -> R + Send) -> R {
-    rayon::scope(|_| with_spinning_workers(run))
 }
 
 /// Runs `f` with this thread marked busy (restoring the mark after: runs nest in lingers).

@@ -585,23 +585,13 @@ fn convolutions_write_their_channels_of_a_concatenation() {
     }
 }
 
-/// A small run without parallel work stays on the calling thread once the probe has timed
-/// it both ways (in place it costs nothing; the hop costs a round trip); one whose first run
+/// A small run without parallel work stays on the calling thread; one whose first run
 /// split a linear layer over the pool runs on the pool from then on (where it has more
 /// than one thread).
 #[test]
 fn small_runs_hop_onto_the_pool_only_when_their_work_splits() {
-    use crate::base::spin::{HOP_MIN_BATCH, HOP_MIN_NODES, PROBE_RUNS, RunPlacement};
+    use crate::base::spin::{HOP_MIN_BATCH, HOP_MIN_NODES, RunPlacement};
     let alone = RunPlacement::default();
-    assert_eq!(alone.run(1, Some(1), rayon::current_thread_index), None);
-    assert_eq!(alone.small_runs_hop(), None, "not probed yet");
-    let probed: Vec<Option<usize>> = (0..2 * PROBE_RUNS)
-        .map(|_| alone.run(1, Some(1), rayon::current_thread_index))
-        .collect();
-    // The probe took turns: half its runs on the pool (where it has more than one thread).
-    let hopped = probed.iter().filter(|p| p.is_some()).count();
-    assert_eq!(hopped, PROBE_RUNS, "{probed:?}");
-    assert_eq!(alone.small_runs_hop(), Some(false));
     for _ in 0..3 {
         assert_eq!(alone.run(1, Some(1), rayon::current_thread_index), None);
     }
